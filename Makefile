@@ -1,0 +1,30 @@
+PYTHON ?= python3
+# The CPU build of torch that lies on this machine kind's disk; a host that already has
+# torch (e.g. a CUDA build) keeps its own: install only runs pip for torch when it is missing.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install test train train-reward bench style quality clean
+
+install:
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH_SPEC)"
+	$(PYTHON) -m pip install -e ".[test]"
+
+test:
+	$(PYTHON) -m pytest tests -q
+
+train:
+	$(PYTHON) scripts/run_default.py
+
+bench:
+	$(PYTHON) -m benchmarks.run
+
+style:
+	$(PYTHON) -m ruff check --fix diffusers_zero3 scripts tests benchmarks
+	$(PYTHON) -m ruff format diffusers_zero3 scripts tests benchmarks
+
+quality:
+	$(PYTHON) -m ruff check diffusers_zero3 scripts tests benchmarks
+	$(PYTHON) -m ruff format --check diffusers_zero3 scripts tests benchmarks
+
+clean:
+	rm -rf build *.egg-info .pytest_cache outputs

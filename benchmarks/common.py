@@ -1,0 +1,116 @@
+"""Shared pieces of the benchmarks: launch N ranks, read per-rank memory, print tables.
+
+A benchmark case is a module-level function run on every rank through
+``diffusers_zero3.local_ranks``; it calls ``report(**numbers)`` once, and ``run_case`` returns
+one dict per rank. Memory is read two ways: the process's peak RSS (what the OS saw) and
+the bytes held in tensors by category (parameters, optimizer state, other).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from diffusers_zero3.local_ranks import run_function_on_ranks
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+_MARK = "BENCH_RESULT "
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def current_rss_bytes() -> int:
+    """Resident set size of this process now."""
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter (Linux >= 4.0), so a later phase is measured alone."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_since_reset_bytes() -> int:
+    """VmHWM: peak RSS since the last ``reset_peak_rss`` (or since start)."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return peak_rss_bytes()
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes held by these tensors' own storage (ZeRO-3 parameters: their local partition)."""
+    total = 0
+    for t in tensors:
+        held = t.ds_tensor if hasattr(t, "ds_tensor") else t
+        total += held.numel() * held.element_size()
+    return total
+
+
+def parameter_bytes(module: torch.nn.Module) -> int:
+    """Bytes this rank holds for ``module``'s parameters (a ZeRO-3 partition counts as its shard)."""
+    return tensor_bytes(module.parameters())
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes held in an optimizer's state tensors (DeepSpeed's fp32 master partitions included)."""
+    seen, total = set(), 0
+    inner = getattr(optimizer, "optimizer", optimizer)
+    for state in getattr(inner, "state", {}).values():
+        for v in state.values():
+            if torch.is_tensor(v) and id(v) not in seen:
+                seen.add(id(v))
+                total += v.numel() * v.element_size()
+    for group in getattr(optimizer, "fp32_partitioned_groups_flat", []) or []:
+        total += group.numel() * group.element_size()
+    return total
+
+
+def report(**numbers) -> None:
+    """Called once by a case on each rank: hands its numbers back to ``run_case``."""
+    print(_MARK + json.dumps(numbers), flush=True)
+
+
+def run_case(target: str, world_size: int = 2, timeout_s: float = 1200, **kwargs) -> list[dict]:
+    """Run ``module:function`` on ``world_size`` ranks; one dict of reported numbers per rank."""
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    outputs = run_function_on_ranks(target, kwargs, world_size=world_size, timeout_s=timeout_s, env=env)
+    results = []
+    for rank, out in enumerate(outputs):
+        lines = [line for line in out.splitlines() if line.startswith(_MARK)]
+        if not lines:
+            raise RuntimeError(f"rank {rank} of {target} reported nothing:\n{out[-3000:]}")
+        results.append(json.loads(lines[-1][len(_MARK) :]))
+    return results
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    """A markdown table of ``rows`` (dicts) with the given column order."""
+    head = "| " + " | ".join(columns) + " |"
+    rule = "|" + "|".join("---" for _ in columns) + "|"
+    body = ["| " + " | ".join(str(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join([head, rule, *body])
+
+
+def print_section(title: str, table: str) -> None:
+    print(f"\n### {title}\n\n{table}\n", flush=True)
+    sys.stdout.flush()

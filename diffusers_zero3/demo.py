@@ -1,0 +1,200 @@
+"""The embedded default: a tiny Stable-Diffusion-architecture pipeline and a captioned
+shapes dataset, both generated locally (no model hub, no network).
+
+The pipeline has the real classes (``UNet2DConditionModel``, ``AutoencoderKL``,
+``CLIPTextModel``, ``CLIPTokenizer``, ``DDPMScheduler``) built small from configs, and is saved
+as an ordinary diffusers folder, so every loading path the package has (``from_pretrained``
+of a folder) is exercised on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import torch
+
+COLOURS = {
+    "red": (220, 30, 30),
+    "green": (30, 180, 30),
+    "blue": (30, 60, 220),
+    "yellow": (235, 215, 40),
+}
+SHAPES = ("circle", "square")
+SPECIAL_TOKENS = ("<|startoftext|>", "<|endoftext|>")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2 / CLIP byte-level alphabet: every byte maps to a printable unicode character.
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, [chr(c) for c in cs]))
+
+
+def write_clip_tokenizer(folder: str | os.PathLike) -> Path:
+    """Write a byte-level CLIP tokenizer (no merges) to ``folder`` and return the path.
+
+    Every byte is a token (with and without the ``</w>`` end-of-word suffix), so any text
+    tokenizes; with an empty merges file words become sequences of characters.
+    """
+    from transformers import CLIPTokenizer
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    chars = list(_bytes_to_unicode().values())
+    tokens = chars + [c + "</w>" for c in chars] + list(SPECIAL_TOKENS)
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tok = CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def tiny_component_configs(
+    width: int = 32, text_layers: int = 2, cross_dim: int | None = None
+) -> dict[str, dict]:
+    """Configs of a tiny SD-style UNet, VAE and CLIP text encoder.
+
+    ``width`` scales every model (32 gives a pipeline of about 1M parameters that trains on a
+    CPU in seconds; 256 gives tens of millions, for benchmarks).
+    """
+    cross_dim = cross_dim or width
+    vocab_size = 256 * 2 + len(SPECIAL_TOKENS)
+    return {
+        "unet": dict(
+            sample_size=16,
+            in_channels=4,
+            out_channels=4,
+            layers_per_block=1,
+            block_out_channels=(width, width * 2),
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            cross_attention_dim=cross_dim,
+            attention_head_dim=max(1, width // 8),
+            norm_num_groups=min(32, width // 2),
+        ),
+        "vae": dict(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+            up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+            block_out_channels=(width, width * 2),
+            latent_channels=4,
+            layers_per_block=1,
+            norm_num_groups=min(32, width // 2),
+            sample_size=32,
+        ),
+        "text_encoder": dict(
+            vocab_size=vocab_size,
+            hidden_size=cross_dim,
+            intermediate_size=cross_dim * 2,
+            num_hidden_layers=text_layers,
+            num_attention_heads=max(1, cross_dim // 16),
+            max_position_embeddings=77,
+            bos_token_id=vocab_size - 2,
+            eos_token_id=vocab_size - 1,
+            pad_token_id=vocab_size - 1,
+        ),
+    }
+
+
+def build_tiny_components(seed: int = 0, width: int = 32, text_layers: int = 2) -> dict:
+    """Build the tiny UNet, VAE and text encoder (whole, ordinary modules) from configs."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from .zero3 import zero3_init_disabled
+
+    cfg = tiny_component_configs(width, text_layers)
+    with zero3_init_disabled():
+        torch.manual_seed(seed)
+        unet = UNet2DConditionModel(**cfg["unet"])
+        vae = AutoencoderKL(**cfg["vae"])
+        text_encoder = CLIPTextModel(CLIPTextConfig(**cfg["text_encoder"]))
+    return {"unet": unet, "vae": vae, "text_encoder": text_encoder}
+
+
+def save_tiny_pipeline(
+    folder: str | os.PathLike, seed: int = 0, width: int = 32, text_layers: int = 2
+) -> Path:
+    """Save a tiny ``StableDiffusionPipeline`` folder (fp32 safetensors) and return its path.
+
+    Not a collective: call it on one rank (or before launching) and share the folder.
+    """
+    from diffusers import DDPMScheduler, StableDiffusionPipeline
+    from transformers import CLIPTokenizer
+
+    folder = Path(folder)
+    parts = build_tiny_components(seed, width, text_layers)
+    tok_dir = write_clip_tokenizer(folder / "_tokenizer_tmp")
+    tokenizer = CLIPTokenizer.from_pretrained(tok_dir)
+    scheduler = DDPMScheduler(
+        beta_schedule="scaled_linear",
+        beta_start=0.00085,
+        beta_end=0.012,
+        num_train_timesteps=1000,
+        steps_offset=1,
+        clip_sample=False,
+    )
+    pipe = StableDiffusionPipeline(
+        unet=parts["unet"],
+        vae=parts["vae"],
+        text_encoder=parts["text_encoder"],
+        tokenizer=tokenizer,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    for f in tok_dir.iterdir():
+        f.unlink()
+    tok_dir.rmdir()
+    return folder
+
+
+def shape_image(colour: str, shape: str, size: int = 32, rng: random.Random | None = None):
+    """A ``size`` x ``size`` RGB PIL image of one coloured shape on a light background."""
+    from PIL import Image, ImageDraw
+
+    rng = rng or random.Random(0)
+    img = Image.new("RGB", (size, size), (235, 235, 235))
+    draw = ImageDraw.Draw(img)
+    r = rng.randint(size // 4, size // 3)
+    cx, cy = rng.randint(r, size - r), rng.randint(r, size - r)
+    box = (cx - r, cy - r, cx + r, cy + r)
+    (draw.ellipse if shape == "circle" else draw.rectangle)(box, fill=COLOURS[colour])
+    return img
+
+
+def write_shapes_dataset(
+    folder: str | os.PathLike, num_images: int = 64, size: int = 32, seed: int = 0
+) -> Path:
+    """Write an ``imagefolder`` dataset of coloured shapes with ``metadata.jsonl`` captions.
+
+    Captions read like "a red circle"; the folder loads with
+    ``datasets.load_dataset("imagefolder", data_dir=folder)`` (columns ``image`` and ``text``).
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    rows = []
+    for i in range(num_images):
+        colour = rng.choice(sorted(COLOURS))
+        shape = rng.choice(SHAPES)
+        name = f"{i:05d}.png"
+        shape_image(colour, shape, size, rng).save(folder / name)
+        rows.append({"file_name": name, "text": f"a {colour} {shape}"})
+    (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder

@@ -1,0 +1,96 @@
+"""Small rank-aware utilities shared by the rest of the package.
+
+Everything here works in a plain single process (no ``torch.distributed`` group): ranks are
+then 0 of 1 and collectives are identities.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("diffusers_zero3")
+
+
+def is_distributed() -> bool:
+    """True when a ``torch.distributed`` process group is initialised."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    """This process's global rank, 0 without a process group."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def get_world_size() -> int:
+    """The number of ranks, 1 without a process group."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def is_main_process() -> bool:
+    """True on global rank 0 (and in a single process)."""
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    """Wait for every rank. Collective: call on every rank. No-op without a process group."""
+    if is_distributed():
+        dist.barrier()
+
+
+def comm_device() -> torch.device:
+    """The device collectives of the default group expect tensors on (CPU for gloo)."""
+    if not is_distributed() or dist.get_backend() == "gloo":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_object(obj):
+    """Every rank's ``obj``, in rank order. Collective: call on every rank."""
+    if not is_distributed():
+        return [obj]
+    out = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_gather_ints(values: list[int]) -> list[list[int]]:
+    """Gather a fixed-length list of ints from every rank. Collective: call on every rank.
+
+    Cheaper than ``all_gather_object`` (no pickling) and safe to call inside forward hooks.
+    """
+    t = torch.tensor(values, dtype=torch.long, device=comm_device())
+    if not is_distributed():
+        return [t.tolist()]
+    out = [torch.empty_like(t) for _ in range(get_world_size())]
+    dist.all_gather(out, t)
+    return [o.tolist() for o in out]
+
+
+def log_rank_zero(msg: str, *args, level: int = logging.INFO) -> None:
+    """Log ``msg`` on rank 0 only (the single place that decides who speaks)."""
+    if is_main_process():
+        logger.log(level, msg, *args)
+
+
+def destroy_process_group() -> None:
+    """Barrier then tear down the default process group. Collective: call on every rank.
+
+    On CPU/gloo a process that exits with a live process group can abort with SIGABRT
+    ("terminate called without an active exception") after all its work is done, which a
+    launcher reports as a failed run. Call this last.
+    """
+    if is_distributed():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def process_group_timeout(default_s: float = 1800.0) -> timedelta:
+    """The collective timeout: ``DIFFUSERS_ZERO3_PG_TIMEOUT`` seconds if set, else ``default_s``."""
+    return timedelta(seconds=float(os.environ.get("DIFFUSERS_ZERO3_PG_TIMEOUT", default_s)))

@@ -1,0 +1,178 @@
+"""ZeRO-3 detection, a ``zero.Init`` switch that really works, and a safe ``GatheredParameters``.
+
+None of this imports transformers or deepspeed at module import: they are looked up in
+``sys.modules`` (state can only exist in a library that was imported) or imported inside the
+functions that need them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import sys
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+# Set by the package when it builds a ZeRO-3 engine itself (frozen models, partitioned load),
+# so that ``is_zero3_enabled`` is true even without accelerate.
+_package_zero3_engines = 0
+
+
+def is_deepspeed_available() -> bool:
+    """True when the ``deepspeed`` package can be imported (without importing it)."""
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def _register_zero3_engine() -> None:
+    global _package_zero3_engines
+    _package_zero3_engines += 1
+
+
+def _accelerate_zero3_stage() -> int | None:
+    """ZeRO stage of accelerate's active DeepSpeed plugin, or None when there is none."""
+    state_mod = sys.modules.get("accelerate.state")
+    if state_mod is None:
+        return None
+    shared = getattr(state_mod.AcceleratorState, "_shared_state", {})
+    if not shared:
+        return None
+    plugins = shared.get("deepspeed_plugins")
+    if not plugins:
+        return None
+    state = state_mod.AcceleratorState()
+    plugin = state.deepspeed_plugin
+    return None if plugin is None else int(plugin.zero_stage)
+
+
+def _transformers_zero3() -> bool:
+    hf_ds = sys.modules.get("transformers.integrations.deepspeed")
+    return bool(hf_ds is not None and hf_ds.is_deepspeed_zero3_enabled())
+
+
+def is_zero3_enabled() -> bool:
+    """Whether DeepSpeed ZeRO stage 3 is in force in this process.
+
+    True when accelerate's active DeepSpeed plugin is at stage 3, when transformers has a
+    ZeRO-3 ``HfDeepSpeedConfig`` registered, or when this package built a ZeRO-3 engine.
+    Imports neither transformers nor deepspeed nor accelerate; False when they are absent.
+
+    Example:
+        >>> from diffusers_zero3 import is_zero3_enabled
+        >>> is_zero3_enabled()  # a plain process
+        False
+    """
+    stage = _accelerate_zero3_stage()
+    if stage == 3:
+        return True
+    return _transformers_zero3() or _package_zero3_engines > 0
+
+
+def is_zero3_param(param: Any) -> bool:
+    """True for a parameter partitioned by DeepSpeed ZeRO-3 (it carries a ``ds_id``)."""
+    return hasattr(param, "ds_id")
+
+
+@contextlib.contextmanager
+def zero3_init_disabled() -> Iterator[None]:
+    """Build and load models whole, even while ZeRO-3 is active.
+
+    Under this context manager:
+
+    * transformers' ``HfDeepSpeedConfig`` registration is hidden, so ``from_pretrained`` /
+      ``from_config`` of a transformers model does not open ``deepspeed.zero.Init``. Since
+      accelerate 1.0 ``set_deepspeed_weakref()`` registers it whatever
+      ``zero3_init_context_manager(enable=False)`` says, which is why the upstream
+      workaround leaves the CLIP text encoder partitioned (huggingface/accelerate#3170);
+    * an enclosing ``deepspeed.zero.Init`` is paused (its module and tensor patches are
+      removed), so modules constructed here keep ordinary parameters.
+
+    Everything is restored on exit, also when the body raises. Nestable. A no-op where
+    DeepSpeed and transformers were never imported. Does not import transformers.
+
+    Example:
+        >>> from diffusers_zero3 import zero3_init_disabled
+        >>> with zero3_init_disabled():
+        ...     text_encoder = CLIPTextModel.from_pretrained(path, subfolder="text_encoder")
+        ...     vae = AutoencoderKL.from_pretrained(path, subfolder="vae")
+        >>> # both hold full weights on every rank; place them with prepare_frozen()
+    """
+    hf_ds = sys.modules.get("transformers.integrations.deepspeed")
+    saved_ref = hf_ds._hf_deepspeed_config_weak_ref if hf_ds is not None else None
+
+    pp = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    paused_init = None
+    if (
+        pp is not None
+        and pp.top_level_context is not None
+        and getattr(pp.top_level_context, "patched", False)
+    ):
+        paused_init = pp.top_level_context
+    try:
+        if hf_ds is not None:
+            hf_ds._hf_deepspeed_config_weak_ref = None
+        if paused_init is not None:
+            paused_init.unpatch_init_and_builtins()
+        yield
+    finally:
+        if paused_init is not None:
+            paused_init.patch_init_and_builtins()
+        if hf_ds is not None:
+            hf_ds._hf_deepspeed_config_weak_ref = saved_ref
+
+
+def _as_param_list(
+    params: torch.nn.Module | torch.nn.Parameter | Iterable[torch.Tensor],
+) -> list[torch.Tensor]:
+    if isinstance(params, torch.nn.Module):
+        return list(params.parameters())
+    if isinstance(params, torch.Tensor):
+        return [params]
+    return list(params)
+
+
+def gathered_parameters(
+    params: torch.nn.Module | torch.nn.Parameter | Iterable[torch.Tensor],
+    modifier_rank: int | None = None,
+    enabled: bool = True,
+    fwd_module: torch.nn.Module | None = None,
+) -> contextlib.AbstractContextManager:
+    """Gather ZeRO-3 partitioned parameters so they can be read (or written) whole.
+
+    A thin wrapper around ``deepspeed.zero.GatheredParameters`` that accepts a module, a
+    single parameter or any iterable of parameters; drops parameters that are not ZeRO-3
+    parameters; and is a plain ``nullcontext`` when nothing is partitioned (DeepSpeed
+    missing, ZeRO-3 off, or ``enabled=False``). Collective when anything is gathered: call
+    on every rank with the same parameters.
+
+    Writes:
+        With ``modifier_rank=None`` the gather is **read-only**: anything written to the
+        parameters inside the block is discarded when it exits (the partitions are simply
+        released). Pass ``modifier_rank=r`` to keep writes: on exit rank ``r``'s values are
+        broadcast to every rank and re-partitioned. (DeepSpeed-Chat's and OpenRLHF's EMA
+        lost their updates by writing under ``modifier_rank=None``.)
+
+    Examples:
+        Read a full weight on every rank::
+
+            with gathered_parameters(unet.conv_in.weight):
+                w = unet.conv_in.weight.detach().clone()
+
+        Write on rank 0 and keep the change::
+
+            with gathered_parameters(unet.conv_in, modifier_rank=0):
+                if get_rank() == 0:
+                    unet.conv_in.weight.zero_()
+
+        Run a partitioned module's custom method outside of forward::
+
+            with gathered_parameters(vae, fwd_module=vae):
+                latents = vae.encode(pixels).latent_dist.sample()
+    """
+    zero_params = [p for p in _as_param_list(params) if is_zero3_param(p)]
+    if not enabled or not zero_params:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(zero_params, modifier_rank=modifier_rank, fwd_module=fwd_module)

@@ -1,0 +1,34 @@
+"""Shared configs and fixtures for the tests (imported by rank workers too)."""
+
+from __future__ import annotations
+
+
+def zero3_config(micro_batch: int = 1, grad_acc: int = 1, world_size: int = 2, **zero_overrides) -> dict:
+    """A minimal fp32 ZeRO-3 DeepSpeed config for CPU tests (fp16 does not run on CPU)."""
+    zero = {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    }
+    zero.update(zero_overrides)
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": grad_acc,
+        "train_batch_size": micro_batch * grad_acc * world_size,
+        "zero_optimization": zero,
+        "bf16": {"enabled": False},
+        "fp16": {"enabled": False},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def accelerator_with_zero3(zero3_init_flag: bool = True, **ds_overrides):
+    """A 2-rank accelerate Accelerator with a ZeRO-3 DeepSpeed plugin (CPU, gloo)."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    from diffusers_zero3 import build_accelerator
+
+    cfg = zero3_config(**ds_overrides)
+    plugin = DeepSpeedPlugin(hf_ds_config=cfg, zero3_init_flag=zero3_init_flag)
+    return build_accelerator(deepspeed_plugin=plugin)

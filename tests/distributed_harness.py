@@ -1,0 +1,59 @@
+"""pytest glue over ``diffusers_zero3.local_ranks``: run a test function on N real ranks.
+
+A rank's failure or a hang (past ``timeout``) fails the test with every rank's output and
+the failing rank's traceback in the report.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from diffusers_zero3.local_ranks import RanksFailed, launch_local_ranks, run_function_on_ranks
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TIMEOUT = float(os.environ.get("DZ3_TEST_RANK_TIMEOUT", 300))
+
+
+def _test_env(extra: dict[str, str] | None) -> dict[str, str]:
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        # A hung collective fails on its own too, well before the harness timeout.
+        "DIFFUSERS_ZERO3_PG_TIMEOUT": os.environ.get("DIFFUSERS_ZERO3_PG_TIMEOUT", "120"),
+        "DS_ACCELERATOR": "cpu",
+    }
+    env.update(extra or {})
+    return env
+
+
+def run_on_ranks(fn, world_size: int = 2, timeout: float = DEFAULT_TIMEOUT, env=None, **kwargs) -> list[str]:
+    """Run the module-level function ``fn(**kwargs)`` on every rank; return their outputs."""
+    try:
+        return run_function_on_ranks(
+            f"{fn.__module__}:{fn.__qualname__}",
+            kwargs,
+            world_size=world_size,
+            timeout_s=timeout,
+            env=_test_env(env),
+            cwd=str(REPO_ROOT),
+        )
+    except RanksFailed as e:
+        pytest.fail(str(e), pytrace=False)
+
+
+def run_command_on_ranks(argv, world_size: int = 2, timeout: float = DEFAULT_TIMEOUT, env=None) -> list[str]:
+    """Run the same command line on every rank (e.g. a script); return their outputs."""
+    try:
+        return launch_local_ranks(
+            lambda rank: [sys.executable, *argv],
+            world_size=world_size,
+            timeout_s=timeout,
+            env=_test_env(env),
+            cwd=str(REPO_ROOT),
+        )
+    except RanksFailed as e:
+        pytest.fail(str(e), pytrace=False)
