@@ -1,12 +1,22 @@
 """diffusers_zero3: DeepSpeed ZeRO-3 for diffusers training with several models at once."""
 
 from .distributed import barrier, get_rank, get_world_size, is_main_process, log_rank_zero
+from .frozen import PLACEMENTS, FrozenModel, frozen_engine_config, local_parameter_bytes, prepare_frozen
 from .launch import build_accelerator
+from .lockstep import LockstepError, lockstep_check, lockstep_map
 from .zero3 import gathered_parameters, is_zero3_enabled, is_zero3_param, zero3_init_disabled
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "PLACEMENTS",
+    "FrozenModel",
+    "LockstepError",
+    "frozen_engine_config",
+    "local_parameter_bytes",
+    "lockstep_check",
+    "lockstep_map",
+    "prepare_frozen",
     "barrier",
     "build_accelerator",
     "gathered_parameters",

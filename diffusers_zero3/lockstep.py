@@ -1,0 +1,152 @@
+"""Equal call counts across ranks, and a check that turns a mismatch into an error.
+
+Under ZeRO-3 every forward of a partitioned module all-gathers its parameters, so every
+rank must call it the same number of times in the same order. A rank that calls it fewer
+times leaves the others blocked in an all-gather: a hang (gloo waits for its timeout, NCCL
+for up to 30 minutes). Batch *sizes* may differ between ranks; call *counts* may not.
+
+* ``lockstep_map`` runs a callable over a rank's local micro-batches and pads with dummy
+  calls so that every rank makes the same number of calls.
+* ``lockstep_check`` (a context manager over a module) is the debug check: before each
+  forward every rank exchanges its call index, so a mismatch raises ``LockstepError``
+  naming the model and the counts on every rank, instead of a hang. It costs one small
+  all-gather per call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from .distributed import all_gather_ints, all_gather_object, get_rank, get_world_size, logger
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_CALL, _DONE = 1, 2
+
+
+class LockstepError(RuntimeError):
+    """Ranks called a ZeRO-3 partitioned model a different number of times."""
+
+
+class _CallCounter:
+    """Exchanges (kind, index, name) with every rank before each call and at the end."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.calls = 0
+        self._name_id = zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+    def _sync(self, kind: int, index: int) -> None:
+        if get_world_size() == 1:
+            return
+        rows = all_gather_ints([kind, index, self._name_id])
+        if all(r == rows[0] for r in rows):
+            return
+        states = []
+        for rank, (k, idx, name_id) in enumerate(rows):
+            if name_id != self._name_id:
+                states.append(f"rank {rank} is at a different model's lockstep point")
+            elif k == _CALL:
+                states.append(f"rank {rank} is making call {idx + 1}")
+            else:
+                states.append(f"rank {rank} finished after {idx} call(s)")
+        raise LockstepError(
+            f"model '{self.name}' called out of lockstep (rank {get_rank()}): "
+            + "; ".join(states)
+            + ". Every rank must call a ZeRO-3 partitioned model the same number of times; "
+            "use lockstep_map() to pad short ranks with dummy calls."
+        )
+
+    def before_call(self) -> None:
+        self._sync(_CALL, self.calls)
+        self.calls += 1
+
+    def finish(self) -> None:
+        self._sync(_DONE, self.calls)
+
+
+@contextlib.contextmanager
+def lockstep_check(module: torch.nn.Module, name: str | None = None) -> Iterator[_CallCounter]:
+    """Debug check: make out-of-lockstep forwards of ``module`` raise instead of hang.
+
+    Collective: every rank enters and leaves the block. Before each ``module`` forward (a
+    hook that runs ahead of DeepSpeed's own parameter fetch) the ranks exchange their call
+    index; on leaving the block they exchange their call counts. When a rank calls the
+    module fewer times than another, the longer rank's next forward meets the shorter rank's
+    final exchange, and both raise ``LockstepError`` naming ``name`` and the counts. If the
+    block raises, nothing more is exchanged.
+
+    Example:
+        >>> with lockstep_check(reward_engine.module, "reward"):
+        ...     for batch in my_local_batches:        # 3 on rank 0, 1 on rank 1
+        ...         reward_engine.module(batch)       # LockstepError, not a hang
+    """
+    counter = _CallCounter(name or type(module).__name__)
+    handle = module.register_forward_pre_hook(lambda mod, args: counter.before_call(), prepend=True)
+    try:
+        yield counter
+        counter.finish()
+    finally:
+        handle.remove()
+
+
+def _shared_dummy(items: Sequence[Any], counts: list[int]) -> Any:
+    """An item from the first rank that has one, for ranks with none (collective)."""
+    first = next(r for r, c in enumerate(counts) if c > 0)
+    gathered = all_gather_object(items[0] if get_rank() == first else None)
+    return gathered[first]
+
+
+def lockstep_map(
+    fn: Callable[[T], R],
+    items: Sequence[T],
+    *,
+    dummy: T | None = None,
+    name: str = "model",
+) -> list[R]:
+    """Apply ``fn`` to each local item so that every rank calls ``fn`` equally often.
+
+    Collective: call on every rank, each with its own ``items`` (any number, zero
+    included). Every rank calls ``fn`` ``max(len(items) over ranks)`` times; a rank with
+    fewer items calls it on ``dummy`` for the rest and discards those results. When
+    ``dummy`` is None a short rank borrows the first item of the first rank that has one (an
+    extra small ``all_gather_object``, only when some rank has no items at all) or repeats
+    its own first item.
+
+    Args:
+        fn: the call that runs the partitioned model on one micro-batch.
+        items: this rank's micro-batches.
+        dummy: a micro-batch to pad with (same shapes as a real one).
+        name: the model's name, for logs.
+
+    Returns:
+        ``fn``'s results for this rank's real items, in order.
+
+    Example:
+        >>> batches = list(torch.split(my_images, 4))          # 3 on rank 0, 1 on rank 1
+        >>> scores = lockstep_map(reward_model, batches, name="reward")
+    """
+    counts = [c[0] for c in all_gather_ints([len(items)])]
+    total = max(counts)
+    if total == 0:
+        return []
+    if dummy is None and min(counts) == 0:
+        # Every rank knows the counts, so every rank joins this collective (or none does).
+        dummy = _shared_dummy(items, counts)
+    elif dummy is None and len(items) < total:
+        dummy = items[0]
+    results = []
+    for i in range(total):
+        if i < len(items):
+            results.append(fn(items[i]))
+        else:
+            fn(dummy)
+    if len(items) < total:
+        logger.debug("%s: %d dummy call(s) on rank %d to keep lockstep", name, total - len(items), get_rank())
+    return results

@@ -1,0 +1,161 @@
+"""Frozen-model placements and lockstep, on 2 real ZeRO-3 ranks (CPU, gloo)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.distributed_harness import run_on_ranks
+from tests.test_zero3_helpers import _inputs, reference_outputs
+
+
+def _load_whole(pipe_dir):
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextModel
+
+    from diffusers_zero3 import zero3_init_disabled
+
+    with zero3_init_disabled():
+        te = CLIPTextModel.from_pretrained(pipe_dir, subfolder="text_encoder")
+        vae = AutoencoderKL.from_pretrained(pipe_dir, subfolder="vae")
+    return te, vae
+
+
+def _full_bytes(module):
+    return sum((p.ds_numel if hasattr(p, "ds_numel") else p.numel()) * 4 for p in module.parameters())
+
+
+def worker_placements(pipe_dir: str, ref_path: str):
+    from transformers import CLIPTextModel
+
+    from diffusers_zero3 import is_zero3_param, prepare_frozen
+    from tests.common import accelerator_with_zero3
+
+    accelerator = accelerator_with_zero3(zero3_init_flag=True)
+    ref = torch.load(ref_path)
+    ids, pixels = _inputs()
+    # every rank sees its own half of the inputs: uneven data, same call count
+    rank = accelerator.process_index
+
+    for placement in ("replicate", "shard"):
+        te, vae = _load_whole(pipe_dir)
+        full = _full_bytes(te) + _full_bytes(vae)
+        te = prepare_frozen(te, placement, accelerator=accelerator, name="text_encoder")
+        vae = prepare_frozen(vae, placement, accelerator=accelerator, name="vae")
+        assert not any(p.requires_grad for p in te.parameters()) and not te.training
+        held = te.local_parameter_bytes() + vae.local_parameter_bytes()
+        with torch.no_grad():
+            torch.testing.assert_close(te(ids[rank : rank + 1])[0], ref["text"][rank : rank + 1])
+            torch.testing.assert_close(
+                vae.encode(pixels[rank : rank + 1]).latent_dist.mean, ref["latents"][rank : rank + 1]
+            )
+            decoded = vae.decode(ref["latents"][:1] / vae.config.scaling_factor).sample
+        assert decoded.shape == (1, 3, 32, 32)
+        if placement == "shard":
+            assert all(is_zero3_param(p) for p in te.parameters())
+            assert held <= 0.5 * full + 0.05 * full, (held, full)  # ~1/N, persistence threshold aside
+        else:
+            assert held == full
+        print(f"{placement}: held {held} of {full}")
+
+    # A text encoder partitioned by zero.Init at load time goes straight into a "shard" engine...
+    te_partitioned = CLIPTextModel.from_pretrained(pipe_dir, subfolder="text_encoder")
+    assert all(is_zero3_param(p) for p in te_partitioned.parameters())
+    with pytest.raises(ValueError, match="zero3_init_disabled"):  # ...and cannot be replicated
+        prepare_frozen(te_partitioned, "replicate", accelerator=accelerator)
+    te_sharded = prepare_frozen(te_partitioned, "shard", accelerator=accelerator)
+    with torch.no_grad():
+        torch.testing.assert_close(te_sharded(ids)[0], ref["text"])
+
+    with pytest.raises(RuntimeError, match="CPU accelerator"):
+        prepare_frozen(_load_whole(pipe_dir)[1], "offload", accelerator=accelerator)
+    with pytest.raises(ValueError, match="unknown placement 'cach'"):
+        prepare_frozen(_load_whole(pipe_dir)[1], "cach", accelerator=accelerator)
+    print("OK placements")
+
+
+def test_placements_match_unsharded_outputs(tiny_pipeline, tmp_path):
+    ref_path = tmp_path / "ref.pt"
+    torch.save(reference_outputs(tiny_pipeline), ref_path)
+    outs = run_on_ranks(worker_placements, pipe_dir=tiny_pipeline, ref_path=str(ref_path))
+    assert all("OK placements" in o for o in outs)
+
+
+def worker_train_beside_frozen_engines(pipe_dir: str, save_dir: str):
+    from diffusers import UNet2DConditionModel
+
+    from diffusers_zero3 import prepare_frozen, zero3_init_disabled
+    from tests.common import accelerator_with_zero3
+
+    accelerator = accelerator_with_zero3(zero3_init_flag=False)
+    te, vae = _load_whole(pipe_dir)
+    te = prepare_frozen(te, "shard", accelerator=accelerator, name="text_encoder")  # before the UNet
+    with zero3_init_disabled():
+        unet = UNet2DConditionModel.from_pretrained(pipe_dir, subfolder="unet")
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-3)
+    unet, optimizer = accelerator.prepare(unet, optimizer)
+    vae = prepare_frozen(vae, "shard", accelerator=accelerator, name="vae")  # after the UNet
+    ids, pixels = _inputs()
+    losses = []
+    for _ in range(3):
+        with torch.no_grad():
+            states = te(ids)[0]
+            latents = vae.encode(pixels).latent_dist.mean * vae.config.scaling_factor
+        pred = unet(latents, torch.tensor([10, 500]), states).sample
+        loss = torch.nn.functional.mse_loss(pred, torch.zeros_like(pred))
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+    accelerator.save_state(save_dir)
+    if accelerator.is_main_process:
+        saved = sorted(os.listdir(save_dir))
+        assert "pytorch_model" in saved and not any(s.startswith("pytorch_model_") for s in saved), saved
+    print("OK train", losses)
+
+
+def test_training_beside_frozen_engines_prepared_before_and_after(tiny_pipeline, tmp_path):
+    outs = run_on_ranks(
+        worker_train_beside_frozen_engines, pipe_dir=tiny_pipeline, save_dir=str(tmp_path / "state")
+    )
+    assert all("OK train" in o for o in outs)
+
+
+def worker_lockstep(pipe_dir: str, ref_path: str):
+    from diffusers_zero3 import LockstepError, lockstep_map, prepare_frozen
+    from tests.common import accelerator_with_zero3
+
+    accelerator = accelerator_with_zero3(zero3_init_flag=False)
+    rank = accelerator.process_index
+    ref = torch.load(ref_path)["text"]
+    ids, _ = _inputs()
+    te = prepare_frozen(_load_whole(pipe_dir)[0], "shard", accelerator=accelerator, name="text_encoder")
+
+    def encode(batch):
+        with torch.no_grad():
+            return te(batch)[0]
+
+    for counts in ((3, 1), (0, 2), (1, 0)):
+        mine = [ids[i % 2 : i % 2 + 1] for i in range(counts[rank])]
+        with te.lockstep_check():  # would raise if lockstep_map let the counts differ
+            outs = lockstep_map(encode, mine, name="text_encoder")
+        assert len(outs) == counts[rank]
+        for i, out in enumerate(outs):
+            torch.testing.assert_close(out, ref[i % 2 : i % 2 + 1])
+
+    # A naive loop with uneven call counts: an error naming the model and counts, not a hang.
+    with pytest.raises(LockstepError, match=r"'text_encoder'.*finished after 1 call"):
+        with te.lockstep_check():
+            for _ in range(2 if rank == 0 else 1):
+                encode(ids[:1])
+    print("OK lockstep")
+
+
+def test_lockstep_uneven_counts_and_mismatch_check(tiny_pipeline, tmp_path):
+    ref_path = tmp_path / "ref.pt"
+    torch.save(reference_outputs(tiny_pipeline), ref_path)
+    outs = run_on_ranks(worker_lockstep, pipe_dir=tiny_pipeline, ref_path=str(ref_path), timeout=200)
+    assert all("OK lockstep" in o for o in outs)
