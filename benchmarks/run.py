@@ -10,7 +10,7 @@ import argparse
 import importlib
 import time
 
-SUITES = ["rss_baseline"]
+SUITES = ["rss_baseline", "frozen"]
 
 
 def main() -> None:

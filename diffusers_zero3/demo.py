@@ -109,14 +109,14 @@ def tiny_component_configs(
     }
 
 
-def build_tiny_components(seed: int = 0, width: int = 32, text_layers: int = 2) -> dict:
+def build_tiny_components(seed: int = 0, width: int = 32, text_layers: int = 2, cross_dim: int | None = None) -> dict:
     """Build the tiny UNet, VAE and text encoder (whole, ordinary modules) from configs."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
     from .zero3 import zero3_init_disabled
 
-    cfg = tiny_component_configs(width, text_layers)
+    cfg = tiny_component_configs(width, text_layers, cross_dim)
     with zero3_init_disabled():
         torch.manual_seed(seed)
         unet = UNet2DConditionModel(**cfg["unet"])

@@ -1,0 +1,217 @@
+"""The "cache" placement: run the frozen text encoder / VAE once, store outputs, free the models.
+
+``precompute_frozen_outputs`` has every rank encode its own contiguous share of the dataset
+(in lockstep, so sharded frozen engines work), writes one safetensors part per rank, and
+publishes the folder atomically under a key that changes whenever the models' weights, the
+tokenizer, the resolution/crop settings or the data (captions, dataset fingerprint) change.
+A later run with the same inputs finds the folder and encodes nothing.
+
+What the cache freezes (it cannot redo per-step randomness):
+
+* the crop: ``center_crop`` as asked, otherwise the random crop drawn for epoch 0;
+* the caption: the first of several captions of a row (live training picks one at random);
+* flips stay random: with ``random_flip`` both orientations are cached and training picks one;
+* VAE sampling stays random: the latent distribution's parameters (mean and log-variance)
+  are cached and training samples from them, exactly as ``latent_dist.sample()`` does live.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .data import pick_caption, transform_image
+from .distributed import all_gather_object, barrier, get_rank, get_world_size, is_main_process, log_rank_zero
+from .lockstep import lockstep_map
+from .zero3 import gathered_parameters
+
+CACHE_FORMAT = 1
+
+
+def model_fingerprint(module: Any) -> str:
+    """A hash of a model's config and weights, the same whatever its placement.
+
+    Collective when the model is ZeRO-3 partitioned (each parameter is gathered in turn):
+    call on every rank.
+    """
+    module = getattr(module, "module", module)
+    h = hashlib.sha256()
+    config = getattr(module, "config", None)
+    if config is not None:
+        h.update(repr(sorted(dict(config).items()) if isinstance(config, dict) else config.to_json_string()).encode())
+    for name, p in module.named_parameters():
+        with gathered_parameters(p):
+            h.update(name.encode())
+            h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _dataset_fingerprint(dataset, caption_column: str) -> str:
+    h = hashlib.sha256(str(getattr(dataset, "_fingerprint", len(dataset))).encode())
+    for caption in dataset[caption_column]:
+        h.update(repr(caption).encode())
+    return h.hexdigest()[:16]
+
+
+def cache_key(**inputs: Any) -> str:
+    """The folder name for a cache of ``inputs`` (a stable hash of their JSON)."""
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+class CachedOutputs:
+    """A published cache folder: look rows up by their dataset index.
+
+    ``get(indices, flip=None, generator=None)`` returns ``encoder_hidden_states`` and/or
+    ``latents`` (sampled from the cached distribution, unscaled: multiply by the VAE's
+    ``scaling_factor`` as usual) for those rows.
+    """
+
+    def __init__(self, folder: str | os.PathLike, reused: bool = False):
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        self.reused = reused  # True when found on disk rather than encoded by this call
+        self.meta = json.loads((self.folder / "meta.json").read_text())
+        self._parts = []
+        self._where: dict[int, tuple[int, int]] = {}
+        for part_file in sorted(self.folder.glob("part-*.safetensors")):
+            f = safe_open(str(part_file), framework="pt")
+            for row, idx in enumerate(f.get_tensor("index").tolist()):
+                self._where[idx] = (len(self._parts), row)
+            self._parts.append(f)
+        self.has_text = "encoder_hidden_states" in self.meta["tensors"]
+        self.has_latents = "latent_params" in self.meta["tensors"]
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def _rows(self, name: str, indices) -> torch.Tensor:
+        rows = []
+        for idx in indices:
+            part, row = self._where[int(idx)]
+            rows.append(self._parts[part].get_slice(name)[row : row + 1])
+        return torch.cat(rows)
+
+    def get(self, indices, flip: torch.Tensor | None = None, generator: torch.Generator | None = None) -> dict:
+        """Cached outputs for dataset rows ``indices`` (``flip``: per-row bool, flipped latents)."""
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+        out = {}
+        if self.has_text:
+            out["encoder_hidden_states"] = self._rows("encoder_hidden_states", indices)
+        if self.has_latents:
+            params = self._rows("latent_params", indices)
+            if flip is not None and self.meta["random_flip"]:
+                flipped = self._rows("latent_params_flipped", indices)
+                params = torch.where(flip.view(-1, 1, 1, 1), flipped, params)
+            out["latents"] = DiagonalGaussianDistribution(params).sample(generator=generator)
+        return out
+
+
+def precompute_frozen_outputs(
+    dataset,
+    cache_dir: str | os.PathLike,
+    *,
+    tokenizer=None,
+    text_encoder=None,
+    vae=None,
+    image_column: str = "image",
+    caption_column: str = "text",
+    resolution: int = 512,
+    center_crop: bool = False,
+    random_flip: bool = False,
+    seed: int = 0,
+    batch_size: int = 8,
+) -> CachedOutputs:
+    """Encode a dataset once with the frozen models and publish the outputs; call on every rank.
+
+    Collective: every rank encodes its contiguous share of ``dataset`` (a ``datasets``
+    dataset), calling sharded models in lockstep. Pass ``text_encoder`` (with
+    ``tokenizer``), ``vae``, or both; each may be a module or a ``FrozenModel``. Returns the
+    cache (reused as is when a cache with the same key exists in ``cache_dir``). Afterwards
+    the models can be released (``FrozenModel.release()`` or ``del``): training needs none
+    of their weights.
+    """
+    if text_encoder is None and vae is None:
+        raise ValueError("precompute_frozen_outputs needs a text_encoder, a vae, or both")
+    if text_encoder is not None and tokenizer is None:
+        raise ValueError("caching text embeddings needs the tokenizer")
+    inputs = {
+        "format": CACHE_FORMAT,
+        "text_encoder": model_fingerprint(text_encoder) if text_encoder is not None else None,
+        "vae": model_fingerprint(vae) if vae is not None else None,
+        "tokenizer": hashlib.sha256(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode()).hexdigest()[:16]
+        if tokenizer is not None
+        else None,
+        "data": _dataset_fingerprint(dataset, caption_column),
+        "columns": [image_column, caption_column],
+        "resolution": resolution if vae is not None else None,
+        "center_crop": center_crop if vae is not None else None,
+        "random_flip": random_flip if vae is not None else None,
+        "seed": seed if vae is not None and not center_crop else None,
+    }
+    # Rank 0's view decides: an in-memory dataset has a random fingerprint in each process.
+    inputs = all_gather_object(inputs)[0]
+    key = cache_key(**inputs)
+    final = Path(cache_dir) / key
+    if (final / "meta.json").exists():
+        log_rank_zero(f"reusing the frozen-model cache {final}")
+        barrier()
+        return CachedOutputs(final, reused=True)
+
+    log_rank_zero(f"encoding {len(dataset)} rows with the frozen models into {final}")
+    tmp = Path(cache_dir) / f".tmp-{key}"
+    if is_main_process():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    rank, world = get_rank(), get_world_size()
+    per_rank = -(-len(dataset) // world)
+    mine = list(range(rank * per_rank, min(len(dataset), (rank + 1) * per_rank)))
+    chunks = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
+
+    def encode(indices: list[int]) -> dict[str, torch.Tensor]:
+        rows = [dataset[i] for i in indices]
+        out = {}
+        with torch.no_grad():
+            if text_encoder is not None:
+                captions = [pick_caption(r[caption_column], None) for r in rows]
+                ids = tokenizer(
+                    captions, max_length=tokenizer.model_max_length, padding="max_length", truncation=True, return_tensors="pt"
+                ).input_ids
+                out["encoder_hidden_states"] = text_encoder(ids.to(text_encoder.device))[0].cpu()
+            if vae is not None:
+                pixels = torch.stack(
+                    [
+                        transform_image(r[image_column], resolution, center_crop, False, random.Random(f"{seed}-0-{i}"))
+                        for i, r in zip(indices, rows)
+                    ]
+                ).to(vae.device, vae.dtype)
+                out["latent_params"] = vae.encode(pixels).latent_dist.parameters.cpu()
+                if random_flip:
+                    out["latent_params_flipped"] = vae.encode(pixels.flip(-1)).latent_dist.parameters.cpu()
+        return out
+
+    results = lockstep_map(encode, chunks, name="frozen models (cache)")
+    tensors = {"index": torch.tensor(mine, dtype=torch.long)}
+    for name in results[0] if results else []:
+        tensors[name] = torch.cat([r[name] for r in results]).contiguous()
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(tmp / f"part-{rank:05d}.safetensors"))
+    names = sorted(set().union(*all_gather_object(sorted(tensors))) - {"index"})
+    barrier()
+    if is_main_process():
+        (tmp / "meta.json").write_text(json.dumps({**inputs, "tensors": names, "rows": len(dataset)}, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)  # publish: the folder is complete or absent
+    barrier()
+    return CachedOutputs(final)

@@ -1,0 +1,175 @@
+"""Image-caption data through ``datasets``, with image transforms in PIL/numpy (no torchvision).
+
+Randomness (crop position, flip, which caption of several) is drawn from a generator seeded
+by ``(seed, epoch, row)``, so a resumed run sees exactly the samples it would have seen.
+Unreadable or corrupt images are **skipped**: the row is replaced by the next readable row,
+a warning names the row, and ``skipped_rows`` counts them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .distributed import logger
+
+
+class DataError(ValueError):
+    """The dataset cannot be used as asked (missing column, no images, nothing readable)."""
+
+
+def load_image_caption_dataset(
+    dataset_name: str | None = None,
+    dataset_config_name: str | None = None,
+    train_data_dir: str | None = None,
+    cache_dir: str | None = None,
+):
+    """Load the ``train`` split of a hub/local dataset, or an ``imagefolder`` directory.
+
+    ``train_data_dir`` follows diffusers' layout: images plus a ``metadata.jsonl`` whose
+    ``file_name`` column names them and whose other columns (e.g. ``text``) hold captions.
+    """
+    import datasets
+
+    if dataset_name is None and train_data_dir is None:
+        raise DataError("give --dataset_name or --train_data_dir")
+    if dataset_name is not None:
+        ds = datasets.load_dataset(dataset_name, dataset_config_name, cache_dir=cache_dir)
+    else:
+        import os
+
+        if not os.path.isdir(train_data_dir):
+            raise DataError(f"--train_data_dir {train_data_dir!r} is not a directory")
+        ds = datasets.load_dataset("imagefolder", data_dir=train_data_dir, cache_dir=cache_dir)
+    if "train" not in ds:
+        raise DataError(f"dataset has no 'train' split (splits: {sorted(ds)})")
+    return ds["train"]
+
+
+def resolve_columns(dataset, image_column: str | None, caption_column: str | None) -> tuple[str, str]:
+    """The image and caption column names, defaulting to the first two columns as upstream."""
+    names = list(dataset.column_names)
+    image_column = image_column or names[0]
+    caption_column = caption_column or (names[1] if len(names) > 1 else None)
+    for flag, col in (("--image_column", image_column), ("--caption_column", caption_column)):
+        if col not in names:
+            raise DataError(f"{flag} value {col!r} is not a dataset column; columns are: {', '.join(names)}")
+    return image_column, caption_column
+
+
+def pick_caption(caption: Any, rng: random.Random | None) -> str:
+    """One caption string: a random one of several when training (``rng``), else the first."""
+    if isinstance(caption, str):
+        return caption
+    if isinstance(caption, (list, tuple, np.ndarray)) and len(caption) > 0:
+        return str(rng.choice(list(caption)) if rng is not None else caption[0])
+    raise DataError(f"caption should be a string or a list of strings, got {type(caption).__name__}")
+
+
+def transform_image(image, resolution: int, center_crop: bool, random_flip: bool, rng: random.Random) -> torch.Tensor:
+    """Resize (shorter side to ``resolution``, bilinear), crop, maybe flip; CHW float in [-1, 1].
+
+    The same steps as diffusers' torchvision pipeline (Resize, CenterCrop/RandomCrop,
+    RandomHorizontalFlip, ToTensor, Normalize([0.5], [0.5])).
+    """
+    from PIL import Image
+
+    image = image.convert("RGB")
+    w, h = image.size
+    scale = resolution / min(w, h)
+    nw, nh = max(resolution, round(w * scale)), max(resolution, round(h * scale))
+    image = image.resize((nw, nh), Image.BILINEAR)
+    if center_crop:
+        left, top = (nw - resolution) // 2, (nh - resolution) // 2
+    else:
+        left, top = rng.randint(0, nw - resolution), rng.randint(0, nh - resolution)
+    image = image.crop((left, top, left + resolution, top + resolution))
+    if random_flip and rng.random() < 0.5:
+        image = image.transpose(Image.FLIP_LEFT_RIGHT)
+    arr = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
+
+
+class ImageCaptionDataset(torch.utils.data.Dataset):
+    """Rows of a ``datasets`` dataset as ``{"pixel_values", "input_ids", "index"}``.
+
+    ``set_epoch(e)`` changes the random crops/flips/captions deterministically. With
+    ``with_images=False`` images are not decoded (training from a latent cache).
+    """
+
+    def __init__(
+        self,
+        dataset,
+        tokenizer,
+        image_column: str,
+        caption_column: str,
+        resolution: int,
+        center_crop: bool = False,
+        random_flip: bool = False,
+        seed: int = 0,
+        with_images: bool = True,
+    ):
+        self.dataset = dataset
+        self.tokenizer = tokenizer
+        self.image_column, self.caption_column = image_column, caption_column
+        self.resolution, self.center_crop, self.random_flip = resolution, center_crop, random_flip
+        self.seed, self.epoch = seed, 0
+        self.with_images = with_images
+        self.skipped_rows: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the random draws of ``epoch``."""
+        self.epoch = epoch
+
+    def _rng(self, index: int) -> random.Random:
+        return random.Random(f"{self.seed}-{self.epoch}-{index}")
+
+    def tokenize(self, captions: Sequence[str]) -> torch.Tensor:
+        """Token ids padded to the tokenizer's max length, as upstream."""
+        return self.tokenizer(
+            list(captions),
+            max_length=self.tokenizer.model_max_length,
+            padding="max_length",
+            truncation=True,
+            return_tensors="pt",
+        ).input_ids
+
+    def _readable_row(self, index: int) -> tuple[int, dict]:
+        for offset in range(len(self.dataset)):
+            i = (index + offset) % len(self.dataset)
+            try:
+                row = self.dataset[i]
+                if self.with_images:
+                    row[self.image_column].load()
+                return i, row
+            except Exception as e:  # PIL raises several types for a corrupt file
+                if i not in self.skipped_rows:
+                    self.skipped_rows.add(i)
+                    logger.warning("skipping row %d: unreadable image (%s: %s)", i, type(e).__name__, e)
+        raise DataError("no readable image in the dataset")
+
+    def __getitem__(self, index: int) -> dict:
+        i, row = self._readable_row(index)
+        rng = self._rng(i)
+        item = {"index": i, "input_ids": self.tokenize([pick_caption(row[self.caption_column], rng)])[0]}
+        if self.with_images:
+            item["pixel_values"] = transform_image(
+                row[self.image_column], self.resolution, self.center_crop, self.random_flip, rng
+            )
+        return item
+
+
+def collate(examples: list[dict]) -> dict:
+    """Stack a list of ``ImageCaptionDataset`` items into a batch."""
+    batch = {"input_ids": torch.stack([e["input_ids"] for e in examples])}
+    batch["index"] = torch.tensor([e["index"] for e in examples])
+    if "pixel_values" in examples[0]:
+        batch["pixel_values"] = torch.stack([e["pixel_values"] for e in examples]).contiguous()
+    return batch

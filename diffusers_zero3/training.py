@@ -1,0 +1,68 @@
+"""The text-to-image training objective, shared by the script, the cache and the tests.
+
+Same maths as diffusers' ``examples/text_to_image/train_text_to_image.py``: noise offset,
+input perturbation, epsilon / v-prediction targets, and Min-SNR-gamma loss weighting.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def compute_snr(noise_scheduler, timesteps: torch.Tensor) -> torch.Tensor:
+    """Signal-to-noise ratio of ``timesteps`` (Min-SNR weighting, arXiv:2303.09556)."""
+    alphas_cumprod = noise_scheduler.alphas_cumprod.to(timesteps.device)[timesteps].float()
+    return alphas_cumprod / (1.0 - alphas_cumprod)
+
+
+def sample_noise(
+    latents: torch.Tensor, noise_offset: float = 0.0, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Gaussian noise like ``latents``, plus the per-channel offset of ``--noise_offset``."""
+    noise = torch.randn(latents.shape, generator=generator, dtype=latents.dtype, device=latents.device)
+    if noise_offset:
+        offset = torch.randn((latents.shape[0], latents.shape[1], 1, 1), generator=generator, device=latents.device)
+        noise = noise + noise_offset * offset.to(latents.dtype)
+    return noise
+
+
+def diffusion_loss(
+    unet,
+    noise_scheduler,
+    latents: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    noise: torch.Tensor,
+    timesteps: torch.Tensor,
+    *,
+    prediction_type: str | None = None,
+    snr_gamma: float | None = None,
+    input_perturbation: float = 0.0,
+    perturbation: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The denoising loss of one batch (mean over the batch).
+
+    ``latents`` are already scaled by the VAE's ``scaling_factor``. ``perturbation`` is the
+    extra noise of ``--input_perturbation`` (drawn by the caller, so that runs are
+    reproducible).
+    """
+    if prediction_type is not None:
+        noise_scheduler.register_to_config(prediction_type=prediction_type)
+    noisy_input = noise
+    if input_perturbation and perturbation is not None:
+        noisy_input = noise + input_perturbation * perturbation
+    noisy_latents = noise_scheduler.add_noise(latents, noisy_input, timesteps)
+    if noise_scheduler.config.prediction_type == "epsilon":
+        target = noise
+    elif noise_scheduler.config.prediction_type == "v_prediction":
+        target = noise_scheduler.get_velocity(latents, noise, timesteps)
+    else:
+        raise ValueError(f"unknown prediction type {noise_scheduler.config.prediction_type!r}")
+    model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
+    if snr_gamma is None:
+        return F.mse_loss(model_pred.float(), target.float(), reduction="mean")
+    snr = compute_snr(noise_scheduler, timesteps)
+    weights = torch.stack([snr, snr_gamma * torch.ones_like(snr)], dim=1).min(dim=1)[0]
+    weights = weights / snr if noise_scheduler.config.prediction_type == "epsilon" else weights / (snr + 1)
+    loss = F.mse_loss(model_pred.float(), target.float(), reduction="none")
+    return (loss.mean(dim=list(range(1, loss.ndim))) * weights).mean()
