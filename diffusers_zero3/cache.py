@@ -45,7 +45,11 @@ def model_fingerprint(module: Any) -> str:
     h = hashlib.sha256()
     config = getattr(module, "config", None)
     if config is not None:
-        h.update(repr(sorted(dict(config).items()) if isinstance(config, dict) else config.to_json_string()).encode())
+        h.update(
+            repr(
+                sorted(dict(config).items()) if isinstance(config, dict) else config.to_json_string()
+            ).encode()
+        )
     for name, p in module.named_parameters():
         with gathered_parameters(p):
             h.update(name.encode())
@@ -99,7 +103,9 @@ class CachedOutputs:
             rows.append(self._parts[part].get_slice(name)[row : row + 1])
         return torch.cat(rows)
 
-    def get(self, indices, flip: torch.Tensor | None = None, generator: torch.Generator | None = None) -> dict:
+    def get(
+        self, indices, flip: torch.Tensor | None = None, generator: torch.Generator | None = None
+    ) -> dict:
         """Cached outputs for dataset rows ``indices`` (``flip``: per-row bool, flipped latents)."""
         from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
@@ -147,7 +153,9 @@ def precompute_frozen_outputs(
         "format": CACHE_FORMAT,
         "text_encoder": model_fingerprint(text_encoder) if text_encoder is not None else None,
         "vae": model_fingerprint(vae) if vae is not None else None,
-        "tokenizer": hashlib.sha256(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode()).hexdigest()[:16]
+        "tokenizer": hashlib.sha256(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode()).hexdigest()[
+            :16
+        ]
         if tokenizer is not None
         else None,
         "data": _dataset_fingerprint(dataset, caption_column),
@@ -184,13 +192,19 @@ def precompute_frozen_outputs(
             if text_encoder is not None:
                 captions = [pick_caption(r[caption_column], None) for r in rows]
                 ids = tokenizer(
-                    captions, max_length=tokenizer.model_max_length, padding="max_length", truncation=True, return_tensors="pt"
+                    captions,
+                    max_length=tokenizer.model_max_length,
+                    padding="max_length",
+                    truncation=True,
+                    return_tensors="pt",
                 ).input_ids
                 out["encoder_hidden_states"] = text_encoder(ids.to(text_encoder.device))[0].cpu()
             if vae is not None:
                 pixels = torch.stack(
                     [
-                        transform_image(r[image_column], resolution, center_crop, False, random.Random(f"{seed}-0-{i}"))
+                        transform_image(
+                            r[image_column], resolution, center_crop, False, random.Random(f"{seed}-0-{i}")
+                        )
                         for i, r in zip(indices, rows)
                     ]
                 ).to(vae.device, vae.dtype)
@@ -209,7 +223,9 @@ def precompute_frozen_outputs(
     names = sorted(set().union(*all_gather_object(sorted(tensors))) - {"index"})
     barrier()
     if is_main_process():
-        (tmp / "meta.json").write_text(json.dumps({**inputs, "tensors": names, "rows": len(dataset)}, indent=1))
+        (tmp / "meta.json").write_text(
+            json.dumps({**inputs, "tensors": names, "rows": len(dataset)}, indent=1)
+        )
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)  # publish: the folder is complete or absent

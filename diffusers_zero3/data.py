@@ -70,7 +70,9 @@ def pick_caption(caption: Any, rng: random.Random | None) -> str:
     raise DataError(f"caption should be a string or a list of strings, got {type(caption).__name__}")
 
 
-def transform_image(image, resolution: int, center_crop: bool, random_flip: bool, rng: random.Random) -> torch.Tensor:
+def transform_image(
+    image, resolution: int, center_crop: bool, random_flip: bool, rng: random.Random
+) -> torch.Tensor:
     """Resize (shorter side to ``resolution``, bilinear), crop, maybe flip; CHW float in [-1, 1].
 
     The same steps as diffusers' torchvision pipeline (Resize, CenterCrop/RandomCrop,

@@ -109,7 +109,9 @@ def tiny_component_configs(
     }
 
 
-def build_tiny_components(seed: int = 0, width: int = 32, text_layers: int = 2, cross_dim: int | None = None) -> dict:
+def build_tiny_components(
+    seed: int = 0, width: int = 32, text_layers: int = 2, cross_dim: int | None = None
+) -> dict:
     """Build the tiny UNet, VAE and text encoder (whole, ordinary modules) from configs."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel

@@ -22,7 +22,9 @@ def sample_noise(
     """Gaussian noise like ``latents``, plus the per-channel offset of ``--noise_offset``."""
     noise = torch.randn(latents.shape, generator=generator, dtype=latents.dtype, device=latents.device)
     if noise_offset:
-        offset = torch.randn((latents.shape[0], latents.shape[1], 1, 1), generator=generator, device=latents.device)
+        offset = torch.randn(
+            (latents.shape[0], latents.shape[1], 1, 1), generator=generator, device=latents.device
+        )
         noise = noise + noise_offset * offset.to(latents.dtype)
     return noise
 

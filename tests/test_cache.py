@@ -46,7 +46,9 @@ def worker_cache(pipe_dir: str, data_dir: str, cache_dir: str):
     sf = vae.config.scaling_factor
     with torch.no_grad():
         live_states = te(batch["input_ids"])[0]
-        live_latents = vae.encode(batch["pixel_values"]).latent_dist.sample(torch.Generator().manual_seed(3)) * sf
+        live_latents = (
+            vae.encode(batch["pixel_values"]).latent_dist.sample(torch.Generator().manual_seed(3)) * sf
+        )
     cached = cache.get(batch["index"], generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(cached["encoder_hidden_states"], live_states)
     torch.testing.assert_close(cached["latents"] * sf, live_latents)
@@ -54,7 +56,9 @@ def worker_cache(pipe_dir: str, data_dir: str, cache_dir: str):
     t = torch.tensor([1, 100, 300, 600, 999])
     with torch.no_grad():
         live = diffusion_loss(unet, scheduler, live_latents, live_states, noise, t)
-        from_cache = diffusion_loss(unet, scheduler, cached["latents"] * sf, cached["encoder_hidden_states"], noise, t)
+        from_cache = diffusion_loss(
+            unet, scheduler, cached["latents"] * sf, cached["encoder_hidden_states"], noise, t
+        )
     torch.testing.assert_close(from_cache, live)
     print("OK cache", live.item())
 
