@@ -1,0 +1,460 @@
+"""Load partitioned, save consolidated: no rank ever holds the whole model.
+
+* ``load_pretrained_zero3`` builds a diffusers ``ModelMixin`` (or a transformers
+  ``PreTrainedModel``) under ``deepspeed.zero.Init`` and reads, for every parameter, only this
+  rank's partition: the byte range of the flattened tensor inside the safetensors file. Peak
+  host memory per rank stays near the model's bytes / N; no full tensor is ever read.
+* ``save_pretrained_zero3`` streams a model (or an EMA's partitions) to safetensors shards:
+  the headers are computed up front from the parameter shapes, then each tensor is gathered
+  to rank 0 and written straight to its place in the file, so rank 0's extra memory is one
+  tensor. The folder is written under a temporary name and renamed: complete or absent.
+* ``publish_folder`` is the atomic rename used by checkpoints and final outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .distributed import all_gather_object, barrier, comm_device, get_rank, get_world_size, is_main_process
+from .zero3 import _register_zero3_engine, is_zero3_param
+
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+class CheckpointError(ValueError):
+    """A model folder or checkpoint is missing, incomplete or does not fit the model."""
+
+
+# ----------------------------------------------------------------------------- folders
+
+
+@contextmanager
+def publish_folder(final: str | os.PathLike, *, main_process_only: bool = True) -> Iterator[Path]:
+    """Write a folder under a temporary name and rename it into place when the block succeeds.
+
+    Yields the temporary path. On success the previous ``final`` (if any) is replaced; on an
+    exception the temporary folder is removed and ``final`` is left as it was. Not a
+    collective: with ``main_process_only`` only rank 0 should use it.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if final.exists():
+        old = final.parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+
+def read_safetensors_header(path: str | os.PathLike) -> tuple[dict, int]:
+    """The JSON header of a safetensors file and the byte offset where tensor data starts."""
+    with open(path, "rb") as fh:
+        raw = fh.read(8)
+        if len(raw) != 8:
+            raise CheckpointError(f"{path} is not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", raw)
+        header = json.loads(fh.read(n))
+    return header, 8 + n
+
+
+def _safetensors_header_bytes(entries: list[tuple[str, list[int], torch.dtype]]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, dtype in entries:
+        nbytes = _numel(shape) * _itemsize(dtype)
+        header[name] = {
+            "dtype": _ST_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _read_flat_range(path: Path, data_start: int, info: dict, start: int, end: int) -> torch.Tensor:
+    """Elements ``[start, end)`` of a stored tensor, flattened, read straight from the file."""
+    dtype = _TORCH_DTYPES[info["dtype"]]
+    size = _itemsize(dtype)
+    begin = data_start + info["data_offsets"][0] + start * size
+    buf = bytearray((end - start) * size)
+    with open(path, "rb") as fh:
+        fh.seek(begin)
+        if fh.readinto(buf) != len(buf):
+            raise CheckpointError(f"{path} is truncated")
+    return torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def resolve_model_folder(
+    pretrained_model_name_or_path: str | os.PathLike,
+    subfolder: str | None = None,
+    revision: str | None = None,
+    cache_dir: str | None = None,
+) -> Path:
+    """A local folder for a model: the path itself, or a hub snapshot (only that subfolder)."""
+    path = Path(pretrained_model_name_or_path)
+    if not path.is_dir():
+        if path.is_absolute() or str(pretrained_model_name_or_path).startswith((".", "~")):
+            raise CheckpointError(f"model folder {str(pretrained_model_name_or_path)!r} does not exist")
+        try:
+            from huggingface_hub import snapshot_download
+
+            patterns = [f"{subfolder}/*"] if subfolder else None
+            path = Path(
+                snapshot_download(
+                    str(pretrained_model_name_or_path),
+                    revision=revision,
+                    cache_dir=cache_dir,
+                    allow_patterns=patterns,
+                )
+            )
+        except Exception as e:
+            raise CheckpointError(
+                f"model {str(pretrained_model_name_or_path)!r} is neither a local folder nor reachable on the hub"
+                f" ({type(e).__name__})"
+            ) from e
+    folder = path / subfolder if subfolder else path
+    if not folder.is_dir():
+        raise CheckpointError(f"model folder {str(folder)!r} does not exist")
+    return folder
+
+
+def weight_files(folder: Path, variant: str | None = None) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file that holds it (sharded or not)."""
+    for stem in ("diffusion_pytorch_model", "model"):
+        name = f"{stem}.{variant}.safetensors" if variant else f"{stem}.safetensors"
+        index = folder / f"{name}.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {k: folder / v for k, v in weight_map.items()}
+        single = folder / name
+        if single.exists():
+            header, _ = read_safetensors_header(single)
+            return {k: single for k in header if k != "__metadata__"}
+    raise CheckpointError(
+        f"no safetensors weights in {folder} (expected diffusion_pytorch_model or model .safetensors)"
+    )
+
+
+def _zero_init_config(ds_config: dict | None, accelerator) -> dict:
+    if ds_config is None and accelerator is not None:
+        plugin = accelerator.state.deepspeed_plugin
+        ds_config = plugin.deepspeed_config if plugin is not None else None
+    if ds_config is None:
+        return {}
+    return ds_config
+
+
+def _build_model(model_cls, folder: Path):
+    from .zero3 import zero3_init_disabled
+
+    if hasattr(model_cls, "load_config") and hasattr(model_cls, "from_config"):  # diffusers ModelMixin
+        config = model_cls.load_config(folder)
+        return lambda: model_cls.from_config(config)
+    config_class = getattr(model_cls, "config_class", None)
+    if config_class is None:
+        raise TypeError(
+            f"{model_cls.__name__} is neither a diffusers ModelMixin nor a transformers PreTrainedModel"
+        )
+    with zero3_init_disabled():
+        config = config_class.from_pretrained(folder)
+    return lambda: model_cls(config)
+
+
+def load_pretrained_zero3(
+    model_cls,
+    pretrained_model_name_or_path: str | os.PathLike,
+    subfolder: str | None = None,
+    *,
+    ds_config: dict | None = None,
+    accelerator=None,
+    torch_dtype: torch.dtype | None = None,
+    variant: str | None = None,
+    revision: str | None = None,
+    cache_dir: str | None = None,
+):
+    """Load a pretrained model straight into ZeRO-3 partitions; call on every rank.
+
+    Collective (``deepspeed.zero.Init``): call on every rank. The model is built under
+    ``zero.Init`` (so each module is partitioned as soon as it is constructed) and each rank
+    reads only its own partition of every parameter from the safetensors files (sharded or
+    not), so no rank ever holds a full copy. The result is what ``from_pretrained``
+    followed by ZeRO-3 partitioning gives, ready for ``deepspeed.initialize`` /
+    ``accelerator.prepare``. Without ZeRO-3 (no stage-3 config) it is ``from_pretrained``.
+
+    Args:
+        model_cls: a diffusers ``ModelMixin`` or transformers ``PreTrainedModel`` class.
+        pretrained_model_name_or_path: a local folder or a hub id.
+        subfolder: e.g. ``"unet"`` inside a pipeline folder.
+        ds_config: the DeepSpeed config (default: the accelerator's active plugin's).
+        torch_dtype: dtype of the partitions (default fp32, or the config's bf16/fp16).
+
+    Raises:
+        CheckpointError: a missing folder or weights file, a missing tensor, or a shape that
+            does not fit the model (the message names the tensor).
+
+    Example:
+        >>> unet = load_pretrained_zero3(UNet2DConditionModel, "path/to/sd", "unet", accelerator=accelerator)
+        >>> unet, optimizer = accelerator.prepare(unet, torch.optim.AdamW(unet.parameters()))
+    """
+    cfg = _zero_init_config(ds_config, accelerator)
+    if cfg.get("zero_optimization", {}).get("stage") != 3:
+        from .zero3 import zero3_init_disabled
+
+        folder = resolve_model_folder(pretrained_model_name_or_path, subfolder, revision, cache_dir)
+        with zero3_init_disabled():
+            return model_cls.from_pretrained(folder, torch_dtype=torch_dtype, variant=variant)
+
+    import deepspeed
+
+    folder = resolve_model_folder(pretrained_model_name_or_path, subfolder, revision, cache_dir)
+    files = weight_files(folder, variant)
+    build = _build_model(model_cls, folder)
+    if not deepspeed.comm.is_initialized():
+        deepspeed.init_distributed()
+    with deepspeed.zero.Init(config_dict_or_path=cfg, dtype=torch_dtype):
+        model = build()
+    _register_zero3_engine()
+    _load_partitions(model, files)
+    return model
+
+
+def _load_partitions(model: torch.nn.Module, files: dict[str, Path]) -> None:
+    headers: dict[Path, tuple[dict, int]] = {}
+
+    def info_of(name: str, expected_shape) -> tuple[Path, dict, int]:
+        if name not in files:
+            raise CheckpointError(f"tensor {name!r} of {type(model).__name__} is missing from the checkpoint")
+        path = files[name]
+        if path not in headers:
+            headers[path] = read_safetensors_header(path)
+        header, start = headers[path]
+        info = header[name]
+        if list(info["shape"]) != list(expected_shape):
+            raise CheckpointError(
+                f"tensor {name!r}: checkpoint shape {tuple(info['shape'])} does not fit the model's {tuple(expected_shape)}"
+            )
+        return path, info, start
+
+    rank = get_rank()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if is_zero3_param(tensor):
+            path, info, start = info_of(name, tensor.ds_shape)
+            part = tensor.ds_tensor
+            lo = min(rank * part.numel(), tensor.ds_numel)
+            hi = min(lo + part.numel(), tensor.ds_numel)
+            with torch.no_grad():
+                part.data.view(-1)[: hi - lo].copy_(_read_flat_range(path, start, info, lo, hi))
+                if tensor.ds_status.name == "AVAILABLE":  # kept whole (persistence): fill it too
+                    full = _read_flat_range(path, start, info, 0, tensor.ds_numel)
+                    tensor.data.copy_(full.view(tensor.ds_shape))
+        else:
+            path, info, start = info_of(name, tensor.shape)
+            with torch.no_grad():
+                tensor.data.copy_(_read_flat_range(path, start, info, 0, tensor.numel()).view(tensor.shape))
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def _gather_full(tensor: torch.Tensor, partition: torch.Tensor | None) -> torch.Tensor | None:
+    """The full tensor on rank 0 (None elsewhere). Collective for ZeRO-3 parameters."""
+    if partition is None:
+        return tensor.detach() if is_main_process() else None
+    flat = partition.detach().reshape(-1).to(comm_device())
+    if get_world_size() == 1:
+        full = flat
+    else:
+        parts = [torch.empty_like(flat) for _ in range(get_world_size())] if is_main_process() else None
+        dist.gather(flat, parts, dst=0)
+        full = torch.cat(parts) if parts is not None else None
+    if full is None:
+        return None
+    return full[: tensor.ds_numel].view(tensor.ds_shape)
+
+
+def _plan_shards(entries, max_shard_bytes: int) -> list[list[int]]:
+    shards, current, size = [], [], 0
+    for i, (_, shape, dtype) in enumerate(entries):
+        nbytes = _numel(shape) * _itemsize(dtype)
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += nbytes
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes of ``"5GB"``, ``"500MB"``, ``"10KB"`` or an int (decimal units, as huggingface_hub)."""
+    if isinstance(size, int):
+        return size
+    units = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+    s = size.strip().upper()
+    for unit, mult in units.items():
+        if s.endswith(unit):
+            return int(float(s[: -len(unit)]) * mult)
+    raise ValueError(f"cannot read size {size!r}; use e.g. '5GB'")
+
+
+def save_pretrained_zero3(
+    model_or_engine,
+    save_directory: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    partitions: Callable[[torch.nn.Parameter], torch.Tensor | None] | None = None,
+) -> None:
+    """Write a model folder (config + safetensors) from ZeRO-3 partitions; call on every rank.
+
+    Collective: call on every rank. Each tensor is gathered to rank 0 and streamed into its
+    shard file, whose header was written from the known shapes, so rank 0's extra memory is
+    one tensor and the other ranks' is nothing. Shards and the index file are named as
+    ``save_pretrained`` names them (``diffusion_pytorch_model`` for diffusers models,
+    ``model`` for transformers ones), so the class's ``from_pretrained`` loads the folder.
+    The folder is complete or absent: it is written under a temporary name and renamed, and
+    an error on rank 0 is raised on every rank.
+
+    Args:
+        model_or_engine: a module (partitioned or not) or a DeepSpeed engine.
+        max_shard_size: largest shard, as ``"5GB"`` or bytes.
+        dtype: cast floating tensors to this dtype (default: as they are held).
+        partitions: for each parameter, the local flat partition to write instead of the
+            parameter's own (``ShardedEMA`` writes its averages this way), or a full tensor
+            for a non-ZeRO parameter; None keeps the parameter.
+
+    Example:
+        >>> save_pretrained_zero3(unet_engine, "out/unet", max_shard_size="2GB")
+        >>> UNet2DConditionModel.from_pretrained("out/unet")
+    """
+    module = getattr(model_or_engine, "module", model_or_engine)
+    state = module.state_dict(keep_vars=True)
+    seen: set[int] = set()
+    names, tensors = [], []
+    for name, t in state.items():
+        if id(t) in seen:  # tied weights are stored once, as save_pretrained does
+            continue
+        seen.add(id(t))
+        names.append(name)
+        tensors.append(t)
+    entries = []
+    for name, t in zip(names, tensors):
+        shape = list(t.ds_shape) if is_zero3_param(t) else list(t.shape)
+        t_dtype = dtype if (dtype is not None and t.dtype.is_floating_point) else t.dtype
+        entries.append((name, shape, t_dtype))
+    stem = "diffusion_pytorch_model" if hasattr(module, "save_config") else "model"
+    shards = _plan_shards(entries, parse_size(max_shard_size))
+
+    error: str | None = None
+    completed = False
+    files: list[Any] = []
+    tmp_ctx = None
+    tmp: Path | None = None
+    if is_main_process():
+        try:
+            tmp_ctx = publish_folder(save_directory)
+            tmp = tmp_ctx.__enter__()
+            if hasattr(module, "save_config"):
+                module.save_config(tmp)
+            elif hasattr(module, "config"):
+                module.config.save_pretrained(tmp)
+            total = len(shards)
+            for k, idx in enumerate(shards):
+                fname = (
+                    f"{stem}.safetensors" if total == 1 else f"{stem}-{k + 1:05d}-of-{total:05d}.safetensors"
+                )
+                fh = open(tmp / fname, "wb")
+                fh.write(_safetensors_header_bytes([entries[i] for i in idx]))
+                files.append((fname, fh))
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+    try:
+        for k, idx in enumerate(shards):
+            for i in idx:
+                t = tensors[i]
+                part = partitions(t) if partitions is not None else None
+                if part is None and is_zero3_param(t):
+                    part = t.ds_tensor
+                if part is not None and not is_zero3_param(t):
+                    full = part.detach() if is_main_process() else None  # a whole tensor given
+                else:
+                    full = _gather_full(t, part if is_zero3_param(t) else None)
+                if full is not None and error is None:
+                    try:
+                        data = full.to(device="cpu", dtype=entries[i][2]).contiguous()
+                        files[k][1].write(data.view(-1).view(torch.uint8).numpy().tobytes())
+                    except Exception as e:
+                        error = f"{type(e).__name__} writing {names[i]}: {e}"
+        if is_main_process() and error is None:
+            for _, fh in files:
+                fh.close()
+            if len(shards) > 1:
+                weight_map = {entries[i][0]: files[k][0] for k, idx in enumerate(shards) for i in idx}
+                total_size = sum(_numel(s) * _itemsize(d) for _, s, d in entries)
+                index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+                (tmp / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        completed = True
+    finally:
+        for _, fh in files:
+            fh.close()
+        if tmp_ctx is not None:
+            if completed and error is None:
+                tmp_ctx.__exit__(None, None, None)  # publish
+            else:  # an error or an interruption: remove the temporary folder
+                exc = CheckpointError(error or "interrupted")
+                tmp_ctx.__exit__(CheckpointError, exc, None)
+    errors = [e for e in all_gather_object(error) if e]
+    if errors:
+        raise CheckpointError(f"saving {save_directory} failed on rank 0: {errors[0]}")
+    barrier()
