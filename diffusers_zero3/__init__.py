@@ -3,6 +3,7 @@
 from .cache import CachedOutputs, precompute_frozen_outputs
 from .checkpoint import CheckpointError, load_pretrained_zero3, publish_folder, save_pretrained_zero3
 from .distributed import barrier, get_rank, get_world_size, is_main_process, log_rank_zero
+from .ema import ShardedEMA
 from .frozen import PLACEMENTS, FrozenModel, frozen_engine_config, local_parameter_bytes, prepare_frozen
 from .launch import build_accelerator
 from .lockstep import LockstepError, lockstep_check, lockstep_map
@@ -11,6 +12,7 @@ from .zero3 import gathered_parameters, is_zero3_enabled, is_zero3_param, zero3_
 __version__ = "0.1.0"
 
 __all__ = [
+    "ShardedEMA",
     "CheckpointError",
     "load_pretrained_zero3",
     "publish_folder",

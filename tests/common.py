@@ -15,6 +15,8 @@ def zero3_config(micro_batch: int = 1, grad_acc: int = 1, world_size: int = 2, *
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": grad_acc,
         "train_batch_size": micro_batch * grad_acc * world_size,
+        # explicit: accelerate's plugin otherwise fills in a clipping of 1.0
+        "gradient_clipping": 0.0,
         "zero_optimization": zero,
         "bf16": {"enabled": False},
         "fp16": {"enabled": False},

@@ -1,0 +1,219 @@
+"""An exponential moving average of a ZeRO-3 model: 1/N of the memory and no communication.
+
+diffusers' ``EMAModel`` under ZeRO-3 keeps a full fp32 shadow on every rank (4Ψ bytes) and
+all-gathers the model a tensor at a time (or all at once with ``foreach=True``) every step.
+``ShardedEMA`` averages each rank's own fp32 master partition (DeepSpeed's
+``safe_get_local_fp32_param``), so ``step()`` touches only local memory: 4Ψ/N bytes per
+rank and not a single collective. The decay schedule is ``EMAModel.get_decay``'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from .distributed import comm_device, get_world_size
+from .zero3 import is_zero3_param
+
+
+def _has_local_fp32(p: torch.nn.Parameter) -> bool:
+    return is_zero3_param(p) and getattr(p, "_z3_optimizer", None) is not None
+
+
+class ShardedEMA:
+    """EMA of a model's trainable parameters, partitioned like the model under ZeRO-3.
+
+    Args:
+        model: a DeepSpeed ZeRO-3 engine (or the module it wraps, after ``prepare``), or a
+            plain module (then the average is whole, as ``EMAModel``'s).
+        decay, min_decay, update_after_step, use_ema_warmup, inv_gamma, power: as
+            diffusers' ``EMAModel``; ``get_decay`` gives the same values.
+
+    Under ZeRO-3 create it after the engine (the optimizer owns the fp32 master partitions
+    it averages). ``step()`` is local; ``copy_to``, ``store``/``restore`` of parameters kept
+    whole by the persistence threshold, and ``save_pretrained`` are collectives.
+
+    Example:
+        >>> unet, optimizer = accelerator.prepare(unet, optimizer)
+        >>> ema = ShardedEMA(unet, decay=0.9999)
+        >>> for batch in loader:
+        ...     ...; optimizer.step()
+        ...     if accelerator.sync_gradients:
+        ...         ema.step()
+        >>> ema.save_pretrained("out/unet")   # every rank
+    """
+
+    def __init__(
+        self,
+        model,
+        decay: float = 0.9999,
+        min_decay: float = 0.0,
+        update_after_step: int = 0,
+        use_ema_warmup: bool = False,
+        inv_gamma: float | int = 1.0,
+        power: float | int = 2 / 3,
+    ):
+        self.module: torch.nn.Module = getattr(model, "module", model)
+        self.decay, self.min_decay = decay, min_decay
+        self.update_after_step, self.use_ema_warmup = update_after_step, use_ema_warmup
+        self.inv_gamma, self.power = inv_gamma, power
+        self.optimization_step = 0
+        self.cur_decay_value: float | None = None
+        self._named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        self.shadow: list[torch.Tensor] = [self._source(p).detach().float().clone() for _, p in self._named]
+        self._stored: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+
+    # ---------------------------------------------------------------- averaging
+
+    def _source(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """The tensor this rank averages for ``p``: its fp32 master partition under ZeRO-3."""
+        if _has_local_fp32(p):
+            from deepspeed.utils import safe_get_local_fp32_param
+
+            return safe_get_local_fp32_param(p)
+        if is_zero3_param(p):
+            return p.ds_tensor
+        return p
+
+    def get_decay(self, optimization_step: int) -> float:
+        """The decay factor after ``optimization_step`` steps (``EMAModel.get_decay``)."""
+        step = max(0, optimization_step - self.update_after_step - 1)
+        if step <= 0:
+            return 0.0
+        if self.use_ema_warmup:
+            cur = 1 - (1 + step / self.inv_gamma) ** -self.power
+        else:
+            cur = (1 + step) / (10 + step)
+        return max(min(cur, self.decay), self.min_decay)
+
+    @torch.no_grad()
+    def step(self, model=None) -> None:
+        """One EMA update from the current weights. Local: no collective, call on every rank."""
+        self.optimization_step += 1
+        decay = self.get_decay(self.optimization_step)
+        self.cur_decay_value = decay
+        one_minus = 1 - decay
+        for shadow, (_, p) in zip(self.shadow, self._named):
+            shadow.sub_(one_minus * (shadow - self._source(p).float()))
+
+    # ---------------------------------------------------------------- live weights
+
+    def _full_of_partition(self, partition: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
+        """All-gather a flat partition into ``p``'s full shape. Collective."""
+        flat = partition.reshape(-1).to(comm_device())
+        if get_world_size() > 1:
+            parts = [torch.empty_like(flat) for _ in range(get_world_size())]
+            dist.all_gather(parts, flat)
+            flat = torch.cat(parts)
+        return flat[: p.ds_numel].view(p.ds_shape)
+
+    @staticmethod
+    def _is_whole(p: torch.nn.Parameter) -> bool:
+        # A ZeRO-3 parameter kept whole on every rank (persistence threshold).
+        return p.ds_status.name == "AVAILABLE"
+
+    @torch.no_grad()
+    def copy_to(self, model=None) -> None:
+        """Write the averages into the live model, partition by partition.
+
+        Collective when some ZeRO-3 parameters are kept whole (persistence threshold): call
+        on every rank. Use ``store`` first and ``restore`` after to get the training
+        weights back.
+        """
+        for shadow, (_, p) in zip(self.shadow, self._named):
+            if is_zero3_param(p):
+                p.ds_tensor.data.copy_(shadow.view_as(p.ds_tensor))
+                if self._is_whole(p):
+                    p.data.copy_(self._full_of_partition(shadow, p).to(p.dtype))
+            else:
+                p.data.copy_(shadow)
+
+    @torch.no_grad()
+    def store(self, model=None) -> None:
+        """Keep a copy of the live (training) weights of this rank, for ``restore``. Local."""
+        stored = []
+        for _, p in self._named:
+            if is_zero3_param(p):
+                whole = p.data.clone() if self._is_whole(p) else None
+                stored.append((p.ds_tensor.data.clone(), whole))
+            else:
+                stored.append((p.data.clone(), None))
+        self._stored = stored
+
+    @torch.no_grad()
+    def restore(self, model=None) -> None:
+        """Put back the weights saved by ``store``, exactly. Local."""
+        if self._stored is None:
+            raise RuntimeError("ShardedEMA.restore() called without a store() before it")
+        for (part, whole), (_, p) in zip(self._stored, self._named):
+            if is_zero3_param(p):
+                p.ds_tensor.data.copy_(part)
+                if whole is not None:
+                    p.data.copy_(whole)
+            else:
+                p.data.copy_(part)
+        self._stored = None
+
+    @contextlib.contextmanager
+    def averaged_weights(self) -> Iterator[None]:
+        """Run the block (e.g. validation) with the averaged weights swapped in. Collective."""
+        self.store()
+        self.copy_to()
+        try:
+            yield
+        finally:
+            self.restore()
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict:
+        """This rank's partition of the averages and the step counter (save one per rank)."""
+        return {
+            "optimization_step": self.optimization_step,
+            "decay": self.decay,
+            "min_decay": self.min_decay,
+            "world_size": get_world_size(),
+            "names": [n for n, _ in self._named],
+            "shadow": [s.clone() for s in self.shadow],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load what ``state_dict`` returned on this rank (same model, same world size)."""
+        names = [n for n, _ in self._named]
+        if state["names"] != names:
+            raise ValueError("EMA state was saved for a different set of trainable parameters")
+        if state["world_size"] != get_world_size() and any(is_zero3_param(p) for _, p in self._named):
+            raise ValueError(
+                f"EMA state holds partitions of {state['world_size']} ranks; this run has {get_world_size()}"
+            )
+        for shadow, saved in zip(self.shadow, state["shadow"]):
+            if shadow.shape != saved.shape:
+                raise ValueError("EMA state partition shapes do not match this model")
+            shadow.copy_(saved)
+        self.optimization_step = int(state["optimization_step"])
+        self.decay, self.min_decay = state["decay"], state["min_decay"]
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
+        """Write the averaged model as a diffusers model folder. Collective: every rank.
+
+        Streams partitions through ``save_pretrained_zero3`` (config + safetensors, loads
+        with the class's ``from_pretrained``); no rank builds the whole model. Parameters
+        that are not trained are written as they are in the live model.
+        """
+        from .checkpoint import save_pretrained_zero3
+
+        by_param = {id(p): s for s, (_, p) in zip(self.shadow, self._named)}
+
+        def partition(p: torch.nn.Parameter) -> torch.Tensor | None:
+            shadow = by_param.get(id(p))
+            return shadow.view_as(p) if shadow is not None and not is_zero3_param(p) else shadow
+
+        save_pretrained_zero3(self.module, save_directory, partitions=partition, **kwargs)
+
+    def local_bytes(self) -> int:
+        """Bytes of averages this rank holds."""
+        return sum(s.numel() * s.element_size() for s in self.shadow)
