@@ -13,7 +13,7 @@ test:
 	$(PYTHON) -m pytest tests -q
 
 train:
-	$(PYTHON) scripts/run_default.py
+	PYTHON=$(PYTHON) bash scripts/train_default.sh
 
 bench:
 	$(PYTHON) -m benchmarks.run

@@ -186,12 +186,27 @@ def weight_files(folder: Path, variant: str | None = None) -> dict[str, Path]:
 
 
 def _zero_init_config(ds_config: dict | None, accelerator) -> dict:
+    """The part of a (training) DeepSpeed config that ``zero.Init`` needs, ``"auto"`` resolved."""
     if ds_config is None and accelerator is not None:
         plugin = accelerator.state.deepspeed_plugin
         ds_config = plugin.deepspeed_config if plugin is not None else None
     if ds_config is None:
         return {}
-    return ds_config
+    from .frozen import _resolve_dtype
+
+    zero = ds_config.get("zero_optimization", {})
+    init_zero = {"stage": zero.get("stage")}
+    offload = zero.get("offload_param")
+    if isinstance(offload, dict) and offload.get("device") not in (None, "none", "auto"):
+        init_zero["offload_param"] = offload
+    dtype = _resolve_dtype(None, ds_config, accelerator)
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "train_batch_size": get_world_size(),
+        "zero_optimization": init_zero,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "fp16": {"enabled": dtype == torch.float16},
+    }
 
 
 def _build_model(model_cls, folder: Path):
@@ -458,3 +473,97 @@ def save_pretrained_zero3(
     if errors:
         raise CheckpointError(f"saving {save_directory} failed on rank 0: {errors[0]}")
     barrier()
+
+
+# ----------------------------------------------------------------------------- training checkpoints
+
+_CKPT_PREFIX = "checkpoint-"
+
+
+def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Complete ``checkpoint-<step>`` folders in ``output_dir``, oldest first."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    found = [p for p in out.iterdir() if p.is_dir() and p.name.startswith(_CKPT_PREFIX)]
+    found = [p for p in found if p.name[len(_CKPT_PREFIX) :].isdigit() and (p / "training_state.json").exists()]
+    return sorted(found, key=lambda p: int(p.name[len(_CKPT_PREFIX) :]))
+
+
+def resolve_resume_checkpoint(output_dir: str | os.PathLike, value: str | None) -> Path | None:
+    """The folder ``--resume_from_checkpoint`` names: ``latest`` (None when there is none yet),
+    a path, or a folder name inside ``output_dir``. A named folder that is missing or
+    incomplete raises ``CheckpointError``."""
+    if value is None:
+        return None
+    if value == "latest":
+        found = list_checkpoints(output_dir)
+        return found[-1] if found else None
+    for candidate in (Path(value), Path(output_dir) / Path(value).name):
+        if (candidate / "training_state.json").exists():
+            return candidate
+    raise CheckpointError(f"--resume_from_checkpoint {value!r}: no complete checkpoint folder there")
+
+
+def save_training_checkpoint(
+    accelerator,
+    output_dir: str | os.PathLike,
+    global_step: int,
+    training_state: dict,
+    *,
+    ema=None,
+    total_limit: int | None = None,
+    protect: Path | None = None,
+) -> Path:
+    """Save a resumable ``checkpoint-<global_step>`` folder atomically. Collective: every rank.
+
+    Holds accelerate's state (the UNet engine's partitions and optimizer, the scheduler,
+    every rank's RNG states and the sampler), one EMA partition file per rank, and
+    ``training_state.json`` (step, epoch, batches done in the epoch). Written as
+    ``.tmp-checkpoint-<step>`` and renamed, so a crash leaves no partial ``checkpoint-*``.
+    Then the oldest checkpoints beyond ``total_limit`` are deleted, never ``protect`` (the
+    one this run resumed from).
+    """
+    out = Path(output_dir)
+    final = out / f"{_CKPT_PREFIX}{global_step}"
+    tmp = out / f".tmp-{_CKPT_PREFIX}{global_step}"
+    if is_main_process():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    accelerator.save_state(str(tmp))
+    if ema is not None:
+        torch.save(ema.state_dict(), tmp / f"ema_rank{get_rank()}.pt")
+    barrier()
+    if is_main_process():
+        (tmp / "training_state.json").write_text(json.dumps({**training_state, "global_step": global_step}))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        if total_limit is not None:
+            prune_checkpoints(out, total_limit, protect=protect)
+    barrier()
+    return final
+
+
+def prune_checkpoints(output_dir: str | os.PathLike, total_limit: int, protect: Path | None = None) -> list[Path]:
+    """Delete the oldest checkpoints so that at most ``total_limit`` remain (``protect`` kept)."""
+    found = list_checkpoints(output_dir)
+    removable = [p for p in found if protect is None or p.resolve() != Path(protect).resolve()]
+    excess = len(found) - total_limit
+    removed = removable[: max(0, excess)]
+    for p in removed:
+        shutil.rmtree(p)
+    return removed
+
+
+def load_training_checkpoint(accelerator, path: str | os.PathLike, *, ema=None) -> dict:
+    """Restore what ``save_training_checkpoint`` wrote; return its training state. Collective."""
+    path = Path(path)
+    accelerator.load_state(str(path))
+    if ema is not None:
+        ema_file = path / f"ema_rank{get_rank()}.pt"
+        if not ema_file.exists():
+            raise CheckpointError(f"{path} has no EMA state for rank {get_rank()} (saved without --use_ema?)")
+        ema.load_state_dict(torch.load(ema_file, weights_only=False))
+    return json.loads((path / "training_state.json").read_text())

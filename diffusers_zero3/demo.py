@@ -200,3 +200,21 @@ def write_shapes_dataset(
         rows.append({"file_name": name, "text": f"a {colour} {shape}"})
     (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return folder
+
+
+def prepare_default(folder: str | os.PathLike, num_images: int = 64) -> tuple[Path, Path]:
+    """Create (once) the default run's pipeline and dataset under ``folder``; return their paths."""
+    folder = Path(folder)
+    pipe, data = folder / "tiny-sd", folder / "shapes"
+    if not (pipe / "model_index.json").exists():
+        save_tiny_pipeline(pipe)
+    if not (data / "metadata.jsonl").exists():
+        write_shapes_dataset(data, num_images=num_images)
+    return pipe, data
+
+
+if __name__ == "__main__":
+    import sys
+
+    p, d = prepare_default(sys.argv[1] if len(sys.argv) > 1 else "outputs/default")
+    print(f"pipeline: {p}\ndataset: {d}")

@@ -117,6 +117,34 @@ def _typical_hidden_size(model: torch.nn.Module) -> int:
     return max(64, int(math.sqrt(sizes[len(sizes) // 2])))
 
 
+def zero3_bucket_sizes(model: torch.nn.Module) -> dict[str, int]:
+    """ZeRO-3 bucket and persistence sizes for ``model`` from its parameter shapes.
+
+    The same rules as accelerate's ``"auto"`` (``hidden^2``, ``0.9 hidden^2``,
+    ``10 hidden``), with the hidden size taken from the model's median weight matrix, since
+    diffusers models have no ``config.hidden_size``.
+    """
+    hidden = _typical_hidden_size(model)
+    return {
+        "reduce_bucket_size": hidden * hidden,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+        "stage3_param_persistence_threshold": 10 * hidden,
+    }
+
+
+def fill_auto_bucket_sizes(ds_config: dict, model: torch.nn.Module) -> dict:
+    """Replace ``"auto"`` bucket/persistence sizes in ``ds_config`` (in place) for ``model``.
+
+    Call before ``accelerator.prepare(model)``: accelerate reads ``model.config.hidden_size``
+    for them, which diffusers models lack.
+    """
+    zero = ds_config.setdefault("zero_optimization", {})
+    for key, value in zero3_bucket_sizes(model).items():
+        if zero.get(key, "auto") == "auto":
+            zero[key] = value
+    return ds_config
+
+
 def _resolve_dtype(
     dtype: torch.dtype | str | None, base: dict, accelerator: Accelerator | None
 ) -> torch.dtype:
@@ -164,13 +192,7 @@ def frozen_engine_config(
         if k not in ("offload_optimizer", "offload_param")
     }
     zero["stage"] = 3
-    hidden = _typical_hidden_size(model)
-    defaults = {
-        "reduce_bucket_size": hidden * hidden,
-        "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
-        "stage3_param_persistence_threshold": 10 * hidden,
-    }
-    for key, value in defaults.items():
+    for key, value in zero3_bucket_sizes(model).items():
         if zero.get(key, "auto") == "auto":
             zero[key] = value
     for key in [k for k, v in zero.items() if v == "auto"]:

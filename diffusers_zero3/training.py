@@ -41,12 +41,14 @@ def diffusion_loss(
     snr_gamma: float | None = None,
     input_perturbation: float = 0.0,
     perturbation: torch.Tensor | None = None,
+    dream_detail_preservation: float | None = None,
 ) -> torch.Tensor:
     """The denoising loss of one batch (mean over the batch).
 
     ``latents`` are already scaled by the VAE's ``scaling_factor``. ``perturbation`` is the
     extra noise of ``--input_perturbation`` (drawn by the caller, so that runs are
-    reproducible).
+    reproducible). ``dream_detail_preservation`` turns on DREAM (arXiv:2312.00210): one
+    extra no-grad UNet forward (every rank makes it, so ZeRO-3 stays in lockstep).
     """
     if prediction_type is not None:
         noise_scheduler.register_to_config(prediction_type=prediction_type)
@@ -60,6 +62,12 @@ def diffusion_loss(
         target = noise_scheduler.get_velocity(latents, noise, timesteps)
     else:
         raise ValueError(f"unknown prediction type {noise_scheduler.config.prediction_type!r}")
+    if dream_detail_preservation is not None:
+        from diffusers.training_utils import compute_dream_and_update_latents
+
+        noisy_latents, target = compute_dream_and_update_latents(
+            unet, noise_scheduler, timesteps, noise, noisy_latents, target, encoder_hidden_states, dream_detail_preservation
+        )
     model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
     if snr_gamma is None:
         return F.mse_loss(model_pred.float(), target.float(), reduction="mean")

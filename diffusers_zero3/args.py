@@ -1,0 +1,137 @@
+"""Command line of ``scripts/train_text_to_image.py``: diffusers' flags, plus placements.
+
+Every flag of diffusers' ``examples/text_to_image/train_text_to_image.py`` is accepted with
+the same name, default and meaning, so an existing launch command works unchanged; a flag
+that cannot apply here fails in ``validate_args`` with one clear message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+
+PLACEMENT_CHOICES = ("replicate", "shard", "offload", "cache")
+
+
+class ArgumentError(ValueError):
+    """A command-line value that cannot work; the message names the flag."""
+
+
+def text_to_image_parser() -> argparse.ArgumentParser:
+    """The argument parser: diffusers' text-to-image flags and this package's own."""
+    p = argparse.ArgumentParser(description="Fine-tune a Stable Diffusion UNet under DeepSpeed ZeRO-3.")
+    a = p.add_argument
+    # --- diffusers' flags (same names, defaults and meanings)
+    a("--input_perturbation", type=float, default=0, help="The scale of input perturbation (0.1 recommended).")
+    a("--pretrained_model_name_or_path", type=str, default=None, required=True, help="Pipeline folder or hub id.")
+    a("--revision", type=str, default=None, help="Revision of the pretrained model.")
+    a("--variant", type=str, default=None, help="Variant of the model files, e.g. fp16.")
+    a("--dataset_name", type=str, default=None, help="A datasets hub name or local dataset path.")
+    a("--dataset_config_name", type=str, default=None, help="The config of the dataset.")
+    a("--train_data_dir", type=str, default=None, help="An imagefolder with metadata.jsonl captions.")
+    a("--image_column", type=str, default="image", help="The column holding images.")
+    a("--caption_column", type=str, default="text", help="The column holding captions.")
+    a("--max_train_samples", type=int, default=None, help="Truncate the training set (debugging).")
+    a("--validation_prompts", type=str, default=None, nargs="+", help="Prompts for validation images.")
+    a("--output_dir", type=str, default="sd-model-finetuned", help="Where checkpoints and the pipeline go.")
+    a("--cache_dir", type=str, default=None, help="Where downloaded models and datasets are stored.")
+    a("--seed", type=int, default=None, help="A seed for reproducible training.")
+    a("--resolution", type=int, default=512, help="Training image resolution.")
+    a("--center_crop", default=False, action="store_true", help="Center crop instead of random crop.")
+    a("--random_flip", action="store_true", help="Randomly flip images horizontally.")
+    a("--train_batch_size", type=int, default=16, help="Batch size per device.")
+    a("--num_train_epochs", type=int, default=100)
+    a("--max_train_steps", type=int, default=None, help="Total optimisation steps; overrides epochs.")
+    a("--gradient_accumulation_steps", type=int, default=1)
+    a("--gradient_checkpointing", action="store_true", help="Trade compute for memory in the UNet.")
+    a("--learning_rate", type=float, default=1e-4)
+    a("--scale_lr", action="store_true", default=False, help="Scale lr by GPUs, accumulation and batch size.")
+    a("--lr_scheduler", type=str, default="constant", help="A diffusers.optimization scheduler name.")
+    a("--lr_warmup_steps", type=int, default=500)
+    a("--snr_gamma", type=float, default=None, help="Min-SNR weighting gamma (5.0 recommended).")
+    a("--dream_training", action="store_true", help="DREAM training (arXiv:2312.00210).")
+    a("--dream_detail_preservation", type=float, default=1.0)
+    a("--use_8bit_adam", action="store_true", help="bitsandbytes 8-bit Adam.")
+    a("--allow_tf32", action="store_true", help="Allow TF32 on Ampere GPUs.")
+    a("--use_ema", action="store_true", help="Keep an EMA of the UNet (ShardedEMA under ZeRO-3).")
+    a("--offload_ema", action="store_true", help="Keep the EMA partitions in CPU memory.")
+    a("--foreach_ema", action="store_true", help="Accepted for compatibility: ShardedEMA gathers nothing.")
+    a("--non_ema_revision", type=str, default=None, help="Revision of the UNet to train from.")
+    a("--dataloader_num_workers", type=int, default=0)
+    a("--adam_beta1", type=float, default=0.9)
+    a("--adam_beta2", type=float, default=0.999)
+    a("--adam_weight_decay", type=float, default=1e-2)
+    a("--adam_epsilon", type=float, default=1e-08)
+    a("--max_grad_norm", default=1.0, type=float)
+    a("--push_to_hub", action="store_true", help="Not supported here (no hub access is assumed).")
+    a("--hub_token", type=str, default=None)
+    a("--hub_model_id", type=str, default=None)
+    a("--prediction_type", type=str, default=None, help="'epsilon' or 'v_prediction'; default: the scheduler's.")
+    a("--logging_dir", type=str, default="logs", help="TensorBoard folder, inside --output_dir.")
+    a("--mixed_precision", type=str, default=None, choices=["no", "fp16", "bf16"])
+    a("--report_to", type=str, default="tensorboard", help="tensorboard, wandb, all or none.")
+    a("--local_rank", type=int, default=-1, help="Set by launchers.")
+    a("--checkpointing_steps", type=int, default=500, help="Save a resumable checkpoint every N steps.")
+    a("--checkpoints_total_limit", type=int, default=None, help="Keep at most this many checkpoints.")
+    a("--resume_from_checkpoint", type=str, default=None, help="'latest' or a checkpoint folder.")
+    a("--enable_xformers_memory_efficient_attention", action="store_true")
+    a("--noise_offset", type=float, default=0, help="The scale of noise offset.")
+    a("--validation_epochs", type=int, default=5, help="Run validation every X epochs.")
+    a("--tracker_project_name", type=str, default="text2image-fine-tune")
+    # --- this package's flags
+    a("--text_encoder_placement", default="replicate", choices=PLACEMENT_CHOICES, help="Where the text encoder lives.")
+    a("--vae_placement", default="replicate", choices=PLACEMENT_CHOICES, help="Where the VAE lives.")
+    a("--frozen_cache_dir", type=str, default=None, help="Folder of 'cache' outputs (default: OUTPUT_DIR/frozen_cache).")
+    a("--process_group_timeout", type=float, default=1800, help="Seconds before a collective gives up.")
+    a("--validation_steps", type=int, default=None, help="Also validate every N steps.")
+    a("--num_validation_inference_steps", type=int, default=20, help="Denoising steps of validation images.")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse ``argv`` (default ``sys.argv``) and apply ``LOCAL_RANK`` like upstream."""
+    args = text_to_image_parser().parse_args(argv)
+    env_local_rank = int(os.environ.get("LOCAL_RANK", -1))
+    if env_local_rank != -1 and env_local_rank != args.local_rank:
+        args.local_rank = env_local_rank
+    if args.non_ema_revision is None:
+        args.non_ema_revision = args.revision
+    return args
+
+
+def validate_args(args: argparse.Namespace, *, deepspeed_active: bool, on_cpu: bool) -> None:
+    """Raise ``ArgumentError`` naming the first flag that cannot work as given."""
+    if args.dataset_name is None and args.train_data_dir is None:
+        raise ArgumentError("need either --dataset_name or --train_data_dir")
+    if args.use_8bit_adam and importlib.util.find_spec("bitsandbytes") is None:
+        raise ArgumentError("--use_8bit_adam needs bitsandbytes, which is not installed (pip install bitsandbytes)")
+    if args.use_8bit_adam and deepspeed_active:
+        raise ArgumentError("--use_8bit_adam cannot be used with DeepSpeed ZeRO-3 (its optimizer owns the partitions)")
+    if args.enable_xformers_memory_efficient_attention and importlib.util.find_spec("xformers") is None:
+        raise ArgumentError("--enable_xformers_memory_efficient_attention needs xformers, which is not installed")
+    if args.push_to_hub:
+        raise ArgumentError("--push_to_hub is not supported by this script; upload OUTPUT_DIR yourself")
+    if args.mixed_precision == "fp16" and on_cpu:
+        raise ArgumentError("--mixed_precision fp16 does not run on CPU; use bf16 or no")
+    for flag in ("text_encoder_placement", "vae_placement"):
+        placement = getattr(args, flag)
+        if placement in ("shard", "offload") and not deepspeed_active:
+            raise ArgumentError(
+                f"--{flag} {placement} needs DeepSpeed: launch with `accelerate launch --config_file "
+                "configs/accelerate_zero3.yaml ...`, or use replicate/cache"
+            )
+        if placement == "offload" and on_cpu:
+            raise ArgumentError(f"--{flag} offload needs a GPU (the weights are already in CPU memory here)")
+    if args.prediction_type not in (None, "epsilon", "v_prediction"):
+        raise ArgumentError(f"--prediction_type must be epsilon or v_prediction, got {args.prediction_type!r}")
+    if args.report_to not in ("tensorboard", "wandb", "all", "none"):
+        raise ArgumentError(f"--report_to must be tensorboard, wandb, all or none, got {args.report_to!r}")
+    if args.report_to in ("wandb", "all") and importlib.util.find_spec("wandb") is None:
+        raise ArgumentError("--report_to wandb needs wandb, which is not installed")
+    if args.report_to in ("tensorboard", "all") and importlib.util.find_spec("tensorboard") is None:
+        raise ArgumentError("--report_to tensorboard needs tensorboard (pip install tensorboard) or --report_to none")
+    if args.checkpointing_steps is not None and args.checkpointing_steps <= 0:
+        raise ArgumentError("--checkpointing_steps must be positive")
+    if args.train_batch_size <= 0 or args.gradient_accumulation_steps <= 0:
+        raise ArgumentError("--train_batch_size and --gradient_accumulation_steps must be positive")

@@ -1,0 +1,470 @@
+#!/usr/bin/env python
+"""Fine-tune a Stable Diffusion UNet under DeepSpeed ZeRO-3, beside frozen text encoder and VAE.
+
+A drop-in for diffusers' ``examples/text_to_image/train_text_to_image.py`` (same flags), that
+runs the whole way under ZeRO-3:
+
+    accelerate launch --config_file configs/accelerate_zero3.yaml --num_processes 8 \\
+        scripts/train_text_to_image.py --pretrained_model_name_or_path PIPE \\
+        --dataset_name DATA --use_ema --checkpointing_steps 500 --output_dir out \\
+        --text_encoder_placement shard --vae_placement replicate
+
+also as one plain ``python`` process without DeepSpeed, and on CPU-only hosts (gloo).
+``make train`` runs it on the embedded default (a tiny generated pipeline and dataset).
+
+What differs from upstream, and why:
+* the UNet is loaded straight into ZeRO-3 partitions and saved by streaming them (no rank
+  ever holds it whole), instead of ``from_pretrained`` + ``save_pretrained`` of placeholders;
+* frozen models are placed by ``--text_encoder_placement`` / ``--vae_placement``; upstream's
+  ``zero3_init_context_manager(enable=False)`` no longer keeps them whole;
+* ``--use_ema`` averages each rank's partition (``ShardedEMA``) instead of a full copy;
+* every collective (checkpoint save, final save, validation) runs on every rank;
+* checkpoints are atomic and resume the exact trajectory (RNG, data position, EMA).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from diffusers_zero3 import (
+    ShardedEMA,
+    build_accelerator,
+    load_pretrained_zero3,
+    log_rank_zero,
+    precompute_frozen_outputs,
+    prepare_frozen,
+    zero3_init_disabled,
+)
+from diffusers_zero3.args import ArgumentError, parse_args, validate_args
+from diffusers_zero3.checkpoint import (
+    CheckpointError,
+    load_training_checkpoint,
+    resolve_model_folder,
+    resolve_resume_checkpoint,
+    save_training_checkpoint,
+)
+from diffusers_zero3.data import (
+    DataError,
+    ImageCaptionDataset,
+    collate,
+    load_image_caption_dataset,
+    resolve_columns,
+)
+from diffusers_zero3.frozen import fill_auto_bucket_sizes
+from diffusers_zero3.pipeline_io import (
+    generate_validation_images,
+    image_grid,
+    model_card,
+    save_final_pipeline,
+)
+from diffusers_zero3.training import diffusion_loss, sample_noise
+
+logger = logging.getLogger("train_text_to_image")
+
+
+class TextToImageTrainer:
+    """setup() -> train() -> save(); each step is a short method."""
+
+    def __init__(self, args):
+        self.args = args
+        self.global_step = 0
+        self.first_epoch = 0
+        self.resume_batches = 0
+        self.resumed_from: Path | None = None
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self) -> None:
+        from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+
+        args = self.args
+        self.accelerator = build_accelerator(
+            timeout_s=args.process_group_timeout,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            mixed_precision=args.mixed_precision,
+            log_with=None if args.report_to == "none" else args.report_to,
+            project_config=ProjectConfiguration(args.output_dir, os.path.join(args.output_dir, args.logging_dir)),
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        )
+        acc = self.accelerator
+        plugin = acc.state.deepspeed_plugin
+        self.zero3 = plugin is not None and plugin.zero_stage == 3
+        validate_args(args, deepspeed_active=plugin is not None, on_cpu=acc.device.type == "cpu")
+        logging.basicConfig(level=logging.INFO if acc.is_main_process else logging.WARNING, format="%(message)s")
+        set_seed(args.seed if args.seed is not None else 0)
+        if args.allow_tf32 and torch.cuda.is_available():
+            torch.backends.cuda.matmul.allow_tf32 = True
+        self.weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(acc.mixed_precision, torch.float32)
+        self.source = resolve_model_folder(args.pretrained_model_name_or_path, None, args.revision, args.cache_dir)
+        if plugin is not None:
+            plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm
+        self._load_models()
+        self._load_data()
+        self._place_frozen()
+        self._prepare_training()
+
+    def _load_models(self) -> None:
+        from diffusers import DDPMScheduler, UNet2DConditionModel
+        from transformers import CLIPTokenizer
+
+        args, src = self.args, self.source
+        self.noise_scheduler = DDPMScheduler.from_pretrained(src, subfolder="scheduler")
+        if args.prediction_type is not None:
+            self.noise_scheduler.register_to_config(prediction_type=args.prediction_type)
+        self.tokenizer = CLIPTokenizer.from_pretrained(src, subfolder="tokenizer")
+        plugin = self.accelerator.state.deepspeed_plugin
+        if self.zero3:
+            self.unet = load_pretrained_zero3(UNet2DConditionModel, src, "unet", accelerator=self.accelerator)
+            fill_auto_bucket_sizes(plugin.deepspeed_config, self.unet)
+        else:
+            with zero3_init_disabled():
+                self.unet = UNet2DConditionModel.from_pretrained(src, subfolder="unet", variant=args.variant)
+        if args.gradient_checkpointing:
+            self.unet.enable_gradient_checkpointing()
+        if args.enable_xformers_memory_efficient_attention:
+            self.unet.enable_xformers_memory_efficient_attention()
+        self.unet.train()
+
+    def _load_frozen(self, name: str):
+        from diffusers import AutoencoderKL
+        from transformers import CLIPTextModel
+
+        cls = CLIPTextModel if name == "text_encoder" else AutoencoderKL
+        placement = getattr(self.args, f"{name}_placement")
+        if placement in ("shard", "offload"):  # straight into partitions, never whole
+            return load_pretrained_zero3(cls, self.source, name, accelerator=self.accelerator)
+        with zero3_init_disabled():
+            return cls.from_pretrained(self.source, subfolder=name, variant=self.args.variant)
+
+    def _load_data(self) -> None:
+        args = self.args
+        ds = load_image_caption_dataset(args.dataset_name, args.dataset_config_name, args.train_data_dir, args.cache_dir)
+        self.image_column, self.caption_column = resolve_columns(ds, args.image_column, args.caption_column)
+        if args.max_train_samples is not None:
+            ds = ds.shuffle(seed=args.seed or 0).select(range(min(args.max_train_samples, len(ds))))
+        self.hf_dataset = ds
+        self.train_dataset = ImageCaptionDataset(
+            ds,
+            self.tokenizer,
+            self.image_column,
+            self.caption_column,
+            args.resolution,
+            args.center_crop,
+            args.random_flip,
+            seed=args.seed or 0,
+            with_images=args.vae_placement != "cache",
+        )
+
+    def _place_frozen(self) -> None:
+        """Frozen models by placement; 'cache' ones are run once over the data, then freed."""
+        args, acc = self.args, self.accelerator
+        self.text_encoder = self.vae = self.cache = None
+        live = {}
+        for name in ("text_encoder", "vae"):
+            placement = getattr(args, f"{name}_placement")
+            model = self._load_frozen(name)
+            live[name] = prepare_frozen(
+                model, "replicate" if placement == "cache" else placement, accelerator=acc, dtype=self.weight_dtype, name=name
+            )
+        cached = [n for n in live if getattr(args, f"{n}_placement") == "cache"]
+        if cached:
+            self.cache = precompute_frozen_outputs(
+                self.hf_dataset,
+                args.frozen_cache_dir or os.path.join(args.output_dir, "frozen_cache"),
+                tokenizer=self.tokenizer,
+                text_encoder=live["text_encoder"] if "text_encoder" in cached else None,
+                vae=live["vae"] if "vae" in cached else None,
+                image_column=self.image_column,
+                caption_column=self.caption_column,
+                resolution=args.resolution,
+                center_crop=args.center_crop,
+                random_flip=args.random_flip,
+                seed=args.seed or 0,
+                batch_size=args.train_batch_size,
+            )
+            for name in cached:  # training holds none of their weights
+                live[name].release()
+                live[name] = None
+        self.text_encoder, self.vae = live["text_encoder"], live["vae"]
+        self.vae_scaling_factor = self._vae_config()["scaling_factor"]
+
+    def _vae_config(self) -> dict:
+        from diffusers import AutoencoderKL
+
+        return AutoencoderKL.load_config(self.source / "vae")
+
+    def _prepare_training(self) -> None:
+        from diffusers.optimization import get_scheduler
+
+        args, acc = self.args, self.accelerator
+        lr = args.learning_rate
+        if args.scale_lr:
+            lr = lr * args.gradient_accumulation_steps * args.train_batch_size * acc.num_processes
+        optimizer = torch.optim.AdamW(
+            self.unet.parameters(),
+            lr=lr,
+            betas=(args.adam_beta1, args.adam_beta2),
+            weight_decay=args.adam_weight_decay,
+            eps=args.adam_epsilon,
+        )
+        loader = torch.utils.data.DataLoader(
+            self.train_dataset,
+            shuffle=True,
+            collate_fn=collate,
+            batch_size=args.train_batch_size,
+            num_workers=args.dataloader_num_workers,
+            generator=torch.Generator().manual_seed(args.seed or 0),
+        )
+        updates_per_epoch = math.ceil(math.ceil(len(loader) / acc.num_processes) / args.gradient_accumulation_steps)
+        if args.max_train_steps is None:
+            args.max_train_steps = args.num_train_epochs * updates_per_epoch
+        scheduler = get_scheduler(
+            args.lr_scheduler,
+            optimizer=optimizer,
+            num_warmup_steps=args.lr_warmup_steps * acc.num_processes,
+            num_training_steps=args.max_train_steps * acc.num_processes,
+        )
+        # The UNet first: accelerate's backward drives the first engine it prepared.
+        self.unet, self.optimizer, self.loader, self.lr_scheduler = acc.prepare(self.unet, optimizer, loader, scheduler)
+        updates_per_epoch = math.ceil(len(self.loader) / args.gradient_accumulation_steps)
+        args.num_train_epochs = math.ceil(args.max_train_steps / updates_per_epoch)
+        self.updates_per_epoch = updates_per_epoch
+        self.ema = ShardedEMA(self.unet) if args.use_ema else None
+        if acc.is_main_process and args.report_to != "none":
+            config = {k: v for k, v in vars(args).items() if not isinstance(v, list)}
+            acc.init_trackers(args.tracker_project_name, config)
+        self._maybe_resume()
+
+    def _maybe_resume(self) -> None:
+        path = resolve_resume_checkpoint(self.args.output_dir, self.args.resume_from_checkpoint)
+        if path is None:
+            if self.args.resume_from_checkpoint:
+                log_rank_zero("no checkpoint to resume from yet: starting a new run")
+            return
+        state = load_training_checkpoint(self.accelerator, path, ema=self.ema)
+        self.global_step = state["global_step"]
+        self.first_epoch = state["epoch"]
+        self.resume_batches = state["batches_in_epoch"]
+        self.resumed_from = path
+        log_rank_zero(f"resumed from {path} at step {self.global_step}")
+
+    # ------------------------------------------------------------------ training
+
+    def _frozen_inputs(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scaled latents and text embeddings of a batch, from live frozen models or the cache."""
+        device = self.accelerator.device
+        cached = {}
+        if self.cache is not None:
+            flip = torch.rand(len(batch["index"])) < 0.5 if self.args.random_flip else None
+            cached = self.cache.get(batch["index"].cpu(), flip=flip)
+        with torch.no_grad():
+            if self.vae is None:
+                latents = cached["latents"].to(device)
+            else:
+                pixels = batch["pixel_values"].to(device, self.weight_dtype)
+                latents = self.vae.encode(pixels).latent_dist.sample()
+            if self.text_encoder is None:
+                states = cached["encoder_hidden_states"].to(device)
+            else:
+                states = self.text_encoder(batch["input_ids"].to(device), return_dict=False)[0]
+        return (latents * self.vae_scaling_factor).to(self.weight_dtype), states.to(self.weight_dtype)
+
+    def _loss(self, batch: dict) -> torch.Tensor:
+        args = self.args
+        latents, states = self._frozen_inputs(batch)
+        noise = sample_noise(latents, args.noise_offset)
+        perturbation = torch.randn_like(noise) if args.input_perturbation else None
+        n_steps = self.noise_scheduler.config.num_train_timesteps
+        timesteps = torch.randint(0, n_steps, (latents.shape[0],), device=latents.device).long()
+        return diffusion_loss(
+            self.unet,
+            self.noise_scheduler,
+            latents,
+            states,
+            noise,
+            timesteps,
+            snr_gamma=args.snr_gamma,
+            input_perturbation=args.input_perturbation,
+            perturbation=perturbation,
+            dream_detail_preservation=args.dream_detail_preservation if args.dream_training else None,
+        )
+
+    def train(self) -> list[float]:
+        """The training loop; returns the logged per-step losses (all ranks call it)."""
+        from tqdm.auto import tqdm
+
+        args, acc = self.args, self.accelerator
+        bar = tqdm(range(args.max_train_steps), initial=self.global_step, disable=not acc.is_local_main_process)
+        losses = []
+        for epoch in range(self.first_epoch, args.num_train_epochs):
+            self.train_dataset.set_epoch(epoch)
+            self.loader.set_epoch(epoch)
+            loader = self.loader
+            done_in_epoch = 0
+            if epoch == self.first_epoch and self.resume_batches:
+                loader = acc.skip_first_batches(self.loader, self.resume_batches)
+                done_in_epoch = self.resume_batches
+            accumulated = 0.0
+            for batch in loader:
+                with acc.accumulate(self.unet):
+                    loss = self._loss(batch)
+                    accumulated += acc.gather(loss.detach().repeat(len(batch["index"]))).mean().item()
+                    acc.backward(loss)
+                    self.optimizer.step()
+                    self.lr_scheduler.step()
+                    self.optimizer.zero_grad()
+                done_in_epoch += 1
+                if not acc.sync_gradients:
+                    continue
+                if self.ema is not None:
+                    self.ema.step()
+                self.global_step += 1
+                step_loss = accumulated / args.gradient_accumulation_steps
+                accumulated = 0.0
+                losses.append(step_loss)
+                lr = self.lr_scheduler.get_last_lr()[0]
+                acc.log({"train_loss": step_loss, "lr": lr}, step=self.global_step)
+                bar.update(1)
+                bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}")
+                log_rank_zero(f"step {self.global_step} loss {step_loss:.6f}")
+                if self.global_step % args.checkpointing_steps == 0:
+                    self._checkpoint(epoch, done_in_epoch)
+                if args.validation_steps and self.global_step % args.validation_steps == 0:
+                    self.validate()
+                if self.global_step >= args.max_train_steps:
+                    break
+            if args.validation_prompts and (epoch + 1) % args.validation_epochs == 0:
+                self.validate()
+            if self.global_step >= args.max_train_steps:
+                break
+        bar.close()
+        if len(losses) >= 2:
+            k = max(1, min(10, len(losses) // 4))
+            first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+            log_rank_zero(f"loss: mean of the first {k} steps {first:.4f} -> mean of the last {k} steps {last:.4f}")
+        skipped = len(self.train_dataset.skipped_rows)
+        if skipped:
+            logger.warning("skipped %d unreadable image row(s) on rank %d", skipped, acc.process_index)
+        return losses
+
+    def _checkpoint(self, epoch: int, done_in_epoch: int) -> None:
+        # Resume continues inside this epoch after `done_in_epoch` batches, or at the next epoch.
+        finished = done_in_epoch >= len(self.loader)
+        state = {"epoch": epoch + 1 if finished else epoch, "batches_in_epoch": 0 if finished else done_in_epoch}
+        path = save_training_checkpoint(
+            self.accelerator,
+            self.args.output_dir,
+            self.global_step,
+            state,
+            ema=self.ema,
+            total_limit=self.args.checkpoints_total_limit,
+            protect=self.resumed_from,
+        )
+        log_rank_zero(f"saved {path}")
+
+    def _validation_parts(self):
+        """UNet, VAE and text encoder modules for a pipeline; cached ones are reloaded whole."""
+        parts = {}
+        for name in ("vae", "text_encoder"):
+            frozen = getattr(self, name)
+            if frozen is not None:
+                parts[name] = frozen.module
+            else:
+                with zero3_init_disabled():
+                    parts[name] = self._load_frozen_whole(name)
+        return parts
+
+    def _load_frozen_whole(self, name: str):
+        from diffusers import AutoencoderKL
+        from transformers import CLIPTextModel
+
+        cls = CLIPTextModel if name == "text_encoder" else AutoencoderKL
+        return cls.from_pretrained(self.source, subfolder=name).to(self.accelerator.device, self.weight_dtype).eval()
+
+    def validate(self) -> None:
+        """Images for --validation_prompts from the (EMA) weights; every rank, rank 0 writes."""
+        from diffusers import DDPMScheduler
+
+        args, acc = self.args, self.accelerator
+        if not args.validation_prompts:
+            return
+        parts = self._validation_parts()
+        scheduler = DDPMScheduler.from_config(self.noise_scheduler.config)
+        unet = getattr(self.unet, "module", self.unet)
+        ctx = self.ema.averaged_weights() if self.ema is not None else contextlib.nullcontext()
+        with ctx:
+            images = generate_validation_images(
+                unet,
+                parts["vae"],
+                parts["text_encoder"],
+                self.tokenizer,
+                scheduler,
+                args.validation_prompts,
+                resolution=args.resolution,
+                num_inference_steps=args.num_validation_inference_steps,
+                seed=args.seed or 0,
+            )
+        if acc.is_main_process:
+            folder = Path(args.output_dir) / "validation"
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"step-{self.global_step:06d}.png"
+            image_grid(images).save(path)
+            self._log_images(images)
+            log_rank_zero(f"validation images: {path}")
+
+    def _log_images(self, images) -> None:
+        import numpy as np
+
+        for tracker in self.accelerator.trackers:
+            if tracker.name == "tensorboard":
+                arr = np.stack([np.asarray(img) for img in images])
+                tracker.writer.add_images("validation", arr, self.global_step, dataformats="NHWC")
+
+    # ------------------------------------------------------------------ output
+
+    def save(self) -> None:
+        """The final pipeline folder (every rank)."""
+        args = self.args
+        card = model_card(
+            args.pretrained_model_name_or_path,
+            args.dataset_name or args.train_data_dir,
+            {k: v for k, v in vars(args).items() if not isinstance(v, list)},
+            args.validation_prompts,
+        )
+        save_final_pipeline(self.source, args.output_dir, self.unet, ema=self.ema, readme=card)
+        self.accelerator.end_training()
+        log_rank_zero(
+            f"pipeline: {os.path.abspath(args.output_dir)} (StableDiffusionPipeline.from_pretrained)\n"
+            f"validation images: {os.path.abspath(os.path.join(args.output_dir, 'validation'))}\n"
+            f"logs: {os.path.abspath(os.path.join(args.output_dir, args.logging_dir))}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    trainer = TextToImageTrainer(args)
+    try:
+        trainer.setup()
+        trainer.train()
+        trainer.save()
+    except (ArgumentError, DataError, CheckpointError) as e:
+        # One line naming the problem, on every rank, and a non-zero exit.
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if torch.distributed.is_initialized():
+            os._exit(2)  # skip teardown: a live gloo group can hang or abort there
+        return 2
+    from diffusers_zero3.distributed import destroy_process_group
+
+    destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
