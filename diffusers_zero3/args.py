@@ -23,8 +23,19 @@ def text_to_image_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Fine-tune a Stable Diffusion UNet under DeepSpeed ZeRO-3.")
     a = p.add_argument
     # --- diffusers' flags (same names, defaults and meanings)
-    a("--input_perturbation", type=float, default=0, help="The scale of input perturbation (0.1 recommended).")
-    a("--pretrained_model_name_or_path", type=str, default=None, required=True, help="Pipeline folder or hub id.")
+    a(
+        "--input_perturbation",
+        type=float,
+        default=0,
+        help="The scale of input perturbation (0.1 recommended).",
+    )
+    a(
+        "--pretrained_model_name_or_path",
+        type=str,
+        default=None,
+        required=True,
+        help="Pipeline folder or hub id.",
+    )
     a("--revision", type=str, default=None, help="Revision of the pretrained model.")
     a("--variant", type=str, default=None, help="Variant of the model files, e.g. fp16.")
     a("--dataset_name", type=str, default=None, help="A datasets hub name or local dataset path.")
@@ -67,7 +78,12 @@ def text_to_image_parser() -> argparse.ArgumentParser:
     a("--push_to_hub", action="store_true", help="Not supported here (no hub access is assumed).")
     a("--hub_token", type=str, default=None)
     a("--hub_model_id", type=str, default=None)
-    a("--prediction_type", type=str, default=None, help="'epsilon' or 'v_prediction'; default: the scheduler's.")
+    a(
+        "--prediction_type",
+        type=str,
+        default=None,
+        help="'epsilon' or 'v_prediction'; default: the scheduler's.",
+    )
     a("--logging_dir", type=str, default="logs", help="TensorBoard folder, inside --output_dir.")
     a("--mixed_precision", type=str, default=None, choices=["no", "fp16", "bf16"])
     a("--report_to", type=str, default="tensorboard", help="tensorboard, wandb, all or none.")
@@ -80,9 +96,19 @@ def text_to_image_parser() -> argparse.ArgumentParser:
     a("--validation_epochs", type=int, default=5, help="Run validation every X epochs.")
     a("--tracker_project_name", type=str, default="text2image-fine-tune")
     # --- this package's flags
-    a("--text_encoder_placement", default="replicate", choices=PLACEMENT_CHOICES, help="Where the text encoder lives.")
+    a(
+        "--text_encoder_placement",
+        default="replicate",
+        choices=PLACEMENT_CHOICES,
+        help="Where the text encoder lives.",
+    )
     a("--vae_placement", default="replicate", choices=PLACEMENT_CHOICES, help="Where the VAE lives.")
-    a("--frozen_cache_dir", type=str, default=None, help="Folder of 'cache' outputs (default: OUTPUT_DIR/frozen_cache).")
+    a(
+        "--frozen_cache_dir",
+        type=str,
+        default=None,
+        help="Folder of 'cache' outputs (default: OUTPUT_DIR/frozen_cache).",
+    )
     a("--process_group_timeout", type=float, default=1800, help="Seconds before a collective gives up.")
     a("--validation_steps", type=int, default=None, help="Also validate every N steps.")
     a("--num_validation_inference_steps", type=int, default=20, help="Denoising steps of validation images.")
@@ -105,11 +131,17 @@ def validate_args(args: argparse.Namespace, *, deepspeed_active: bool, on_cpu: b
     if args.dataset_name is None and args.train_data_dir is None:
         raise ArgumentError("need either --dataset_name or --train_data_dir")
     if args.use_8bit_adam and importlib.util.find_spec("bitsandbytes") is None:
-        raise ArgumentError("--use_8bit_adam needs bitsandbytes, which is not installed (pip install bitsandbytes)")
+        raise ArgumentError(
+            "--use_8bit_adam needs bitsandbytes, which is not installed (pip install bitsandbytes)"
+        )
     if args.use_8bit_adam and deepspeed_active:
-        raise ArgumentError("--use_8bit_adam cannot be used with DeepSpeed ZeRO-3 (its optimizer owns the partitions)")
+        raise ArgumentError(
+            "--use_8bit_adam cannot be used with DeepSpeed ZeRO-3 (its optimizer owns the partitions)"
+        )
     if args.enable_xformers_memory_efficient_attention and importlib.util.find_spec("xformers") is None:
-        raise ArgumentError("--enable_xformers_memory_efficient_attention needs xformers, which is not installed")
+        raise ArgumentError(
+            "--enable_xformers_memory_efficient_attention needs xformers, which is not installed"
+        )
     if args.push_to_hub:
         raise ArgumentError("--push_to_hub is not supported by this script; upload OUTPUT_DIR yourself")
     if args.mixed_precision == "fp16" and on_cpu:
@@ -124,13 +156,17 @@ def validate_args(args: argparse.Namespace, *, deepspeed_active: bool, on_cpu: b
         if placement == "offload" and on_cpu:
             raise ArgumentError(f"--{flag} offload needs a GPU (the weights are already in CPU memory here)")
     if args.prediction_type not in (None, "epsilon", "v_prediction"):
-        raise ArgumentError(f"--prediction_type must be epsilon or v_prediction, got {args.prediction_type!r}")
+        raise ArgumentError(
+            f"--prediction_type must be epsilon or v_prediction, got {args.prediction_type!r}"
+        )
     if args.report_to not in ("tensorboard", "wandb", "all", "none"):
         raise ArgumentError(f"--report_to must be tensorboard, wandb, all or none, got {args.report_to!r}")
     if args.report_to in ("wandb", "all") and importlib.util.find_spec("wandb") is None:
         raise ArgumentError("--report_to wandb needs wandb, which is not installed")
     if args.report_to in ("tensorboard", "all") and importlib.util.find_spec("tensorboard") is None:
-        raise ArgumentError("--report_to tensorboard needs tensorboard (pip install tensorboard) or --report_to none")
+        raise ArgumentError(
+            "--report_to tensorboard needs tensorboard (pip install tensorboard) or --report_to none"
+        )
     if args.checkpointing_steps is not None and args.checkpointing_steps <= 0:
         raise ArgumentError("--checkpointing_steps must be positive")
     if args.train_batch_size <= 0 or args.gradient_accumulation_steps <= 0:

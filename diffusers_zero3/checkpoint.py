@@ -486,7 +486,9 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     if not out.is_dir():
         return []
     found = [p for p in out.iterdir() if p.is_dir() and p.name.startswith(_CKPT_PREFIX)]
-    found = [p for p in found if p.name[len(_CKPT_PREFIX) :].isdigit() and (p / "training_state.json").exists()]
+    found = [
+        p for p in found if p.name[len(_CKPT_PREFIX) :].isdigit() and (p / "training_state.json").exists()
+    ]
     return sorted(found, key=lambda p: int(p.name[len(_CKPT_PREFIX) :]))
 
 
@@ -546,7 +548,9 @@ def save_training_checkpoint(
     return final
 
 
-def prune_checkpoints(output_dir: str | os.PathLike, total_limit: int, protect: Path | None = None) -> list[Path]:
+def prune_checkpoints(
+    output_dir: str | os.PathLike, total_limit: int, protect: Path | None = None
+) -> list[Path]:
     """Delete the oldest checkpoints so that at most ``total_limit`` remain (``protect`` kept)."""
     found = list_checkpoints(output_dir)
     removable = [p for p in found if protect is None or p.resolve() != Path(protect).resolve()]

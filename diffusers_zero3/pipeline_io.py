@@ -79,7 +79,9 @@ def image_grid(images: list, cols: int | None = None):
 
 def model_card(base_model: str, dataset: str, args: dict, validation_prompts: list[str] | None) -> str:
     """A README.md for the output pipeline folder."""
-    hyper = "\n".join(f"- {k}: {args[k]}" for k in sorted(args) if args[k] is not None and not k.startswith("hub_"))
+    hyper = "\n".join(
+        f"- {k}: {args[k]}" for k in sorted(args) if args[k] is not None and not k.startswith("hub_")
+    )
     prompts = "\n".join(f"- {p}" for p in validation_prompts or [])
     return f"""---
 library_name: diffusers

@@ -66,7 +66,14 @@ def diffusion_loss(
         from diffusers.training_utils import compute_dream_and_update_latents
 
         noisy_latents, target = compute_dream_and_update_latents(
-            unet, noise_scheduler, timesteps, noise, noisy_latents, target, encoder_hidden_states, dream_detail_preservation
+            unet,
+            noise_scheduler,
+            timesteps,
+            noise,
+            noisy_latents,
+            target,
+            encoder_hidden_states,
+            dream_detail_preservation,
         )
     model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
     if snr_gamma is None:

@@ -90,19 +90,27 @@ class TextToImageTrainer:
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             mixed_precision=args.mixed_precision,
             log_with=None if args.report_to == "none" else args.report_to,
-            project_config=ProjectConfiguration(args.output_dir, os.path.join(args.output_dir, args.logging_dir)),
+            project_config=ProjectConfiguration(
+                args.output_dir, os.path.join(args.output_dir, args.logging_dir)
+            ),
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         )
         acc = self.accelerator
         plugin = acc.state.deepspeed_plugin
         self.zero3 = plugin is not None and plugin.zero_stage == 3
         validate_args(args, deepspeed_active=plugin is not None, on_cpu=acc.device.type == "cpu")
-        logging.basicConfig(level=logging.INFO if acc.is_main_process else logging.WARNING, format="%(message)s")
+        logging.basicConfig(
+            level=logging.INFO if acc.is_main_process else logging.WARNING, format="%(message)s"
+        )
         set_seed(args.seed if args.seed is not None else 0)
         if args.allow_tf32 and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = True
-        self.weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(acc.mixed_precision, torch.float32)
-        self.source = resolve_model_folder(args.pretrained_model_name_or_path, None, args.revision, args.cache_dir)
+        self.weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(
+            acc.mixed_precision, torch.float32
+        )
+        self.source = resolve_model_folder(
+            args.pretrained_model_name_or_path, None, args.revision, args.cache_dir
+        )
         if plugin is not None:
             plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm
         self._load_models()
@@ -145,7 +153,9 @@ class TextToImageTrainer:
 
     def _load_data(self) -> None:
         args = self.args
-        ds = load_image_caption_dataset(args.dataset_name, args.dataset_config_name, args.train_data_dir, args.cache_dir)
+        ds = load_image_caption_dataset(
+            args.dataset_name, args.dataset_config_name, args.train_data_dir, args.cache_dir
+        )
         self.image_column, self.caption_column = resolve_columns(ds, args.image_column, args.caption_column)
         if args.max_train_samples is not None:
             ds = ds.shuffle(seed=args.seed or 0).select(range(min(args.max_train_samples, len(ds))))
@@ -171,7 +181,11 @@ class TextToImageTrainer:
             placement = getattr(args, f"{name}_placement")
             model = self._load_frozen(name)
             live[name] = prepare_frozen(
-                model, "replicate" if placement == "cache" else placement, accelerator=acc, dtype=self.weight_dtype, name=name
+                model,
+                "replicate" if placement == "cache" else placement,
+                accelerator=acc,
+                dtype=self.weight_dtype,
+                name=name,
             )
         cached = [n for n in live if getattr(args, f"{n}_placement") == "cache"]
         if cached:
@@ -222,7 +236,9 @@ class TextToImageTrainer:
             num_workers=args.dataloader_num_workers,
             generator=torch.Generator().manual_seed(args.seed or 0),
         )
-        updates_per_epoch = math.ceil(math.ceil(len(loader) / acc.num_processes) / args.gradient_accumulation_steps)
+        updates_per_epoch = math.ceil(
+            math.ceil(len(loader) / acc.num_processes) / args.gradient_accumulation_steps
+        )
         if args.max_train_steps is None:
             args.max_train_steps = args.num_train_epochs * updates_per_epoch
         scheduler = get_scheduler(
@@ -232,7 +248,9 @@ class TextToImageTrainer:
             num_training_steps=args.max_train_steps * acc.num_processes,
         )
         # The UNet first: accelerate's backward drives the first engine it prepared.
-        self.unet, self.optimizer, self.loader, self.lr_scheduler = acc.prepare(self.unet, optimizer, loader, scheduler)
+        self.unet, self.optimizer, self.loader, self.lr_scheduler = acc.prepare(
+            self.unet, optimizer, loader, scheduler
+        )
         updates_per_epoch = math.ceil(len(self.loader) / args.gradient_accumulation_steps)
         args.num_train_epochs = math.ceil(args.max_train_steps / updates_per_epoch)
         self.updates_per_epoch = updates_per_epoch
@@ -301,7 +319,9 @@ class TextToImageTrainer:
         from tqdm.auto import tqdm
 
         args, acc = self.args, self.accelerator
-        bar = tqdm(range(args.max_train_steps), initial=self.global_step, disable=not acc.is_local_main_process)
+        bar = tqdm(
+            range(args.max_train_steps), initial=self.global_step, disable=not acc.is_local_main_process
+        )
         losses = []
         for epoch in range(self.first_epoch, args.num_train_epochs):
             self.train_dataset.set_epoch(epoch)
@@ -348,7 +368,9 @@ class TextToImageTrainer:
         if len(losses) >= 2:
             k = max(1, min(10, len(losses) // 4))
             first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-            log_rank_zero(f"loss: mean of the first {k} steps {first:.4f} -> mean of the last {k} steps {last:.4f}")
+            log_rank_zero(
+                f"loss: mean of the first {k} steps {first:.4f} -> mean of the last {k} steps {last:.4f}"
+            )
         skipped = len(self.train_dataset.skipped_rows)
         if skipped:
             logger.warning("skipped %d unreadable image row(s) on rank %d", skipped, acc.process_index)
@@ -357,7 +379,10 @@ class TextToImageTrainer:
     def _checkpoint(self, epoch: int, done_in_epoch: int) -> None:
         # Resume continues inside this epoch after `done_in_epoch` batches, or at the next epoch.
         finished = done_in_epoch >= len(self.loader)
-        state = {"epoch": epoch + 1 if finished else epoch, "batches_in_epoch": 0 if finished else done_in_epoch}
+        state = {
+            "epoch": epoch + 1 if finished else epoch,
+            "batches_in_epoch": 0 if finished else done_in_epoch,
+        }
         path = save_training_checkpoint(
             self.accelerator,
             self.args.output_dir,
@@ -386,7 +411,11 @@ class TextToImageTrainer:
         from transformers import CLIPTextModel
 
         cls = CLIPTextModel if name == "text_encoder" else AutoencoderKL
-        return cls.from_pretrained(self.source, subfolder=name).to(self.accelerator.device, self.weight_dtype).eval()
+        return (
+            cls.from_pretrained(self.source, subfolder=name)
+            .to(self.accelerator.device, self.weight_dtype)
+            .eval()
+        )
 
     def validate(self) -> None:
         """Images for --validation_prompts from the (EMA) weights; every rank, rank 0 writes."""

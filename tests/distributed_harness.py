@@ -57,3 +57,34 @@ def run_command_on_ranks(argv, world_size: int = 2, timeout: float = DEFAULT_TIM
         )
     except RanksFailed as e:
         pytest.fail(str(e), pytrace=False)
+
+
+def run_launcher(argv, timeout: float = DEFAULT_TIMEOUT, env=None, expect_rc: int | None = 0):
+    """Run a launcher command (e.g. ``accelerate launch``) that starts its own ranks.
+
+    The whole process group is killed after ``timeout`` seconds and the test fails with the
+    output. Returns ``(returncode, output)``; fails when ``expect_rc`` is given and differs.
+    """
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(
+        argv,
+        cwd=str(REPO_ROOT),
+        env={**os.environ, **_test_env(env)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{argv[:4]} timed out after {timeout:.0f}s (a hang)\n{out[-8000:]}", pytrace=False)
+    if expect_rc is not None and proc.returncode != expect_rc:
+        pytest.fail(
+            f"{argv[:4]} exited {proc.returncode}, expected {expect_rc}\n{out[-8000:]}", pytrace=False
+        )
+    return proc.returncode, out
