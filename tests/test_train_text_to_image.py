@@ -194,3 +194,55 @@ def test_corrupt_image_is_skipped_with_a_warning(default_data, tmp_path):
     log = _plain([*_common(pipe, str(broken), tmp_path / "out", steps=3), "--report_to", "none"], expect_rc=0)
     assert "skipping row 3: unreadable image" in log
     assert "skipped 1 unreadable image row(s)" in log
+
+
+def test_dead_rank_makes_the_other_exit_instead_of_hanging(default_data, tmp_path):
+    """Without torchrun's agent (e.g. under srun or a bare launcher) a killed rank must not
+    leave the other waiting forever: its next collective fails and it exits non-zero."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from diffusers_zero3.local_ranks import free_port, rank_env
+    from tests.distributed_harness import _test_env
+
+    pipe, data = default_data
+    argv = [sys.executable, SCRIPT, *_common(pipe, data, tmp_path / "dead", steps=200)]
+    argv += ["--report_to", "none", "--process_group_timeout", "30"]
+    accelerate_env = {
+        "ACCELERATE_USE_DEEPSPEED": "true",
+        "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+        "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true",
+        "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "none",
+        "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none",
+        "ACCELERATE_MIXED_PRECISION": "no",
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+    }
+    port = free_port()
+    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+    procs = []
+    for r in range(2):
+        with open(logs[r], "w") as fh:
+            env = rank_env(r, 2, port, _test_env(accelerate_env))
+            procs.append(subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        deadline = time.monotonic() + 240
+        while "step 2 loss" not in logs[0].read_text() and time.monotonic() < deadline:
+            assert procs[0].poll() is None, logs[0].read_text()[-3000:]
+            time.sleep(0.2)
+        assert "step 2 loss" in logs[0].read_text(), logs[0].read_text()[-3000:]
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        try:
+            rc = procs[0].wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            pytest.fail("rank 0 still running 90 s after rank 1 died (a hang)\n" + logs[0].read_text()[-3000:])
+        assert rc != 0
+        assert time.monotonic() - killed_at < 90
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
