@@ -32,6 +32,8 @@ class ShardedEMA:
             plain module (then the average is whole, as ``EMAModel``'s).
         decay, min_decay, update_after_step, use_ema_warmup, inv_gamma, power: as
             diffusers' ``EMAModel``; ``get_decay`` gives the same values.
+        device: where the averages live (``"cpu"`` for ``--offload_ema``); default: with
+            the weights they average.
 
     Under ZeRO-3 create it after the engine (the optimizer owns the fp32 master partitions
     it averages). ``step()`` is local; ``copy_to``, ``store``/``restore`` of parameters kept
@@ -56,6 +58,7 @@ class ShardedEMA:
         use_ema_warmup: bool = False,
         inv_gamma: float | int = 1.0,
         power: float | int = 2 / 3,
+        device: torch.device | str | None = None,
     ):
         self.module: torch.nn.Module = getattr(model, "module", model)
         self.decay, self.min_decay = decay, min_decay
@@ -64,7 +67,11 @@ class ShardedEMA:
         self.optimization_step = 0
         self.cur_decay_value: float | None = None
         self._named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        self.shadow: list[torch.Tensor] = [self._source(p).detach().float().clone() for _, p in self._named]
+        self.device = torch.device(device) if device is not None else None
+        self.shadow: list[torch.Tensor] = [
+            self._source(p).detach().to(self.device or self._source(p).device, torch.float32, copy=True)
+            for _, p in self._named
+        ]
         self._stored: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
     # ---------------------------------------------------------------- averaging
@@ -96,9 +103,10 @@ class ShardedEMA:
         self.optimization_step += 1
         decay = self.get_decay(self.optimization_step)
         self.cur_decay_value = decay
-        one_minus = 1 - decay
-        for shadow, (_, p) in zip(self.shadow, self._named):
-            shadow.sub_(one_minus * (shadow - self._source(p).float()))
+        sources = [self._source(p) for _, p in self._named]
+        sources = [s.to(self.device or s.device, torch.float32) for s in sources]
+        # shadow += (1 - decay) * (source - shadow), in place and fused: no temporaries.
+        torch._foreach_lerp_(self.shadow, sources, 1 - decay)
 
     # ---------------------------------------------------------------- live weights
 
@@ -128,9 +136,9 @@ class ShardedEMA:
             if is_zero3_param(p):
                 p.ds_tensor.data.copy_(shadow.view_as(p.ds_tensor))
                 if self._is_whole(p):
-                    p.data.copy_(self._full_of_partition(shadow, p).to(p.dtype))
+                    p.data.copy_(self._full_of_partition(shadow.to(p.ds_tensor.device), p).to(p.dtype))
             else:
-                p.data.copy_(shadow)
+                p.data.copy_(shadow.view_as(p))
 
     @torch.no_grad()
     def store(self, model=None) -> None:

@@ -254,7 +254,7 @@ class TextToImageTrainer:
         updates_per_epoch = math.ceil(len(self.loader) / args.gradient_accumulation_steps)
         args.num_train_epochs = math.ceil(args.max_train_steps / updates_per_epoch)
         self.updates_per_epoch = updates_per_epoch
-        self.ema = ShardedEMA(self.unet) if args.use_ema else None
+        self.ema = ShardedEMA(self.unet, device="cpu" if args.offload_ema else None) if args.use_ema else None
         if acc.is_main_process and args.report_to != "none":
             config = {k: v for k, v in vars(args).items() if not isinstance(v, list)}
             acc.init_trackers(args.tracker_project_name, config)

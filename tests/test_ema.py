@@ -2,44 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 
 import torch
 
+from diffusers_zero3.distributed import count_collectives
 from tests.distributed_harness import run_on_ranks
-
-COLLECTIVES = (
-    "all_reduce all_gather all_gather_into_tensor reduce_scatter_tensor reduce_scatter broadcast gather scatter"
-    " barrier all_to_all_single reduce send recv isend irecv all_gather_object broadcast_object_list"
-).split()
-
-
-@contextlib.contextmanager
-def count_collectives():
-    """Count calls into torch.distributed / deepspeed.comm collectives inside the block."""
-    import deepspeed.comm
-    import torch.distributed.distributed_c10d as c10d
-
-    counts = {"n": 0}
-    saved = []
-    for mod in (torch.distributed, c10d, deepspeed.comm):
-        for name in COLLECTIVES:
-            fn = getattr(mod, name, None)
-            if fn is None:
-                continue
-
-            def wrapper(*a, __fn=fn, **k):
-                counts["n"] += 1
-                return __fn(*a, **k)
-
-            saved.append((mod, name, fn))
-            setattr(mod, name, wrapper)
-    try:
-        yield counts
-    finally:
-        for mod, name, fn in saved:
-            setattr(mod, name, fn)
 
 
 def test_get_decay_matches_diffusers_grid():

@@ -226,7 +226,9 @@ def test_dead_rank_makes_the_other_exit_instead_of_hanging(default_data, tmp_pat
     for r in range(2):
         with open(logs[r], "w") as fh:
             env = rank_env(r, 2, port, _test_env(accelerate_env))
-            procs.append(subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(
+                subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+            )
     try:
         deadline = time.monotonic() + 240
         while "step 2 loss" not in logs[0].read_text() and time.monotonic() < deadline:
@@ -238,7 +240,9 @@ def test_dead_rank_makes_the_other_exit_instead_of_hanging(default_data, tmp_pat
         try:
             rc = procs[0].wait(timeout=90)
         except subprocess.TimeoutExpired:
-            pytest.fail("rank 0 still running 90 s after rank 1 died (a hang)\n" + logs[0].read_text()[-3000:])
+            pytest.fail(
+                "rank 0 still running 90 s after rank 1 died (a hang)\n" + logs[0].read_text()[-3000:]
+            )
         assert rc != 0
         assert time.monotonic() - killed_at < 90
     finally:
