@@ -7,11 +7,13 @@ from .ema import ShardedEMA
 from .frozen import PLACEMENTS, FrozenModel, frozen_engine_config, local_parameter_bytes, prepare_frozen
 from .launch import build_accelerator
 from .lockstep import LockstepError, lockstep_check, lockstep_map
+from .rewards import ParallelReward
 from .zero3 import gathered_parameters, is_zero3_enabled, is_zero3_param, zero3_init_disabled
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ParallelReward",
     "ShardedEMA",
     "CheckpointError",
     "load_pretrained_zero3",

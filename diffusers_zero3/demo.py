@@ -218,3 +218,55 @@ if __name__ == "__main__":
 
     p, d = prepare_default(sys.argv[1] if len(sys.argv) > 1 else "outputs/default")
     print(f"pipeline: {p}\ndataset: {d}")
+
+
+def _reward_model_class():
+    from diffusers import ModelMixin
+    from diffusers.configuration_utils import ConfigMixin, register_to_config
+
+    class RednessRewardModel(ModelMixin, ConfigMixin):
+        """A small reward model that scores how red an image is (images in [-1, 1], NCHW).
+
+        ``redness = mean(R - (G + B) / 2)`` plus ``feature_scale`` times a learned-looking
+        term from a small conv net (random weights), so that the model has parameters worth
+        sharding while its score stays visible. Saves and loads like any diffusers model.
+        """
+
+        @register_to_config
+        def __init__(self, hidden: int = 64, layers: int = 3, feature_scale: float = 0.1):
+            super().__init__()
+            self.stem = torch.nn.Conv2d(3, hidden, 3, padding=1)
+            self.blocks = torch.nn.ModuleList(
+                torch.nn.Conv2d(hidden, hidden, 3, padding=1) for _ in range(layers)
+            )
+            self.head = torch.nn.Linear(hidden, 1)
+
+        def forward(self, images: torch.Tensor) -> torch.Tensor:
+            redness = (images[:, 0] - 0.5 * (images[:, 1] + images[:, 2])).mean(dim=(1, 2))
+            h = torch.nn.functional.silu(self.stem(images))
+            for block in self.blocks:
+                h = torch.nn.functional.silu(block(h))
+            features = torch.tanh(self.head(h.mean(dim=(2, 3)))).squeeze(-1)
+            return redness.float() + self.config.feature_scale * features.float()
+
+    return RednessRewardModel
+
+
+def __getattr__(name: str):
+    # Built on first use, so that importing this module does not import diffusers.
+    if name == "RednessRewardModel":
+        cls = _reward_model_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)
+
+
+def save_reward_model(folder: str | os.PathLike, seed: int = 0, hidden: int = 64, layers: int = 3) -> Path:
+    """Save a ``RednessRewardModel`` (random conv weights from ``seed``) to ``folder``."""
+    from .zero3 import zero3_init_disabled
+
+    with zero3_init_disabled():
+        torch.manual_seed(seed)
+        model = __getattr__("RednessRewardModel")(hidden=hidden, layers=layers)
+    model.save_pretrained(folder)
+    return Path(folder)

@@ -99,8 +99,13 @@ def lockstep_check(module: torch.nn.Module, name: str | None = None) -> Iterator
 def _shared_dummy(items: Sequence[Any], counts: list[int]) -> Any:
     """An item from the first rank that has one, for ranks with none (collective)."""
     first = next(r for r, c in enumerate(counts) if c > 0)
-    gathered = all_gather_object(items[0] if get_rank() == first else None)
-    return gathered[first]
+    item = items[0] if get_rank() == first else None
+    if torch.is_tensor(item):
+        item = item.detach().cpu()  # a tensor in an autograd graph cannot be pickled
+    dummy = all_gather_object(item)[first]
+    if torch.is_tensor(dummy) and torch.cuda.is_available():
+        dummy = dummy.to(torch.device("cuda", torch.cuda.current_device()))
+    return dummy
 
 
 def lockstep_map(
@@ -109,6 +114,7 @@ def lockstep_map(
     *,
     dummy: T | None = None,
     name: str = "model",
+    dummy_results: list | None = None,
 ) -> list[R]:
     """Apply ``fn`` to each local item so that every rank calls ``fn`` equally often.
 
@@ -124,6 +130,8 @@ def lockstep_map(
         items: this rank's micro-batches.
         dummy: a micro-batch to pad with (same shapes as a real one).
         name: the model's name, for logs.
+        dummy_results: if given, the results of the dummy calls are appended to it (e.g. to
+            keep them in an autograd graph, so that backward passes stay equal too).
 
     Returns:
         ``fn``'s results for this rank's real items, in order.
@@ -146,7 +154,9 @@ def lockstep_map(
         if i < len(items):
             results.append(fn(items[i]))
         else:
-            fn(dummy)
+            out = fn(dummy)
+            if dummy_results is not None:
+                dummy_results.append(out)
     if len(items) < total:
         logger.debug("%s: %d dummy call(s) on rank %d to keep lockstep", name, total - len(items), get_rank())
     return results

@@ -33,15 +33,7 @@ from pathlib import Path
 
 import torch
 
-from diffusers_zero3 import (
-    ShardedEMA,
-    build_accelerator,
-    load_pretrained_zero3,
-    log_rank_zero,
-    precompute_frozen_outputs,
-    prepare_frozen,
-    zero3_init_disabled,
-)
+from diffusers_zero3 import ShardedEMA, log_rank_zero, precompute_frozen_outputs, zero3_init_disabled
 from diffusers_zero3.args import ArgumentError, parse_args, validate_args
 from diffusers_zero3.checkpoint import (
     CheckpointError,
@@ -57,13 +49,13 @@ from diffusers_zero3.data import (
     load_image_caption_dataset,
     resolve_columns,
 )
-from diffusers_zero3.frozen import fill_auto_bucket_sizes
 from diffusers_zero3.pipeline_io import (
     generate_validation_images,
     image_grid,
     model_card,
     save_final_pipeline,
 )
+from diffusers_zero3.recipe import load_frozen_component, load_trainable_unet, setup_accelerator, weight_dtype
 from diffusers_zero3.training import diffusion_loss, sample_noise
 
 logger = logging.getLogger("train_text_to_image")
@@ -82,44 +74,35 @@ class TextToImageTrainer:
     # ------------------------------------------------------------------ setup
 
     def setup(self) -> None:
-        from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+        from accelerate.utils import set_seed
 
         args = self.args
-        self.accelerator = build_accelerator(
-            timeout_s=args.process_group_timeout,
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
+        self.accelerator = acc = setup_accelerator(
+            args.output_dir,
             mixed_precision=args.mixed_precision,
-            log_with=None if args.report_to == "none" else args.report_to,
-            project_config=ProjectConfiguration(
-                args.output_dir, os.path.join(args.output_dir, args.logging_dir)
-            ),
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            report_to=args.report_to,
+            logging_dir=args.logging_dir,
+            max_grad_norm=args.max_grad_norm,
+            process_group_timeout=args.process_group_timeout,
         )
-        acc = self.accelerator
-        plugin = acc.state.deepspeed_plugin
-        self.zero3 = plugin is not None and plugin.zero_stage == 3
-        validate_args(args, deepspeed_active=plugin is not None, on_cpu=acc.device.type == "cpu")
-        logging.basicConfig(
-            level=logging.INFO if acc.is_main_process else logging.WARNING, format="%(message)s"
+        validate_args(
+            args, deepspeed_active=acc.state.deepspeed_plugin is not None, on_cpu=acc.device.type == "cpu"
         )
         set_seed(args.seed if args.seed is not None else 0)
         if args.allow_tf32 and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = True
-        self.weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(
-            acc.mixed_precision, torch.float32
-        )
+        self.weight_dtype = weight_dtype(acc)
         self.source = resolve_model_folder(
             args.pretrained_model_name_or_path, None, args.revision, args.cache_dir
         )
-        if plugin is not None:
-            plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm
         self._load_models()
         self._load_data()
         self._place_frozen()
         self._prepare_training()
 
     def _load_models(self) -> None:
-        from diffusers import DDPMScheduler, UNet2DConditionModel
+        from diffusers import DDPMScheduler
         from transformers import CLIPTokenizer
 
         args, src = self.args, self.source
@@ -127,29 +110,11 @@ class TextToImageTrainer:
         if args.prediction_type is not None:
             self.noise_scheduler.register_to_config(prediction_type=args.prediction_type)
         self.tokenizer = CLIPTokenizer.from_pretrained(src, subfolder="tokenizer")
-        plugin = self.accelerator.state.deepspeed_plugin
-        if self.zero3:
-            self.unet = load_pretrained_zero3(UNet2DConditionModel, src, "unet", accelerator=self.accelerator)
-            fill_auto_bucket_sizes(plugin.deepspeed_config, self.unet)
-        else:
-            with zero3_init_disabled():
-                self.unet = UNet2DConditionModel.from_pretrained(src, subfolder="unet", variant=args.variant)
+        self.unet = load_trainable_unet(self.accelerator, src, args.variant)
         if args.gradient_checkpointing:
             self.unet.enable_gradient_checkpointing()
         if args.enable_xformers_memory_efficient_attention:
             self.unet.enable_xformers_memory_efficient_attention()
-        self.unet.train()
-
-    def _load_frozen(self, name: str):
-        from diffusers import AutoencoderKL
-        from transformers import CLIPTextModel
-
-        cls = CLIPTextModel if name == "text_encoder" else AutoencoderKL
-        placement = getattr(self.args, f"{name}_placement")
-        if placement in ("shard", "offload"):  # straight into partitions, never whole
-            return load_pretrained_zero3(cls, self.source, name, accelerator=self.accelerator)
-        with zero3_init_disabled():
-            return cls.from_pretrained(self.source, subfolder=name, variant=self.args.variant)
 
     def _load_data(self) -> None:
         args = self.args
@@ -174,19 +139,17 @@ class TextToImageTrainer:
 
     def _place_frozen(self) -> None:
         """Frozen models by placement; 'cache' ones are run once over the data, then freed."""
+        from diffusers import AutoencoderKL
+        from transformers import CLIPTextModel
+
         args, acc = self.args, self.accelerator
         self.text_encoder = self.vae = self.cache = None
-        live = {}
-        for name in ("text_encoder", "vae"):
-            placement = getattr(args, f"{name}_placement")
-            model = self._load_frozen(name)
-            live[name] = prepare_frozen(
-                model,
-                "replicate" if placement == "cache" else placement,
-                accelerator=acc,
-                dtype=self.weight_dtype,
-                name=name,
+        live = {
+            name: load_frozen_component(
+                acc, self.source, name, getattr(args, f"{name}_placement"), cls, args.variant
             )
+            for name, cls in (("text_encoder", CLIPTextModel), ("vae", AutoencoderKL))
+        }
         cached = [n for n in live if getattr(args, f"{n}_placement") == "cache"]
         if cached:
             self.cache = precompute_frozen_outputs(

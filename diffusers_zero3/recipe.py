@@ -1,0 +1,103 @@
+"""Pieces shared by the training scripts: the accelerator, the UNet, frozen components.
+
+Each is a short function a custom script can call as is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from .checkpoint import load_pretrained_zero3
+from .frozen import fill_auto_bucket_sizes, prepare_frozen
+from .launch import build_accelerator
+from .zero3 import zero3_init_disabled
+
+
+def setup_accelerator(
+    output_dir: str,
+    *,
+    mixed_precision: str | None = None,
+    gradient_accumulation_steps: int = 1,
+    report_to: str = "tensorboard",
+    logging_dir: str = "logs",
+    max_grad_norm: float | None = None,
+    process_group_timeout: float = 1800,
+):
+    """An accelerator for a training script, CPU-only hosts included; logging on rank 0 only.
+
+    Sets the DeepSpeed plugin's ``gradient_clipping`` to ``max_grad_norm`` (accelerate
+    otherwise applies its own default of 1.0 under DeepSpeed).
+    """
+    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
+
+    accelerator = build_accelerator(
+        timeout_s=process_group_timeout,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        mixed_precision=mixed_precision,
+        log_with=None if report_to == "none" else report_to,
+        project_config=ProjectConfiguration(output_dir, os.path.join(output_dir, logging_dir)),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None and max_grad_norm is not None:
+        plugin.deepspeed_config["gradient_clipping"] = max_grad_norm
+    logging.basicConfig(
+        level=logging.INFO if accelerator.is_main_process else logging.WARNING,
+        format="%(message)s",
+        force=True,
+    )
+    return accelerator
+
+
+def is_zero3(accelerator) -> bool:
+    """True when the accelerator's active DeepSpeed plugin is at stage 3."""
+    plugin = accelerator.state.deepspeed_plugin
+    return plugin is not None and plugin.zero_stage == 3
+
+
+def weight_dtype(accelerator) -> torch.dtype:
+    """The dtype frozen models run in: the accelerator's mixed precision, else fp32."""
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
+
+
+def load_trainable_unet(accelerator, source: str | Path, variant: str | None = None):
+    """The UNet to train: straight into ZeRO-3 partitions under ZeRO-3 (with bucket sizes
+    filled in from its shapes), else a whole ``from_pretrained``. Call on every rank."""
+    from diffusers import UNet2DConditionModel
+
+    if is_zero3(accelerator):
+        unet = load_pretrained_zero3(
+            UNet2DConditionModel, source, "unet", accelerator=accelerator, variant=variant
+        )
+        fill_auto_bucket_sizes(accelerator.state.deepspeed_plugin.deepspeed_config, unet)
+    else:
+        with zero3_init_disabled():
+            unet = UNet2DConditionModel.from_pretrained(source, subfolder="unet", variant=variant)
+    unet.train()
+    return unet
+
+
+def load_frozen_component(
+    accelerator, source: str | Path, name: str, placement: str, model_cls, variant: str | None = None
+):
+    """Load ``source/name`` and place it (``"cache"`` loads a replica, to be cached and freed).
+
+    ``"shard"``/``"offload"`` models are read straight into partitions, never whole. Call on
+    every rank.
+    """
+    if placement in ("shard", "offload"):
+        model = load_pretrained_zero3(model_cls, source, name, accelerator=accelerator, variant=variant)
+    else:
+        with zero3_init_disabled():
+            model = model_cls.from_pretrained(source, subfolder=name, variant=variant)
+    return prepare_frozen(
+        model,
+        "replicate" if placement == "cache" else placement,
+        accelerator=accelerator,
+        dtype=weight_dtype(accelerator),
+        name=name,
+    )
