@@ -15,6 +15,9 @@ test:
 train:
 	PYTHON=$(PYTHON) bash scripts/train_default.sh
 
+train-reward:
+	PYTHON=$(PYTHON) bash scripts/train_reward_default.sh
+
 bench:
 	$(PYTHON) -m benchmarks.run
 

@@ -203,13 +203,18 @@ def write_shapes_dataset(
 
 
 def prepare_default(folder: str | os.PathLike, num_images: int = 64) -> tuple[Path, Path]:
-    """Create (once) the default run's pipeline and dataset under ``folder``; return their paths."""
+    """Create (once) the default runs' pipeline, dataset and reward model under ``folder``.
+
+    Returns the pipeline and dataset paths; the reward model is ``folder/redness-reward``.
+    """
     folder = Path(folder)
-    pipe, data = folder / "tiny-sd", folder / "shapes"
+    pipe, data, reward = folder / "tiny-sd", folder / "shapes", folder / "redness-reward"
     if not (pipe / "model_index.json").exists():
         save_tiny_pipeline(pipe)
     if not (data / "metadata.jsonl").exists():
         write_shapes_dataset(data, num_images=num_images)
+    if not (reward / "config.json").exists():
+        save_reward_model(reward)
     return pipe, data
 
 
