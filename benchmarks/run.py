@@ -10,7 +10,7 @@ import argparse
 import importlib
 import time
 
-SUITES = ["rss_baseline", "frozen", "ema", "checkpoint"]
+SUITES = ["rss_baseline", "frozen", "ema", "checkpoint", "reward"]
 
 
 def main() -> None:

@@ -103,8 +103,13 @@ class ParallelReward:
     def _inputs(self, images, prompts):
         return self.preprocess(images, prompts) if self.preprocess is not None else images
 
-    def _score_local(self, images, prompts) -> torch.Tensor:
-        """Scores of this rank's samples; every rank makes the same number of model calls."""
+    def _score_local(self, images, prompts, lockstep: bool = True) -> torch.Tensor:
+        """Scores of this rank's samples.
+
+        With ``lockstep`` (collective) every rank makes the same number of model calls;
+        without it (rank 0 alone, in main-process mode) the model is simply called per
+        micro-batch, with no collective at all.
+        """
         inputs = self._inputs(images, prompts)
         if self.model is None:
             return torch.as_tensor(self.fn(inputs, prompts), dtype=torch.float32).reshape(-1)
@@ -113,6 +118,9 @@ class ParallelReward:
         def score(batch: torch.Tensor) -> torch.Tensor:
             return self.model(batch).reshape(-1).float()
 
+        if not lockstep:
+            with torch.no_grad():
+                return torch.cat([score(c) for c in chunks]) if chunks else torch.zeros(0)
         if not self.differentiable:
             with torch.no_grad():
                 outs = lockstep_map(score, chunks, name=self.name)
@@ -140,9 +148,8 @@ class ParallelReward:
             all_images = [g[0] for g in gathered]
             all_images = torch.cat(all_images) if torch.is_tensor(all_images[0]) else sum(all_images, [])
             all_prompts = sum((g[1] for g in gathered), [])
-            scores = (
-                self._score_local(all_images, all_prompts if prompts is not None else None).detach().cpu()
-            )
+            all_prompts = all_prompts if prompts is not None else None
+            scores = self._score_local(all_images, all_prompts, lockstep=False).detach().cpu()
             sizes = [len(g[0]) for g in gathered]
             pieces = list(torch.split(scores, sizes))
         else:

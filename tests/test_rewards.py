@@ -62,6 +62,11 @@ def worker_rewards(rm_dir: str, ref_path: str):
     fn_main = ParallelReward(_redness, mode="main_process")(images[sl], PROMPTS[sl])
     torch.testing.assert_close(fn_main, fn_all)
     torch.testing.assert_close(fn_all, _redness(images)[sl])
+    # ...and for a replicated model, which rank 0 alone calls (no collective inside).
+    with zero3_init_disabled():
+        replica = RednessRewardModel.from_pretrained(rm_dir)
+    main = ParallelReward(replica, placement="replicate", mode="main_process", micro_batch_size=2)
+    torch.testing.assert_close(main(images[sl], PROMPTS[sl]), scores[sl])
 
     # Normalisation over every rank's samples equals the single-process computation.
     for mode in ("batch", "per_prompt", "reference"):
