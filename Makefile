@@ -1,13 +1,14 @@
 PYTHON ?= python3
 # The CPU build of torch that lies on this machine kind's disk; a host that already has
 # torch (e.g. a CUDA build) keeps its own: install only runs pip for torch when it is missing.
+# constraints.txt pins the versions the suite was run with (torch is not pinned there).
 TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: install test train train-reward bench style quality clean
 
 install:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH_SPEC)"
-	$(PYTHON) -m pip install -e ".[test]"
+	$(PYTHON) -m pip install -e ".[test]" -c constraints.txt
 
 test:
 	$(PYTHON) -m pytest tests -q
