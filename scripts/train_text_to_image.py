@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from diffusers_zero3 import ShardedEMA, log_rank_zero, precompute_frozen_outputs, zero3_init_disabled
+from diffusers_zero3 import ShardedEMA, log_rank_zero, precompute_frozen_outputs
 from diffusers_zero3.args import ArgumentError, parse_args, validate_args
 from diffusers_zero3.checkpoint import (
     CheckpointError,
@@ -357,28 +357,18 @@ class TextToImageTrainer:
         )
         log_rank_zero(f"saved {path}")
 
-    def _validation_parts(self):
-        """UNet, VAE and text encoder modules for a pipeline; cached ones are reloaded whole."""
-        parts = {}
-        for name in ("vae", "text_encoder"):
-            frozen = getattr(self, name)
-            if frozen is not None:
-                parts[name] = frozen.module
-            else:
-                with zero3_init_disabled():
-                    parts[name] = self._load_frozen_whole(name)
-        return parts
-
-    def _load_frozen_whole(self, name: str):
+    def _validation_parts(self) -> dict:
+        """VAE and text encoder modules for a pipeline; cached ones are reloaded as replicas."""
         from diffusers import AutoencoderKL
         from transformers import CLIPTextModel
 
-        cls = CLIPTextModel if name == "text_encoder" else AutoencoderKL
-        return (
-            cls.from_pretrained(self.source, subfolder=name)
-            .to(self.accelerator.device, self.weight_dtype)
-            .eval()
-        )
+        parts = {}
+        for name, cls in (("vae", AutoencoderKL), ("text_encoder", CLIPTextModel)):
+            frozen = getattr(self, name) or load_frozen_component(
+                self.accelerator, self.source, name, "replicate", cls
+            )
+            parts[name] = frozen.module
+        return parts
 
     def validate(self) -> None:
         """Images for --validation_prompts from the (EMA) weights; every rank, rank 0 writes."""

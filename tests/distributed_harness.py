@@ -7,12 +7,11 @@ the failing rank's traceback in the report.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-from diffusers_zero3.local_ranks import RanksFailed, launch_local_ranks, run_function_on_ranks
+from diffusers_zero3.local_ranks import RanksFailed, run_function_on_ranks
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TIMEOUT = float(os.environ.get("DZ3_TEST_RANK_TIMEOUT", 300))
@@ -36,20 +35,6 @@ def run_on_ranks(fn, world_size: int = 2, timeout: float = DEFAULT_TIMEOUT, env=
         return run_function_on_ranks(
             f"{fn.__module__}:{fn.__qualname__}",
             kwargs,
-            world_size=world_size,
-            timeout_s=timeout,
-            env=_test_env(env),
-            cwd=str(REPO_ROOT),
-        )
-    except RanksFailed as e:
-        pytest.fail(str(e), pytrace=False)
-
-
-def run_command_on_ranks(argv, world_size: int = 2, timeout: float = DEFAULT_TIMEOUT, env=None) -> list[str]:
-    """Run the same command line on every rank (e.g. a script); return their outputs."""
-    try:
-        return launch_local_ranks(
-            lambda rank: [sys.executable, *argv],
             world_size=world_size,
             timeout_s=timeout,
             env=_test_env(env),

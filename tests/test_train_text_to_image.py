@@ -137,6 +137,7 @@ def test_cache_placement_end_to_end(default_data, tmp_path):
     pipe, data = default_data
     out = tmp_path / "cached"
     extra = ["--text_encoder_placement", "cache", "--vae_placement", "cache", "--random_flip"]
+    extra += ["--validation_prompts", "a red circle", "--validation_steps", "4", "--num_validation_inference_steps", "2"]
     _, log = run_launcher([*LAUNCH, *_common(pipe, data, out, steps=4), *extra], timeout=400)
     assert sorted(_losses(log)) == [1, 2, 3, 4]
     assert "encoding 16 rows" in log
@@ -144,6 +145,7 @@ def test_cache_placement_end_to_end(default_data, tmp_path):
     assert len(cache_dirs) == 1
     meta = json.loads((cache_dirs[0] / "meta.json").read_text())
     assert set(meta["tensors"]) == {"encoder_hidden_states", "latent_params", "latent_params_flipped"}
+    assert (out / "validation" / "step-000004.png").exists()  # validation reloads the cached models
     from diffusers import StableDiffusionPipeline
 
     assert StableDiffusionPipeline.from_pretrained(out).unet is not None
