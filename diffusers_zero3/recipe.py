@@ -53,6 +53,21 @@ def setup_accelerator(
     return accelerator
 
 
+def accelerator_from_args(args):
+    """``setup_accelerator`` from a script's parsed flags (``output_dir``, ``mixed_precision``,
+    ``report_to``, ``logging_dir``, ``max_grad_norm``, ``process_group_timeout`` and, when
+    present, ``gradient_accumulation_steps``)."""
+    return setup_accelerator(
+        args.output_dir,
+        mixed_precision=args.mixed_precision,
+        gradient_accumulation_steps=getattr(args, "gradient_accumulation_steps", 1),
+        report_to=args.report_to,
+        logging_dir=args.logging_dir,
+        max_grad_norm=args.max_grad_norm,
+        process_group_timeout=args.process_group_timeout,
+    )
+
+
 def is_zero3(accelerator) -> bool:
     """True when the accelerator's active DeepSpeed plugin is at stage 3."""
     plugin = accelerator.state.deepspeed_plugin

@@ -35,7 +35,12 @@ from diffusers_zero3.checkpoint import (
     save_training_checkpoint,
 )
 from diffusers_zero3.pipeline_io import model_card, save_final_pipeline
-from diffusers_zero3.recipe import load_frozen_component, load_trainable_unet, setup_accelerator, weight_dtype
+from diffusers_zero3.recipe import (
+    accelerator_from_args,
+    load_frozen_component,
+    load_trainable_unet,
+    weight_dtype,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -110,14 +115,7 @@ class RewardTrainer:
         from transformers import CLIPTextModel, CLIPTokenizer
 
         args = self.args
-        self.accelerator = acc = setup_accelerator(
-            args.output_dir,
-            mixed_precision=args.mixed_precision,
-            report_to=args.report_to,
-            logging_dir=args.logging_dir,
-            max_grad_norm=args.max_grad_norm,
-            process_group_timeout=args.process_group_timeout,
-        )
+        self.accelerator = acc = accelerator_from_args(args)
         if acc.state.deepspeed_plugin is None and "shard" in (
             args.text_encoder_placement,
             args.vae_placement,

@@ -55,7 +55,12 @@ from diffusers_zero3.pipeline_io import (
     model_card,
     save_final_pipeline,
 )
-from diffusers_zero3.recipe import load_frozen_component, load_trainable_unet, setup_accelerator, weight_dtype
+from diffusers_zero3.recipe import (
+    accelerator_from_args,
+    load_frozen_component,
+    load_trainable_unet,
+    weight_dtype,
+)
 from diffusers_zero3.training import diffusion_loss, sample_noise
 
 logger = logging.getLogger("train_text_to_image")
@@ -77,15 +82,7 @@ class TextToImageTrainer:
         from accelerate.utils import set_seed
 
         args = self.args
-        self.accelerator = acc = setup_accelerator(
-            args.output_dir,
-            mixed_precision=args.mixed_precision,
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
-            report_to=args.report_to,
-            logging_dir=args.logging_dir,
-            max_grad_norm=args.max_grad_norm,
-            process_group_timeout=args.process_group_timeout,
-        )
+        self.accelerator = acc = accelerator_from_args(args)
         validate_args(
             args, deepspeed_active=acc.state.deepspeed_plugin is not None, on_cpu=acc.device.type == "cpu"
         )

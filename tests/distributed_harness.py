@@ -7,6 +7,7 @@ the failing rank's traceback in the report.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,13 @@ def run_on_ranks(fn, world_size: int = 2, timeout: float = DEFAULT_TIMEOUT, env=
         )
     except RanksFailed as e:
         pytest.fail(str(e), pytrace=False)
+
+
+def accelerate_launch(script: str, num_processes: int = 2) -> list[str]:
+    """``accelerate launch`` argv for ``script`` with the repository's ZeRO-3 config."""
+    config = "configs/accelerate_zero3.yaml"
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
+            "--num_processes", str(num_processes), script]  # fmt: skip
 
 
 def run_launcher(argv, timeout: float = DEFAULT_TIMEOUT, env=None, expect_rc: int | None = 0):

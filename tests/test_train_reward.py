@@ -4,20 +4,12 @@ from __future__ import annotations
 
 import re
 import shutil
-import sys
 
 import pytest
 
-from tests.distributed_harness import run_launcher
+from tests.distributed_harness import accelerate_launch, run_launcher
 
-LAUNCH = [
-    sys.executable,
-    "-m",
-    "accelerate.commands.launch",
-    "--config_file",
-    "configs/accelerate_zero3.yaml",
-]
-LAUNCH += ["--num_processes", "2", "scripts/train_reward.py"]
+LAUNCH = accelerate_launch("scripts/train_reward.py")
 
 
 def _rewards(output: str) -> dict[int, float]:

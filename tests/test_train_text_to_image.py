@@ -12,17 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed_harness import run_launcher
+from tests.distributed_harness import accelerate_launch, run_launcher
 
 SCRIPT = "scripts/train_text_to_image.py"
-LAUNCH = [
-    sys.executable,
-    "-m",
-    "accelerate.commands.launch",
-    "--config_file",
-    "configs/accelerate_zero3.yaml",
-]
-LAUNCH += ["--num_processes", "2", SCRIPT]
+LAUNCH = accelerate_launch(SCRIPT)
 
 DIFFUSERS_FLAGS = """--pretrained_model_name_or_path --revision --variant --dataset_name --dataset_config_name
 --train_data_dir --image_column --caption_column --max_train_samples --validation_prompts --output_dir --cache_dir
@@ -137,7 +130,14 @@ def test_cache_placement_end_to_end(default_data, tmp_path):
     pipe, data = default_data
     out = tmp_path / "cached"
     extra = ["--text_encoder_placement", "cache", "--vae_placement", "cache", "--random_flip"]
-    extra += ["--validation_prompts", "a red circle", "--validation_steps", "4", "--num_validation_inference_steps", "2"]
+    extra += [
+        "--validation_prompts",
+        "a red circle",
+        "--validation_steps",
+        "4",
+        "--num_validation_inference_steps",
+        "2",
+    ]
     _, log = run_launcher([*LAUNCH, *_common(pipe, data, out, steps=4), *extra], timeout=400)
     assert sorted(_losses(log)) == [1, 2, 3, 4]
     assert "encoding 16 rows" in log
