@@ -218,13 +218,6 @@ def prepare_default(folder: str | os.PathLike, num_images: int = 64) -> tuple[Pa
     return pipe, data
 
 
-if __name__ == "__main__":
-    import sys
-
-    p, d = prepare_default(sys.argv[1] if len(sys.argv) > 1 else "outputs/default")
-    print(f"pipeline: {p}\ndataset: {d}")
-
-
 def _reward_model_class():
     from diffusers import ModelMixin
     from diffusers.configuration_utils import ConfigMixin, register_to_config
@@ -275,3 +268,10 @@ def save_reward_model(folder: str | os.PathLike, seed: int = 0, hidden: int = 64
         model = __getattr__("RednessRewardModel")(hidden=hidden, layers=layers)
     model.save_pretrained(folder)
     return Path(folder)
+
+
+if __name__ == "__main__":
+    import sys
+
+    p, d = prepare_default(sys.argv[1] if len(sys.argv) > 1 else "outputs/default")
+    print(f"pipeline: {p}\ndataset: {d}")

@@ -181,3 +181,16 @@ def worker_helpers_under_explicit_zero_init():
 def test_helpers_under_explicit_zero_init():
     outs = run_on_ranks(worker_helpers_under_explicit_zero_init)
     assert all("OK helpers" in o for o in outs)
+
+
+def test_gloo_only_for_multi_process_cpu_launches(monkeypatch):
+    from diffusers_zero3.launch import needs_gloo_backend
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert needs_gloo_backend()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host keeps NCCL
+    assert not needs_gloo_backend()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert not needs_gloo_backend()
