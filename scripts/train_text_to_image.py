@@ -106,6 +106,10 @@ class TextToImageTrainer:
         self.noise_scheduler = DDPMScheduler.from_pretrained(src, subfolder="scheduler")
         if args.prediction_type is not None:
             self.noise_scheduler.register_to_config(prediction_type=args.prediction_type)
+        if args.dream_training and self.noise_scheduler.config.prediction_type != "epsilon":
+            raise ArgumentError(
+                "--dream_training supports epsilon prediction only (diffusers has no v-prediction DREAM)"
+            )
         self.tokenizer = CLIPTokenizer.from_pretrained(src, subfolder="tokenizer")
         self.unet = load_trainable_unet(self.accelerator, src, args.variant)
         if args.gradient_checkpointing:

@@ -160,7 +160,18 @@ def _plain(argv, expect_rc):
 
 def test_single_process_without_deepspeed_runs(default_data, tmp_path):
     pipe, data = default_data
-    log = _plain([*_common(pipe, data, tmp_path / "plain", steps=2), "--report_to", "none"], expect_rc=0)
+    objective = [
+        "--dream_training",
+        "--snr_gamma",
+        "5",
+        "--noise_offset",
+        "0.1",
+        "--input_perturbation",
+        "0.1",
+    ]
+    log = _plain(
+        [*_common(pipe, data, tmp_path / "plain", steps=2), "--report_to", "none", *objective], expect_rc=0
+    )
     assert sorted(_losses(log)) == [1, 2]
     assert (tmp_path / "plain" / "model_index.json").exists()
 
@@ -177,6 +188,10 @@ def test_single_process_without_deepspeed_runs(default_data, tmp_path):
         ),
         (["--use_8bit_adam"], "--use_8bit_adam needs bitsandbytes"),
         (["--vae_placement", "sharded"], "argument --vae_placement: invalid choice: 'sharded'"),
+        (
+            ["--dream_training", "--prediction_type", "v_prediction"],
+            "--dream_training supports epsilon prediction only",
+        ),
     ],
 )
 def test_bad_input_gives_one_clear_error(default_data, tmp_path, change, message):
