@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed import all_gather_object, barrier, comm_device, get_rank, get_world_size, is_main_process
-from .zero3 import _register_zero3_engine, is_zero3_param
+from .zero3 import _register_zero3_engine, is_zero3_param, zero3_init_disabled
 
 _ST_DTYPES = {
     torch.float32: "F32",
@@ -210,8 +210,6 @@ def _zero_init_config(ds_config: dict | None, accelerator) -> dict:
 
 
 def _build_model(model_cls, folder: Path):
-    from .zero3 import zero3_init_disabled
-
     if hasattr(model_cls, "load_config") and hasattr(model_cls, "from_config"):  # diffusers ModelMixin
         config = model_cls.load_config(folder)
         return lambda: model_cls.from_config(config)
@@ -262,16 +260,13 @@ def load_pretrained_zero3(
         >>> unet, optimizer = accelerator.prepare(unet, torch.optim.AdamW(unet.parameters()))
     """
     cfg = _zero_init_config(ds_config, accelerator)
+    folder = resolve_model_folder(pretrained_model_name_or_path, subfolder, revision, cache_dir)
     if cfg.get("zero_optimization", {}).get("stage") != 3:
-        from .zero3 import zero3_init_disabled
-
-        folder = resolve_model_folder(pretrained_model_name_or_path, subfolder, revision, cache_dir)
         with zero3_init_disabled():
             return model_cls.from_pretrained(folder, torch_dtype=torch_dtype, variant=variant)
 
     import deepspeed
 
-    folder = resolve_model_folder(pretrained_model_name_or_path, subfolder, revision, cache_dir)
     files = weight_files(folder, variant)
     build = _build_model(model_cls, folder)
     if not deepspeed.comm.is_initialized():
@@ -321,10 +316,9 @@ def _load_partitions(model: torch.nn.Module, files: dict[str, Path]) -> None:
 # ----------------------------------------------------------------------------- save
 
 
-def _gather_full(tensor: torch.Tensor, partition: torch.Tensor | None) -> torch.Tensor | None:
-    """The full tensor on rank 0 (None elsewhere). Collective for ZeRO-3 parameters."""
-    if partition is None:
-        return tensor.detach() if is_main_process() else None
+def _gather_full(tensor: torch.Tensor, partition: torch.Tensor) -> torch.Tensor | None:
+    """A ZeRO-3 parameter's full value from every rank's flat ``partition``, on rank 0 (None
+    elsewhere). Collective."""
     flat = partition.detach().reshape(-1).to(comm_device())
     if get_world_size() == 1:
         full = flat
@@ -335,6 +329,12 @@ def _gather_full(tensor: torch.Tensor, partition: torch.Tensor | None) -> torch.
     if full is None:
         return None
     return full[: tensor.ds_numel].view(tensor.ds_shape)
+
+
+def _write_tensor(fh, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    """Append ``tensor``'s bytes (as ``dtype``, on CPU) at the current position of ``fh``."""
+    data = tensor.to(device="cpu", dtype=dtype).contiguous()
+    fh.write(data.view(-1).view(torch.uint8).numpy().tobytes())
 
 
 def _plan_shards(entries, max_shard_bytes: int) -> list[list[int]]:
@@ -438,17 +438,14 @@ def save_pretrained_zero3(
         for k, idx in enumerate(shards):
             for i in idx:
                 t = tensors[i]
-                part = partitions(t) if partitions is not None else None
-                if part is None and is_zero3_param(t):
-                    part = t.ds_tensor
-                if part is not None and not is_zero3_param(t):
-                    full = part.detach() if is_main_process() else None  # a whole tensor given
-                else:
-                    full = _gather_full(t, part if is_zero3_param(t) else None)
+                given = partitions(t) if partitions is not None else None
+                if is_zero3_param(t):
+                    full = _gather_full(t, given if given is not None else t.ds_tensor)
+                else:  # whole on every rank: rank 0 writes it (or the whole tensor given)
+                    full = (given if given is not None else t).detach() if is_main_process() else None
                 if full is not None and error is None:
                     try:
-                        data = full.to(device="cpu", dtype=entries[i][2]).contiguous()
-                        files[k][1].write(data.view(-1).view(torch.uint8).numpy().tobytes())
+                        _write_tensor(files[k][1], full, entries[i][2])
                     except Exception as e:
                         error = f"{type(e).__name__} writing {names[i]}: {e}"
         if is_main_process() and error is None:

@@ -55,15 +55,15 @@ def test_interrupted_save_leaves_previous_folder_and_no_temp(tiny_pipeline, tmp_
     before = sorted(p.name for p in target.iterdir())
 
     calls = {"n": 0}
-    real = ckpt._gather_full
+    real = ckpt._write_tensor
 
-    def interrupted(tensor, partition):
+    def interrupted(fh, tensor, dtype):
         calls["n"] += 1
         if calls["n"] == 5:
             raise KeyboardInterrupt  # e.g. the job is killed mid-save
-        return real(tensor, partition)
+        return real(fh, tensor, dtype)
 
-    monkeypatch.setattr(ckpt, "_gather_full", interrupted)
+    monkeypatch.setattr(ckpt, "_write_tensor", interrupted)
     with pytest.raises(KeyboardInterrupt):
         ckpt.save_pretrained_zero3(unet, target)
     assert sorted(p.name for p in target.iterdir()) == before
