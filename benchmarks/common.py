@@ -12,7 +12,6 @@ import json
 import os
 import resource
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -51,20 +50,6 @@ def peak_rss_since_reset_bytes() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return peak_rss_bytes()
-
-
-def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes held by these tensors' own storage (ZeRO-3 parameters: their local partition)."""
-    total = 0
-    for t in tensors:
-        held = t.ds_tensor if hasattr(t, "ds_tensor") else t
-        total += held.numel() * held.element_size()
-    return total
-
-
-def parameter_bytes(module: torch.nn.Module) -> int:
-    """Bytes this rank holds for ``module``'s parameters (a ZeRO-3 partition counts as its shard)."""
-    return tensor_bytes(module.parameters())
 
 
 def optimizer_state_bytes(optimizer) -> int:
