@@ -126,48 +126,95 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def validate_args(args: argparse.Namespace, *, deepspeed_active: bool, on_cpu: bool) -> None:
-    """Raise ``ArgumentError`` naming the first flag that cannot work as given."""
-    if args.dataset_name is None and args.train_data_dir is None:
+POSITIVE_INT_FLAGS = (
+    "train_batch_size",
+    "gradient_accumulation_steps",
+    "num_train_epochs",
+    "max_train_steps",
+    "max_train_samples",
+    "checkpointing_steps",
+    "checkpoints_total_limit",
+    "validation_epochs",
+    "validation_steps",
+    "num_validation_inference_steps",
+    "num_inference_steps",
+    "truncated_backprop_steps",
+    "resolution",
+    "reward_micro_batch_size",
+)
+NON_NEGATIVE_FLAGS = ("lr_warmup_steps", "dataloader_num_workers", "noise_offset", "input_perturbation")
+REPORT_TO = ("tensorboard", "wandb", "all", "none")
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Raise ``ArgumentError`` naming the first flag that cannot work as given.
+
+    Checks the flags alone, before anything is built or written (an unknown ``--report_to``
+    would otherwise fail inside accelerate first). Works on any script's namespace: a check
+    applies when the script has that flag.
+    """
+    for flag in POSITIVE_INT_FLAGS:
+        value = getattr(args, flag, None)
+        if value is not None and value <= 0:
+            raise ArgumentError(f"--{flag} must be a positive number, got {value}")
+    for flag in NON_NEGATIVE_FLAGS:
+        value = getattr(args, flag, None)
+        if value is not None and value < 0:
+            raise ArgumentError(f"--{flag} must not be negative, got {value}")
+    if getattr(args, "process_group_timeout", 1) <= 0:
+        raise ArgumentError(f"--process_group_timeout must be positive, got {args.process_group_timeout}")
+    if args.resolution % 8:
+        raise ArgumentError(
+            f"--resolution must be divisible by 8 (the VAE's downsampling and the pipelines need it), "
+            f"got {args.resolution}"
+        )
+    if hasattr(args, "train_data_dir") and args.dataset_name is None and args.train_data_dir is None:
         raise ArgumentError("need either --dataset_name or --train_data_dir")
-    if args.use_8bit_adam and importlib.util.find_spec("bitsandbytes") is None:
+    if getattr(args, "use_8bit_adam", False) and importlib.util.find_spec("bitsandbytes") is None:
         raise ArgumentError(
             "--use_8bit_adam needs bitsandbytes, which is not installed (pip install bitsandbytes)"
         )
-    if args.use_8bit_adam and deepspeed_active:
-        raise ArgumentError(
-            "--use_8bit_adam cannot be used with DeepSpeed ZeRO-3 (its optimizer owns the partitions)"
-        )
-    if args.enable_xformers_memory_efficient_attention and importlib.util.find_spec("xformers") is None:
+    if getattr(args, "enable_xformers_memory_efficient_attention", False) and (
+        importlib.util.find_spec("xformers") is None
+    ):
         raise ArgumentError(
             "--enable_xformers_memory_efficient_attention needs xformers, which is not installed"
         )
-    if args.push_to_hub:
+    if getattr(args, "push_to_hub", False):
         raise ArgumentError("--push_to_hub is not supported by this script; upload OUTPUT_DIR yourself")
-    if args.mixed_precision == "fp16" and on_cpu:
-        raise ArgumentError("--mixed_precision fp16 does not run on CPU; use bf16 or no")
-    for flag in ("text_encoder_placement", "vae_placement"):
-        placement = getattr(args, flag)
-        if placement in ("shard", "offload") and not deepspeed_active:
-            raise ArgumentError(
-                f"--{flag} {placement} needs DeepSpeed: launch with `accelerate launch --config_file "
-                "configs/accelerate_zero3.yaml ...`, or use replicate/cache"
-            )
-        if placement == "offload" and on_cpu:
-            raise ArgumentError(f"--{flag} offload needs a GPU (the weights are already in CPU memory here)")
-    if args.prediction_type not in (None, "epsilon", "v_prediction"):
+    if getattr(args, "prediction_type", None) not in (None, "epsilon", "v_prediction"):
         raise ArgumentError(
             f"--prediction_type must be epsilon or v_prediction, got {args.prediction_type!r}"
         )
-    if args.report_to not in ("tensorboard", "wandb", "all", "none"):
-        raise ArgumentError(f"--report_to must be tensorboard, wandb, all or none, got {args.report_to!r}")
+    if args.report_to not in REPORT_TO:
+        raise ArgumentError(f"--report_to must be one of {', '.join(REPORT_TO)}, got {args.report_to!r}")
     if args.report_to in ("wandb", "all") and importlib.util.find_spec("wandb") is None:
         raise ArgumentError("--report_to wandb needs wandb, which is not installed")
     if args.report_to in ("tensorboard", "all") and importlib.util.find_spec("tensorboard") is None:
         raise ArgumentError(
             "--report_to tensorboard needs tensorboard (pip install tensorboard) or --report_to none"
         )
-    if args.checkpointing_steps is not None and args.checkpointing_steps <= 0:
-        raise ArgumentError("--checkpointing_steps must be positive")
-    if args.train_batch_size <= 0 or args.gradient_accumulation_steps <= 0:
-        raise ArgumentError("--train_batch_size and --gradient_accumulation_steps must be positive")
+
+
+def placement_flags(args: argparse.Namespace) -> dict[str, str]:
+    """``{flag name: placement}`` for every ``--*_placement`` flag of a script's namespace."""
+    return {k: v for k, v in vars(args).items() if k.endswith("_placement") and isinstance(v, str)}
+
+
+def validate_launch(args: argparse.Namespace, *, deepspeed_active: bool, on_cpu: bool) -> None:
+    """Raise ``ArgumentError`` for a flag that cannot work under this launch (DeepSpeed or
+    not, CPU or GPU). Call once the accelerator exists."""
+    if getattr(args, "use_8bit_adam", False) and deepspeed_active:
+        raise ArgumentError(
+            "--use_8bit_adam cannot be used with DeepSpeed ZeRO-3 (its optimizer owns the partitions)"
+        )
+    if args.mixed_precision == "fp16" and on_cpu:
+        raise ArgumentError("--mixed_precision fp16 does not run on CPU; use bf16 or no")
+    for flag, placement in placement_flags(args).items():
+        if placement in ("shard", "offload") and not deepspeed_active:
+            raise ArgumentError(
+                f"--{flag} {placement} needs DeepSpeed: launch with `accelerate launch --config_file "
+                "configs/accelerate_zero3.yaml ...`, or choose replicate"
+            )
+        if placement == "offload" and on_cpu:
+            raise ArgumentError(f"--{flag} offload needs a GPU (the weights are already in CPU memory here)")

@@ -19,16 +19,27 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .data import pick_caption, transform_image
-from .distributed import all_gather_object, barrier, get_rank, get_world_size, is_main_process, log_rank_zero
+from .checkpoint import TMP_PREFIX, fsync_tree
+from .data import DataError, is_readable_image, pick_caption, transform_image
+from .distributed import (
+    all_gather_object,
+    barrier,
+    get_rank,
+    get_world_size,
+    is_main_process,
+    log_rank_zero,
+    logger,
+)
 from .lockstep import lockstep_map
 from .zero3 import gathered_parameters
 
@@ -92,6 +103,13 @@ class CachedOutputs:
             self._parts.append(f)
         self.has_text = "encoder_hidden_states" in self.meta["tensors"]
         self.has_latents = "latent_params" in self.meta["tensors"]
+        self.skipped_rows: list[int] = list(self.meta.get("skipped_rows", []))
+        expected = self.meta["rows"] - len(self.skipped_rows)
+        if len(self._where) != expected:
+            raise DataError(
+                f"the frozen-model cache {self.folder} holds {len(self._where)} rows, its meta.json says "
+                f"{expected}: it is damaged; delete that folder and run again"
+            )
 
     def __len__(self) -> int:
         return len(self._where)
@@ -165,24 +183,32 @@ def precompute_frozen_outputs(
         "random_flip": random_flip if vae is not None else None,
         "seed": seed if vae is not None and not center_crop else None,
     }
-    # Rank 0's view decides: an in-memory dataset has a random fingerprint in each process.
+    # Rank 0's view decides: an in-memory dataset has a random fingerprint in each process,
+    # and another job may publish the same cache while this one starts.
     inputs = all_gather_object(inputs)[0]
     key = cache_key(**inputs)
     final = Path(cache_dir) / key
-    if (final / "meta.json").exists():
+    reuse = all_gather_object((final / "meta.json").exists() if is_main_process() else None)[0]
+    if reuse:
         log_rank_zero(f"reusing the frozen-model cache {final}")
-        barrier()
         return CachedOutputs(final, reused=True)
 
     log_rank_zero(f"encoding {len(dataset)} rows with the frozen models into {final}")
-    tmp = Path(cache_dir) / f".tmp-{key}"
+    # A name of its own: two jobs sharing cache_dir never write into one temporary folder.
+    tmp = Path(all_gather_object(str(Path(cache_dir) / f"{TMP_PREFIX}{key}-{uuid.uuid4().hex[:8]}"))[0])
     if is_main_process():
-        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
     rank, world = get_rank(), get_world_size()
     per_rank = -(-len(dataset) // world)
     mine = list(range(rank * per_rank, min(len(dataset), (rank + 1) * per_rank)))
+    skipped = []
+    if vae is not None:  # corrupt images are skipped, as in live training; the rows are recorded
+        for i in mine:
+            if not is_readable_image(dataset[i][image_column]):
+                logger.warning("skipping row %d: unreadable image", i)
+                skipped.append(i)
+        mine = [i for i in mine if i not in set(skipped)]
     chunks = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
 
     def encode(indices: list[int]) -> dict[str, torch.Tensor]:
@@ -220,14 +246,26 @@ def precompute_frozen_outputs(
     from safetensors.torch import save_file
 
     save_file(tensors, str(tmp / f"part-{rank:05d}.safetensors"))
-    names = sorted(set().union(*all_gather_object(sorted(tensors))) - {"index"})
-    barrier()
-    if is_main_process():
-        (tmp / "meta.json").write_text(
-            json.dumps({**inputs, "tensors": names, "rows": len(dataset)}, indent=1)
+    reports = all_gather_object((sorted(tensors), skipped))
+    names = sorted(set().union(*(t for t, _ in reports)) - {"index"})
+    all_skipped = sorted(i for _, s in reports for i in s)
+    if all_skipped:
+        log_rank_zero(
+            f"skipped {len(all_skipped)} unreadable image row(s) while caching", level=logging.WARNING
         )
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)  # publish: the folder is complete or absent
-    barrier()
+    error = None
+    if is_main_process():
+        meta = {**inputs, "tensors": names, "rows": len(dataset), "skipped_rows": all_skipped}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        fsync_tree(tmp)
+        try:
+            os.replace(tmp, final)  # publish: the folder is complete or absent
+        except OSError:
+            if not (final / "meta.json").exists():
+                error = f"cannot publish the frozen-model cache {final}"
+            # else another job published the same key meanwhile: use theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    errors = [e for e in all_gather_object(error) if e]
+    if errors:
+        raise DataError(errors[0])
     return CachedOutputs(final)

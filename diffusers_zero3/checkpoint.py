@@ -8,7 +8,8 @@
   the headers are computed up front from the parameter shapes, then each tensor is gathered
   to rank 0 and written straight to its place in the file, so rank 0's extra memory is one
   tensor. The folder is written under a temporary name and renamed: complete or absent.
-* ``publish_folder`` is the atomic rename used by checkpoints and final outputs.
+* ``publish_folder`` is the atomic (fsynced) rename used by checkpoints, the cache and final
+  outputs; ``remove_interrupted_writes`` cleans what a killed save left behind.
 """
 
 from __future__ import annotations
@@ -51,30 +52,98 @@ class CheckpointError(ValueError):
 # ----------------------------------------------------------------------------- folders
 
 
+TMP_PREFIX = ".tmp-"
+OLD_PREFIX = ".old-"
+
+
+def fsync_tree(folder: str | os.PathLike) -> None:
+    """Flush every file under ``folder``, then the folders themselves, to stable storage.
+
+    Called before the rename that publishes a folder, so that a power loss right after the
+    rename cannot leave a published folder whose files are empty or short.
+    """
+    folder = Path(folder)
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for root, dirs, _files in os.walk(folder, topdown=False):
+        for d in [*dirs, ""]:
+            fsync_dir(os.path.join(root, d))
+
+
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """Flush a folder's entries (a rename inside it) to stable storage; best effort."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on a folder
+        pass
+    finally:
+        os.close(fd)
+
+
 @contextmanager
-def publish_folder(final: str | os.PathLike, *, main_process_only: bool = True) -> Iterator[Path]:
+def publish_folder(final: str | os.PathLike) -> Iterator[Path]:
     """Write a folder under a temporary name and rename it into place when the block succeeds.
 
-    Yields the temporary path. On success the previous ``final`` (if any) is replaced; on an
-    exception the temporary folder is removed and ``final`` is left as it was. Not a
-    collective: with ``main_process_only`` only rank 0 should use it.
+    Yields the temporary path (``.tmp-<name>-<random>`` beside ``final``). On success its
+    files are fsynced and it replaces the previous ``final`` (if any); on an exception the
+    temporary folder is removed and ``final`` is left as it was. Not a collective: one
+    process (rank 0) uses it.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp = final.parent / f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         yield tmp
+        fsync_tree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    replace_folder(tmp, final)
+
+
+def replace_folder(src: Path, final: Path) -> None:
+    """Rename ``src`` to ``final``, moving an existing ``final`` aside first (``.old-*``) and
+    deleting it afterwards. A crash in between leaves ``.old-*`` beside ``final``, which
+    ``remove_interrupted_writes`` cleans at the next start."""
     old = None
     if final.exists():
-        old = final.parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+        old = final.parent / f"{OLD_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
         os.replace(final, old)
-    os.replace(tmp, final)
+    os.replace(src, final)
+    fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_interrupted_writes(folder: str | os.PathLike) -> list[Path]:
+    """Delete the ``.tmp-*`` and ``.old-*`` entries that a killed save left in ``folder``.
+
+    Not a collective: call on the global main process only, before any rank writes into
+    ``folder`` (a barrier after it), since another rank's live temporary folder would go too.
+    Returns what was removed.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    removed = []
+    for p in folder.iterdir():
+        if p.name.startswith((TMP_PREFIX, OLD_PREFIX)):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
 
 
 # ----------------------------------------------------------------------------- safetensors
@@ -470,101 +539,3 @@ def save_pretrained_zero3(
     if errors:
         raise CheckpointError(f"saving {save_directory} failed on rank 0: {errors[0]}")
     barrier()
-
-
-# ----------------------------------------------------------------------------- training checkpoints
-
-_CKPT_PREFIX = "checkpoint-"
-
-
-def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """Complete ``checkpoint-<step>`` folders in ``output_dir``, oldest first."""
-    out = Path(output_dir)
-    if not out.is_dir():
-        return []
-    found = [p for p in out.iterdir() if p.is_dir() and p.name.startswith(_CKPT_PREFIX)]
-    found = [
-        p for p in found if p.name[len(_CKPT_PREFIX) :].isdigit() and (p / "training_state.json").exists()
-    ]
-    return sorted(found, key=lambda p: int(p.name[len(_CKPT_PREFIX) :]))
-
-
-def resolve_resume_checkpoint(output_dir: str | os.PathLike, value: str | None) -> Path | None:
-    """The folder ``--resume_from_checkpoint`` names: ``latest`` (None when there is none yet),
-    a path, or a folder name inside ``output_dir``. A named folder that is missing or
-    incomplete raises ``CheckpointError``."""
-    if value is None:
-        return None
-    if value == "latest":
-        found = list_checkpoints(output_dir)
-        return found[-1] if found else None
-    for candidate in (Path(value), Path(output_dir) / Path(value).name):
-        if (candidate / "training_state.json").exists():
-            return candidate
-    raise CheckpointError(f"--resume_from_checkpoint {value!r}: no complete checkpoint folder there")
-
-
-def save_training_checkpoint(
-    accelerator,
-    output_dir: str | os.PathLike,
-    global_step: int,
-    training_state: dict,
-    *,
-    ema=None,
-    total_limit: int | None = None,
-    protect: Path | None = None,
-) -> Path:
-    """Save a resumable ``checkpoint-<global_step>`` folder atomically. Collective: every rank.
-
-    Holds accelerate's state (the UNet engine's partitions and optimizer, the scheduler,
-    every rank's RNG states and the sampler), one EMA partition file per rank, and
-    ``training_state.json`` (step, epoch, batches done in the epoch). Written as
-    ``.tmp-checkpoint-<step>`` and renamed, so a crash leaves no partial ``checkpoint-*``.
-    Then the oldest checkpoints beyond ``total_limit`` are deleted, never ``protect`` (the
-    one this run resumed from).
-    """
-    out = Path(output_dir)
-    final = out / f"{_CKPT_PREFIX}{global_step}"
-    tmp = out / f".tmp-{_CKPT_PREFIX}{global_step}"
-    if is_main_process():
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    accelerator.save_state(str(tmp))
-    if ema is not None:
-        torch.save(ema.state_dict(), tmp / f"ema_rank{get_rank()}.pt")
-    barrier()
-    if is_main_process():
-        (tmp / "training_state.json").write_text(json.dumps({**training_state, "global_step": global_step}))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        if total_limit is not None:
-            prune_checkpoints(out, total_limit, protect=protect)
-    barrier()
-    return final
-
-
-def prune_checkpoints(
-    output_dir: str | os.PathLike, total_limit: int, protect: Path | None = None
-) -> list[Path]:
-    """Delete the oldest checkpoints so that at most ``total_limit`` remain (``protect`` kept)."""
-    found = list_checkpoints(output_dir)
-    removable = [p for p in found if protect is None or p.resolve() != Path(protect).resolve()]
-    excess = len(found) - total_limit
-    removed = removable[: max(0, excess)]
-    for p in removed:
-        shutil.rmtree(p)
-    return removed
-
-
-def load_training_checkpoint(accelerator, path: str | os.PathLike, *, ema=None) -> dict:
-    """Restore what ``save_training_checkpoint`` wrote; return its training state. Collective."""
-    path = Path(path)
-    accelerator.load_state(str(path))
-    if ema is not None:
-        ema_file = path / f"ema_rank{get_rank()}.pt"
-        if not ema_file.exists():
-            raise CheckpointError(f"{path} has no EMA state for rank {get_rank()} (saved without --use_ema?)")
-        ema.load_state_dict(torch.load(ema_file, weights_only=False))
-    return json.loads((path / "training_state.json").read_text())

@@ -37,14 +37,20 @@ def load_image_caption_dataset(
 
     if dataset_name is None and train_data_dir is None:
         raise DataError("give --dataset_name or --train_data_dir")
-    if dataset_name is not None:
-        ds = datasets.load_dataset(dataset_name, dataset_config_name, cache_dir=cache_dir)
-    else:
-        import os
+    try:
+        if dataset_name is not None:
+            ds = datasets.load_dataset(dataset_name, dataset_config_name, cache_dir=cache_dir)
+        else:
+            import os
 
-        if not os.path.isdir(train_data_dir):
-            raise DataError(f"--train_data_dir {train_data_dir!r} is not a directory")
-        ds = datasets.load_dataset("imagefolder", data_dir=train_data_dir, cache_dir=cache_dir)
+            if not os.path.isdir(train_data_dir):
+                raise DataError(f"--train_data_dir {train_data_dir!r} is not a directory")
+            ds = datasets.load_dataset("imagefolder", data_dir=train_data_dir, cache_dir=cache_dir)
+    except (FileNotFoundError, ValueError, ConnectionError) as e:  # datasets' "no data files", bad names
+        if isinstance(e, DataError):
+            raise
+        name = dataset_name or train_data_dir
+        raise DataError(f"cannot load the dataset {name!r}: {e}") from e
     if "train" not in ds:
         raise DataError(f"dataset has no 'train' split (splits: {sorted(ds)})")
     return ds["train"]
@@ -59,6 +65,42 @@ def resolve_columns(dataset, image_column: str | None, caption_column: str | Non
         if col not in names:
             raise DataError(f"{flag} value {col!r} is not a dataset column; columns are: {', '.join(names)}")
     return image_column, caption_column
+
+
+def check_image_column(dataset, image_column: str) -> None:
+    """Raise ``DataError`` unless ``image_column`` holds images (a ``datasets.Image`` feature).
+
+    A column of strings (paths, captions) would otherwise fail on every row, one by one.
+    """
+    import datasets
+
+    feature = dataset.features.get(image_column)
+    if not isinstance(feature, datasets.Image):
+        kind = getattr(feature, "dtype", type(feature).__name__)
+        raise DataError(
+            f"--image_column {image_column!r} holds {kind} values, not images; "
+            f"pick the column of images (columns: {', '.join(dataset.column_names)})"
+        )
+
+
+def check_enough_rows(num_rows: int, num_processes: int, batch_size: int) -> None:
+    """Raise ``DataError`` when the data cannot fill one batch on every process."""
+    if num_rows == 0:
+        raise DataError("the dataset is empty (after --max_train_samples)")
+    if num_rows < num_processes * batch_size:
+        raise DataError(
+            f"the dataset has {num_rows} rows, fewer than processes x --train_batch_size = "
+            f"{num_processes} x {batch_size} = {num_processes * batch_size}; lower the batch size or add data"
+        )
+
+
+def is_readable_image(image) -> bool:
+    """True when a dataset image cell decodes (corrupt files raise one of several errors)."""
+    try:
+        image.load()
+        return True
+    except Exception:
+        return False
 
 
 def pick_caption(caption: Any, rng: random.Random | None) -> str:
@@ -100,7 +142,8 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
     """Rows of a ``datasets`` dataset as ``{"pixel_values", "input_ids", "index"}``.
 
     ``set_epoch(e)`` changes the random crops/flips/captions deterministically. With
-    ``with_images=False`` images are not decoded (training from a latent cache).
+    ``with_images=False`` images are not decoded (training from a latent cache); then
+    ``unreadable_rows`` (the rows a cache skipped) are skipped as if they failed to decode.
     """
 
     def __init__(
@@ -114,6 +157,7 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         random_flip: bool = False,
         seed: int = 0,
         with_images: bool = True,
+        unreadable_rows: Sequence[int] = (),
     ):
         self.dataset = dataset
         self.tokenizer = tokenizer
@@ -122,6 +166,7 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         self.seed, self.epoch = seed, 0
         self.with_images = with_images
         self.skipped_rows: set[int] = set()
+        self.unreadable_rows = set(unreadable_rows)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -147,6 +192,8 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         for offset in range(len(self.dataset)):
             i = (index + offset) % len(self.dataset)
             try:
+                if i in self.unreadable_rows:
+                    raise DataError("skipped when the frozen-model cache was built")
                 row = self.dataset[i]
                 if self.with_images:
                     row[self.image_column].load()

@@ -6,12 +6,20 @@ import json
 import math
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 import torch
 
-from .checkpoint import publish_folder, save_pretrained_zero3
-from .distributed import barrier, is_main_process
+from .checkpoint import (
+    TMP_PREFIX,
+    CheckpointError,
+    fsync_dir,
+    fsync_tree,
+    replace_folder,
+    save_pretrained_zero3,
+)
+from .distributed import all_gather_object, barrier, is_main_process
 
 
 @torch.no_grad()
@@ -108,6 +116,42 @@ image = pipe("{(validation_prompts or ["a photo"])[0]}").images[0]
 """
 
 
+def pipeline_components(source_folder: str | os.PathLike) -> dict[str, list]:
+    """The components a pipeline's ``model_index.json`` lists (name -> [library, class]).
+
+    Raises ``CheckpointError`` for a missing or unreadable index, and for a component name
+    that is not a plain folder name (``..``, an absolute path, a separator): such a name
+    would make a save write outside the output folder.
+    """
+    index_file = Path(source_folder) / "model_index.json"
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {index_file} ({type(e).__name__}: {e})") from e
+    components = {}
+    for name, value in index.items():
+        if name.startswith("_") or not isinstance(value, list):
+            continue
+        if not name or name in (".", "..") or "/" in name or "\\" in name or os.path.isabs(name):
+            raise CheckpointError(f"{index_file} names a component {name!r} that is not a plain folder name")
+        components[name] = value
+    return components
+
+
+def check_output_dir(output_dir: str | os.PathLike, source_folder: str | os.PathLike) -> None:
+    """Refuse an ``--output_dir`` that is the source pipeline folder or inside it.
+
+    Saving there would replace the source's components (and delete its
+    ``model_index.json``) before anything could fail. Call before anything is written.
+    """
+    out, src = Path(output_dir).resolve(), Path(source_folder).resolve()
+    if out == src or src in out.parents:
+        raise CheckpointError(
+            f"--output_dir {str(output_dir)!r} is the source pipeline folder {str(source_folder)!r} or inside it; "
+            "choose another folder (saving there would overwrite the source model)"
+        )
+
+
 def save_final_pipeline(
     source_folder: str | os.PathLike,
     output_dir: str | os.PathLike,
@@ -121,29 +165,62 @@ def save_final_pipeline(
     The UNet (the EMA average when ``ema`` is given) is streamed from its partitions by
     ``save_pretrained_zero3``: no rank builds the whole model. Every other component of the
     source pipeline (text encoder, VAE, tokenizer, scheduler, ...) is unchanged and copied
-    from ``source_folder``. Each component folder is published atomically and
-    ``model_index.json`` is written last, so a folder that has one is complete.
+    from ``source_folder``.
+
+    Everything is first written into a staging folder ``output_dir/.tmp-pipeline-*``; a
+    failure there (on any rank) leaves a previous output in ``output_dir`` exactly as it was
+    and raises ``CheckpointError`` on every rank. Then global rank 0 swaps the components in
+    and writes ``model_index.json`` last, so a folder that has one is complete. The other
+    contents of ``output_dir`` (checkpoints, logs, validation images) are not touched.
     """
     out = Path(output_dir)
     source = Path(source_folder)
+    check_output_dir(out, source)
+    components = pipeline_components(source)
+    staging = out / f"{TMP_PREFIX}pipeline-{uuid.uuid4().hex[:8]}"
+    staging = Path(all_gather_object(str(staging))[0])
     if is_main_process():
-        (out / "model_index.json").unlink(missing_ok=True)
+        staging.mkdir(parents=True)
     barrier()
-    if ema is not None:
-        ema.save_pretrained(out / "unet")
-    else:
-        save_pretrained_zero3(unet, out / "unet")
+    try:
+        if ema is not None:
+            ema.save_pretrained(staging / "unet")
+        else:
+            save_pretrained_zero3(unet, staging / "unet")
+    except BaseException:
+        if is_main_process():
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    error = None
     if is_main_process():
-        index = json.loads((source / "model_index.json").read_text())
-        for name, value in index.items():
-            if name.startswith("_") or name == "unet" or not isinstance(value, list) or value[0] is None:
-                continue
-            if (source / name).is_dir():
-                with publish_folder(out / name) as tmp:
-                    shutil.copytree(source / name, tmp, dirs_exist_ok=True)
-        if readme:
-            (out / "README.md").write_text(readme)
-        tmp_index = out / ".model_index.json.tmp"
-        tmp_index.write_text(json.dumps(index, indent=2))
-        os.replace(tmp_index, out / "model_index.json")
-    barrier()
+        try:
+            for name, value in components.items():
+                if name != "unet" and value[0] is not None and (source / name).is_dir():
+                    shutil.copytree(source / name, staging / name)
+            if readme:
+                (staging / "README.md").write_text(readme)
+            (staging / "model_index.json").write_text((source / "model_index.json").read_text())
+            fsync_tree(staging)
+            _swap_into(staging, out)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    errors = [e for e in all_gather_object(error) if e]
+    if errors:
+        raise CheckpointError(f"saving the pipeline to {out} failed on rank 0: {errors[0]}")
+
+
+def _swap_into(staging: Path, out: Path) -> None:
+    """Move every entry of ``staging`` into ``out``, ``model_index.json`` last."""
+    (out / "model_index.json").unlink(missing_ok=True)  # from here on ``out`` reads as incomplete
+    fsync_dir(out)
+    for entry in sorted(staging.iterdir()):
+        if entry.name == "model_index.json":
+            continue
+        if entry.is_dir():
+            replace_folder(entry, out / entry.name)
+        else:
+            os.replace(entry, out / entry.name)
+    os.replace(staging / "model_index.json", out / "model_index.json")
+    fsync_dir(out)

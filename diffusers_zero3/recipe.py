@@ -7,14 +7,22 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from .checkpoint import load_pretrained_zero3
+from .accelerator import build_accelerator
+from .args import ArgumentError
+from .checkpoint import CheckpointError, load_pretrained_zero3
+from .data import DataError
+from .distributed import destroy_process_group, log_rank_zero
 from .frozen import fill_auto_bucket_sizes, prepare_frozen
-from .launch import build_accelerator
 from .zero3 import zero3_init_disabled
+
+GRAD_ACC_ENV = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
+USER_ERRORS = (ArgumentError, DataError, CheckpointError)
 
 
 def setup_accelerator(
@@ -29,10 +37,20 @@ def setup_accelerator(
 ):
     """An accelerator for a training script, CPU-only hosts included; logging on rank 0 only.
 
+    ``gradient_accumulation_steps`` takes effect whatever the accelerate config file says:
+    ``accelerate launch`` exports the file's ``gradient_accumulation_steps`` (1 in the
+    shipped configs and in what ``accelerate config`` writes) as
+    ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS``, which would silently override the script's
+    flag, both in accelerate and in the DeepSpeed config. The flag wins; a different value
+    in the launch configuration is logged.
+
     Sets the DeepSpeed plugin's ``gradient_clipping`` to ``max_grad_norm`` (accelerate
     otherwise applies its own default of 1.0 under DeepSpeed).
     """
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
+
+    launch_value = os.environ.get(GRAD_ACC_ENV)
+    os.environ[GRAD_ACC_ENV] = str(gradient_accumulation_steps)
 
     accelerator = build_accelerator(
         timeout_s=process_group_timeout,
@@ -50,6 +68,11 @@ def setup_accelerator(
         format="%(message)s",
         force=True,
     )
+    if launch_value not in (None, str(gradient_accumulation_steps)):
+        log_rank_zero(
+            f"--gradient_accumulation_steps {gradient_accumulation_steps} overrides the launch configuration's "
+            f"gradient_accumulation_steps: {launch_value}"
+        )
     return accelerator
 
 
@@ -116,3 +139,35 @@ def load_frozen_component(
         dtype=weight_dtype(accelerator),
         name=name,
     )
+
+
+def run_script(body: Callable[[], None]) -> int:
+    """Run a training script's ``body`` with the package's exit protocol; return the exit code.
+
+    * A usage problem (``ArgumentError``, ``DataError``, ``CheckpointError``) prints one line
+      ``error: <what is wrong>`` on every rank that raised it and exits with code 2.
+    * Any other exception prints its traceback and exits with code 1.
+    * Under ``torch.distributed`` a failing rank leaves with ``os._exit`` at once: tearing
+      down a process group whose peers are gone or stuck can hang or abort, and the peers
+      then fail at their next collective (within the collective timeout) instead of waiting.
+    * On success every rank tears the process group down together and returns 0.
+    """
+    import traceback
+
+    try:
+        body()
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    except BaseException:
+        if not torch.distributed.is_initialized():
+            raise
+        traceback.print_exc()
+        code = 1
+    else:
+        destroy_process_group()
+        return 0
+    if torch.distributed.is_initialized():
+        sys.stdout.flush()
+        os._exit(code)
+    return code

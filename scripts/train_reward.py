@@ -19,28 +19,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 
-from diffusers_zero3 import ParallelReward, ShardedEMA, log_rank_zero
-from diffusers_zero3.args import ArgumentError
-from diffusers_zero3.checkpoint import (
-    CheckpointError,
-    load_training_checkpoint,
-    resolve_model_folder,
-    resolve_resume_checkpoint,
-    save_training_checkpoint,
-)
-from diffusers_zero3.pipeline_io import model_card, save_final_pipeline
+from diffusers_zero3 import ParallelReward, ShardedEMA, barrier, is_main_process, log_rank_zero
+from diffusers_zero3.args import validate_args, validate_launch
+from diffusers_zero3.checkpoint import remove_interrupted_writes, resolve_model_folder
+from diffusers_zero3.pipeline_io import check_output_dir, model_card, pipeline_components, save_final_pipeline
 from diffusers_zero3.recipe import (
     accelerator_from_args,
     load_frozen_component,
     load_trainable_unet,
+    run_script,
     weight_dtype,
 )
+from diffusers_zero3.resume import resume_training, save_training_checkpoint
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -107,7 +102,8 @@ class RewardTrainer:
         self.args = args
         self.global_step = 0
         self.rewards: list[float] = []
-        self.resumed_from: Path | None = None
+        self.rewards_per_rank: list[list[float]] = []
+        self.trained_steps = 0
 
     def setup(self) -> None:
         from accelerate.utils import set_seed
@@ -115,15 +111,22 @@ class RewardTrainer:
         from transformers import CLIPTextModel, CLIPTokenizer
 
         args = self.args
-        self.accelerator = acc = accelerator_from_args(args)
-        if acc.state.deepspeed_plugin is None and "shard" in (
-            args.text_encoder_placement,
-            args.vae_placement,
-        ):
-            raise ArgumentError("shard placements need DeepSpeed: launch with accelerate and a ZeRO-3 config")
-        set_seed(args.seed)
-        self.dtype = weight_dtype(acc)
+        validate_args(args)
         self.source = resolve_model_folder(args.pretrained_model_name_or_path)
+        check_output_dir(args.output_dir, self.source)
+        pipeline_components(self.source)
+        self.accelerator = acc = accelerator_from_args(args)
+        validate_launch(
+            args, deepspeed_active=acc.state.deepspeed_plugin is not None, on_cpu=acc.device.type == "cpu"
+        )
+        if is_main_process():
+            for path in remove_interrupted_writes(args.output_dir):
+                log_rank_zero(f"removed {path}, left by an interrupted save")
+        barrier()
+        # A seed per rank: each rank samples its own prompts and initial latents (the same
+        # seed everywhere would make N-1 ranks repeat rank 0's samples).
+        set_seed(args.seed, device_specific=True)
+        self.dtype = weight_dtype(acc)
         self.tokenizer = CLIPTokenizer.from_pretrained(self.source, subfolder="tokenizer")
         self.scheduler = DDIMScheduler.from_pretrained(self.source, subfolder="scheduler")
         self.scheduler.set_timesteps(args.num_inference_steps)
@@ -150,11 +153,11 @@ class RewardTrainer:
             acc.init_trackers(
                 args.tracker_project_name, {k: v for k, v in vars(args).items() if not isinstance(v, list)}
             )
-        path = resolve_resume_checkpoint(args.output_dir, args.resume_from_checkpoint)
-        if path is not None:
-            state = load_training_checkpoint(acc, path, ema=self.ema)
+        resumed = resume_training(acc, args.output_dir, args.resume_from_checkpoint, ema=self.ema)
+        if resumed is not None:
+            path, state = resumed
             self.global_step, self.rewards = state["global_step"], state["rewards"]
-            self.resumed_from = path
+            self.rewards_per_rank = state.get("rewards_per_rank", [])
             log_rank_zero(f"resumed from {path} at step {self.global_step}")
 
     def _sample_images(self, prompts: list[str]) -> torch.Tensor:
@@ -193,8 +196,11 @@ class RewardTrainer:
             if self.ema is not None:
                 self.ema.step()
             self.global_step += 1
-            mean_reward = acc.gather(rewards.detach()).mean().item()
+            self.trained_steps += 1
+            per_rank = acc.gather(rewards.detach()).view(acc.num_processes, -1).mean(dim=1)
+            mean_reward = per_rank.mean().item()
             self.rewards.append(mean_reward)
+            self.rewards_per_rank.append(per_rank.tolist())
             acc.log({"reward": mean_reward, "loss": loss.item()}, step=self.global_step)
             log_rank_zero(f"step {self.global_step} reward {mean_reward:.6f}")
             if self.global_step % args.checkpointing_steps == 0:
@@ -202,20 +208,32 @@ class RewardTrainer:
                     acc,
                     args.output_dir,
                     self.global_step,
-                    {"epoch": 0, "batches_in_epoch": 0, "rewards": self.rewards},
+                    {
+                        "epoch": 0,
+                        "batches_in_epoch": 0,
+                        "rewards": self.rewards,
+                        "rewards_per_rank": self.rewards_per_rank,
+                    },
                     ema=self.ema,
                     total_limit=args.checkpoints_total_limit,
-                    protect=self.resumed_from,
                 )
 
     def save(self) -> None:
+        """The final pipeline, rewards.json and the reward curve (every rank); kept as is when
+        resuming a finished run trained no step and the folder is complete."""
         args = self.args
+        if self.trained_steps == 0 and (Path(args.output_dir) / "model_index.json").exists():
+            log_rank_zero(f"pipeline: {Path(args.output_dir).resolve()} (already complete)")
+            self.accelerator.end_training()
+            return
         card = model_card(args.pretrained_model_name_or_path, "reward: " + args.reward_model_name_or_path,
                           {k: v for k, v in vars(args).items() if not isinstance(v, list)}, args.prompts)  # fmt: skip
         save_final_pipeline(self.source, args.output_dir, self.unet, ema=self.ema, readme=card)
         if self.accelerator.is_main_process:
             out = Path(args.output_dir)
-            (out / "rewards.json").write_text(json.dumps(self.rewards))
+            (out / "rewards.json").write_text(
+                json.dumps({"mean": self.rewards, "per_rank": self.rewards_per_rank})
+            )
             plot_curve(self.rewards, out / "rewards.png")
             k = max(1, min(10, len(self.rewards) // 4))
             log_rank_zero(
@@ -249,19 +267,13 @@ def plot_curve(values: list[float], path: Path, size: tuple[int, int] = (480, 24
 
 def main(argv: list[str] | None = None) -> int:
     trainer = RewardTrainer(parse_args(argv))
-    try:
+
+    def body() -> None:
         trainer.setup()
         trainer.train()
         trainer.save()
-    except (ArgumentError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        if torch.distributed.is_initialized():
-            os._exit(2)
-        return 2
-    from diffusers_zero3.distributed import destroy_process_group
 
-    destroy_process_group()
-    return 0
+    return run_script(body)
 
 
 if __name__ == "__main__":

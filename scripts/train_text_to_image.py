@@ -33,34 +33,34 @@ from pathlib import Path
 
 import torch
 
-from diffusers_zero3 import ShardedEMA, log_rank_zero, precompute_frozen_outputs
-from diffusers_zero3.args import ArgumentError, parse_args, validate_args
-from diffusers_zero3.checkpoint import (
-    CheckpointError,
-    load_training_checkpoint,
-    resolve_model_folder,
-    resolve_resume_checkpoint,
-    save_training_checkpoint,
-)
+from diffusers_zero3 import ShardedEMA, barrier, is_main_process, log_rank_zero, precompute_frozen_outputs
+from diffusers_zero3.args import ArgumentError, parse_args, validate_args, validate_launch
+from diffusers_zero3.checkpoint import remove_interrupted_writes, resolve_model_folder
 from diffusers_zero3.data import (
-    DataError,
     ImageCaptionDataset,
+    check_enough_rows,
+    check_image_column,
     collate,
     load_image_caption_dataset,
     resolve_columns,
 )
 from diffusers_zero3.pipeline_io import (
+    check_output_dir,
     generate_validation_images,
     image_grid,
     model_card,
+    pipeline_components,
     save_final_pipeline,
 )
 from diffusers_zero3.recipe import (
     accelerator_from_args,
     load_frozen_component,
     load_trainable_unet,
+    run_script,
     weight_dtype,
 )
+from diffusers_zero3.resume import resume_training, save_training_checkpoint
+from diffusers_zero3.testing import fault_point
 from diffusers_zero3.training import diffusion_loss, sample_noise
 
 logger = logging.getLogger("train_text_to_image")
@@ -74,7 +74,7 @@ class TextToImageTrainer:
         self.global_step = 0
         self.first_epoch = 0
         self.resume_batches = 0
-        self.resumed_from: Path | None = None
+        self.trained_steps = 0
 
     # ------------------------------------------------------------------ setup
 
@@ -82,17 +82,25 @@ class TextToImageTrainer:
         from accelerate.utils import set_seed
 
         args = self.args
+        # Everything that can be checked before anything is written is checked first.
+        validate_args(args)
+        self.source = resolve_model_folder(
+            args.pretrained_model_name_or_path, None, args.revision, args.cache_dir
+        )
+        check_output_dir(args.output_dir, self.source)
+        pipeline_components(self.source)  # a readable model_index.json with plain component names
         self.accelerator = acc = accelerator_from_args(args)
-        validate_args(
+        validate_launch(
             args, deepspeed_active=acc.state.deepspeed_plugin is not None, on_cpu=acc.device.type == "cpu"
         )
+        if is_main_process():  # once per job, before any rank writes
+            for path in remove_interrupted_writes(args.output_dir):
+                log_rank_zero(f"removed {path}, left by an interrupted save")
+        barrier()
         set_seed(args.seed if args.seed is not None else 0)
         if args.allow_tf32 and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = True
         self.weight_dtype = weight_dtype(acc)
-        self.source = resolve_model_folder(
-            args.pretrained_model_name_or_path, None, args.revision, args.cache_dir
-        )
         self._load_models()
         self._load_data()
         self._place_frozen()
@@ -123,8 +131,10 @@ class TextToImageTrainer:
             args.dataset_name, args.dataset_config_name, args.train_data_dir, args.cache_dir
         )
         self.image_column, self.caption_column = resolve_columns(ds, args.image_column, args.caption_column)
+        check_image_column(ds, self.image_column)
         if args.max_train_samples is not None:
             ds = ds.shuffle(seed=args.seed or 0).select(range(min(args.max_train_samples, len(ds))))
+        check_enough_rows(len(ds), self.accelerator.num_processes, args.train_batch_size)
         self.hf_dataset = ds
         self.train_dataset = ImageCaptionDataset(
             ds,
@@ -170,6 +180,7 @@ class TextToImageTrainer:
             for name in cached:  # training holds none of their weights
                 live[name].release()
                 live[name] = None
+            self.train_dataset.unreadable_rows = set(self.cache.skipped_rows)
         self.text_encoder, self.vae = live["text_encoder"], live["vae"]
         self.vae_scaling_factor = self._vae_config()["scaling_factor"]
 
@@ -225,16 +236,17 @@ class TextToImageTrainer:
         self._maybe_resume()
 
     def _maybe_resume(self) -> None:
-        path = resolve_resume_checkpoint(self.args.output_dir, self.args.resume_from_checkpoint)
-        if path is None:
+        resumed = resume_training(
+            self.accelerator, self.args.output_dir, self.args.resume_from_checkpoint, ema=self.ema
+        )
+        if resumed is None:
             if self.args.resume_from_checkpoint:
                 log_rank_zero("no checkpoint to resume from yet: starting a new run")
             return
-        state = load_training_checkpoint(self.accelerator, path, ema=self.ema)
+        path, state = resumed
         self.global_step = state["global_step"]
         self.first_epoch = state["epoch"]
         self.resume_batches = state["batches_in_epoch"]
-        self.resumed_from = path
         log_rank_zero(f"resumed from {path} at step {self.global_step}")
 
     # ------------------------------------------------------------------ training
@@ -255,6 +267,7 @@ class TextToImageTrainer:
             if self.text_encoder is None:
                 states = cached["encoder_hidden_states"].to(device)
             else:
+                fault_point("frozen_forward")
                 states = self.text_encoder(batch["input_ids"].to(device), return_dict=False)[0]
         return (latents * self.vae_scaling_factor).to(self.weight_dtype), states.to(self.weight_dtype)
 
@@ -287,6 +300,9 @@ class TextToImageTrainer:
             range(args.max_train_steps), initial=self.global_step, disable=not acc.is_local_main_process
         )
         losses = []
+        if self.global_step >= args.max_train_steps:
+            log_rank_zero(f"the run is complete at step {self.global_step}: no step to train")
+            return losses
         for epoch in range(self.first_epoch, args.num_train_epochs):
             self.train_dataset.set_epoch(epoch)
             self.loader.set_epoch(epoch)
@@ -300,6 +316,7 @@ class TextToImageTrainer:
                 with acc.accumulate(self.unet):
                     loss = self._loss(batch)
                     accumulated += acc.gather(loss.detach().repeat(len(batch["index"]))).mean().item()
+                    fault_point("train_step")
                     acc.backward(loss)
                     self.optimizer.step()
                     self.lr_scheduler.step()
@@ -310,6 +327,7 @@ class TextToImageTrainer:
                 if self.ema is not None:
                     self.ema.step()
                 self.global_step += 1
+                self.trained_steps += 1
                 step_loss = accumulated / args.gradient_accumulation_steps
                 accumulated = 0.0
                 losses.append(step_loss)
@@ -341,6 +359,7 @@ class TextToImageTrainer:
         return losses
 
     def _checkpoint(self, epoch: int, done_in_epoch: int) -> None:
+        fault_point("checkpoint")
         # Resume continues inside this epoch after `done_in_epoch` batches, or at the next epoch.
         finished = done_in_epoch >= len(self.loader)
         state = {
@@ -354,7 +373,6 @@ class TextToImageTrainer:
             state,
             ema=self.ema,
             total_limit=self.args.checkpoints_total_limit,
-            protect=self.resumed_from,
         )
         log_rank_zero(f"saved {path}")
 
@@ -378,6 +396,7 @@ class TextToImageTrainer:
         args, acc = self.args, self.accelerator
         if not args.validation_prompts:
             return
+        fault_point("validation")
         parts = self._validation_parts()
         scheduler = DDPMScheduler.from_config(self.noise_scheduler.config)
         unet = getattr(self.unet, "module", self.unet)
@@ -413,8 +432,14 @@ class TextToImageTrainer:
     # ------------------------------------------------------------------ output
 
     def save(self) -> None:
-        """The final pipeline folder (every rank)."""
+        """The final pipeline folder (every rank); kept as is when resuming a finished run
+        trained no step and the folder is complete."""
         args = self.args
+        fault_point("final_save")
+        if self.trained_steps == 0 and (Path(args.output_dir) / "model_index.json").exists():
+            log_rank_zero(f"pipeline: {os.path.abspath(args.output_dir)} (already complete)")
+            self.accelerator.end_training()
+            return
         card = model_card(
             args.pretrained_model_name_or_path,
             args.dataset_name or args.train_data_dir,
@@ -431,22 +456,14 @@ class TextToImageTrainer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    trainer = TextToImageTrainer(args)
-    try:
+    trainer = TextToImageTrainer(parse_args(argv))
+
+    def body() -> None:
         trainer.setup()
         trainer.train()
         trainer.save()
-    except (ArgumentError, DataError, CheckpointError) as e:
-        # One line naming the problem, on every rank, and a non-zero exit.
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        if torch.distributed.is_initialized():
-            os._exit(2)  # skip teardown: a live gloo group can hang or abort there
-        return 2
-    from diffusers_zero3.distributed import destroy_process_group
 
-    destroy_process_group()
-    return 0
+    return run_script(body)
 
 
 if __name__ == "__main__":

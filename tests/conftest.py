@@ -1,4 +1,30 @@
+"""Shared fixtures (tiny models and data built once per session) and the test tiers.
+
+Tiers (pytest markers): ``unit`` (single process, seconds: ``pytest -m unit`` is the fast
+tier), ``multirank`` (2 real ranks through the harness), ``e2e`` (a training script end to
+end under ``accelerate launch``). Unmarked tests get their module's tier below.
+"""
+
 import pytest
+
+MODULE_TIERS = {
+    "test_train_text_to_image": "e2e",
+    "test_train_reward": "e2e",
+    "test_faults_and_machines": "e2e",
+    "test_bad_input": "unit",
+}
+TIERS = ("unit", "multirank", "e2e")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(item.get_closest_marker(t) for t in TIERS):
+            continue
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        source = getattr(item.function, "__code__", None)
+        names = source.co_names if source is not None else ()
+        tier = MODULE_TIERS.get(module) or ("multirank" if "run_on_ranks" in names else "unit")
+        item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture(scope="session")
@@ -7,3 +33,13 @@ def tiny_pipeline(tmp_path_factory):
     from diffusers_zero3.demo import save_tiny_pipeline
 
     return str(save_tiny_pipeline(tmp_path_factory.mktemp("pipe") / "tiny-sd"))
+
+
+@pytest.fixture(scope="session")
+def default_data(tmp_path_factory):
+    """The embedded default, small: ``(pipeline folder, 16-image dataset, reward model folder)``."""
+    from diffusers_zero3.demo import prepare_default
+
+    folder = tmp_path_factory.mktemp("default")
+    pipe, data = prepare_default(folder, num_images=16)
+    return str(pipe), str(data), str(folder / "redness-reward")

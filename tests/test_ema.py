@@ -100,6 +100,13 @@ def worker_ema(pipe_dir: str, work: str):
         with count_collectives() as calls:
             ema.step()
         assert calls["n"] == 0, f"ShardedEMA.step issued {calls['n']} collective call(s)"
+        # Positive control: the same counter sees a gather of each partitioned parameter (what
+        # an EMA of full weights needs every step).
+        with count_collectives() as control:
+            for p in unet.parameters():
+                with gathered_parameters(p):
+                    pass
+        assert control["n"] >= len(list(unet.parameters())) > 0, control
 
     def ref_step(step):
         x, t, h, y = _batch(step)

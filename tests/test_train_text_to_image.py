@@ -33,14 +33,6 @@ def _losses(output: str) -> dict[int, float]:
     return {int(s): float(v) for s, v in re.findall(r"step (\d+) loss ([0-9.]+)\b", output)}
 
 
-@pytest.fixture(scope="module")
-def default_data(tmp_path_factory):
-    from diffusers_zero3.demo import prepare_default
-
-    pipe, data = prepare_default(tmp_path_factory.mktemp("default"), num_images=16)
-    return str(pipe), str(data)
-
-
 def _common(pipe, data, out, steps=6):
     return [
         "--pretrained_model_name_or_path", pipe, "--train_data_dir", data, "--output_dir", str(out),
@@ -75,7 +67,7 @@ def test_parser_accepts_every_diffusers_flag():
 
 
 def test_end_to_end_zero3_ema_shard_checkpoint_validation_and_resume(default_data, tmp_path):
-    pipe, data = default_data
+    pipe, data, _ = default_data
     out = tmp_path / "run"
     extra = ["--use_ema", "--text_encoder_placement", "shard", "--checkpointing_steps", "3"]
     extra += [
@@ -111,23 +103,24 @@ def test_end_to_end_zero3_ema_shard_checkpoint_validation_and_resume(default_dat
     assert list((out / "logs").rglob("events.out.tfevents*"))
 
     # Resume from checkpoint-3 in a fresh folder: steps 4-6 repeat the uninterrupted losses.
+    # With --checkpoints_total_limit 1 the checkpoint written after the resume is the one kept.
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     shutil.copytree(ck, resumed / "checkpoint-3")
     _, log2 = run_launcher(
         [*LAUNCH, *_common(pipe, data, resumed), "--use_ema", "--text_encoder_placement", "shard",
-         "--checkpointing_steps", "3", "--resume_from_checkpoint", "latest"],
+         "--checkpointing_steps", "3", "--checkpoints_total_limit", "1", "--resume_from_checkpoint", "latest"],
         timeout=400,
     )  # fmt: skip
     again = _losses(log2)
     assert sorted(again) == [4, 5, 6], log2[-3000:]
     for step in (4, 5, 6):
         assert again[step] == pytest.approx(losses[step], abs=2e-6), (step, again, losses)
-    assert (resumed / "checkpoint-3").exists()  # the resumed-from checkpoint is never pruned
+    assert sorted(p.name for p in resumed.glob("checkpoint-*")) == ["checkpoint-6"]
 
 
 def test_cache_placement_end_to_end(default_data, tmp_path):
-    pipe, data = default_data
+    pipe, data, _ = default_data
     out = tmp_path / "cached"
     extra = ["--text_encoder_placement", "cache", "--vae_placement", "cache", "--random_flip"]
     extra += [
@@ -159,7 +152,7 @@ def _plain(argv, expect_rc):
 
 
 def test_single_process_without_deepspeed_runs(default_data, tmp_path):
-    pipe, data = default_data
+    pipe, data, _ = default_data
     objective = [
         "--dream_training",
         "--snr_gamma",
@@ -176,35 +169,8 @@ def test_single_process_without_deepspeed_runs(default_data, tmp_path):
     assert (tmp_path / "plain" / "model_index.json").exists()
 
 
-@pytest.mark.parametrize(
-    "change, message",
-    [
-        (["--caption_column", "caption"], "--caption_column value 'caption' is not a dataset column"),
-        (["--pretrained_model_name_or_path", "/nonexistent/model"], "'/nonexistent/model' does not exist"),
-        (["--text_encoder_placement", "shard"], "--text_encoder_placement shard needs DeepSpeed"),
-        (
-            ["--resume_from_checkpoint", "checkpoint-77"],
-            "--resume_from_checkpoint 'checkpoint-77': no complete",
-        ),
-        (["--use_8bit_adam"], "--use_8bit_adam needs bitsandbytes"),
-        (["--vae_placement", "sharded"], "argument --vae_placement: invalid choice: 'sharded'"),
-        (
-            ["--dream_training", "--prediction_type", "v_prediction"],
-            "--dream_training supports epsilon prediction only",
-        ),
-    ],
-)
-def test_bad_input_gives_one_clear_error(default_data, tmp_path, change, message):
-    pipe, data = default_data
-    argv = _common(pipe, data, tmp_path / "bad", steps=2) + ["--report_to", "none"] + change
-    log = _plain(argv, expect_rc=2)
-    assert message in log, log[-2000:]
-    assert "Traceback" not in log
-    assert not (tmp_path / "bad" / "model_index.json").exists()
-
-
 def test_corrupt_image_is_skipped_with_a_warning(default_data, tmp_path):
-    pipe, data = default_data
+    pipe, data, _ = default_data
     broken = tmp_path / "data"
     shutil.copytree(data, broken)
     Path(broken / "00003.png").write_bytes(b"not a png at all")
@@ -224,7 +190,7 @@ def test_dead_rank_makes_the_other_exit_instead_of_hanging(default_data, tmp_pat
     from diffusers_zero3.local_ranks import free_port, rank_env
     from tests.distributed_harness import _test_env
 
-    pipe, data = default_data
+    pipe, data, _ = default_data
     argv = [sys.executable, SCRIPT, *_common(pipe, data, tmp_path / "dead", steps=200)]
     argv += ["--report_to", "none", "--process_group_timeout", "30"]
     accelerate_env = {

@@ -184,7 +184,7 @@ def test_helpers_under_explicit_zero_init():
 
 
 def test_gloo_only_for_multi_process_cpu_launches(monkeypatch):
-    from diffusers_zero3.launch import needs_gloo_backend
+    from diffusers_zero3.accelerator import needs_gloo_backend
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -1,0 +1,265 @@
+"""Training checkpoints: save, rotate, roll back and resume, once per job and on every rank.
+
+A training run writes ``OUTPUT_DIR/checkpoint-<step>`` folders. The rules, in one place:
+
+* **Atomic.** A checkpoint is written as ``.tmp-checkpoint-<step>``, fsynced and renamed, so
+  a ``checkpoint-*`` folder is complete; ``.tmp-*``/``.old-*`` leftovers of a killed save
+  are removed at the next start (``remove_interrupted_writes``).
+* **Rotation** (``--checkpoints_total_limit K``): after every save the newest ``K``
+  checkpoints by step remain, the one just written always among them. Global rank 0 deletes,
+  between barriers; never a local main process (with several machines there are several).
+* **Rollback.** Resuming from ``checkpoint-N`` while newer ``checkpoint-M`` (M > N) exist
+  abandons them: they are renamed ``abandoned-checkpoint-M`` (kept for a human to inspect or
+  delete), so ``latest`` never resolves to them and rotation never counts them.
+* **One answer for every rank.** ``latest`` is resolved on global rank 0 and broadcast, so no
+  two ranks can load different steps.
+* **Same world size.** A checkpoint records how many processes wrote it. DeepSpeed's ZeRO-3
+  optimizer partitions are per rank, so resuming with a different number of processes is an
+  error that names both numbers (consolidate with ``zero_to_fp32.py`` to change it).
+* **Shared filesystem.** Every rank checks that it sees the files it needs (its own
+  partitions, RNG state, EMA shard, and rank 0's files); a checkpoint on node-local disks
+  fails with one clear error on every rank instead of a hang or a half-loaded state.
+
+Checkpoints hold pickles (DeepSpeed's and accelerate's state files): resume only
+checkpoints you trust. The EMA shards are read with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from .checkpoint import CheckpointError, fsync_dir, fsync_tree
+from .distributed import all_gather_object, barrier, get_rank, get_world_size, is_main_process
+
+CHECKPOINT_PREFIX = "checkpoint-"
+ABANDONED_PREFIX = "abandoned-"
+STATE_FILE = "training_state.json"
+
+
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    """The step of a ``checkpoint-<step>`` folder name, None for any other name."""
+    name = Path(path).name
+    rest = name[len(CHECKPOINT_PREFIX) :]
+    return int(rest) if name.startswith(CHECKPOINT_PREFIX) and rest.isdigit() else None
+
+
+def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Complete ``checkpoint-<step>`` folders in ``output_dir``, oldest first (by step)."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    found = [p for p in out.iterdir() if checkpoint_step(p) is not None and (p / STATE_FILE).exists()]
+    return sorted(found, key=checkpoint_step)
+
+
+def _resolve_locally(output_dir: str | os.PathLike, value: str) -> tuple[str | None, str | None]:
+    if value == "latest":
+        found = list_checkpoints(output_dir)
+        return (str(found[-1]) if found else None), None
+    for candidate in (Path(value), Path(output_dir) / Path(value).name):
+        if (candidate / STATE_FILE).exists():
+            return str(candidate), None
+    return None, f"--resume_from_checkpoint {value!r}: no complete checkpoint folder there"
+
+
+def resolve_resume_checkpoint(output_dir: str | os.PathLike, value: str | None) -> Path | None:
+    """The folder ``--resume_from_checkpoint`` names, decided on global rank 0 for every rank.
+
+    Collective: call on every rank. ``value`` is ``latest`` (None when there is no
+    checkpoint yet), a path, or a folder name inside ``output_dir``; a named folder that is
+    missing or incomplete raises ``CheckpointError`` on every rank.
+    """
+    if value is None:
+        return None
+    answer = _resolve_locally(output_dir, value) if is_main_process() else None
+    path, error = all_gather_object(answer)[0]
+    if error:
+        raise CheckpointError(error)
+    return Path(path) if path is not None else None
+
+
+def abandon_newer_checkpoints(output_dir: str | os.PathLike, step: int) -> list[Path]:
+    """Rename every ``checkpoint-M`` with ``M > step`` to ``abandoned-checkpoint-M``.
+
+    Not a collective: the global main process calls it (``resume_training`` does, between
+    barriers). Used when a run resumes from an older checkpoint: the newer ones belong to
+    the abandoned trajectory. An existing ``abandoned-checkpoint-M`` gets a numbered suffix.
+    """
+    moved = []
+    for path in list_checkpoints(output_dir):
+        if checkpoint_step(path) > step:
+            target = path.parent / f"{ABANDONED_PREFIX}{path.name}"
+            n = 1
+            while target.exists():
+                target = path.parent / f"{ABANDONED_PREFIX}{path.name}.{n}"
+                n += 1
+            os.replace(path, target)
+            moved.append(target)
+    if moved:
+        fsync_dir(output_dir)
+    return moved
+
+
+def prune_checkpoints(output_dir: str | os.PathLike, total_limit: int) -> list[Path]:
+    """Delete the oldest checkpoints so that the newest ``total_limit`` (by step) remain.
+
+    Not a collective: the global main process calls it right after publishing a checkpoint,
+    which, being the newest, always remains. Returns the deleted folders.
+    """
+    if total_limit <= 0:
+        raise ValueError(f"checkpoints_total_limit must be at least 1, got {total_limit}")
+    found = list_checkpoints(output_dir)
+    removed = found[: max(0, len(found) - total_limit)]
+    for p in removed:
+        shutil.rmtree(p)
+    return removed
+
+
+def save_training_checkpoint(
+    accelerator,
+    output_dir: str | os.PathLike,
+    global_step: int,
+    training_state: dict,
+    *,
+    ema=None,
+    total_limit: int | None = None,
+) -> Path:
+    """Save a resumable ``checkpoint-<global_step>`` folder atomically. Collective: every rank.
+
+    Holds accelerate's state (the trained engine's partitions and optimizer, the scheduler,
+    every rank's RNG states and the sampler), one EMA partition file per rank, and
+    ``training_state.json`` (``training_state`` plus the step and the world size). Written
+    as ``.tmp-checkpoint-<step>``, fsynced and renamed by global rank 0, so a crash leaves no
+    partial ``checkpoint-*``. Then, with ``total_limit``, the oldest checkpoints beyond the
+    newest ``total_limit`` are deleted (the new one is the newest, so it always remains).
+    """
+    out = Path(output_dir)
+    final = out / f"{CHECKPOINT_PREFIX}{global_step}"
+    tmp = out / f".tmp-{CHECKPOINT_PREFIX}{global_step}"
+    if is_main_process():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    accelerator.save_state(str(tmp))
+    if ema is not None:
+        torch.save(ema.state_dict(), tmp / f"ema_rank{get_rank()}.pt")
+    barrier()
+    error = None
+    if is_main_process():
+        try:
+            state = {**training_state, "global_step": global_step, "world_size": get_world_size()}
+            (tmp / STATE_FILE).write_text(json.dumps(state))
+            fsync_tree(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            fsync_dir(out)
+            if total_limit is not None:
+                prune_checkpoints(out, total_limit)
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+    errors = [e for e in all_gather_object(error) if e]
+    if errors:
+        raise CheckpointError(f"saving {final} failed on rank 0: {errors[0]}")
+    return final
+
+
+def _files_needed(path: Path, rank: int, ema: bool) -> list[Path]:
+    need = [path / STATE_FILE, path / f"random_states_{rank}.pkl"]
+    if ema:
+        need.append(path / f"ema_rank{rank}.pt")
+    model_dir = path / "pytorch_model"
+    if model_dir.is_dir() or (path / "latest").exists():  # a DeepSpeed engine's checkpoint
+        need += [
+            model_dir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",
+            model_dir / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+        ]
+    return need
+
+
+def check_resumable(path: str | os.PathLike, *, ema: bool = False) -> dict:
+    """Check on every rank that ``path`` can be resumed here; return its training state.
+
+    Collective: call on every rank. Raises ``CheckpointError`` on every rank when a rank
+    does not see the files it needs (node-local disks: checkpoints need a filesystem that
+    every machine shares), when the checkpoint was written by a different number of
+    processes, or when ``ema`` is asked for and it has no EMA state.
+    """
+    path = Path(path)
+    rank, world = get_rank(), get_world_size()
+    missing = [str(p.relative_to(path)) for p in _files_needed(path, rank, ema) if not p.exists()]
+    state = None
+    if not missing:
+        try:
+            state = json.loads((path / STATE_FILE).read_text())
+        except (OSError, ValueError) as e:
+            missing = [f"{STATE_FILE} ({type(e).__name__})"]
+    reports = all_gather_object((missing, state))
+    problems = [(r, m) for r, (m, _) in enumerate(reports) if m]
+    if problems:
+        r, m = problems[0]
+        if ema and all(f.startswith("ema_rank") for f in m):
+            raise CheckpointError(f"{path} has no EMA state for rank {r} (saved without --use_ema?)")
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete as seen from rank {r} (missing {', '.join(m[:3])}); "
+            "checkpoints must be on a filesystem that every machine shares"
+        )
+    state = reports[0][1]
+    saved_world = state.get("world_size")
+    if saved_world is None:  # written before the world size was recorded
+        saved_world = len(list(path.glob("random_states_*.pkl")))
+    if saved_world != world:
+        raise CheckpointError(
+            f"checkpoint {path} was written by {saved_world} processes, but this run has {world}; "
+            f"resume with {saved_world} processes (ZeRO-3 optimizer partitions are per rank)"
+        )
+    return state
+
+
+def load_ema_shard(path: str | os.PathLike) -> dict:
+    """Read one rank's EMA state file with ``torch.load(weights_only=True)``.
+
+    It holds only tensors, numbers and names, so nothing in it needs unpickling code; a file
+    that would run code is refused with ``CheckpointError``.
+    """
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path} is not a plain tensor file; refusing to unpickle it ({e})") from e
+
+
+def load_training_checkpoint(accelerator, path: str | os.PathLike, *, ema=None) -> dict:
+    """Restore what ``save_training_checkpoint`` wrote; return its training state.
+
+    Collective: call on every rank. Checks the checkpoint first (``check_resumable``).
+    """
+    path = Path(path)
+    state = check_resumable(path, ema=ema is not None)
+    accelerator.load_state(str(path))
+    if ema is not None:
+        ema.load_state_dict(load_ema_shard(path / f"ema_rank{get_rank()}.pt"))
+    return state
+
+
+def resume_training(accelerator, output_dir: str | os.PathLike, value: str | None, *, ema=None):
+    """Resume as ``--resume_from_checkpoint value`` asks; return ``(path, state)`` or None.
+
+    Collective: call on every rank, after ``accelerator.prepare``. ``latest`` with no
+    checkpoint yet returns None (a new run). Newer checkpoints than the one resumed from are
+    abandoned (renamed ``abandoned-checkpoint-<step>``) by global rank 0.
+    """
+    path = resolve_resume_checkpoint(output_dir, value)
+    if path is None:
+        return None
+    state = load_training_checkpoint(accelerator, path, ema=ema)
+    if is_main_process():
+        abandon_newer_checkpoints(output_dir, int(state["global_step"]))
+    barrier()
+    return path, state

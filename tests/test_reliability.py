@@ -1,0 +1,240 @@
+"""Checkpoint rotation, rollback, resume checks, atomic outputs, the accelerator on CPU, and
+the log filter: single-process units and one 2-rank run."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed_harness import run_on_ranks
+
+
+def _fake_checkpoint(out: Path, step: int, world_size: int = 1) -> Path:
+    path = out / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    (path / "training_state.json").write_text(json.dumps({"global_step": step, "world_size": world_size}))
+    for r in range(world_size):
+        (path / f"random_states_{r}.pkl").write_bytes(b"")
+    return path
+
+
+def _names(out: Path, prefix: str = "checkpoint-") -> list[str]:
+    return sorted(
+        (p.name for p in out.iterdir() if p.name.startswith(prefix)), key=lambda n: int(n.split("-")[-1])
+    )
+
+
+# --------------------------------------------------------------------------- rotation and rollback
+
+
+@pytest.mark.unit
+def test_rotation_keeps_the_newest_by_step_and_the_new_one(tmp_path):
+    from diffusers_zero3.resume import prune_checkpoints
+
+    for step in (2, 4):
+        _fake_checkpoint(tmp_path, step)
+    # A resumed run (from checkpoint-4) writes 6, then 8, with a limit of 2.
+    _fake_checkpoint(tmp_path, 6)
+    prune_checkpoints(tmp_path, 2)
+    assert _names(tmp_path) == ["checkpoint-4", "checkpoint-6"]
+    _fake_checkpoint(tmp_path, 8)
+    prune_checkpoints(tmp_path, 2)
+    assert _names(tmp_path) == ["checkpoint-6", "checkpoint-8"]
+    _fake_checkpoint(tmp_path, 10)
+    prune_checkpoints(tmp_path, 1)
+    assert _names(tmp_path) == ["checkpoint-10"]  # with limit 1 the new one survives
+    with pytest.raises(ValueError, match="at least 1"):
+        prune_checkpoints(tmp_path, 0)
+
+
+@pytest.mark.unit
+def test_rollback_abandons_newer_checkpoints_so_latest_and_rotation_ignore_them(tmp_path):
+    from diffusers_zero3.resume import (
+        abandon_newer_checkpoints,
+        prune_checkpoints,
+        resolve_resume_checkpoint,
+    )
+
+    for step in (2, 4, 6, 8):
+        _fake_checkpoint(tmp_path, step)
+    moved = abandon_newer_checkpoints(tmp_path, 4)
+    assert sorted(p.name for p in moved) == ["abandoned-checkpoint-6", "abandoned-checkpoint-8"]
+    assert resolve_resume_checkpoint(tmp_path, "latest").name == "checkpoint-4"
+    _fake_checkpoint(tmp_path, 6)  # the new run's step 6
+    prune_checkpoints(tmp_path, 1)
+    assert _names(tmp_path) == ["checkpoint-6"]
+    assert _names(tmp_path, "abandoned-") == ["abandoned-checkpoint-6", "abandoned-checkpoint-8"]
+    # Rolling back again keeps both abandoned folders of step 6.
+    abandon_newer_checkpoints(tmp_path, 2)
+    assert {p.name for p in tmp_path.iterdir()} >= {"abandoned-checkpoint-6", "abandoned-checkpoint-6.1"}
+
+
+@pytest.mark.unit
+def test_resume_with_another_world_size_names_both_numbers(tmp_path):
+    from diffusers_zero3.checkpoint import CheckpointError
+    from diffusers_zero3.resume import check_resumable
+
+    path = _fake_checkpoint(tmp_path, 4, world_size=2)
+    with pytest.raises(CheckpointError, match="written by 2 processes, but this run has 1"):
+        check_resumable(path)
+    assert check_resumable(_fake_checkpoint(tmp_path, 6, world_size=1))["global_step"] == 6
+
+
+@pytest.mark.unit
+def test_ema_shards_are_not_unpickled(tmp_path):
+    """A pickle that runs code is refused (weights_only=True); plain tensors load."""
+    from diffusers_zero3.checkpoint import CheckpointError
+    from diffusers_zero3.resume import load_ema_shard
+
+    class RunsCode:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    bad = tmp_path / "ema_rank0.pt"
+    torch.save({"shadow": [torch.ones(2)], "payload": RunsCode()}, bad)
+    with pytest.raises(CheckpointError, match="not a plain tensor file"):
+        load_ema_shard(bad)
+    good = tmp_path / "ema_ok.pt"
+    torch.save({"shadow": [torch.ones(2)], "names": ["w"], "decay": 0.9}, good)
+    assert load_ema_shard(good)["names"] == ["w"]
+
+
+@pytest.mark.unit
+def test_interrupted_writes_are_removed_at_start(tmp_path):
+    from diffusers_zero3.checkpoint import remove_interrupted_writes
+
+    for name in (".tmp-checkpoint-4", ".old-unet-1234abcd", ".tmp-pipeline-99"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "f").write_text("x")
+    _fake_checkpoint(tmp_path, 2)
+    removed = remove_interrupted_writes(tmp_path)
+    assert len(removed) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
+
+
+# --------------------------------------------------------------------------- final output
+
+
+@pytest.mark.unit
+def test_output_dir_in_the_source_and_bad_component_names_are_refused(tiny_pipeline, tmp_path):
+    import shutil
+
+    from diffusers_zero3.checkpoint import CheckpointError
+    from diffusers_zero3.pipeline_io import check_output_dir, pipeline_components
+
+    for out in (tiny_pipeline, os.path.join(tiny_pipeline, "run"), os.path.join(tiny_pipeline, "unet", "x")):
+        with pytest.raises(CheckpointError, match="is the source pipeline folder"):
+            check_output_dir(out, tiny_pipeline)
+    check_output_dir(tmp_path / "elsewhere", tiny_pipeline)
+
+    source = tmp_path / "src"
+    shutil.copytree(tiny_pipeline, source)
+    assert "unet" in pipeline_components(source)
+    for bad in ("../escape", "/abs/olute", ".."):
+        index = json.loads((Path(tiny_pipeline) / "model_index.json").read_text())
+        index[bad] = ["diffusers", "AutoencoderKL"]
+        (source / "model_index.json").write_text(json.dumps(index))
+        with pytest.raises(CheckpointError, match="not a plain folder name"):
+            pipeline_components(source)
+
+
+@pytest.mark.unit
+def test_failed_save_leaves_the_previous_output_complete(tiny_pipeline, tmp_path):
+    import shutil
+
+    from diffusers import UNet2DConditionModel
+
+    from diffusers_zero3.checkpoint import CheckpointError
+    from diffusers_zero3.pipeline_io import save_final_pipeline
+
+    unet = UNet2DConditionModel.from_pretrained(tiny_pipeline, subfolder="unet")
+    out = tmp_path / "out"
+    save_final_pipeline(tiny_pipeline, out, unet, readme="first")
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert Path("model_index.json") in before
+
+    # A source whose VAE folder cannot be copied (a dangling link): the save fails late,
+    # after the UNet was written.
+    broken = tmp_path / "broken-src"
+    shutil.copytree(tiny_pipeline, broken)
+    (broken / "vae" / "dangling.bin").symlink_to(tmp_path / "nowhere")
+    with torch.no_grad():
+        for p in unet.parameters():
+            p.add_(1.0)
+    with pytest.raises(CheckpointError, match="saving the pipeline"):
+        save_final_pipeline(broken, out, unet, readme="second")
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
+# --------------------------------------------------------------------------- log filter
+
+
+@pytest.mark.unit
+def test_only_deepspeeds_collective_deprecations_are_filtered():
+    from diffusers_zero3.accelerator import silence_deepspeed_collective_deprecations
+
+    msg = "`torch.distributed.all_gather_into_tensor` is deprecated. Please use `all_gather_single`."
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.warn(msg, FutureWarning, stacklevel=1)  # positive control: seen before the filter
+        silence_deepspeed_collective_deprecations()
+        warnings.warn(msg, FutureWarning, stacklevel=1)
+        warnings.warn("`torch.distributed.reduce_scatter_tensor` is deprecated.", FutureWarning, stacklevel=1)
+        warnings.warn("`torch.distributed.some_other_call` is deprecated.", FutureWarning, stacklevel=1)
+        warnings.warn("an unrelated warning", UserWarning, stacklevel=1)
+    assert [str(w.message)[:40] for w in caught] == [
+        msg[:40],
+        "`torch.distributed.some_other_call` is d",
+        "an unrelated warning",
+    ]
+
+
+# --------------------------------------------------------------------------- 2 ranks
+
+
+def _ranks_resolve_check_and_ddp(work: str):
+    from accelerate.utils import DistributedType
+
+    from diffusers_zero3 import build_accelerator, get_rank
+    from diffusers_zero3.checkpoint import CheckpointError
+    from diffusers_zero3.resume import check_resumable, resolve_resume_checkpoint
+
+    rank = get_rank() if torch.distributed.is_initialized() else int(os.environ["RANK"])
+
+    # torchrun-style launch without DeepSpeed on a CPU host: really distributed (DDP).
+    accelerator = build_accelerator()
+    assert accelerator.distributed_type == DistributedType.MULTI_CPU, accelerator.distributed_type
+    assert accelerator.num_processes == 2
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    x = torch.full((2, 4), float(rank + 1))  # different data on each rank
+    accelerator.backward(model(x).pow(2).mean())
+    opt.step()
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(weights) for _ in range(2)]
+    torch.distributed.all_gather(gathered, weights)
+    assert torch.equal(gathered[0], gathered[1]), "ranks trained different replicas"
+
+    # `latest` is rank 0's answer on every rank, even where a rank's listing differs.
+    mine = Path(work) / f"rank{rank}"
+    _fake_checkpoint(mine, 4 if rank == 0 else 6, world_size=2)
+    resolved = resolve_resume_checkpoint(mine, "latest")
+    assert resolved == Path(work) / "rank0" / "checkpoint-4", resolved
+
+    # A checkpoint that rank 1 cannot see (node-local disks): one clear error on both ranks.
+    path = Path(work) / "rank0" / "checkpoint-4" if rank == 0 else Path(work) / "rank1" / "checkpoint-4"
+    with pytest.raises(CheckpointError, match="incomplete as seen from rank 1 .*shares"):
+        check_resumable(path)
+
+
+@pytest.mark.multirank
+def test_two_ranks_ddp_on_cpu_latest_from_rank_zero_and_node_local_checkpoints(tmp_path):
+    run_on_ranks(_ranks_resolve_check_and_ddp, work=str(tmp_path), env={"ACCELERATE_USE_DEEPSPEED": "false"})
