@@ -205,7 +205,7 @@ def precompute_frozen_outputs(
     skipped = []
     if vae is not None:  # corrupt images are skipped, as in live training; the rows are recorded
         for i in mine:
-            if not is_readable_image(dataset[i][image_column]):
+            if not is_readable_image(dataset, i, image_column):
                 logger.warning("skipping row %d: unreadable image", i)
                 skipped.append(i)
         mine = [i for i in mine if i not in set(skipped)]

@@ -94,10 +94,11 @@ def check_enough_rows(num_rows: int, num_processes: int, batch_size: int) -> Non
         )
 
 
-def is_readable_image(image) -> bool:
-    """True when a dataset image cell decodes (corrupt files raise one of several errors)."""
+def is_readable_image(dataset, index: int, image_column: str) -> bool:
+    """True when row ``index``'s image decodes (``datasets`` decodes on access, and a corrupt
+    file raises one of several errors there or in ``load``)."""
     try:
-        image.load()
+        dataset[index][image_column].load()
         return True
     except Exception:
         return False

@@ -57,14 +57,16 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
-def _resolve_locally(output_dir: str | os.PathLike, value: str) -> tuple[str | None, str | None]:
+def _resolve_locally(output_dir: str | os.PathLike, value: str) -> tuple[str | None, bool, str | None]:
+    """(path, whether it is a folder name inside output_dir, error) as this rank sees it."""
     if value == "latest":
         found = list_checkpoints(output_dir)
-        return (str(found[-1]) if found else None), None
-    for candidate in (Path(value), Path(output_dir) / Path(value).name):
-        if (candidate / STATE_FILE).exists():
-            return str(candidate), None
-    return None, f"--resume_from_checkpoint {value!r}: no complete checkpoint folder there"
+        return (found[-1].name if found else None), True, None
+    if (Path(value) / STATE_FILE).exists():
+        return str(Path(value).resolve()), False, None
+    if (Path(output_dir) / Path(value).name / STATE_FILE).exists():
+        return Path(value).name, True, None
+    return None, False, f"--resume_from_checkpoint {value!r}: no complete checkpoint folder there"
 
 
 def resolve_resume_checkpoint(output_dir: str | os.PathLike, value: str | None) -> Path | None:
@@ -72,15 +74,19 @@ def resolve_resume_checkpoint(output_dir: str | os.PathLike, value: str | None) 
 
     Collective: call on every rank. ``value`` is ``latest`` (None when there is no
     checkpoint yet), a path, or a folder name inside ``output_dir``; a named folder that is
-    missing or incomplete raises ``CheckpointError`` on every rank.
+    missing or incomplete raises ``CheckpointError`` on every rank. Rank 0 decides which
+    checkpoint (so no two ranks load different steps); each rank then finds it in its own
+    ``output_dir``, so a machine that does not share the folder fails the check at load.
     """
     if value is None:
         return None
     answer = _resolve_locally(output_dir, value) if is_main_process() else None
-    path, error = all_gather_object(answer)[0]
+    path, inside, error = all_gather_object(answer)[0]
     if error:
         raise CheckpointError(error)
-    return Path(path) if path is not None else None
+    if path is None:
+        return None
+    return Path(output_dir) / path if inside else Path(path)
 
 
 def abandon_newer_checkpoints(output_dir: str | os.PathLike, step: int) -> list[Path]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+
+import pytest
 import torch
 
 from tests.distributed_harness import run_on_ranks
@@ -60,6 +63,45 @@ def worker_cache(pipe_dir: str, data_dir: str, cache_dir: str):
             unet, scheduler, cached["latents"] * sf, cached["encoder_hidden_states"], noise, t
         )
     torch.testing.assert_close(from_cache, live)
+
+    # Another job's temporary folder of the same key is left alone (the name used to be fixed,
+    # and rank 0 deleted and reused it).
+    from diffusers_zero3 import barrier, is_main_process
+    from diffusers_zero3.data import DataError
+
+    theirs = cache.folder.parent / f".tmp-{cache.folder.name}"
+    if is_main_process():
+        theirs.mkdir()
+        (theirs / "their-part").write_text("in progress")
+        shutil.rmtree(cache.folder)
+    barrier()
+    mine = precompute_frozen_outputs(ds, cache_dir, **kw)
+    assert not mine.reused and (theirs / "their-part").read_text() == "in progress"
+
+    # A damaged published cache (a part file lost) is an error, not silently missing rows.
+    barrier()
+    if is_main_process():
+        (mine.folder / "part-00001.safetensors").unlink()
+    barrier()
+    with pytest.raises(DataError, match="damaged; delete that folder"):
+        precompute_frozen_outputs(ds, cache_dir, **kw)
+
+    # A corrupt image is skipped while caching (on whichever rank holds it), and training
+    # from the cache skips the same row.
+    corrupt = (
+        ds.cast_column("image", datasets.Image(decode=False))
+        .map(
+            lambda r, i: {"image": {"bytes": b"not a png", "path": None} if i == 3 else r["image"]},
+            with_indices=True,
+            keep_in_memory=True,
+        )
+        .cast_column("image", datasets.Image())
+    )
+    skipped = precompute_frozen_outputs(corrupt, cache_dir, **{**kw, "text_encoder": None})
+    assert skipped.skipped_rows == [3] and len(skipped) == 4
+    rows = ImageCaptionDataset(corrupt, tokenizer, "image", "text", 32, True, with_images=False,
+                               unreadable_rows=skipped.skipped_rows)  # fmt: skip
+    assert rows[3]["index"] == 4 and skipped.get(torch.tensor([rows[3]["index"]]))["latents"].shape[0] == 1
     print("OK cache", live.item())
 
 
@@ -71,4 +113,6 @@ def test_cache_precompute_reuse_invalidate_and_loss(tiny_pipeline, tmp_path):
         worker_cache, pipe_dir=tiny_pipeline, data_dir=str(data_dir), cache_dir=str(tmp_path / "cache")
     )
     assert all("OK cache" in o for o in outs)
-    assert not list((tmp_path / "cache").glob(".tmp-*"))  # nothing half-written left behind
+    # Nothing half-written left behind, but for the simulated other job's folder.
+    leftovers = list((tmp_path / "cache").glob(".tmp-*"))
+    assert [sorted(p.name for p in t.iterdir()) for t in leftovers] == [["their-part"]]

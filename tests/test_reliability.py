@@ -223,16 +223,16 @@ def _ranks_resolve_check_and_ddp(work: str):
     torch.distributed.all_gather(gathered, weights)
     assert torch.equal(gathered[0], gathered[1]), "ranks trained different replicas"
 
-    # `latest` is rank 0's answer on every rank, even where a rank's listing differs.
+    # `latest` is rank 0's answer on every rank, even where a rank's listing differs (here
+    # each rank has an output folder of its own, as machines with node-local disks do).
     mine = Path(work) / f"rank{rank}"
     _fake_checkpoint(mine, 4 if rank == 0 else 6, world_size=2)
     resolved = resolve_resume_checkpoint(mine, "latest")
-    assert resolved == Path(work) / "rank0" / "checkpoint-4", resolved
+    assert resolved == mine / "checkpoint-4", resolved
 
-    # A checkpoint that rank 1 cannot see (node-local disks): one clear error on both ranks.
-    path = Path(work) / "rank0" / "checkpoint-4" if rank == 0 else Path(work) / "rank1" / "checkpoint-4"
+    # That checkpoint is not on rank 1's disk: one clear error on both ranks.
     with pytest.raises(CheckpointError, match="incomplete as seen from rank 1 .*shares"):
-        check_resumable(path)
+        check_resumable(resolved)
 
 
 @pytest.mark.multirank

@@ -1,0 +1,250 @@
+"""End to end under ``accelerate launch``: gradient accumulation under the shipped config,
+rotation after a resume, rollback, resuming a finished run, a stopped rank in every phase
+that waits on a collective, and one job across two (simulated) machines."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed_harness import REPO_ROOT, _test_env, accelerate_launch, run_launcher
+
+T2I = "scripts/train_text_to_image.py"
+REWARD = "scripts/train_reward.py"
+
+
+def _losses(output: str) -> dict[int, float]:
+    return {int(s): float(v) for s, v in re.findall(r"step (\d+) loss ([0-9.]+)\b", output)}
+
+
+def _t2i_args(pipe, data, out, steps):
+    return ["--pretrained_model_name_or_path", pipe, "--train_data_dir", data, "--output_dir", str(out),
+            "--resolution", "32", "--center_crop", "--train_batch_size", "2", "--max_train_steps", str(steps),
+            "--learning_rate", "1e-3", "--seed", "3", "--report_to", "none"]  # fmt: skip
+
+
+def _checkpoints(folder: Path, prefix: str = "checkpoint-") -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith(prefix))
+
+
+def test_accumulation_rotation_rollback_and_finished_run(default_data, tmp_path):
+    """k=2 under the shipped config (which says 1), with a warmup scheduler; then a rollback
+    to checkpoint-4 with limit 2; then resuming the finished run."""
+    pipe, data, _ = default_data
+    sched = ["--gradient_accumulation_steps", "2", "--lr_scheduler", "constant_with_warmup",
+             "--lr_warmup_steps", "3", "--checkpointing_steps", "2"]  # fmt: skip
+    launch = accelerate_launch(T2I)
+    a = tmp_path / "a"
+    _, log_a = run_launcher([*launch, *_t2i_args(pipe, data, a, 8), *sched], timeout=400)
+    losses = _losses(log_a)
+    assert sorted(losses) == list(range(1, 9)), log_a[-3000:]
+    # 16 images, batch 2, 2 ranks: 4 micro-batches per rank per epoch. With k=2 step 2 ends
+    # epoch 0 (2 micro-batches per optimizer step); with k ignored it would be mid-epoch.
+    state = json.loads((a / "checkpoint-2" / "training_state.json").read_text())
+    assert (state["epoch"], state["batches_in_epoch"], state["world_size"]) == (1, 0, 2), state
+    model_states = torch.load(
+        a / "checkpoint-2" / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False
+    )
+    assert model_states["ds_config"]["gradient_accumulation_steps"] == 2
+    assert model_states["ds_config"]["train_batch_size"] == 2 * 2 * 2
+
+    # Roll back to checkpoint-4 while 6 and 8 exist, with a limit of 2.
+    b = tmp_path / "b"
+    b.mkdir()
+    for step in (4, 6, 8):
+        shutil.copytree(a / f"checkpoint-{step}", b / f"checkpoint-{step}")
+    _, log_b = run_launcher(
+        [*launch, *_t2i_args(pipe, data, b, 8), *sched, "--checkpoints_total_limit", "2",
+         "--resume_from_checkpoint", "checkpoint-4"],
+        timeout=400,
+    )  # fmt: skip
+    again = _losses(log_b)
+    assert sorted(again) == [5, 6, 7, 8], log_b[-3000:]
+    for step in again:  # the warmup and accumulation resume exactly
+        assert again[step] == pytest.approx(losses[step], abs=2e-6), (step, again, losses)
+    assert _checkpoints(b) == ["checkpoint-6", "checkpoint-8"]
+    assert _checkpoints(b, "abandoned-") == ["abandoned-checkpoint-6", "abandoned-checkpoint-8"]
+
+    # Resume the finished run with its output missing: no step, and the output is written.
+    for name in ("model_index.json", "unet"):
+        path = b / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    _, log_c = run_launcher(
+        [*launch, *_t2i_args(pipe, data, b, 8), *sched, "--checkpoints_total_limit", "2",
+         "--resume_from_checkpoint", "latest"],
+        timeout=400,
+    )  # fmt: skip
+    assert "resumed from" in log_c and "checkpoint-8 at step 8" in log_c, log_c[-3000:]
+    assert _losses(log_c) == {} and "no step to train" in log_c
+    assert (b / "model_index.json").exists() and (b / "unet" / "config.json").exists()
+    assert _checkpoints(b) == ["checkpoint-6", "checkpoint-8"]
+
+
+# --------------------------------------------------------------------------- a stopped rank
+
+PHASES = {
+    "train_step": [],
+    "frozen_forward": ["--text_encoder_placement", "shard"],
+    "checkpoint": ["--checkpointing_steps", "2"],
+    "validation": [
+        "--validation_prompts",
+        "a red circle",
+        "--validation_steps",
+        "2",
+        "--num_validation_inference_steps",
+        "2",
+    ],  # fmt: skip
+    "final_save": [],
+}
+
+
+def test_a_stopped_rank_fails_the_others_within_the_timeout_in_every_phase(default_data, tmp_path):
+    """Rank 1 freezes itself (SIGSTOP: its sockets stay open, unlike a kill) on entering a
+    phase; rank 0 must exit non-zero within about 90 s with --process_group_timeout 30. The
+    five runs go side by side."""
+    pipe, data, _ = default_data
+    runs = {}
+    for phase, extra in PHASES.items():
+        log = tmp_path / f"{phase}.log"
+        argv = [*accelerate_launch(T2I), *_t2i_args(pipe, data, tmp_path / phase, 3),
+                "--process_group_timeout", "30", *extra]  # fmt: skip
+        env = {**os.environ, **_test_env({"DIFFUSERS_ZERO3_FAULT": f"{phase}:1"})}
+        env.pop("DIFFUSERS_ZERO3_PG_TIMEOUT")  # the flag decides
+        with open(log, "w") as fh:
+            proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # fmt: skip
+        runs[phase] = (proc, log)
+    stopped_at: dict[str, float] = {}
+    ended_at: dict[str, float] = {}
+    deadline = time.monotonic() + 420
+    try:
+        while len(ended_at) < len(runs) and time.monotonic() < deadline:
+            for phase, (proc, log) in runs.items():
+                if phase not in stopped_at and f"stopping rank 1 at {phase}" in log.read_text():
+                    stopped_at[phase] = time.monotonic()
+                if phase not in ended_at and proc.poll() is not None:
+                    ended_at[phase] = time.monotonic()
+            time.sleep(0.5)
+    finally:
+        for proc, _ in runs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    for phase, (proc, log) in runs.items():
+        text = log.read_text()
+        assert phase in stopped_at, f"{phase}: rank 1 never reached the fault point\n{text[-3000:]}"
+        assert phase in ended_at, f"{phase}: still running long after rank 1 stopped (a hang)\n{text[-3000:]}"
+        assert proc.returncode != 0, f"{phase}\n{text[-3000:]}"
+        waited = ended_at[phase] - stopped_at[phase]
+        assert 25 < waited < 100, f"{phase}: ended {waited:.0f} s after the stop\n{text[-3000:]}"
+        assert "timed out" in text.lower() or "timeout" in text.lower(), f"{phase}\n{text[-3000:]}"
+
+
+# --------------------------------------------------------------------------- two machines
+
+
+def _two_machines(script: str, args: list[str], logs: Path, env_extra=None, timeout=420, per_machine=None):
+    """Run ``script`` as 2 machines x 1 process on this host (accelerate's multi-node launch,
+    each process the local main of its "machine"). Returns (return codes, outputs)."""
+    from diffusers_zero3.local_ranks import free_port
+
+    port = free_port()
+    procs = []
+    for machine in (0, 1):
+        argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                "configs/accelerate_zero3.yaml", "--num_processes", "2", "--num_machines", "2",
+                "--machine_rank", str(machine), "--main_process_ip", "127.0.0.1", "--main_process_port",
+                str(port), "--deepspeed_multinode_launcher", "standard", script, *args,
+                *((per_machine or {}).get(machine, []))]  # fmt: skip
+        fh = open(logs / f"machine{machine}.log", "w")
+        env = {**os.environ, **_test_env(env_extra)}
+        procs.append((subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                       start_new_session=True), fh))  # fmt: skip
+    try:
+        for proc, _ in procs:
+            proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc, fh in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            fh.close()
+    outputs = [(logs / f"machine{m}.log").read_text() for m in (0, 1)]
+    return [p.returncode for p, _ in procs], outputs
+
+
+def test_two_machines_train_checkpoint_rotate_validate_save_and_resume(default_data, tmp_path):
+    pipe, data, reward = default_data
+    out = tmp_path / "shared"
+    args = [*_t2i_args(pipe, data, out, 4), "--report_to", "tensorboard", "--checkpointing_steps", "2",
+            "--checkpoints_total_limit", "1", "--validation_prompts", "a red circle", "--validation_steps", "4",
+            "--num_validation_inference_steps", "2", "--text_encoder_placement", "shard"]  # fmt: skip
+    # The same job on one machine, for reference.
+    _, one = run_launcher([*accelerate_launch(T2I), *args[:args.index("--output_dir") + 1], str(tmp_path / "one"),
+                           *args[args.index("--output_dir") + 2 :]], timeout=400)  # fmt: skip
+    codes, logs = _two_machines(T2I, args, tmp_path)
+    assert codes == [0, 0], "\n=====\n".join(log[-3000:] for log in logs)
+    reference, losses = _losses(one), _losses(logs[0])
+    assert sorted(losses) == [1, 2, 3, 4]
+    for step in losses:
+        assert losses[step] == pytest.approx(reference[step], abs=2e-6), (losses, reference)
+    assert "step 1 loss" not in logs[1]  # rank 1 (a local main) does not log the job's lines
+    # Once per job: one rotation result, one validation image, one TensorBoard run, one pipeline.
+    assert _checkpoints(out) == ["checkpoint-4"]
+    assert [p.name for p in (out / "validation").iterdir()] == ["step-000004.png"]
+    assert len(list((out / "logs").rglob("events.out.tfevents*"))) == 1
+    assert (out / "model_index.json").exists() and not [p for p in out.iterdir() if p.name.startswith(".")]
+    from diffusers import StableDiffusionPipeline
+
+    assert StableDiffusionPipeline.from_pretrained(out).unet is not None
+
+    # Resume across the two machines: steps 5-6.
+    resumed_args = [
+        a if a != "4" or i != args.index("--max_train_steps") + 1 else "6" for i, a in enumerate(args)
+    ]
+    codes, logs = _two_machines(T2I, [*resumed_args, "--resume_from_checkpoint", "latest"], tmp_path)
+    assert codes == [0, 0], "\n=====\n".join(log[-3000:] for log in logs)
+    assert sorted(_losses(logs[0])) == [5, 6]
+    assert _checkpoints(out) == ["checkpoint-6"]
+
+    # Node-local disks: each machine sees only what it wrote itself.
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    shutil.copytree(out, node0, ignore=shutil.ignore_patterns("zero_pp_rank_1_*", "random_states_1.pkl"))
+    node1.mkdir()
+    shutil.copytree(out / "checkpoint-6", node1 / ".tmp-checkpoint-6",
+                    ignore=shutil.ignore_patterns("zero_pp_rank_0_*", "random_states_0.pkl", "*.json", "latest"))  # fmt: skip
+    base = [a for a in resumed_args]
+    base[base.index("--output_dir") + 1] = str(node0)
+    codes, logs = _two_machines(
+        T2I, [*base, "--resume_from_checkpoint", "latest"], tmp_path,
+        per_machine={1: ["--output_dir", str(node1)]},
+    )  # fmt: skip
+    assert all(code != 0 for code in codes), "\n=====\n".join(log[-3000:] for log in logs)
+    for log in logs:
+        assert "incomplete as seen from rank 1" in log and "every machine shares" in log, log[-3000:]
+        assert "Traceback" not in log
+
+    # The reward script across two machines: each rank samples its own prompts and latents.
+    reward_args = ["--pretrained_model_name_or_path", pipe, "--reward_model_name_or_path", reward,
+                   "--prompts", "a red circle", "a blue square", "--resolution", "32", "--train_batch_size", "2",
+                   "--max_train_steps", "2", "--num_inference_steps", "2", "--learning_rate", "1e-3",
+                   "--checkpointing_steps", "1", "--checkpoints_total_limit", "1", "--report_to", "none",
+                   "--output_dir", str(tmp_path / "reward")]  # fmt: skip
+    codes, logs = _two_machines(REWARD, reward_args, tmp_path)
+    assert codes == [0, 0], "\n=====\n".join(log[-3000:] for log in logs)
+    rewards = json.loads((tmp_path / "reward" / "rewards.json").read_text())
+    assert len(rewards["per_rank"]) == 2 and rewards["per_rank"][0][0] != rewards["per_rank"][0][1]
+    assert _checkpoints(tmp_path / "reward") == ["checkpoint-2"]
+    assert (tmp_path / "reward" / "model_index.json").exists()
