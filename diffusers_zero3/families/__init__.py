@@ -173,7 +173,9 @@ class StableDiffusionXL(Family):
 
     def conditioning(self, outputs):
         return {
-            "encoder_hidden_states": torch.cat([outputs["prompt_embeds_1"], outputs["prompt_embeds_2"]], dim=-1),
+            "encoder_hidden_states": torch.cat(
+                [outputs["prompt_embeds_1"], outputs["prompt_embeds_2"]], dim=-1
+            ),
             "text_embeds": outputs["text_embeds"],
         }
 
