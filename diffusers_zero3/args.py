@@ -11,6 +11,8 @@ import argparse
 import importlib.util
 import os
 
+from .training import TIMESTEP_BIAS_STRATEGIES
+
 PLACEMENT_CHOICES = ("replicate", "shard", "offload", "cache")
 
 
@@ -95,12 +97,52 @@ def text_to_image_parser() -> argparse.ArgumentParser:
     a("--noise_offset", type=float, default=0, help="The scale of noise offset.")
     a("--validation_epochs", type=int, default=5, help="Run validation every X epochs.")
     a("--tracker_project_name", type=str, default="text2image-fine-tune")
+    # --- diffusers' SDXL script's own flags (train_text_to_image_sdxl.py)
+    a(
+        "--pretrained_vae_model_name_or_path",
+        type=str,
+        default=None,
+        help="A VAE folder (or hub id) to use instead of the pipeline's, e.g. an fp16-safe SDXL VAE.",
+    )
+    a(
+        "--proportion_empty_prompts",
+        type=float,
+        default=0,
+        help="Proportion of captions replaced by empty strings (0 to 1).",
+    )
+    a(
+        "--timestep_bias_strategy",
+        type=str,
+        default="none",
+        choices=TIMESTEP_BIAS_STRATEGIES,
+        help="Bias timestep sampling toward earlier or later timesteps, or a range.",
+    )
+    a(
+        "--timestep_bias_multiplier",
+        type=float,
+        default=1.0,
+        help="Weight multiplier of the biased timesteps.",
+    )
+    a("--timestep_bias_begin", type=int, default=0, help="First timestep of the 'range' bias.")
+    a("--timestep_bias_end", type=int, default=1000, help="End (exclusive) of the 'range' bias.")
+    a(
+        "--timestep_bias_portion",
+        type=float,
+        default=0.25,
+        help="Portion of timesteps 'earlier'/'later' bias.",
+    )
     # --- this package's flags
     a(
         "--text_encoder_placement",
         default="replicate",
         choices=PLACEMENT_CHOICES,
         help="Where the text encoder lives.",
+    )
+    a(
+        "--text_encoder_2_placement",
+        default=None,
+        choices=PLACEMENT_CHOICES,
+        help="Where SDXL's second text encoder lives (default replicate; SDXL pipelines only).",
     )
     a("--vae_placement", default="replicate", choices=PLACEMENT_CHOICES, help="Where the VAE lives.")
     a(
@@ -163,6 +205,27 @@ def validate_args(args: argparse.Namespace) -> None:
             raise ArgumentError(f"--{flag} must not be negative, got {value}")
     if getattr(args, "process_group_timeout", 1) <= 0:
         raise ArgumentError(f"--process_group_timeout must be positive, got {args.process_group_timeout}")
+    if not 0 <= getattr(args, "proportion_empty_prompts", 0) <= 1:
+        raise ArgumentError(
+            f"--proportion_empty_prompts must be between 0 and 1, got {args.proportion_empty_prompts}"
+        )
+    if getattr(args, "timestep_bias_strategy", "none") != "none":
+        if args.timestep_bias_multiplier <= 0:
+            raise ArgumentError(
+                f"--timestep_bias_multiplier must be positive, got {args.timestep_bias_multiplier}"
+            )
+        if not 0 <= args.timestep_bias_portion <= 1:
+            raise ArgumentError(
+                f"--timestep_bias_portion must be between 0 and 1, got {args.timestep_bias_portion}"
+            )
+        if (
+            args.timestep_bias_strategy == "range"
+            and not 0 <= args.timestep_bias_begin < args.timestep_bias_end
+        ):
+            raise ArgumentError(
+                f"--timestep_bias_begin {args.timestep_bias_begin} and --timestep_bias_end {args.timestep_bias_end} "
+                "do not make a range"
+            )
     if args.resolution % 8:
         raise ArgumentError(
             f"--resolution must be divisible by 8 (the VAE's downsampling and the pipelines need it), "
@@ -194,6 +257,20 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ArgumentError(
             "--report_to tensorboard needs tensorboard (pip install tensorboard) or --report_to none"
         )
+
+
+def validate_family(args: argparse.Namespace, family) -> None:
+    """Raise ``ArgumentError`` for a flag that does not apply to the pipeline's family."""
+    components = set(family.frozen_components)
+    for flag, placement in placement_flags(args).items():
+        component = flag[: -len("_placement")]
+        if component not in components and component not in ("reward",):
+            raise ArgumentError(
+                f"--{flag} {placement}: a {family.pipeline_class} has no {component} "
+                f"(its frozen models: {', '.join(sorted(components))})"
+            )
+    if getattr(args, "dream_training", False) and not family.supports_dream:
+        raise ArgumentError(f"--dream_training is not supported for {family.pipeline_class}")
 
 
 def placement_flags(args: argparse.Namespace) -> dict[str, str]:

@@ -12,7 +12,11 @@ What the cache freezes (it cannot redo per-step randomness):
 * the caption: the first of several captions of a row (live training picks one at random);
 * flips stay random: with ``random_flip`` both orientations are cached and training picks one;
 * VAE sampling stays random: the latent distribution's parameters (mean and log-variance)
-  are cached and training samples from them, exactly as ``latent_dist.sample()`` does live.
+  are cached and training samples from them, exactly as ``latent_dist.sample()`` does live;
+* each crop's original size and top-left corner are stored beside its latents (SDXL's
+  ``time_ids``), for the flipped copy too;
+* each text encoder's outputs are stored under its family's names (several encoders, pooled
+  outputs), so any subset of a family's encoders can be cached.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any
 import torch
 
 from .checkpoint import TMP_PREFIX, fsync_tree
-from .data import DataError, is_readable_image, pick_caption, transform_image
+from .data import DataError, is_readable_image, pick_caption, transform_image_with_crop
 from .distributed import (
     all_gather_object,
     barrier,
@@ -43,7 +47,14 @@ from .distributed import (
 from .lockstep import lockstep_map
 from .zero3 import gathered_parameters
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
+_IMAGE_TENSORS = (
+    "latent_params",
+    "latent_params_flipped",
+    "original_size",
+    "crop_top_left",
+    "crop_top_left_flipped",
+)
 
 
 def model_fingerprint(module: Any) -> str:
@@ -75,6 +86,12 @@ def _dataset_fingerprint(dataset, caption_column: str) -> str:
     return h.hexdigest()[:16]
 
 
+def _resized_width(image, resolution: int) -> int:
+    """The width ``transform_image`` resizes ``image`` to (shorter side to ``resolution``)."""
+    w, h = image.size
+    return max(resolution, round(w * resolution / min(w, h)))
+
+
 def cache_key(**inputs: Any) -> str:
     """The folder name for a cache of ``inputs`` (a stable hash of their JSON)."""
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:20]
@@ -101,8 +118,9 @@ class CachedOutputs:
             for row, idx in enumerate(f.get_tensor("index").tolist()):
                 self._where[idx] = (len(self._parts), row)
             self._parts.append(f)
-        self.has_text = "encoder_hidden_states" in self.meta["tensors"]
         self.has_latents = "latent_params" in self.meta["tensors"]
+        self.text_outputs = [n for n in self.meta["tensors"] if n not in _IMAGE_TENSORS]
+        self.has_text = bool(self.text_outputs)
         self.skipped_rows: list[int] = list(self.meta.get("skipped_rows", []))
         expected = self.meta["rows"] - len(self.skipped_rows)
         if len(self._where) != expected:
@@ -124,19 +142,35 @@ class CachedOutputs:
     def get(
         self, indices, flip: torch.Tensor | None = None, generator: torch.Generator | None = None
     ) -> dict:
-        """Cached outputs for dataset rows ``indices`` (``flip``: per-row bool, flipped latents)."""
+        """Cached outputs for dataset rows ``indices`` (``flip``: per-row bool, flipped latents).
+
+        Returns each cached text encoder output under its family's name (SD:
+        ``encoder_hidden_states``; SDXL: ``prompt_embeds_1``, ``prompt_embeds_2``,
+        ``text_embeds``) and, for a cached VAE, ``latents`` sampled from the cached
+        distribution (unscaled), with the crops' ``original_size`` and ``crop_top_left`` for
+        families that condition on them (SDXL).
+        """
         from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
-        out = {}
-        if self.has_text:
-            out["encoder_hidden_states"] = self._rows("encoder_hidden_states", indices)
+        out = {name: self._rows(name, indices) for name in self.text_outputs}
         if self.has_latents:
             params = self._rows("latent_params", indices)
+            crops = "crop_top_left" in self.meta["tensors"]
+            if crops:
+                out["original_size"] = self._rows("original_size", indices)
+                out["crop_top_left"] = self._rows("crop_top_left", indices)
             if flip is not None and self.meta["random_flip"]:
                 flipped = self._rows("latent_params_flipped", indices)
                 params = torch.where(flip.view(-1, 1, 1, 1), flipped, params)
+                if crops:
+                    crop_flipped = self._rows("crop_top_left_flipped", indices)
+                    out["crop_top_left"] = torch.where(flip.view(-1, 1), crop_flipped, out["crop_top_left"])
             out["latents"] = DiagonalGaussianDistribution(params).sample(generator=generator)
         return out
+
+
+def _tokenizer_fingerprint(tokenizer) -> str:
+    return hashlib.sha256(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def precompute_frozen_outputs(
@@ -146,6 +180,9 @@ def precompute_frozen_outputs(
     tokenizer=None,
     text_encoder=None,
     vae=None,
+    text_encoders: dict | None = None,
+    tokenizers: dict | None = None,
+    family=None,
     image_column: str = "image",
     caption_column: str = "text",
     resolution: int = 512,
@@ -157,25 +194,40 @@ def precompute_frozen_outputs(
     """Encode a dataset once with the frozen models and publish the outputs; call on every rank.
 
     Collective: every rank encodes its contiguous share of ``dataset`` (a ``datasets``
-    dataset), calling sharded models in lockstep. Pass ``text_encoder`` (with
-    ``tokenizer``), ``vae``, or both; each may be a module or a ``FrozenModel``. Returns the
-    cache (reused as is when a cache with the same key exists in ``cache_dir``). Afterwards
-    the models can be released (``FrozenModel.release()`` or ``del``): training needs none
-    of their weights.
+    dataset), calling sharded models in lockstep. Pass text encoders, ``vae``, or both;
+    each may be a module or a ``FrozenModel``. Text encoders are given as
+    ``text_encoders={"text_encoder_2": model, ...}`` with ``tokenizers`` of the same names
+    and the pipeline's ``family`` (``diffusers_zero3.families``), which says what each
+    encoder outputs (SDXL: penultimate hidden states and the pooled embedding); any subset
+    of a family's encoders may be cached. ``text_encoder=``/``tokenizer=`` are the SD 1.x
+    shorthand. With a VAE and a family that conditions on crops (SDXL's ``time_ids``), each
+    image's ``original_size`` and ``crop_top_left`` (also for the flipped copy) are stored too.
+
+    Returns the cache (reused as is when a cache with the same key exists in ``cache_dir``;
+    rank 0 decides, and a published folder is checked before use). Afterwards the models can
+    be released (``FrozenModel.release()`` or ``del``): training needs none of their weights.
     """
-    if text_encoder is None and vae is None:
-        raise ValueError("precompute_frozen_outputs needs a text_encoder, a vae, or both")
-    if text_encoder is not None and tokenizer is None:
-        raise ValueError("caching text embeddings needs the tokenizer")
+    from .families import SD
+
+    text_encoders = dict(text_encoders or {})
+    tokenizers = dict(tokenizers or {})
+    if text_encoder is not None:
+        text_encoders["text_encoder"] = text_encoder
+        if tokenizer is not None:
+            tokenizers["text_encoder"] = tokenizer
+    family = family or SD
+    if not text_encoders and vae is None:
+        raise ValueError("precompute_frozen_outputs needs a text encoder, a vae, or both")
+    missing = [name for name in text_encoders if name not in tokenizers]
+    if missing:
+        raise ValueError(f"caching text embeddings needs the tokenizer of {', '.join(missing)}")
+    input_keys = {spec.name: spec.input_key for spec in family.text_encoders}
     inputs = {
         "format": CACHE_FORMAT,
-        "text_encoder": model_fingerprint(text_encoder) if text_encoder is not None else None,
+        "family": family.name,
+        "text_encoders": {n: model_fingerprint(m) for n, m in sorted(text_encoders.items())},
+        "tokenizers": {n: _tokenizer_fingerprint(tokenizers[n]) for n in sorted(text_encoders)},
         "vae": model_fingerprint(vae) if vae is not None else None,
-        "tokenizer": hashlib.sha256(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode()).hexdigest()[
-            :16
-        ]
-        if tokenizer is not None
-        else None,
         "data": _dataset_fingerprint(dataset, caption_column),
         "columns": [image_column, caption_column],
         "resolution": resolution if vae is not None else None,
@@ -215,28 +267,35 @@ def precompute_frozen_outputs(
         rows = [dataset[i] for i in indices]
         out = {}
         with torch.no_grad():
-            if text_encoder is not None:
+            if text_encoders:
                 captions = [pick_caption(r[caption_column], None) for r in rows]
-                ids = tokenizer(
-                    captions,
-                    max_length=tokenizer.model_max_length,
-                    padding="max_length",
-                    truncation=True,
-                    return_tensors="pt",
-                ).input_ids
-                out["encoder_hidden_states"] = text_encoder(ids.to(text_encoder.device))[0].cpu()
+                ids = family.tokenize(tokenizers, captions)
+                for name, encoder in text_encoders.items():
+                    outputs = family.encode_text(name, encoder, ids[input_keys[name]].to(encoder.device))
+                    out.update({k: v.cpu() for k, v in outputs.items()})
             if vae is not None:
-                pixels = torch.stack(
-                    [
-                        transform_image(
-                            r[image_column], resolution, center_crop, False, random.Random(f"{seed}-0-{i}")
-                        )
-                        for i, r in zip(indices, rows)
-                    ]
-                ).to(vae.device, vae.dtype)
+                crops = [
+                    transform_image_with_crop(
+                        r[image_column], resolution, center_crop, False, random.Random(f"{seed}-0-{i}")
+                    )
+                    for i, r in zip(indices, rows)
+                ]
+                pixels = torch.stack([p for p, _ in crops]).to(vae.device, vae.dtype)
                 out["latent_params"] = vae.encode(pixels).latent_dist.parameters.cpu()
+                if family.uses_time_ids:
+                    out["original_size"] = torch.tensor([c.original_size for _, c in crops])
+                    out["crop_top_left"] = torch.tensor([c.crop_top_left for _, c in crops])
                 if random_flip:
                     out["latent_params_flipped"] = vae.encode(pixels.flip(-1)).latent_dist.parameters.cpu()
+                if random_flip and family.uses_time_ids:
+                    # the same crop seen in the flipped image, as live training records it
+                    widths = [_resized_width(r[image_column], resolution) for r in rows]
+                    out["crop_top_left_flipped"] = torch.tensor(
+                        [
+                            (c.crop_top_left[0], w - c.crop_top_left[1] - resolution)
+                            for (_, c), w in zip(crops, widths)
+                        ]
+                    )
         return out
 
     results = lockstep_map(encode, chunks, name="frozen models (cache)")

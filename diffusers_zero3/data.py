@@ -9,7 +9,8 @@ a warning names the row, and ``skipped_rows`` counts them.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -113,14 +114,25 @@ def pick_caption(caption: Any, rng: random.Random | None) -> str:
     raise DataError(f"caption should be a string or a list of strings, got {type(caption).__name__}")
 
 
-def transform_image(
-    image, resolution: int, center_crop: bool, random_flip: bool, rng: random.Random
-) -> torch.Tensor:
-    """Resize (shorter side to ``resolution``, bilinear), crop, maybe flip; CHW float in [-1, 1].
+@dataclass(frozen=True)
+class CropInfo:
+    """Where a training crop came from, as SDXL's micro-conditioning records it.
 
-    The same steps as diffusers' torchvision pipeline (Resize, CenterCrop/RandomCrop,
-    RandomHorizontalFlip, ToTensor, Normalize([0.5], [0.5])).
+    ``original_size`` is the image's (height, width) before resizing; ``crop_top_left`` is
+    the crop's (top, left) in the resized image, measured in the flipped image when the crop
+    was flipped (diffusers' SDXL script flips before it crops, so its coordinates are in the
+    flipped frame); ``flipped`` says whether it was.
     """
+
+    original_size: tuple[int, int]
+    crop_top_left: tuple[int, int]
+    flipped: bool
+
+
+def transform_image_with_crop(
+    image, resolution: int, center_crop: bool, random_flip: bool, rng: random.Random
+) -> tuple[torch.Tensor, CropInfo]:
+    """``transform_image``, and where the crop came from (``CropInfo``)."""
     from PIL import Image
 
     image = image.convert("RGB")
@@ -133,14 +145,34 @@ def transform_image(
     else:
         left, top = rng.randint(0, nw - resolution), rng.randint(0, nh - resolution)
     image = image.crop((left, top, left + resolution, top + resolution))
-    if random_flip and rng.random() < 0.5:
+    flipped = bool(random_flip and rng.random() < 0.5)
+    if flipped:
         image = image.transpose(Image.FLIP_LEFT_RIGHT)
+        left = nw - left - resolution  # the same crop, seen in the flipped image
     arr = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
-    return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
+    info = CropInfo((h, w), (top, left), flipped)
+    return torch.from_numpy(arr).permute(2, 0, 1).contiguous(), info
+
+
+def transform_image(
+    image, resolution: int, center_crop: bool, random_flip: bool, rng: random.Random
+) -> torch.Tensor:
+    """Resize (shorter side to ``resolution``, bilinear), crop, maybe flip; CHW float in [-1, 1].
+
+    The same steps as diffusers' torchvision pipeline (Resize, CenterCrop/RandomCrop,
+    RandomHorizontalFlip, ToTensor, Normalize([0.5], [0.5])).
+    """
+    return transform_image_with_crop(image, resolution, center_crop, random_flip, rng)[0]
 
 
 class ImageCaptionDataset(torch.utils.data.Dataset):
-    """Rows of a ``datasets`` dataset as ``{"pixel_values", "input_ids", "index"}``.
+    """Rows of a ``datasets`` dataset as ``{"pixel_values", "input_ids", "index"}``, plus
+    ``"original_size"`` and ``"crop_top_left"`` (SDXL's micro-conditioning) with the images.
+
+    ``tokenize`` maps captions to a dict of token-id tensors (a family's ``tokenize``, for
+    several text encoders: ``input_ids``, ``input_ids_2``); by default ``tokenizer`` gives
+    ``input_ids``. ``empty_prompt_probability`` replaces a caption by ``""`` that often
+    (``--proportion_empty_prompts``), drawn per row and epoch like the other randomness.
 
     ``set_epoch(e)`` changes the random crops/flips/captions deterministically. With
     ``with_images=False`` images are not decoded (training from a latent cache); then
@@ -159,6 +191,8 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         seed: int = 0,
         with_images: bool = True,
         unreadable_rows: Sequence[int] = (),
+        tokenize: Callable[[list[str]], dict[str, torch.Tensor]] | None = None,
+        empty_prompt_probability: float = 0.0,
     ):
         self.dataset = dataset
         self.tokenizer = tokenizer
@@ -168,6 +202,8 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         self.with_images = with_images
         self.skipped_rows: set[int] = set()
         self.unreadable_rows = set(unreadable_rows)
+        self._tokenize = tokenize
+        self.empty_prompt_probability = empty_prompt_probability
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -208,18 +244,32 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict:
         i, row = self._readable_row(index)
         rng = self._rng(i)
-        item = {"index": i, "input_ids": self.tokenize([pick_caption(row[self.caption_column], rng)])[0]}
+        caption = pick_caption(row[self.caption_column], rng)
+        if self.empty_prompt_probability and random.Random(f"{self.seed}-{self.epoch}-{i}-empty").random() < (
+            self.empty_prompt_probability
+        ):
+            caption = ""
+        if self._tokenize is not None:
+            item = {k: v[0] for k, v in self._tokenize([caption]).items()}
+        else:
+            item = {"input_ids": self.tokenize([caption])[0]}
+        item["index"] = i
         if self.with_images:
-            item["pixel_values"] = transform_image(
+            pixels, crop = transform_image_with_crop(
                 row[self.image_column], self.resolution, self.center_crop, self.random_flip, rng
             )
+            item["pixel_values"] = pixels
+            item["original_size"] = torch.tensor(crop.original_size)
+            item["crop_top_left"] = torch.tensor(crop.crop_top_left)
         return item
 
 
 def collate(examples: list[dict]) -> dict:
-    """Stack a list of ``ImageCaptionDataset`` items into a batch."""
-    batch = {"input_ids": torch.stack([e["input_ids"] for e in examples])}
-    batch["index"] = torch.tensor([e["index"] for e in examples])
-    if "pixel_values" in examples[0]:
-        batch["pixel_values"] = torch.stack([e["pixel_values"] for e in examples]).contiguous()
+    """Stack a list of ``ImageCaptionDataset`` items into a batch (every key)."""
+    batch = {}
+    for key, value in examples[0].items():
+        if torch.is_tensor(value):
+            batch[key] = torch.stack([e[key] for e in examples]).contiguous()
+        else:
+            batch[key] = torch.tensor([e[key] for e in examples])
     return batch

@@ -166,27 +166,106 @@ def save_tiny_pipeline(
     return folder
 
 
-def shape_image(colour: str, shape: str, size: int = 32, rng: random.Random | None = None):
-    """A ``size`` x ``size`` RGB PIL image of one coloured shape on a light background."""
+def save_tiny_sdxl_pipeline(folder: str | os.PathLike, seed: int = 0, width: int = 32) -> Path:
+    """Save a tiny ``StableDiffusionXLPipeline`` folder (fp32 safetensors) and return its path.
+
+    The real SDXL layout: a ``text_time`` UNet conditioned on two CLIP encoders (the second
+    with a projection, whose pooled output is ``text_embeds``), two tokenizers, a VAE and an
+    Euler scheduler, with the shapes of diffusers' own SDXL pipeline tests. Not a collective.
+    """
+    from diffusers import (
+        AutoencoderKL,
+        EulerDiscreteScheduler,
+        StableDiffusionXLPipeline,
+        UNet2DConditionModel,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    from .zero3 import zero3_init_disabled
+
+    folder = Path(folder)
+    cfg = tiny_component_configs(width)
+    text_cfg = {**cfg["text_encoder"], "hidden_size": 32, "intermediate_size": 37, "num_attention_heads": 4}
+    time_dim, proj_dim = 8, 32
+    with zero3_init_disabled():
+        torch.manual_seed(seed)
+        unet = UNet2DConditionModel(
+            sample_size=16,
+            in_channels=4,
+            out_channels=4,
+            layers_per_block=1,
+            block_out_channels=(width, width * 2),
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            attention_head_dim=(2, 4),
+            use_linear_projection=True,
+            addition_embed_type="text_time",
+            addition_time_embed_dim=time_dim,
+            transformer_layers_per_block=(1, 2),
+            projection_class_embeddings_input_dim=6 * time_dim + proj_dim,
+            cross_attention_dim=2 * text_cfg["hidden_size"],
+            norm_num_groups=min(32, width // 2),
+        )
+        vae = AutoencoderKL(**cfg["vae"])
+        text_encoder = CLIPTextModel(CLIPTextConfig(**text_cfg))
+        text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**text_cfg, projection_dim=proj_dim))
+    tok_dir = write_clip_tokenizer(folder / "_tokenizer_tmp")
+    tokenizer = CLIPTokenizer.from_pretrained(tok_dir)
+    scheduler = EulerDiscreteScheduler(
+        beta_schedule="scaled_linear",
+        beta_start=0.00085,
+        beta_end=0.012,
+        steps_offset=1,
+        timestep_spacing="leading",
+    )
+    pipe = StableDiffusionXLPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        text_encoder_2=text_encoder_2,
+        tokenizer=tokenizer,
+        tokenizer_2=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+        add_watermarker=False,
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    for f in tok_dir.iterdir():
+        f.unlink()
+    tok_dir.rmdir()
+    return folder
+
+
+def shape_image(
+    colour: str, shape: str, size: int = 32, rng: random.Random | None = None, width: int | None = None
+):
+    """A ``width`` (default ``size``) x ``size`` RGB PIL image of one coloured shape on a light
+    background."""
     from PIL import Image, ImageDraw
 
     rng = rng or random.Random(0)
-    img = Image.new("RGB", (size, size), (235, 235, 235))
+    width = width or size
+    img = Image.new("RGB", (width, size), (235, 235, 235))
     draw = ImageDraw.Draw(img)
-    r = rng.randint(size // 4, size // 3)
-    cx, cy = rng.randint(r, size - r), rng.randint(r, size - r)
+    r = rng.randint(min(width, size) // 4, min(width, size) // 3)
+    cx, cy = rng.randint(r, width - r), rng.randint(r, size - r)
     box = (cx - r, cy - r, cx + r, cy + r)
     (draw.ellipse if shape == "circle" else draw.rectangle)(box, fill=COLOURS[colour])
     return img
 
 
 def write_shapes_dataset(
-    folder: str | os.PathLike, num_images: int = 64, size: int = 32, seed: int = 0
+    folder: str | os.PathLike,
+    num_images: int = 64,
+    size: int = 32,
+    seed: int = 0,
+    sizes: list[tuple[int, int]] | None = None,
 ) -> Path:
     """Write an ``imagefolder`` dataset of coloured shapes with ``metadata.jsonl`` captions.
 
     Captions read like "a red circle"; the folder loads with
     ``datasets.load_dataset("imagefolder", data_dir=folder)`` (columns ``image`` and ``text``).
+    Images are ``size`` x ``size``, or take their (width, height) in turn from ``sizes``
+    (varied sizes exercise SDXL's size and crop conditioning).
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -196,18 +275,33 @@ def write_shapes_dataset(
         colour = rng.choice(sorted(COLOURS))
         shape = rng.choice(SHAPES)
         name = f"{i:05d}.png"
-        shape_image(colour, shape, size, rng).save(folder / name)
+        width, height = sizes[i % len(sizes)] if sizes else (size, size)
+        shape_image(colour, shape, height, rng, width=width).save(folder / name)
         rows.append({"file_name": name, "text": f"a {colour} {shape}"})
     (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return folder
 
 
-def prepare_default(folder: str | os.PathLike, num_images: int = 64) -> tuple[Path, Path]:
+VARIED_SIZES = [(32, 32), (48, 32), (32, 40), (56, 40), (40, 64)]
+
+
+def prepare_default(folder: str | os.PathLike, num_images: int = 64, model: str = "sd") -> tuple[Path, Path]:
     """Create (once) the default runs' pipeline, dataset and reward model under ``folder``.
 
     Returns the pipeline and dataset paths; the reward model is ``folder/redness-reward``.
+    ``model="sdxl"`` makes a tiny SDXL pipeline (``tiny-sdxl``) and a dataset of varied image
+    sizes (``shapes-varied``) instead.
     """
     folder = Path(folder)
+    if model == "sdxl":
+        pipe, data = folder / "tiny-sdxl", folder / "shapes-varied"
+        if not (pipe / "model_index.json").exists():
+            save_tiny_sdxl_pipeline(pipe)
+        if not (data / "metadata.jsonl").exists():
+            write_shapes_dataset(data, num_images=num_images, sizes=VARIED_SIZES)
+        return pipe, data
+    if model != "sd":
+        raise ValueError(f"model must be sd or sdxl, got {model!r}")
     pipe, data, reward = folder / "tiny-sd", folder / "shapes", folder / "redness-reward"
     if not (pipe / "model_index.json").exists():
         save_tiny_pipeline(pipe)
@@ -271,7 +365,11 @@ def save_reward_model(folder: str | os.PathLike, seed: int = 0, hidden: int = 64
 
 
 if __name__ == "__main__":
-    import sys
+    import argparse
 
-    p, d = prepare_default(sys.argv[1] if len(sys.argv) > 1 else "outputs/default")
+    parser = argparse.ArgumentParser(description="Generate the embedded default's pipeline and data.")
+    parser.add_argument("folder", nargs="?", default="outputs/default")
+    parser.add_argument("--model", default="sd", choices=["sd", "sdxl"])
+    cli = parser.parse_args()
+    p, d = prepare_default(cli.folder, model=cli.model)
     print(f"pipeline: {p}\ndataset: {d}")

@@ -24,43 +24,30 @@ from .distributed import all_gather_object, barrier, is_main_process
 
 @torch.no_grad()
 def generate_validation_images(
-    unet: torch.nn.Module,
-    vae: torch.nn.Module,
-    text_encoder: torch.nn.Module,
-    tokenizer,
-    scheduler,
+    pipeline,
     prompts: list[str],
     *,
     resolution: int,
     num_inference_steps: int = 20,
     seed: int = 0,
 ) -> list:
-    """One image per prompt from the current weights. Collective: call on every rank.
+    """One image per prompt from a pipeline around the current weights. Collective: call on
+    every rank.
 
-    Every rank runs the same prompts with the same seed, so partitioned models (the UNet
-    engine, sharded frozen engines) are called the same number of times on every rank; all
-    ranks get the same images, and one of them writes.
+    ``pipeline`` is a family's pipeline (``family.pipeline(...)``) around the trained
+    denoiser and the placed frozen models. Every rank runs the same prompts with the same
+    seed, so partitioned models (the denoiser engine, sharded frozen engines) are called the
+    same number of times on every rank; all ranks get the same images, and one of them writes.
     """
-    from diffusers import StableDiffusionPipeline
-
-    unet_was_training = unet.training
-    unet.eval()
-    pipe = StableDiffusionPipeline(
-        unet=unet,
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        scheduler=scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
-    pipe.set_progress_bar_config(disable=True)
-    device = next(unet.parameters()).device
+    denoiser = pipeline.unet
+    was_training = denoiser.training
+    denoiser.eval()
+    pipeline.set_progress_bar_config(disable=True)
+    device = next(denoiser.parameters()).device
     images = []
     for i, prompt in enumerate(prompts):
         generator = torch.Generator(device=device).manual_seed(seed + i)
-        out = pipe(
+        out = pipeline(
             prompt,
             num_inference_steps=num_inference_steps,
             generator=generator,
@@ -68,7 +55,7 @@ def generate_validation_images(
             width=resolution,
         )
         images.append(out.images[0])
-    unet.train(unet_was_training)
+    denoiser.train(was_training)
     return images
 
 
@@ -85,7 +72,13 @@ def image_grid(images: list, cols: int | None = None):
     return grid
 
 
-def model_card(base_model: str, dataset: str, args: dict, validation_prompts: list[str] | None) -> str:
+def model_card(
+    base_model: str,
+    dataset: str,
+    args: dict,
+    validation_prompts: list[str] | None,
+    pipeline_class: str = "StableDiffusionPipeline",
+) -> str:
     """A README.md for the output pipeline folder."""
     hyper = "\n".join(
         f"- {k}: {args[k]}" for k in sorted(args) if args[k] is not None and not k.startswith("hub_")
@@ -102,9 +95,9 @@ tags: [stable-diffusion, text-to-image, diffusers, deepspeed-zero3]
 Fine-tuned with `diffusers_zero3` (DeepSpeed ZeRO-3) on `{dataset}`.
 
 ```python
-from diffusers import StableDiffusionPipeline
+from diffusers import {pipeline_class}
 
-pipe = StableDiffusionPipeline.from_pretrained("path/to/this/folder")
+pipe = {pipeline_class}.from_pretrained("path/to/this/folder")
 image = pipe("{(validation_prompts or ["a photo"])[0]}").images[0]
 ```
 
@@ -155,17 +148,20 @@ def check_output_dir(output_dir: str | os.PathLike, source_folder: str | os.Path
 def save_final_pipeline(
     source_folder: str | os.PathLike,
     output_dir: str | os.PathLike,
-    unet,
+    denoiser,
     *,
     ema=None,
     readme: str = "",
+    denoiser_name: str = "unet",
+    component_sources: dict[str, str | os.PathLike] | None = None,
 ) -> None:
     """Write the trained pipeline into ``output_dir``. Collective: call on every rank.
 
-    The UNet (the EMA average when ``ema`` is given) is streamed from its partitions by
-    ``save_pretrained_zero3``: no rank builds the whole model. Every other component of the
-    source pipeline (text encoder, VAE, tokenizer, scheduler, ...) is unchanged and copied
-    from ``source_folder``.
+    The denoiser (``unet``; the EMA average when ``ema`` is given) is streamed from its
+    partitions by ``save_pretrained_zero3``: no rank builds the whole model. Every other
+    component of the source pipeline (text encoders, VAE, tokenizers, scheduler, ...) is
+    unchanged and copied from ``source_folder``, or from ``component_sources[name]`` (e.g.
+    a VAE given with ``--pretrained_vae_model_name_or_path``).
 
     Everything is first written into a staging folder ``output_dir/.tmp-pipeline-*``; a
     failure there (on any rank) leaves a previous output in ``output_dir`` exactly as it was
@@ -184,9 +180,9 @@ def save_final_pipeline(
     barrier()
     try:
         if ema is not None:
-            ema.save_pretrained(staging / "unet")
+            ema.save_pretrained(staging / denoiser_name)
         else:
-            save_pretrained_zero3(unet, staging / "unet")
+            save_pretrained_zero3(denoiser, staging / denoiser_name)
     except BaseException:
         if is_main_process():
             shutil.rmtree(staging, ignore_errors=True)
@@ -194,9 +190,11 @@ def save_final_pipeline(
     error = None
     if is_main_process():
         try:
+            sources = {name: source / name for name in components}
+            sources.update({k: Path(v) for k, v in (component_sources or {}).items()})
             for name, value in components.items():
-                if name != "unet" and value[0] is not None and (source / name).is_dir():
-                    shutil.copytree(source / name, staging / name)
+                if name != denoiser_name and value[0] is not None and sources[name].is_dir():
+                    shutil.copytree(sources[name], staging / name)
             if readme:
                 (staging / "README.md").write_text(readme)
             (staging / "model_index.json").write_text((source / "model_index.json").read_text())

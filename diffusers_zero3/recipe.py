@@ -102,30 +102,37 @@ def weight_dtype(accelerator) -> torch.dtype:
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
 
 
-def load_trainable_unet(accelerator, source: str | Path, variant: str | None = None):
-    """The UNet to train: straight into ZeRO-3 partitions under ZeRO-3 (with bucket sizes
-    filled in from its shapes), else a whole ``from_pretrained``. Call on every rank."""
-    from diffusers import UNet2DConditionModel
+def load_trainable_denoiser(accelerator, source: str | Path, family=None, variant: str | None = None):
+    """The denoiser to train (the family's ``unet``): straight into ZeRO-3 partitions under
+    ZeRO-3 (with bucket sizes filled in from its shapes), else a whole ``from_pretrained``.
+    Call on every rank."""
+    from .families import SD
 
+    family = family or SD
+    cls = family.denoiser_cls()
     if is_zero3(accelerator):
-        unet = load_pretrained_zero3(
-            UNet2DConditionModel, source, "unet", accelerator=accelerator, variant=variant
-        )
-        fill_auto_bucket_sizes(accelerator.state.deepspeed_plugin.deepspeed_config, unet)
+        model = load_pretrained_zero3(cls, source, family.denoiser, accelerator=accelerator, variant=variant)
+        fill_auto_bucket_sizes(accelerator.state.deepspeed_plugin.deepspeed_config, model)
     else:
         with zero3_init_disabled():
-            unet = UNet2DConditionModel.from_pretrained(source, subfolder="unet", variant=variant)
-    unet.train()
-    return unet
+            model = cls.from_pretrained(source, subfolder=family.denoiser, variant=variant)
+    model.train()
+    return model
 
 
 def load_frozen_component(
-    accelerator, source: str | Path, name: str, placement: str, model_cls, variant: str | None = None
+    accelerator,
+    source: str | Path,
+    name: str,
+    placement: str,
+    model_cls,
+    variant: str | None = None,
+    dtype: torch.dtype | None = None,
 ):
     """Load ``source/name`` and place it (``"cache"`` loads a replica, to be cached and freed).
 
-    ``"shard"``/``"offload"`` models are read straight into partitions, never whole. Call on
-    every rank.
+    ``"shard"``/``"offload"`` models are read straight into partitions, never whole. ``dtype``
+    is the dtype it runs in (default: the accelerator's mixed precision). Call on every rank.
     """
     if placement in ("shard", "offload"):
         model = load_pretrained_zero3(model_cls, source, name, accelerator=accelerator, variant=variant)
@@ -136,7 +143,7 @@ def load_frozen_component(
         model,
         "replicate" if placement == "cache" else placement,
         accelerator=accelerator,
-        dtype=weight_dtype(accelerator),
+        dtype=dtype or weight_dtype(accelerator),
         name=name,
     )
 

@@ -29,6 +29,54 @@ def sample_noise(
     return noise
 
 
+TIMESTEP_BIAS_STRATEGIES = ("none", "earlier", "later", "range")
+
+
+def timestep_bias_weights(
+    num_timesteps: int,
+    strategy: str = "none",
+    multiplier: float = 1.0,
+    begin: int = 0,
+    end: int = 1000,
+    portion: float = 0.25,
+) -> torch.Tensor | None:
+    """Sampling weights over timesteps for ``--timestep_bias_strategy`` (diffusers' SDXL flags).
+
+    ``earlier``/``later`` multiply the weight of the first/last ``portion`` of the timesteps by
+    ``multiplier``; ``range`` multiplies ``[begin, end)``. Returns normalised weights, or None
+    for ``none`` (uniform sampling, as without the flag).
+    """
+    if strategy == "none":
+        return None
+    if strategy not in TIMESTEP_BIAS_STRATEGIES:
+        raise ValueError(
+            f"timestep bias strategy must be one of {TIMESTEP_BIAS_STRATEGIES}, got {strategy!r}"
+        )
+    if multiplier <= 0:
+        raise ValueError(f"the timestep bias multiplier must be positive, got {multiplier}")
+    weights = torch.ones(num_timesteps)
+    count = int(portion * num_timesteps)
+    if strategy == "earlier":
+        selected = slice(0, count)
+    elif strategy == "later":
+        selected = slice(num_timesteps - count, num_timesteps)
+    else:
+        if not 0 <= begin < end <= num_timesteps:
+            raise ValueError(f"the timestep bias range [{begin}, {end}) must lie within [0, {num_timesteps}]")
+        selected = slice(begin, end)
+    weights[selected] *= multiplier
+    return weights / weights.sum()
+
+
+def sample_timesteps(
+    batch_size: int, num_timesteps: int, device, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Training timesteps: uniform, or drawn from ``timestep_bias_weights``."""
+    if weights is None:
+        return torch.randint(0, num_timesteps, (batch_size,), device=device).long()
+    return torch.multinomial(weights, batch_size, replacement=True).long().to(device)
+
+
 def diffusion_loss(
     unet,
     noise_scheduler,
@@ -42,6 +90,7 @@ def diffusion_loss(
     input_perturbation: float = 0.0,
     perturbation: torch.Tensor | None = None,
     dream_detail_preservation: float | None = None,
+    denoiser_kwargs: dict | None = None,
 ) -> torch.Tensor:
     """The denoising loss of one batch (mean over the batch).
 
@@ -49,6 +98,8 @@ def diffusion_loss(
     extra noise of ``--input_perturbation`` (drawn by the caller, so that runs are
     reproducible). ``dream_detail_preservation`` turns on DREAM (arXiv:2312.00210): one
     extra no-grad UNet forward (every rank makes it, so ZeRO-3 stays in lockstep).
+    ``denoiser_kwargs`` go to the UNet call (a family's extra conditioning, e.g. SDXL's
+    ``added_cond_kwargs``).
     """
     if prediction_type is not None:
         noise_scheduler.register_to_config(prediction_type=prediction_type)
@@ -75,7 +126,9 @@ def diffusion_loss(
             encoder_hidden_states,
             dream_detail_preservation,
         )
-    model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
+    model_pred = unet(
+        noisy_latents, timesteps, encoder_hidden_states, return_dict=False, **(denoiser_kwargs or {})
+    )[0]
     if snr_gamma is None:
         return F.mse_loss(model_pred.float(), target.float(), reduction="mean")
     snr = compute_snr(noise_scheduler, timesteps)

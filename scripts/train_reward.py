@@ -31,7 +31,7 @@ from diffusers_zero3.pipeline_io import check_output_dir, model_card, pipeline_c
 from diffusers_zero3.recipe import (
     accelerator_from_args,
     load_frozen_component,
-    load_trainable_unet,
+    load_trainable_denoiser,
     run_script,
     weight_dtype,
 )
@@ -130,7 +130,7 @@ class RewardTrainer:
         self.tokenizer = CLIPTokenizer.from_pretrained(self.source, subfolder="tokenizer")
         self.scheduler = DDIMScheduler.from_pretrained(self.source, subfolder="scheduler")
         self.scheduler.set_timesteps(args.num_inference_steps)
-        self.unet = load_trainable_unet(acc, self.source)
+        self.unet = load_trainable_denoiser(acc, self.source)
         self.text_encoder = load_frozen_component(
             acc, self.source, "text_encoder", args.text_encoder_placement, CLIPTextModel
         )

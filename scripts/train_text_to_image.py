@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Fine-tune a Stable Diffusion UNet under DeepSpeed ZeRO-3, beside frozen text encoder and VAE.
+"""Fine-tune a Stable Diffusion (1.x/2.x) or SDXL UNet under DeepSpeed ZeRO-3, beside frozen
+text encoders and a VAE.
 
-A drop-in for diffusers' ``examples/text_to_image/train_text_to_image.py`` (same flags), that
-runs the whole way under ZeRO-3:
+A drop-in for diffusers' ``examples/text_to_image/train_text_to_image.py`` and
+``train_text_to_image_sdxl.py`` (same flags); the family is detected from the pipeline's
+``model_index.json``. It runs the whole way under ZeRO-3:
 
     accelerate launch --config_file configs/accelerate_zero3.yaml --num_processes 8 \\
         scripts/train_text_to_image.py --pretrained_model_name_or_path PIPE \\
@@ -15,7 +17,8 @@ also as one plain ``python`` process without DeepSpeed, and on CPU-only hosts (g
 What differs from upstream, and why:
 * the UNet is loaded straight into ZeRO-3 partitions and saved by streaming them (no rank
   ever holds it whole), instead of ``from_pretrained`` + ``save_pretrained`` of placeholders;
-* frozen models are placed by ``--text_encoder_placement`` / ``--vae_placement``; upstream's
+* frozen models are placed one by one (``--text_encoder_placement``,
+  ``--text_encoder_2_placement``, ``--vae_placement``); upstream's
   ``zero3_init_context_manager(enable=False)`` no longer keeps them whole;
 * ``--use_ema`` averages each rank's partition (``ShardedEMA``) instead of a full copy;
 * every collective (checkpoint save, final save, validation) runs on every rank;
@@ -33,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-from diffusers_zero3 import ShardedEMA, barrier, is_main_process, log_rank_zero, precompute_frozen_outputs
-from diffusers_zero3.args import ArgumentError, parse_args, validate_args, validate_launch
+from diffusers_zero3 import ShardedEMA, barrier, is_main_process, log_rank_zero
+from diffusers_zero3.args import ArgumentError, parse_args, validate_args, validate_family, validate_launch
 from diffusers_zero3.checkpoint import remove_interrupted_writes, resolve_model_folder
 from diffusers_zero3.data import (
     ImageCaptionDataset,
@@ -44,6 +47,8 @@ from diffusers_zero3.data import (
     load_image_caption_dataset,
     resolve_columns,
 )
+from diffusers_zero3.families import detect_family
+from diffusers_zero3.frozen_inputs import place_frozen_models
 from diffusers_zero3.pipeline_io import (
     check_output_dir,
     generate_validation_images,
@@ -52,16 +57,10 @@ from diffusers_zero3.pipeline_io import (
     pipeline_components,
     save_final_pipeline,
 )
-from diffusers_zero3.recipe import (
-    accelerator_from_args,
-    load_frozen_component,
-    load_trainable_unet,
-    run_script,
-    weight_dtype,
-)
+from diffusers_zero3.recipe import accelerator_from_args, load_trainable_denoiser, run_script
 from diffusers_zero3.resume import resume_training, save_training_checkpoint
 from diffusers_zero3.testing import fault_point
-from diffusers_zero3.training import diffusion_loss, sample_noise
+from diffusers_zero3.training import diffusion_loss, sample_noise, sample_timesteps, timestep_bias_weights
 
 logger = logging.getLogger("train_text_to_image")
 
@@ -89,6 +88,13 @@ class TextToImageTrainer:
         )
         check_output_dir(args.output_dir, self.source)
         pipeline_components(self.source)  # a readable model_index.json with plain component names
+        self.family = detect_family(self.source)
+        validate_family(args, self.family)
+        self.vae_source = None
+        if args.pretrained_vae_model_name_or_path is not None:
+            self.vae_source = resolve_model_folder(
+                args.pretrained_vae_model_name_or_path, None, args.revision, args.cache_dir
+            )
         self.accelerator = acc = accelerator_from_args(args)
         validate_launch(
             args, deepspeed_active=acc.state.deepspeed_plugin is not None, on_cpu=acc.device.type == "cpu"
@@ -100,7 +106,6 @@ class TextToImageTrainer:
         set_seed(args.seed if args.seed is not None else 0)
         if args.allow_tf32 and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = True
-        self.weight_dtype = weight_dtype(acc)
         self._load_models()
         self._load_data()
         self._place_frozen()
@@ -108,7 +113,6 @@ class TextToImageTrainer:
 
     def _load_models(self) -> None:
         from diffusers import DDPMScheduler
-        from transformers import CLIPTokenizer
 
         args, src = self.args, self.source
         self.noise_scheduler = DDPMScheduler.from_pretrained(src, subfolder="scheduler")
@@ -118,8 +122,16 @@ class TextToImageTrainer:
             raise ArgumentError(
                 "--dream_training supports epsilon prediction only (diffusers has no v-prediction DREAM)"
             )
-        self.tokenizer = CLIPTokenizer.from_pretrained(src, subfolder="tokenizer")
-        self.unet = load_trainable_unet(self.accelerator, src, args.variant)
+        self.timestep_weights = timestep_bias_weights(
+            self.noise_scheduler.config.num_train_timesteps,
+            args.timestep_bias_strategy,
+            args.timestep_bias_multiplier,
+            args.timestep_bias_begin,
+            args.timestep_bias_end,
+            args.timestep_bias_portion,
+        )
+        self.tokenizers = self.family.load_tokenizers(src)
+        self.unet = load_trainable_denoiser(self.accelerator, src, self.family, args.variant)
         if args.gradient_checkpointing:
             self.unet.enable_gradient_checkpointing()
         if args.enable_xformers_memory_efficient_attention:
@@ -138,7 +150,7 @@ class TextToImageTrainer:
         self.hf_dataset = ds
         self.train_dataset = ImageCaptionDataset(
             ds,
-            self.tokenizer,
+            None,
             self.image_column,
             self.caption_column,
             args.resolution,
@@ -146,48 +158,33 @@ class TextToImageTrainer:
             args.random_flip,
             seed=args.seed or 0,
             with_images=args.vae_placement != "cache",
+            tokenize=lambda captions: self.family.tokenize(self.tokenizers, captions),
+            empty_prompt_probability=args.proportion_empty_prompts,
         )
 
     def _place_frozen(self) -> None:
         """Frozen models by placement; 'cache' ones are run once over the data, then freed."""
-        from diffusers import AutoencoderKL
-        from transformers import CLIPTextModel
-
-        args, acc = self.args, self.accelerator
-        self.text_encoder = self.vae = self.cache = None
-        live = {
-            name: load_frozen_component(
-                acc, self.source, name, getattr(args, f"{name}_placement"), cls, args.variant
-            )
-            for name, cls in (("text_encoder", CLIPTextModel), ("vae", AutoencoderKL))
-        }
-        cached = [n for n in live if getattr(args, f"{n}_placement") == "cache"]
-        if cached:
-            self.cache = precompute_frozen_outputs(
-                self.hf_dataset,
-                args.frozen_cache_dir or os.path.join(args.output_dir, "frozen_cache"),
-                tokenizer=self.tokenizer,
-                text_encoder=live["text_encoder"] if "text_encoder" in cached else None,
-                vae=live["vae"] if "vae" in cached else None,
-                image_column=self.image_column,
-                caption_column=self.caption_column,
-                resolution=args.resolution,
-                center_crop=args.center_crop,
-                random_flip=args.random_flip,
-                seed=args.seed or 0,
-                batch_size=args.train_batch_size,
-            )
-            for name in cached:  # training holds none of their weights
-                live[name].release()
-                live[name] = None
-            self.train_dataset.unreadable_rows = set(self.cache.skipped_rows)
-        self.text_encoder, self.vae = live["text_encoder"], live["vae"]
-        self.vae_scaling_factor = self._vae_config()["scaling_factor"]
-
-    def _vae_config(self) -> dict:
-        from diffusers import AutoencoderKL
-
-        return AutoencoderKL.load_config(self.source / "vae")
+        args = self.args
+        self.frozen = place_frozen_models(
+            self.accelerator,
+            self.family,
+            self.source,
+            {name: getattr(args, f"{name}_placement") for name in self.family.frozen_components},
+            dataset=self.hf_dataset,
+            tokenizers=self.tokenizers,
+            cache_dir=args.frozen_cache_dir or os.path.join(args.output_dir, "frozen_cache"),
+            image_column=self.image_column,
+            caption_column=self.caption_column,
+            resolution=args.resolution,
+            center_crop=args.center_crop,
+            random_flip=args.random_flip,
+            seed=args.seed or 0,
+            batch_size=args.train_batch_size,
+            variant=args.variant,
+            vae_source=self.vae_source,
+        )
+        if self.frozen.cache is not None:
+            self.train_dataset.unreadable_rows = set(self.frozen.cache.skipped_rows)
 
     def _prepare_training(self) -> None:
         from diffusers.optimization import get_scheduler
@@ -251,44 +248,25 @@ class TextToImageTrainer:
 
     # ------------------------------------------------------------------ training
 
-    def _frozen_inputs(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scaled latents and text embeddings of a batch, from live frozen models or the cache."""
-        device = self.accelerator.device
-        cached = {}
-        if self.cache is not None:
-            flip = torch.rand(len(batch["index"])) < 0.5 if self.args.random_flip else None
-            cached = self.cache.get(batch["index"].cpu(), flip=flip)
-        with torch.no_grad():
-            if self.vae is None:
-                latents = cached["latents"].to(device)
-            else:
-                pixels = batch["pixel_values"].to(device, self.weight_dtype)
-                latents = self.vae.encode(pixels).latent_dist.sample()
-            if self.text_encoder is None:
-                states = cached["encoder_hidden_states"].to(device)
-            else:
-                fault_point("frozen_forward")
-                states = self.text_encoder(batch["input_ids"].to(device), return_dict=False)[0]
-        return (latents * self.vae_scaling_factor).to(self.weight_dtype), states.to(self.weight_dtype)
-
     def _loss(self, batch: dict) -> torch.Tensor:
         args = self.args
-        latents, states = self._frozen_inputs(batch)
+        latents, cond, time_ids = self.frozen(batch, self.accelerator.device)
         noise = sample_noise(latents, args.noise_offset)
         perturbation = torch.randn_like(noise) if args.input_perturbation else None
         n_steps = self.noise_scheduler.config.num_train_timesteps
-        timesteps = torch.randint(0, n_steps, (latents.shape[0],), device=latents.device).long()
+        timesteps = sample_timesteps(latents.shape[0], n_steps, latents.device, self.timestep_weights)
         return diffusion_loss(
             self.unet,
             self.noise_scheduler,
             latents,
-            states,
+            cond["encoder_hidden_states"],
             noise,
             timesteps,
             snr_gamma=args.snr_gamma,
             input_perturbation=args.input_perturbation,
             perturbation=perturbation,
             dream_detail_preservation=args.dream_detail_preservation if args.dream_training else None,
+            denoiser_kwargs=self.family.denoiser_kwargs(cond, time_ids),
         )
 
     def train(self) -> list[float]:
@@ -376,19 +354,6 @@ class TextToImageTrainer:
         )
         log_rank_zero(f"saved {path}")
 
-    def _validation_parts(self) -> dict:
-        """VAE and text encoder modules for a pipeline; cached ones are reloaded as replicas."""
-        from diffusers import AutoencoderKL
-        from transformers import CLIPTextModel
-
-        parts = {}
-        for name, cls in (("vae", AutoencoderKL), ("text_encoder", CLIPTextModel)):
-            frozen = getattr(self, name) or load_frozen_component(
-                self.accelerator, self.source, name, "replicate", cls
-            )
-            parts[name] = frozen.module
-        return parts
-
     def validate(self) -> None:
         """Images for --validation_prompts from the (EMA) weights; every rank, rank 0 writes."""
         from diffusers import DDPMScheduler
@@ -397,17 +362,18 @@ class TextToImageTrainer:
         if not args.validation_prompts:
             return
         fault_point("validation")
-        parts = self._validation_parts()
-        scheduler = DDPMScheduler.from_config(self.noise_scheduler.config)
-        unet = getattr(self.unet, "module", self.unet)
+        modules = self.frozen.validation_modules(acc)
+        pipeline = self.family.pipeline(
+            getattr(self.unet, "module", self.unet),
+            modules["vae"],
+            modules,
+            self.tokenizers,
+            DDPMScheduler.from_config(self.noise_scheduler.config),
+        )
         ctx = self.ema.averaged_weights() if self.ema is not None else contextlib.nullcontext()
         with ctx:
             images = generate_validation_images(
-                unet,
-                parts["vae"],
-                parts["text_encoder"],
-                self.tokenizer,
-                scheduler,
+                pipeline,
                 args.validation_prompts,
                 resolution=args.resolution,
                 num_inference_steps=args.num_validation_inference_steps,
@@ -445,11 +411,20 @@ class TextToImageTrainer:
             args.dataset_name or args.train_data_dir,
             {k: v for k, v in vars(args).items() if not isinstance(v, list)},
             args.validation_prompts,
+            self.family.pipeline_class,
         )
-        save_final_pipeline(self.source, args.output_dir, self.unet, ema=self.ema, readme=card)
+        save_final_pipeline(
+            self.source,
+            args.output_dir,
+            self.unet,
+            ema=self.ema,
+            readme=card,
+            denoiser_name=self.family.denoiser,
+            component_sources={"vae": self.vae_source} if self.vae_source is not None else None,
+        )
         self.accelerator.end_training()
         log_rank_zero(
-            f"pipeline: {os.path.abspath(args.output_dir)} (StableDiffusionPipeline.from_pretrained)\n"
+            f"pipeline: {os.path.abspath(args.output_dir)} ({self.family.pipeline_class}.from_pretrained)\n"
             f"validation images: {os.path.abspath(os.path.join(args.output_dir, 'validation'))}\n"
             f"logs: {os.path.abspath(os.path.join(args.output_dir, args.logging_dir))}"
         )

@@ -1,0 +1,278 @@
+"""Model families: detection, prompt encoding against the pipelines' own ``encode_prompt``,
+SDXL's crop conditioning, the objective against diffusers' training code, and the cache
+against the live models on 2 ZeRO-3 ranks."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from tests.distributed_harness import run_on_ranks
+
+
+@pytest.fixture(scope="module")
+def tiny_sdxl(tmp_path_factory):
+    from diffusers_zero3.demo import prepare_default
+
+    pipe, data = prepare_default(tmp_path_factory.mktemp("sdxl"), num_images=10, model="sdxl")
+    return str(pipe), str(data)
+
+
+# --------------------------------------------------------------------------- detection
+
+
+@pytest.mark.unit
+def test_family_detected_from_model_index(tiny_pipeline, tiny_sdxl, tmp_path):
+    from diffusers_zero3.checkpoint import CheckpointError
+    from diffusers_zero3.families import SD, SDXL, detect_family
+
+    assert detect_family(tiny_pipeline) is SD
+    assert detect_family(tiny_sdxl[0]) is SDXL
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    with pytest.raises(
+        CheckpointError, match="FluxPipeline pipeline; supported pipelines: StableDiffusionPipeline"
+    ):
+        detect_family(tmp_path)
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("which", ["sd", "sdxl"])
+def test_conditioning_equals_the_pipelines_own_encode_prompt(tiny_pipeline, tiny_sdxl, which):
+    from diffusers import DiffusionPipeline
+
+    from diffusers_zero3.families import detect_family
+
+    source = tiny_pipeline if which == "sd" else tiny_sdxl[0]
+    family = detect_family(source)
+    pipe = DiffusionPipeline.from_pretrained(source)
+    prompts = ["a red circle", "a blue square on grey"]
+    tokenizers = family.load_tokenizers(source)
+    ids = family.tokenize(tokenizers, prompts)
+    outputs = {}
+    with torch.no_grad():
+        for spec in family.text_encoders:
+            outputs.update(family.encode_text(spec.name, getattr(pipe, spec.name), ids[spec.input_key]))
+        cond = family.conditioning(outputs)
+        if which == "sd":
+            expected, _ = pipe.encode_prompt(
+                prompts, device="cpu", num_images_per_prompt=1, do_classifier_free_guidance=False
+            )
+        else:
+            expected, _, pooled, _ = pipe.encode_prompt(
+                prompts, device="cpu", num_images_per_prompt=1, do_classifier_free_guidance=False
+            )
+            torch.testing.assert_close(cond["text_embeds"], pooled)
+    torch.testing.assert_close(cond["encoder_hidden_states"], expected)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("center_crop", [True, False])
+def test_crop_conditioning_records_where_each_crop_came_from(center_crop):
+    """For random and centre crops, flipped or not, ``crop_top_left`` points at the crop in
+    the resized image (in the flipped image when flipped, as diffusers' SDXL script records
+    it), and ``time_ids`` are what the SDXL pipeline builds from the same numbers."""
+    import numpy as np
+    from PIL import Image
+
+    from diffusers_zero3.data import transform_image_with_crop
+    from diffusers_zero3.demo import shape_image
+    from diffusers_zero3.families import time_ids
+
+    image = shape_image("red", "circle", 40, random.Random(1), width=56)
+    seen_flips = set()
+    for seed in range(12):
+        pixels, crop = transform_image_with_crop(image, 32, center_crop, True, random.Random(seed))
+        assert crop.original_size == (40, 56)
+        resized = image.resize((45, 32), Image.BILINEAR)  # shorter side to 32
+        if crop.flipped:
+            resized = resized.transpose(Image.FLIP_LEFT_RIGHT)
+        top, left = crop.crop_top_left
+        expected = np.asarray(resized.crop((left, top, left + 32, top + 32)), dtype=np.float32) / 127.5 - 1
+        torch.testing.assert_close(pixels, torch.from_numpy(expected).permute(2, 0, 1))
+        seen_flips.add(crop.flipped)
+    assert seen_flips == {True, False}
+
+    from diffusers import StableDiffusionXLPipeline
+
+    ids = time_ids(torch.tensor([[40, 56]]), torch.tensor([[0, 6]]), 32)
+    reference = StableDiffusionXLPipeline._get_add_time_ids
+    unet = type("U", (), {"config": type("C", (), {"addition_time_embed_dim": 8})(),
+                          "add_embedding": type("A", (), {"linear_1": torch.nn.Linear(80, 1)})()})()  # fmt: skip
+    expected = reference(type("P", (), {"unet": unet})(), (40, 56), (0, 6), (32, 32), torch.float32, 32)
+    torch.testing.assert_close(ids, expected)
+
+
+# --------------------------------------------------------------------------- objective
+
+
+def _objective_inputs(tiny_pipeline, prediction_type="epsilon"):
+    from diffusers import DDPMScheduler, UNet2DConditionModel
+
+    scheduler = DDPMScheduler.from_pretrained(tiny_pipeline, subfolder="scheduler")
+    scheduler.register_to_config(prediction_type=prediction_type)
+    unet = UNet2DConditionModel.from_pretrained(tiny_pipeline, subfolder="unet")
+    g = torch.Generator().manual_seed(0)
+    latents = torch.randn(4, 4, 16, 16, generator=g)
+    states = torch.randn(4, 77, 32, generator=g)
+    noise = torch.randn(4, 4, 16, 16, generator=g)
+    timesteps = torch.tensor([3, 250, 600, 990])
+    return unet, scheduler, latents, states, noise, timesteps
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+def test_objective_matches_diffusers_training_utils(tiny_pipeline, prediction_type):
+    """Min-SNR weighting with diffusers' own ``compute_snr`` and the targets of diffusers'
+    script: a wrong weight (e.g. ``/ (snr + 1)`` for epsilon) fails here."""
+    import torch.nn.functional as F
+    from diffusers.training_utils import compute_snr
+
+    from diffusers_zero3.training import diffusion_loss
+
+    unet, scheduler, latents, states, noise, t = _objective_inputs(tiny_pipeline, prediction_type)
+    with torch.no_grad():
+        pred = unet(scheduler.add_noise(latents, noise, t), t, states).sample
+        target = noise if prediction_type == "epsilon" else scheduler.get_velocity(latents, noise, t)
+        alphas = scheduler.alphas_cumprod[t]
+        if prediction_type == "v_prediction":  # v = sqrt(a) * noise - sqrt(1 - a) * x0
+            manual_v = (
+                alphas.sqrt().view(-1, 1, 1, 1) * noise - (1 - alphas).sqrt().view(-1, 1, 1, 1) * latents
+            )
+            torch.testing.assert_close(target, manual_v)
+        plain = diffusion_loss(unet, scheduler, latents, states, noise, t)
+        torch.testing.assert_close(plain, F.mse_loss(pred, target))
+
+        snr = compute_snr(scheduler, t)
+        weights = torch.minimum(snr, torch.full_like(snr, 5.0))
+        weights = weights / snr if prediction_type == "epsilon" else weights / (snr + 1)
+        per_sample = F.mse_loss(pred, target, reduction="none").mean(dim=(1, 2, 3))
+        ours = diffusion_loss(unet, scheduler, latents, states, noise, t, snr_gamma=5.0)
+        torch.testing.assert_close(ours, (per_sample * weights).mean())
+        assert not torch.allclose(ours, plain)
+
+
+@pytest.mark.unit
+def test_noise_offset_input_perturbation_and_dream_match_diffusers(tiny_pipeline):
+    import torch.nn.functional as F
+    from diffusers.training_utils import compute_dream_and_update_latents
+
+    from diffusers_zero3.training import diffusion_loss, sample_noise
+
+    unet, scheduler, latents, states, noise, t = _objective_inputs(tiny_pipeline)
+    # Noise offset, as diffusers' script draws it: noise + offset * randn(b, c, 1, 1).
+    ours = sample_noise(latents, 0.1, generator=torch.Generator().manual_seed(5))
+    g = torch.Generator().manual_seed(5)
+    theirs = torch.randn(latents.shape, generator=g) + 0.1 * torch.randn((4, 4, 1, 1), generator=g)
+    torch.testing.assert_close(ours, theirs)
+
+    with torch.no_grad():
+        # Input perturbation: the noisy input uses noise + p * perturbation, the target is noise.
+        perturbation = torch.randn_like(noise)
+        noisy = scheduler.add_noise(latents, noise + 0.1 * perturbation, t)
+        expected = F.mse_loss(unet(noisy, t, states).sample, noise)
+        got = diffusion_loss(
+            unet, scheduler, latents, states, noise, t, input_perturbation=0.1, perturbation=perturbation
+        )
+        torch.testing.assert_close(got, expected)
+
+        # DREAM through diffusers' own helper.
+        noisy = scheduler.add_noise(latents, noise, t)
+        dream_latents, dream_target = compute_dream_and_update_latents(
+            unet, scheduler, t, noise, noisy, noise, states, 1.0
+        )
+        expected = F.mse_loss(unet(dream_latents, t, states).sample, dream_target)
+        got = diffusion_loss(unet, scheduler, latents, states, noise, t, dream_detail_preservation=1.0)
+        torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.unit
+def test_timestep_bias_weights():
+    from diffusers_zero3.training import sample_timesteps, timestep_bias_weights
+
+    assert timestep_bias_weights(1000) is None
+    later = timestep_bias_weights(1000, "later", multiplier=3.0, portion=0.25)
+    assert later[-250:].sum() == pytest.approx(3 * 250 / (750 + 3 * 250))
+    ranged = timestep_bias_weights(1000, "range", multiplier=0.0 + 2.0, begin=100, end=200)
+    assert ranged[150] == pytest.approx(2 * ranged[50])
+    torch.manual_seed(0)
+    drawn = sample_timesteps(4000, 1000, "cpu", timestep_bias_weights(1000, "earlier", 10.0, portion=0.1))
+    assert (drawn < 100).float().mean() > 0.4  # 10x weight on 10 % of the range: ~53 %
+    with pytest.raises(ValueError):
+        timestep_bias_weights(1000, "range", begin=900, end=1200)
+
+
+# --------------------------------------------------------------------------- cache vs live, 2 ranks
+
+
+def _sdxl_cache_vs_live(pipe_dir: str, data_dir: str, cache_dir: str):
+    import datasets
+
+    from diffusers_zero3.data import ImageCaptionDataset, collate, transform_image_with_crop
+    from diffusers_zero3.families import SDXL, time_ids
+    from diffusers_zero3.frozen_inputs import place_frozen_models
+    from tests.common import accelerator_with_zero3
+
+    accelerator = accelerator_with_zero3(zero3_init_flag=True)
+    ds = datasets.load_dataset("imagefolder", data_dir=data_dir)["train"]
+    tokenizers = SDXL.load_tokenizers(pipe_dir)
+    common = dict(dataset=ds, tokenizers=tokenizers, cache_dir=cache_dir, resolution=32, random_flip=True,
+                  seed=7, batch_size=2)  # fmt: skip
+    live = place_frozen_models(accelerator, SDXL, pipe_dir, {"text_encoder_2": "shard"}, **common)
+    cached = place_frozen_models(
+        accelerator,
+        SDXL,
+        pipe_dir,
+        {"text_encoder": "cache", "text_encoder_2": "cache", "vae": "cache"},
+        **common,
+    )
+    assert cached.cache is not None and all(m is None for m in cached.models.values())
+    data = ImageCaptionDataset(ds, None, "image", "text", 32, False, True, seed=7,
+                               tokenize=lambda c: SDXL.tokenize(tokenizers, c))  # fmt: skip
+    rows = list(range(len(ds)))
+    batch = collate([data[i] for i in rows])
+    flips = torch.tensor(
+        [
+            transform_image_with_crop(ds[i]["image"], 32, False, True, random.Random(f"7-0-{i}"))[1].flipped
+            for i in rows
+        ]
+    )
+    assert flips.any() and not flips.all()
+    from diffusers_zero3.families import SDXL as family
+
+    outputs = {}
+    with torch.no_grad():
+        for spec in family.text_encoders:
+            outputs.update(family.encode_text(spec.name, live.models[spec.name], batch[spec.input_key]))
+    live_cond = family.conditioning(outputs)
+    from_cache = cached.cache.get(batch["index"], flip=flips)
+    cache_cond = family.conditioning(from_cache)
+    torch.testing.assert_close(cache_cond["encoder_hidden_states"], live_cond["encoder_hidden_states"])
+    torch.testing.assert_close(cache_cond["text_embeds"], live_cond["text_embeds"])
+    live_ids = time_ids(batch["original_size"], batch["crop_top_left"], 32)
+    cache_ids = time_ids(from_cache["original_size"], from_cache["crop_top_left"], 32)
+    torch.testing.assert_close(cache_ids, live_ids)
+    assert len({tuple(r[:2].tolist()) for r in live_ids}) > 1  # varied original sizes
+    # Latents: the cached distribution is the live VAE's, for the flipped rows too.
+    with torch.no_grad():
+        live_params = live.models["vae"].encode(batch["pixel_values"]).latent_dist.parameters
+    torch.manual_seed(3)
+    from_cache = cached.cache.get(batch["index"], flip=flips)
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    torch.manual_seed(3)
+    expected = DiagonalGaussianDistribution(live_params).sample()
+    torch.testing.assert_close(from_cache["latents"], expected, atol=1e-5, rtol=1e-4)
+    print("OK sdxl cache")
+
+
+@pytest.mark.multirank
+def test_sdxl_cache_gives_the_live_conditioning_pooled_embeds_and_time_ids(tiny_sdxl, tmp_path):
+    pipe, data = tiny_sdxl
+    outs = run_on_ranks(_sdxl_cache_vs_live, pipe_dir=pipe, data_dir=data, cache_dir=str(tmp_path / "cache"))
+    assert all("OK sdxl cache" in o for o in outs)
