@@ -4,7 +4,7 @@ PYTHON ?= python3
 # constraints.txt pins the versions the suite was run with (torch is not pinned there).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test train train-reward bench style quality clean
+.PHONY: install test test-unit train train-reward bench style quality clean
 
 install:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH_SPEC)"
@@ -13,8 +13,14 @@ install:
 test:
 	$(PYTHON) -m pytest tests -q
 
+# the fast tier alone (single process, about a minute)
+test-unit:
+	$(PYTHON) -m pytest tests -q -m unit
+
+# make train MODEL=sdxl trains the SDXL-architecture default instead
+MODEL ?= sd
 train:
-	PYTHON=$(PYTHON) bash scripts/train_default.sh
+	PYTHON=$(PYTHON) MODEL=$(MODEL) bash scripts/train_default.sh
 
 train-reward:
 	PYTHON=$(PYTHON) bash scripts/train_reward_default.sh

@@ -21,7 +21,7 @@ def case_ema(mode: str):
 
     from diffusers_zero3 import ShardedEMA, build_accelerator
     from diffusers_zero3.demo import build_tiny_components
-    from diffusers_zero3.distributed import count_collectives
+    from diffusers_zero3.testing import count_collectives
 
     cfg = {
         "train_micro_batch_size_per_gpu": 1,

@@ -1,7 +1,7 @@
 """Shared pieces of the benchmarks: launch N ranks, read per-rank memory, print tables.
 
 A benchmark case is a module-level function run on every rank through
-``diffusers_zero3.local_ranks``; it calls ``report(**numbers)`` once, and ``run_case`` returns
+``diffusers_zero3.testing``; it calls ``report(**numbers)`` once, and ``run_case`` returns
 one dict per rank. Memory is read two ways: the process's peak RSS (what the OS saw) and
 the bytes held in tensors by category (parameters, optimizer state, other).
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from diffusers_zero3.local_ranks import run_function_on_ranks
+from diffusers_zero3.testing import run_function_on_ranks
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _MARK = "BENCH_RESULT "

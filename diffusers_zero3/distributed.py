@@ -6,10 +6,8 @@ then 0 of 1 and collectives are identities.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -96,47 +94,3 @@ def destroy_process_group() -> None:
 def process_group_timeout(default_s: float = 1800.0) -> timedelta:
     """The collective timeout: ``DIFFUSERS_ZERO3_PG_TIMEOUT`` seconds if set, else ``default_s``."""
     return timedelta(seconds=float(os.environ.get("DIFFUSERS_ZERO3_PG_TIMEOUT", default_s)))
-
-
-_COLLECTIVES = (
-    "all_reduce all_gather all_gather_into_tensor reduce_scatter_tensor reduce_scatter broadcast gather scatter"
-    " barrier all_to_all_single reduce send recv isend irecv all_gather_object broadcast_object_list"
-).split()
-
-
-@contextlib.contextmanager
-def count_collectives() -> Iterator[dict[str, int]]:
-    """Count calls into ``torch.distributed`` and ``deepspeed.comm`` collectives in the block.
-
-    Yields a dict whose ``"n"`` is the number of calls so far. A debugging and testing aid:
-    it patches the module functions for the duration of the block (not thread-safe).
-
-    Example:
-        >>> with count_collectives() as calls:
-        ...     ema.step()
-        >>> assert calls["n"] == 0
-    """
-    import sys
-
-    import torch.distributed.distributed_c10d as c10d
-
-    modules = [dist, c10d] + ([sys.modules["deepspeed.comm"]] if "deepspeed.comm" in sys.modules else [])
-    counts = {"n": 0}
-    saved = []
-    for mod in modules:
-        for name in _COLLECTIVES:
-            fn = getattr(mod, name, None)
-            if fn is None:
-                continue
-
-            def wrapper(*args, __fn=fn, **kwargs):
-                counts["n"] += 1
-                return __fn(*args, **kwargs)
-
-            saved.append((mod, name, fn))
-            setattr(mod, name, wrapper)
-    try:
-        yield counts
-    finally:
-        for mod, name, fn in saved:
-            setattr(mod, name, fn)

@@ -1,18 +1,233 @@
-"""Instruments for tests and benchmarks: fault injection at named points of a training run.
+"""Instruments for tests, benchmarks and a user's own smoke tests.
 
-``fault_point(name)`` does nothing unless ``DIFFUSERS_ZERO3_FAULT`` names this point and
-this rank (``"<name>:<rank>"``); then the process stops itself with SIGSTOP, as a rank that
-is frozen (not dead: its sockets stay open) would. The tests use it to show that the other
-ranks fail within the collective timeout in every phase that waits on a collective.
+* ``run_function_on_ranks`` / ``launch_local_ranks`` start N local ranks as real processes
+  (the environment ``torchrun`` would give them, a free port, ``DS_ACCELERATOR=cpu`` on a
+  host without CUDA) and turn a failure or a hang into ``RanksFailed`` with every rank's
+  output.
+* ``count_collectives`` counts calls into ``torch.distributed`` / ``deepspeed.comm``.
+* ``fault_point(name)`` does nothing unless ``DIFFUSERS_ZERO3_FAULT`` names this point and
+  this rank (``"<name>:<rank>"``); then the process stops itself with SIGSTOP, as a rank that
+  is frozen (not dead: its sockets stay open) would. The tests use it to show that the other
+  ranks fail within the collective timeout in every phase that waits on a collective.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
 
 from .distributed import get_rank
+
+
+class RanksFailed(RuntimeError):
+    """A rank exited non-zero, or the ranks did not finish in time (a hang).
+
+    The message holds every rank's exit code and the tail of its output (tracebacks).
+    """
+
+    def __init__(self, message: str, outputs: list[str], codes: list[int | None], timed_out: bool):
+        super().__init__(message)
+        self.outputs = outputs
+        self.codes = codes
+        self.timed_out = timed_out
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world_size: int, port: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of local rank ``rank`` out of ``world_size``."""
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    if not torch.cuda.is_available():
+        env.setdefault("DS_ACCELERATOR", "cpu")
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+    env.update(extra or {})
+    return env
+
+
+def _tail(text: str, limit: int = 6000) -> str:
+    return text if len(text) <= limit else "...\n" + text[-limit:]
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        p.wait()
+
+
+def launch_local_ranks(
+    argv_for_rank: Callable[[int], Sequence[str]],
+    world_size: int = 2,
+    timeout_s: float = 600.0,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+    grace_s: float = 30.0,
+) -> list[str]:
+    """Run ``argv_for_rank(rank)`` on ``world_size`` local ranks; return each rank's output.
+
+    Raises ``RanksFailed`` when a rank exits non-zero (the others get ``grace_s`` seconds to
+    fail on their own before they are killed) or when the ranks run past ``timeout_s``
+    (every rank is killed: a hang becomes an error that shows what each rank printed).
+    """
+    port = free_port()
+    logdir = Path(tempfile.mkdtemp(prefix="dz3-ranks-"))
+    procs, logs = [], []
+    for rank in range(world_size):
+        log = logdir / f"rank{rank}.log"
+        logs.append(log)
+        with open(log, "w") as fh:
+            procs.append(
+                subprocess.Popen(
+                    list(argv_for_rank(rank)),
+                    env=rank_env(rank, world_size, port, env),
+                    stdout=fh,
+                    stderr=subprocess.STDOUT,
+                    cwd=cwd,
+                    start_new_session=True,
+                )
+            )
+    start = time.monotonic()
+    first_failure = None
+    timed_out = False
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if first_failure is None and any(p.poll() not in (None, 0) for p in procs):
+            first_failure = now
+        if now - start > timeout_s:
+            timed_out = True
+            break
+        if first_failure is not None and now - first_failure > grace_s:
+            break
+        time.sleep(0.2)
+    _kill(procs)
+    codes = [p.returncode for p in procs]
+    outputs = [log.read_text(errors="replace") for log in logs]
+    for log in logs:
+        log.unlink()
+    logdir.rmdir()
+    if timed_out or any(c != 0 for c in codes):
+        what = f"ranks timed out after {timeout_s:.0f}s (a hang)" if timed_out else "a rank failed"
+        report = "\n".join(
+            f"===== rank {r} (exit {codes[r]}) =====\n{_tail(outputs[r])}" for r in range(world_size)
+        )
+        raise RanksFailed(f"{what}; exit codes {codes}\n{report}", outputs, codes, timed_out)
+    return outputs
+
+
+def run_function_on_ranks(
+    target: str, kwargs: dict | None = None, world_size: int = 2, timeout_s: float = 600.0, **launch_kwargs
+) -> list[str]:
+    """Run ``module:function`` with JSON-serialisable ``kwargs`` on every local rank.
+
+    Each rank calls the function, then tears its process group down cleanly. See
+    ``launch_local_ranks`` for failures and timeouts.
+    """
+    payload = json.dumps(kwargs or {})
+    return launch_local_ranks(
+        lambda rank: [sys.executable, "-m", "diffusers_zero3.testing", target, payload],
+        world_size=world_size,
+        timeout_s=timeout_s,
+        **launch_kwargs,
+    )
+
+
+def _rank_main() -> int:
+    import importlib
+    import traceback
+
+    target, payload = sys.argv[1], sys.argv[2]
+    module_name, func_name = target.split(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), func_name)
+        fn(**json.loads(payload))
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Skip interpreter teardown: with a live gloo group it can hang or abort.
+        os._exit(1)
+    from .distributed import destroy_process_group
+
+    destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_rank_main())
+
+
+_COLLECTIVES = (
+    "all_reduce all_gather all_gather_into_tensor reduce_scatter_tensor reduce_scatter broadcast gather scatter"
+    " barrier all_to_all_single reduce send recv isend irecv all_gather_object broadcast_object_list"
+).split()
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[dict[str, int]]:
+    """Count calls into ``torch.distributed`` and ``deepspeed.comm`` collectives in the block.
+
+    Yields a dict whose ``"n"`` is the number of calls so far. A debugging and testing aid:
+    it patches the module functions for the duration of the block (not thread-safe).
+
+    Example:
+        >>> with count_collectives() as calls:
+        ...     ema.step()
+        >>> assert calls["n"] == 0
+    """
+    import sys
+
+    import torch.distributed.distributed_c10d as c10d
+
+    modules = [dist, c10d] + ([sys.modules["deepspeed.comm"]] if "deepspeed.comm" in sys.modules else [])
+    counts = {"n": 0}
+    saved = []
+    for mod in modules:
+        for name in _COLLECTIVES:
+            fn = getattr(mod, name, None)
+            if fn is None:
+                continue
+
+            def wrapper(*args, __fn=fn, **kwargs):
+                counts["n"] += 1
+                return __fn(*args, **kwargs)
+
+            saved.append((mod, name, fn))
+            setattr(mod, name, wrapper)
+    try:
+        yield counts
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
+
 
 FAULT_ENV = "DIFFUSERS_ZERO3_FAULT"
 _fired: set[str] = set()

@@ -1,23 +1,34 @@
 #!/usr/bin/env bash
-# `make train`: the embedded default. A tiny Stable-Diffusion-architecture pipeline and a
-# captioned shapes dataset are generated locally (once), then the UNet is fine-tuned under
-# DeepSpeed ZeRO-3 on 2 CPU processes (gloo) with EMA, a sharded text encoder, checkpoints
-# and validation images. No network is used.
+# `make train`: the embedded default. A tiny pipeline and a captioned shapes dataset are
+# generated locally (once), then the UNet is fine-tuned under DeepSpeed ZeRO-3 on 2 CPU
+# processes (gloo) with EMA, sharded frozen models, checkpoints and validation images.
+# No network is used.
+#   MODEL=sd   (default) Stable Diffusion architecture, text encoder sharded.
+#   MODEL=sdxl SDXL architecture (two text encoders, text_encoder_2 sharded, the VAE cached),
+#              on images of varied sizes (SDXL's size and crop conditioning).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-outputs/default}
+MODEL=${MODEL:-sd}
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
-$PYTHON -m diffusers_zero3.demo "$OUT"
+$PYTHON -m diffusers_zero3.demo "$OUT" --model "$MODEL"
+case "$MODEL" in
+  sd) PIPE="$OUT/tiny-sd"; DATA="$OUT/shapes"; RUN="$OUT/run"
+      PLACEMENTS=(--text_encoder_placement shard --vae_placement replicate) ;;
+  sdxl) PIPE="$OUT/tiny-sdxl"; DATA="$OUT/shapes-varied"; RUN="$OUT/run-sdxl"
+      PLACEMENTS=(--text_encoder_placement replicate --text_encoder_2_placement shard --vae_placement cache) ;;
+  *) echo "error: MODEL must be sd or sdxl, got '$MODEL'" >&2; exit 2 ;;
+esac
 $PYTHON -m accelerate.commands.launch --config_file configs/accelerate_zero3.yaml --num_processes 2 \
   scripts/train_text_to_image.py \
-  --pretrained_model_name_or_path "$OUT/tiny-sd" \
-  --train_data_dir "$OUT/shapes" \
-  --output_dir "$OUT/run" \
+  --pretrained_model_name_or_path "$PIPE" \
+  --train_data_dir "$DATA" \
+  --output_dir "$RUN" \
   --resolution 32 --center_crop --random_flip \
   --train_batch_size 8 --max_train_steps 120 \
   --learning_rate 1e-3 --lr_scheduler constant --lr_warmup_steps 0 \
-  --use_ema --text_encoder_placement shard --vae_placement replicate \
+  --use_ema "${PLACEMENTS[@]}" \
   --checkpointing_steps 60 --checkpoints_total_limit 2 \
   --validation_prompts "a red circle" "a blue square" "a green circle" "a yellow square" \
   --validation_epochs 15 --num_validation_inference_steps 20 \

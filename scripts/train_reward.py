@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 from diffusers_zero3 import ParallelReward, ShardedEMA, barrier, is_main_process, log_rank_zero
-from diffusers_zero3.args import validate_args, validate_launch
+from diffusers_zero3.args import ArgumentError, validate_args, validate_launch
 from diffusers_zero3.checkpoint import remove_interrupted_writes, resolve_model_folder
+from diffusers_zero3.families import SD, detect_family
 from diffusers_zero3.pipeline_io import check_output_dir, model_card, pipeline_components, save_final_pipeline
 from diffusers_zero3.recipe import (
     accelerator_from_args,
@@ -115,6 +116,11 @@ class RewardTrainer:
         self.source = resolve_model_folder(args.pretrained_model_name_or_path)
         check_output_dir(args.output_dir, self.source)
         pipeline_components(self.source)
+        if detect_family(self.source) is not SD:
+            raise ArgumentError(
+                f"{args.pretrained_model_name_or_path} is not a StableDiffusionPipeline; this script samples "
+                "with SD 1.x/2.x pipelines only"
+            )
         self.accelerator = acc = accelerator_from_args(args)
         validate_launch(
             args, deepspeed_active=acc.state.deepspeed_plugin is not None, on_cpu=acc.device.type == "cpu"

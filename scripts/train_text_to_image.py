@@ -59,6 +59,13 @@ from diffusers_zero3.pipeline_io import (
 )
 from diffusers_zero3.recipe import accelerator_from_args, load_trainable_denoiser, run_script
 from diffusers_zero3.resume import resume_training, save_training_checkpoint
+from diffusers_zero3.schedule import (
+    epoch_batches,
+    epochs_for,
+    resume_position,
+    scaled_learning_rate,
+    updates_per_epoch,
+)
 from diffusers_zero3.testing import fault_point
 from diffusers_zero3.training import diffusion_loss, sample_noise, sample_timesteps, timestep_bias_weights
 
@@ -192,7 +199,12 @@ class TextToImageTrainer:
         args, acc = self.args, self.accelerator
         lr = args.learning_rate
         if args.scale_lr:
-            lr = lr * args.gradient_accumulation_steps * args.train_batch_size * acc.num_processes
+            lr = scaled_learning_rate(
+                lr,
+                gradient_accumulation_steps=args.gradient_accumulation_steps,
+                train_batch_size=args.train_batch_size,
+                num_processes=acc.num_processes,
+            )
         optimizer = torch.optim.AdamW(
             self.unet.parameters(),
             lr=lr,
@@ -208,11 +220,11 @@ class TextToImageTrainer:
             num_workers=args.dataloader_num_workers,
             generator=torch.Generator().manual_seed(args.seed or 0),
         )
-        updates_per_epoch = math.ceil(
-            math.ceil(len(loader) / acc.num_processes) / args.gradient_accumulation_steps
-        )
         if args.max_train_steps is None:
-            args.max_train_steps = args.num_train_epochs * updates_per_epoch
+            steps = updates_per_epoch(
+                math.ceil(len(loader) / acc.num_processes), args.gradient_accumulation_steps
+            )
+            args.max_train_steps = args.num_train_epochs * steps
         scheduler = get_scheduler(
             args.lr_scheduler,
             optimizer=optimizer,
@@ -223,9 +235,9 @@ class TextToImageTrainer:
         self.unet, self.optimizer, self.loader, self.lr_scheduler = acc.prepare(
             self.unet, optimizer, loader, scheduler
         )
-        updates_per_epoch = math.ceil(len(self.loader) / args.gradient_accumulation_steps)
-        args.num_train_epochs = math.ceil(args.max_train_steps / updates_per_epoch)
-        self.updates_per_epoch = updates_per_epoch
+        args.num_train_epochs = epochs_for(
+            args.max_train_steps, updates_per_epoch(len(self.loader), args.gradient_accumulation_steps)
+        )
         self.ema = ShardedEMA(self.unet, device="cpu" if args.offload_ema else None) if args.use_ema else None
         if acc.is_main_process and args.report_to != "none":
             config = {k: v for k, v in vars(args).items() if not isinstance(v, list)}
@@ -283,14 +295,9 @@ class TextToImageTrainer:
             return losses
         for epoch in range(self.first_epoch, args.num_train_epochs):
             self.train_dataset.set_epoch(epoch)
-            self.loader.set_epoch(epoch)
-            loader = self.loader
-            done_in_epoch = 0
-            if epoch == self.first_epoch and self.resume_batches:
-                loader = acc.skip_first_batches(self.loader, self.resume_batches)
-                done_in_epoch = self.resume_batches
+            done_in_epoch = self.resume_batches if epoch == self.first_epoch else 0
             accumulated = 0.0
-            for batch in loader:
+            for batch in epoch_batches(acc, self.loader, epoch, done_in_epoch):
                 with acc.accumulate(self.unet):
                     loss = self._loss(batch)
                     accumulated += acc.gather(loss.detach().repeat(len(batch["index"]))).mean().item()
@@ -338,12 +345,7 @@ class TextToImageTrainer:
 
     def _checkpoint(self, epoch: int, done_in_epoch: int) -> None:
         fault_point("checkpoint")
-        # Resume continues inside this epoch after `done_in_epoch` batches, or at the next epoch.
-        finished = done_in_epoch >= len(self.loader)
-        state = {
-            "epoch": epoch + 1 if finished else epoch,
-            "batches_in_epoch": 0 if finished else done_in_epoch,
-        }
+        state = resume_position(epoch, done_in_epoch, len(self.loader))
         path = save_training_checkpoint(
             self.accelerator,
             self.args.output_dir,

@@ -10,6 +10,7 @@ import pytest
 MODULE_TIERS = {
     "test_train_text_to_image": "e2e",
     "test_train_reward": "e2e",
+    "test_train_sdxl": "e2e",
     "test_faults_and_machines": "e2e",
     "test_bad_input": "unit",
 }
@@ -43,3 +44,12 @@ def default_data(tmp_path_factory):
     folder = tmp_path_factory.mktemp("default")
     pipe, data = prepare_default(folder, num_images=16)
     return str(pipe), str(data), str(folder / "redness-reward")
+
+
+@pytest.fixture(scope="session")
+def tiny_sdxl(tmp_path_factory):
+    """A tiny SDXL pipeline and a 10-image dataset of varied sizes: ``(pipeline, dataset)``."""
+    from diffusers_zero3.demo import prepare_default
+
+    pipe, data = prepare_default(tmp_path_factory.mktemp("sdxl"), num_images=10, model="sdxl")
+    return str(pipe), str(data)

@@ -1,4 +1,4 @@
-"""pytest glue over ``diffusers_zero3.local_ranks``: run a test function on N real ranks.
+"""pytest glue over ``diffusers_zero3.testing``: run a test function on N real ranks.
 
 A rank's failure or a hang (past ``timeout``) fails the test with every rank's output and
 the failing rank's traceback in the report.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from diffusers_zero3.local_ranks import RanksFailed, run_function_on_ranks
+from diffusers_zero3.testing import RanksFailed, run_function_on_ranks
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TIMEOUT = float(os.environ.get("DZ3_TEST_RANK_TIMEOUT", 300))

@@ -50,17 +50,21 @@ def _run_in_process(name: str, argv: list[str], capfd) -> tuple[int, str]:
 
 
 @pytest.fixture(scope="module")
-def bad_data(default_data, tmp_path_factory):
-    """Datasets that are wrong in one way each, next to the good default."""
-    _, data, _ = default_data
+def bad_data(default_data, tiny_sdxl, tmp_path_factory):
+    """Datasets (and pipelines) that are wrong in one way each, next to the good default."""
+    pipe, data, _ = default_data
     root = tmp_path_factory.mktemp("bad-data")
+    unknown = root / "unknown-pipeline"
+    shutil.copytree(pipe, unknown)
+    index = json.loads((unknown / "model_index.json").read_text())
+    (unknown / "model_index.json").write_text(json.dumps({**index, "_class_name": "KandinskyPipeline"}))
     empty = root / "empty"
     empty.mkdir()
     strings = root / "strings"  # an "image" column of plain strings
     strings.mkdir()
     rows = [{"image": f"img{i}.png", "text": f"caption {i}"} for i in range(8)]
     (strings / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    return {"empty": str(empty), "strings": str(strings)}
+    return {"empty": str(empty), "strings": str(strings), "unknown": str(unknown), "sdxl": tiny_sdxl[0]}
 
 
 def _t2i(pipe, data, out):
@@ -112,6 +116,23 @@ T2I_CASES = COMMON_CASES + [
     (["--train_data_dir", "{empty}"], "cannot load the dataset"),
     (["--dataset_name", "{strings}"], "--image_column 'image' holds string values, not images"),
     (["--train_data_dir", "/nonexistent/data"], "--train_data_dir '/nonexistent/data' is not a directory"),
+    (
+        ["--text_encoder_2_placement", "shard"],
+        "--text_encoder_2_placement shard: a StableDiffusionPipeline has no",
+    ),
+    (
+        ["--pretrained_model_name_or_path", "{unknown}"],
+        "pipeline; supported pipelines: StableDiffusionPipeline",
+    ),
+    (
+        ["--pretrained_model_name_or_path", "{sdxl}", "--dream_training"],
+        "--dream_training is not supported for",
+    ),
+    (["--proportion_empty_prompts", "1.5"], "--proportion_empty_prompts must be between 0 and 1"),
+    (
+        ["--timestep_bias_strategy", "range", "--timestep_bias_begin", "500", "--timestep_bias_end", "100"],
+        "do not make a range",
+    ),  # fmt: skip
 ]
 REWARD_CASES = COMMON_CASES + [
     (["--reward_placement", "shard"], "--reward_placement shard needs DeepSpeed"),
@@ -123,6 +144,7 @@ REWARD_CASES = COMMON_CASES + [
         "--truncated_backprop_steps must be between 1 and --num_inference_steps",
     ),
     (["--reward_micro_batch_size", "0"], "--reward_micro_batch_size must be a positive number"),
+    (["--pretrained_model_name_or_path", "{sdxl}"], "is not a StableDiffusionPipeline; this script samples"),
 ]
 
 
@@ -169,11 +191,11 @@ def test_text_to_image_bad_input(default_data, bad_data, tmp_path, capfd, change
 
 
 @pytest.mark.parametrize("change, message", REWARD_CASES, ids=[" ".join(c) for c, _ in REWARD_CASES])
-def test_reward_bad_input(default_data, tmp_path, capfd, change, message):
+def test_reward_bad_input(default_data, bad_data, tmp_path, capfd, change, message):
     pipe, _, reward = default_data
     files = {str(p.relative_to(pipe)) for p in Path(pipe).rglob("*")}
     out = tmp_path / "out"
-    argv = _apply(_reward(pipe, reward, str(out)), change, {"pipe": pipe})
+    argv = _apply(_reward(pipe, reward, str(out)), change, {"pipe": pipe, **bad_data})
     code, log = _run_in_process("train_reward", argv, capfd)
     _check(code, log, message, out, pipe, files)
 

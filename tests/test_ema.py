@@ -6,7 +6,7 @@ import itertools
 
 import torch
 
-from diffusers_zero3.distributed import count_collectives
+from diffusers_zero3.testing import count_collectives
 from tests.distributed_harness import run_on_ranks
 
 

@@ -12,15 +12,6 @@ import torch
 
 from tests.distributed_harness import run_on_ranks
 
-
-@pytest.fixture(scope="module")
-def tiny_sdxl(tmp_path_factory):
-    from diffusers_zero3.demo import prepare_default
-
-    pipe, data = prepare_default(tmp_path_factory.mktemp("sdxl"), num_images=10, model="sdxl")
-    return str(pipe), str(data)
-
-
 # --------------------------------------------------------------------------- detection
 
 

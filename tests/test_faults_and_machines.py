@@ -157,7 +157,7 @@ def test_a_stopped_rank_fails_the_others_within_the_timeout_in_every_phase(defau
 def _two_machines(script: str, args: list[str], logs: Path, env_extra=None, timeout=420, per_machine=None):
     """Run ``script`` as 2 machines x 1 process on this host (accelerate's multi-node launch,
     each process the local main of its "machine"). Returns (return codes, outputs)."""
-    from diffusers_zero3.local_ranks import free_port
+    from diffusers_zero3.testing import free_port
 
     port = free_port()
     procs = []

@@ -2,7 +2,7 @@
 
 import pytest
 
-from diffusers_zero3.local_ranks import RanksFailed, run_function_on_ranks
+from diffusers_zero3.testing import RanksFailed, run_function_on_ranks
 
 
 def worker_rank1_hangs():

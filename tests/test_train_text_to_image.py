@@ -187,7 +187,7 @@ def test_dead_rank_makes_the_other_exit_instead_of_hanging(default_data, tmp_pat
     import subprocess
     import time
 
-    from diffusers_zero3.local_ranks import free_port, rank_env
+    from diffusers_zero3.testing import free_port, rank_env
     from tests.distributed_harness import _test_env
 
     pipe, data, _ = default_data

@@ -1,0 +1,44 @@
+"""Step arithmetic and resume bookkeeping of a training loop, as diffusers' scripts do it.
+
+Small pure functions a custom script calls instead of copying: how many optimizer steps an
+epoch holds, how many epochs ``--max_train_steps`` needs, the learning rate ``--scale_lr``
+gives, where a checkpoint taken mid-epoch resumes, and the batches of an epoch with the
+ones already done skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+
+def updates_per_epoch(batches_per_epoch: int, gradient_accumulation_steps: int) -> int:
+    """Optimizer steps in an epoch of ``batches_per_epoch`` micro-batches (per process)."""
+    return math.ceil(batches_per_epoch / gradient_accumulation_steps)
+
+
+def epochs_for(max_train_steps: int, steps_per_epoch: int) -> int:
+    """Epochs needed to reach ``max_train_steps``."""
+    return math.ceil(max_train_steps / steps_per_epoch)
+
+
+def scaled_learning_rate(
+    learning_rate: float, *, gradient_accumulation_steps: int, train_batch_size: int, num_processes: int
+) -> float:
+    """``--scale_lr``: the rate times the effective batch size (accumulation x batch x processes)."""
+    return learning_rate * gradient_accumulation_steps * train_batch_size * num_processes
+
+
+def resume_position(epoch: int, batches_done: int, batches_per_epoch: int) -> dict[str, int]:
+    """Where a checkpoint taken after ``batches_done`` micro-batches of ``epoch`` resumes:
+    ``{"epoch", "batches_in_epoch"}``, the next epoch when this one is complete."""
+    if batches_done >= batches_per_epoch:
+        return {"epoch": epoch + 1, "batches_in_epoch": 0}
+    return {"epoch": epoch, "batches_in_epoch": batches_done}
+
+
+def epoch_batches(accelerator, loader, epoch: int, skip: int = 0) -> Iterable:
+    """The batches of ``epoch``: the sampler's order for that epoch, with the first ``skip``
+    (already trained before a resume) skipped. Each rank calls it with the same arguments."""
+    loader.set_epoch(epoch)
+    return accelerator.skip_first_batches(loader, skip) if skip else loader
