@@ -2,11 +2,11 @@
 
 from .accelerator import build_accelerator
 from .cache import CachedOutputs, precompute_frozen_outputs
-from .checkpoint import CheckpointError, load_pretrained_zero3, publish_folder, save_pretrained_zero3
 from .distributed import barrier, get_rank, get_world_size, is_main_process, log_rank_zero
 from .ema import ShardedEMA
 from .frozen import PLACEMENTS, FrozenModel, frozen_engine_config, local_parameter_bytes, prepare_frozen
 from .lockstep import LockstepError, lockstep_check, lockstep_map
+from .pretrained import CheckpointError, load_pretrained_zero3, publish_folder, save_pretrained_zero3
 from .rewards import ParallelReward
 from .zero3 import gathered_parameters, is_zero3_enabled, is_zero3_param, zero3_init_disabled
 

@@ -26,24 +26,21 @@ import json
 import logging
 import os
 import random
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .checkpoint import TMP_PREFIX, fsync_tree
 from .data import DataError, is_readable_image, pick_caption, transform_image_with_crop
 from .distributed import (
     all_gather_object,
-    barrier,
     get_rank,
     get_world_size,
     is_main_process,
     log_rank_zero,
     logger,
 )
+from .folders import collective_publish
 from .lockstep import lockstep_map
 from .zero3 import gathered_parameters
 
@@ -221,7 +218,6 @@ def precompute_frozen_outputs(
     missing = [name for name in text_encoders if name not in tokenizers]
     if missing:
         raise ValueError(f"caching text embeddings needs the tokenizer of {', '.join(missing)}")
-    input_keys = {spec.name: spec.input_key for spec in family.text_encoders}
     inputs = {
         "format": CACHE_FORMAT,
         "family": family.name,
@@ -246,11 +242,27 @@ def precompute_frozen_outputs(
         return CachedOutputs(final, reused=True)
 
     log_rank_zero(f"encoding {len(dataset)} rows with the frozen models into {final}")
-    # A name of its own: two jobs sharing cache_dir never write into one temporary folder.
-    tmp = Path(all_gather_object(str(Path(cache_dir) / f"{TMP_PREFIX}{key}-{uuid.uuid4().hex[:8]}"))[0])
-    if is_main_process():
-        tmp.mkdir(parents=True)
-    barrier()
+    # collective_publish gives the temporary folder a name of its own: two jobs sharing
+    # cache_dir never write into one.
+    with collective_publish(final, commit=_publish_unless_present) as tmp:
+        _encode_share(tmp, dataset, inputs, text_encoders, tokenizers, family, vae,
+                      image_column, caption_column, resolution, center_crop, random_flip, seed, batch_size)  # fmt: skip
+    return CachedOutputs(final)
+
+
+def _publish_unless_present(tmp: Path, final: Path) -> None:
+    if (final / "meta.json").exists():  # another job published the same key meanwhile: keep it
+        return
+    os.replace(tmp, final)
+
+
+def _encode_share(
+    tmp: Path, dataset, inputs: dict, text_encoders: dict, tokenizers: dict, family, vae,
+    image_column: str, caption_column: str, resolution: int, center_crop: bool, random_flip: bool,
+    seed: int, batch_size: int,
+) -> None:  # fmt: skip
+    """This rank's share of the cache, written into ``tmp`` (in lockstep with the others)."""
+    input_keys = {spec.name: spec.input_key for spec in family.text_encoders}
     rank, world = get_rank(), get_world_size()
     per_rank = -(-len(dataset) // world)
     mine = list(range(rank * per_rank, min(len(dataset), (rank + 1) * per_rank)))
@@ -312,19 +324,6 @@ def precompute_frozen_outputs(
         log_rank_zero(
             f"skipped {len(all_skipped)} unreadable image row(s) while caching", level=logging.WARNING
         )
-    error = None
     if is_main_process():
         meta = {**inputs, "tensors": names, "rows": len(dataset), "skipped_rows": all_skipped}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        fsync_tree(tmp)
-        try:
-            os.replace(tmp, final)  # publish: the folder is complete or absent
-        except OSError:
-            if not (final / "meta.json").exists():
-                error = f"cannot publish the frozen-model cache {final}"
-            # else another job published the same key meanwhile: use theirs
-        shutil.rmtree(tmp, ignore_errors=True)
-    errors = [e for e in all_gather_object(error) if e]
-    if errors:
-        raise DataError(errors[0])
-    return CachedOutputs(final)

@@ -212,7 +212,7 @@ class ShardedEMA:
         with the class's ``from_pretrained``); no rank builds the whole model. Parameters
         that are not trained are written as they are in the live model.
         """
-        from .checkpoint import save_pretrained_zero3
+        from .pretrained import save_pretrained_zero3
 
         by_param = {id(p): s for s, (_, p) in zip(self.shadow, self._named)}
 

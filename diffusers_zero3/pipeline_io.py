@@ -6,20 +6,13 @@ import json
 import math
 import os
 import shutil
-import uuid
 from pathlib import Path
 
 import torch
 
-from .checkpoint import (
-    TMP_PREFIX,
-    CheckpointError,
-    fsync_dir,
-    fsync_tree,
-    replace_folder,
-    save_pretrained_zero3,
-)
-from .distributed import all_gather_object, barrier, is_main_process
+from .distributed import is_main_process
+from .folders import CheckpointError, collective_publish, fsync_dir, replace_folder
+from .pretrained import save_pretrained_zero3
 
 
 @torch.no_grad()
@@ -173,40 +166,21 @@ def save_final_pipeline(
     source = Path(source_folder)
     check_output_dir(out, source)
     components = pipeline_components(source)
-    staging = out / f"{TMP_PREFIX}pipeline-{uuid.uuid4().hex[:8]}"
-    staging = Path(all_gather_object(str(staging))[0])
-    if is_main_process():
-        staging.mkdir(parents=True)
-    barrier()
-    try:
+    sources = {name: source / name for name in components}
+    sources.update({k: Path(v) for k, v in (component_sources or {}).items()})
+    # Staged in OUTPUT_DIR/.tmp-pipeline-*, then swapped into OUTPUT_DIR by rank 0.
+    with collective_publish(out / "pipeline", commit=lambda staging, _: _swap_into(staging, out)) as staging:
         if ema is not None:
             ema.save_pretrained(staging / denoiser_name)
         else:
             save_pretrained_zero3(denoiser, staging / denoiser_name)
-    except BaseException:
         if is_main_process():
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
-    error = None
-    if is_main_process():
-        try:
-            sources = {name: source / name for name in components}
-            sources.update({k: Path(v) for k, v in (component_sources or {}).items()})
             for name, value in components.items():
                 if name != denoiser_name and value[0] is not None and sources[name].is_dir():
                     shutil.copytree(sources[name], staging / name)
             if readme:
                 (staging / "README.md").write_text(readme)
             (staging / "model_index.json").write_text((source / "model_index.json").read_text())
-            fsync_tree(staging)
-            _swap_into(staging, out)
-        except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    errors = [e for e in all_gather_object(error) if e]
-    if errors:
-        raise CheckpointError(f"saving the pipeline to {out} failed on rank 0: {errors[0]}")
 
 
 def _swap_into(staging: Path, out: Path) -> None:

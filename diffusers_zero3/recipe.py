@@ -15,11 +15,12 @@ import torch
 
 from .accelerator import build_accelerator
 from .args import ArgumentError
-from .checkpoint import CheckpointError, load_pretrained_zero3
 from .data import DataError
 from .distributed import destroy_process_group, log_rank_zero
-from .frozen import fill_auto_bucket_sizes, prepare_frozen
-from .zero3 import zero3_init_disabled
+from .ds_config import fill_auto_bucket_sizes, weight_dtype
+from .frozen import prepare_frozen
+from .pretrained import CheckpointError, load_pretrained_zero3
+from .zero3 import is_zero3_enabled, zero3_init_disabled
 
 GRAD_ACC_ENV = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
 USER_ERRORS = (ArgumentError, DataError, CheckpointError)
@@ -91,17 +92,6 @@ def accelerator_from_args(args):
     )
 
 
-def is_zero3(accelerator) -> bool:
-    """True when the accelerator's active DeepSpeed plugin is at stage 3."""
-    plugin = accelerator.state.deepspeed_plugin
-    return plugin is not None and plugin.zero_stage == 3
-
-
-def weight_dtype(accelerator) -> torch.dtype:
-    """The dtype frozen models run in: the accelerator's mixed precision, else fp32."""
-    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
-
-
 def load_trainable_denoiser(accelerator, source: str | Path, family=None, variant: str | None = None):
     """The denoiser to train (the family's ``unet``): straight into ZeRO-3 partitions under
     ZeRO-3 (with bucket sizes filled in from its shapes), else a whole ``from_pretrained``.
@@ -110,9 +100,11 @@ def load_trainable_denoiser(accelerator, source: str | Path, family=None, varian
 
     family = family or SD
     cls = family.denoiser_cls()
-    if is_zero3(accelerator):
+    if is_zero3_enabled():
         model = load_pretrained_zero3(cls, source, family.denoiser, accelerator=accelerator, variant=variant)
-        fill_auto_bucket_sizes(accelerator.state.deepspeed_plugin.deepspeed_config, model)
+        plugin = accelerator.state.deepspeed_plugin
+        if plugin is not None:
+            fill_auto_bucket_sizes(plugin.deepspeed_config, model)
     else:
         with zero3_init_disabled():
             model = cls.from_pretrained(source, subfolder=family.denoiser, variant=variant)

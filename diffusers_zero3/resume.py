@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError, fsync_dir, fsync_tree
 from .distributed import all_gather_object, barrier, get_rank, get_world_size, is_main_process
+from .folders import CheckpointError, collective_publish, fsync_dir, replace_folder
 
 CHECKPOINT_PREFIX = "checkpoint-"
 ABANDONED_PREFIX = "abandoned-"
@@ -140,38 +140,26 @@ def save_training_checkpoint(
     Holds accelerate's state (the trained engine's partitions and optimizer, the scheduler,
     every rank's RNG states and the sampler), one EMA partition file per rank, and
     ``training_state.json`` (``training_state`` plus the step and the world size). Written
-    as ``.tmp-checkpoint-<step>``, fsynced and renamed by global rank 0, so a crash leaves no
-    partial ``checkpoint-*``. Then, with ``total_limit``, the oldest checkpoints beyond the
+    into ``.tmp-checkpoint-<step>-*``, fsynced and renamed by global rank 0
+    (``collective_publish``), so a crash leaves no partial ``checkpoint-*``. Then, with ``total_limit``, the oldest checkpoints beyond the
     newest ``total_limit`` are deleted (the new one is the newest, so it always remains).
     """
     out = Path(output_dir)
     final = out / f"{CHECKPOINT_PREFIX}{global_step}"
-    tmp = out / f".tmp-{CHECKPOINT_PREFIX}{global_step}"
-    if is_main_process():
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    accelerator.save_state(str(tmp))
-    if ema is not None:
-        torch.save(ema.state_dict(), tmp / f"ema_rank{get_rank()}.pt")
-    barrier()
-    error = None
-    if is_main_process():
-        try:
+
+    def commit(tmp: Path, final: Path) -> None:
+        replace_folder(tmp, final)
+        if total_limit is not None:
+            prune_checkpoints(out, total_limit)
+
+    with collective_publish(final, commit=commit) as tmp:
+        accelerator.save_state(str(tmp))
+        if ema is not None:
+            torch.save(ema.state_dict(), tmp / f"ema_rank{get_rank()}.pt")
+        barrier()
+        if is_main_process():
             state = {**training_state, "global_step": global_step, "world_size": get_world_size()}
             (tmp / STATE_FILE).write_text(json.dumps(state))
-            fsync_tree(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            fsync_dir(out)
-            if total_limit is not None:
-                prune_checkpoints(out, total_limit)
-        except OSError as e:
-            error = f"{type(e).__name__}: {e}"
-    errors = [e for e in all_gather_object(error) if e]
-    if errors:
-        raise CheckpointError(f"saving {final} failed on rank 0: {errors[0]}")
     return final
 
 

@@ -26,9 +26,10 @@ import torch
 
 from diffusers_zero3 import ParallelReward, ShardedEMA, barrier, is_main_process, log_rank_zero
 from diffusers_zero3.args import ArgumentError, validate_args, validate_launch
-from diffusers_zero3.checkpoint import remove_interrupted_writes, resolve_model_folder
 from diffusers_zero3.families import SD, detect_family
+from diffusers_zero3.folders import remove_interrupted_writes
 from diffusers_zero3.pipeline_io import check_output_dir, model_card, pipeline_components, save_final_pipeline
+from diffusers_zero3.pretrained import resolve_model_folder
 from diffusers_zero3.recipe import (
     accelerator_from_args,
     load_frozen_component,

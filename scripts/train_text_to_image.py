@@ -38,7 +38,6 @@ import torch
 
 from diffusers_zero3 import ShardedEMA, barrier, is_main_process, log_rank_zero
 from diffusers_zero3.args import ArgumentError, parse_args, validate_args, validate_family, validate_launch
-from diffusers_zero3.checkpoint import remove_interrupted_writes, resolve_model_folder
 from diffusers_zero3.data import (
     ImageCaptionDataset,
     check_enough_rows,
@@ -48,6 +47,7 @@ from diffusers_zero3.data import (
     resolve_columns,
 )
 from diffusers_zero3.families import detect_family
+from diffusers_zero3.folders import remove_interrupted_writes
 from diffusers_zero3.frozen_inputs import place_frozen_models
 from diffusers_zero3.pipeline_io import (
     check_output_dir,
@@ -57,6 +57,7 @@ from diffusers_zero3.pipeline_io import (
     pipeline_components,
     save_final_pipeline,
 )
+from diffusers_zero3.pretrained import resolve_model_folder
 from diffusers_zero3.recipe import accelerator_from_args, load_trainable_denoiser, run_script
 from diffusers_zero3.resume import resume_training, save_training_checkpoint
 from diffusers_zero3.schedule import (

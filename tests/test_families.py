@@ -17,8 +17,8 @@ from tests.distributed_harness import run_on_ranks
 
 @pytest.mark.unit
 def test_family_detected_from_model_index(tiny_pipeline, tiny_sdxl, tmp_path):
-    from diffusers_zero3.checkpoint import CheckpointError
     from diffusers_zero3.families import SD, SDXL, detect_family
+    from diffusers_zero3.pretrained import CheckpointError
 
     assert detect_family(tiny_pipeline) is SD
     assert detect_family(tiny_sdxl[0]) is SDXL

@@ -76,7 +76,7 @@ def test_rollback_abandons_newer_checkpoints_so_latest_and_rotation_ignore_them(
 
 @pytest.mark.unit
 def test_resume_with_another_world_size_names_both_numbers(tmp_path):
-    from diffusers_zero3.checkpoint import CheckpointError
+    from diffusers_zero3.pretrained import CheckpointError
     from diffusers_zero3.resume import check_resumable
 
     path = _fake_checkpoint(tmp_path, 4, world_size=2)
@@ -88,7 +88,7 @@ def test_resume_with_another_world_size_names_both_numbers(tmp_path):
 @pytest.mark.unit
 def test_ema_shards_are_not_unpickled(tmp_path):
     """A pickle that runs code is refused (weights_only=True); plain tensors load."""
-    from diffusers_zero3.checkpoint import CheckpointError
+    from diffusers_zero3.pretrained import CheckpointError
     from diffusers_zero3.resume import load_ema_shard
 
     class RunsCode:
@@ -106,7 +106,7 @@ def test_ema_shards_are_not_unpickled(tmp_path):
 
 @pytest.mark.unit
 def test_interrupted_writes_are_removed_at_start(tmp_path):
-    from diffusers_zero3.checkpoint import remove_interrupted_writes
+    from diffusers_zero3.folders import remove_interrupted_writes
 
     for name in (".tmp-checkpoint-4", ".old-unet-1234abcd", ".tmp-pipeline-99"):
         (tmp_path / name).mkdir()
@@ -124,8 +124,8 @@ def test_interrupted_writes_are_removed_at_start(tmp_path):
 def test_output_dir_in_the_source_and_bad_component_names_are_refused(tiny_pipeline, tmp_path):
     import shutil
 
-    from diffusers_zero3.checkpoint import CheckpointError
     from diffusers_zero3.pipeline_io import check_output_dir, pipeline_components
+    from diffusers_zero3.pretrained import CheckpointError
 
     for out in (tiny_pipeline, os.path.join(tiny_pipeline, "run"), os.path.join(tiny_pipeline, "unet", "x")):
         with pytest.raises(CheckpointError, match="is the source pipeline folder"):
@@ -149,8 +149,8 @@ def test_failed_save_leaves_the_previous_output_complete(tiny_pipeline, tmp_path
 
     from diffusers import UNet2DConditionModel
 
-    from diffusers_zero3.checkpoint import CheckpointError
     from diffusers_zero3.pipeline_io import save_final_pipeline
+    from diffusers_zero3.pretrained import CheckpointError
 
     unet = UNet2DConditionModel.from_pretrained(tiny_pipeline, subfolder="unet")
     out = tmp_path / "out"
@@ -166,7 +166,7 @@ def test_failed_save_leaves_the_previous_output_complete(tiny_pipeline, tmp_path
     with torch.no_grad():
         for p in unet.parameters():
             p.add_(1.0)
-    with pytest.raises(CheckpointError, match="saving the pipeline"):
+    with pytest.raises(CheckpointError, match="pipeline failed on rank 0: Error"):
         save_final_pipeline(broken, out, unet, readme="second")
     after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert after == before
@@ -203,7 +203,7 @@ def _ranks_resolve_check_and_ddp(work: str):
     from accelerate.utils import DistributedType
 
     from diffusers_zero3 import build_accelerator, get_rank
-    from diffusers_zero3.checkpoint import CheckpointError
+    from diffusers_zero3.pretrained import CheckpointError
     from diffusers_zero3.resume import check_resumable, resolve_resume_checkpoint
 
     rank = get_rank() if torch.distributed.is_initialized() else int(os.environ["RANK"])

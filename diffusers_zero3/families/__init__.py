@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import CheckpointError
+from ..pretrained import CheckpointError
 
 
 @dataclass(frozen=True)

@@ -8,19 +8,14 @@
   the headers are computed up front from the parameter shapes, then each tensor is gathered
   to rank 0 and written straight to its place in the file, so rank 0's extra memory is one
   tensor. The folder is written under a temporary name and renamed: complete or absent.
-* ``publish_folder`` is the atomic (fsynced) rename used by checkpoints, the cache and final
-  outputs; ``remove_interrupted_writes`` cleans what a killed save left behind.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import struct
-import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 from .distributed import all_gather_object, barrier, comm_device, get_rank, get_world_size, is_main_process
+from .ds_config import zero_init_config
+from .folders import CheckpointError, publish_folder
 from .zero3 import _register_zero3_engine, is_zero3_param, zero3_init_disabled
 
 _ST_DTYPES = {
@@ -43,107 +40,6 @@ _ST_DTYPES = {
     torch.bool: "BOOL",
 }
 _TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
-
-
-class CheckpointError(ValueError):
-    """A model folder or checkpoint is missing, incomplete or does not fit the model."""
-
-
-# ----------------------------------------------------------------------------- folders
-
-
-TMP_PREFIX = ".tmp-"
-OLD_PREFIX = ".old-"
-
-
-def fsync_tree(folder: str | os.PathLike) -> None:
-    """Flush every file under ``folder``, then the folders themselves, to stable storage.
-
-    Called before the rename that publishes a folder, so that a power loss right after the
-    rename cannot leave a published folder whose files are empty or short.
-    """
-    folder = Path(folder)
-    for root, _dirs, files in os.walk(folder):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    for root, dirs, _files in os.walk(folder, topdown=False):
-        for d in [*dirs, ""]:
-            fsync_dir(os.path.join(root, d))
-
-
-def fsync_dir(folder: str | os.PathLike) -> None:
-    """Flush a folder's entries (a rename inside it) to stable storage; best effort."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on a folder
-        pass
-    finally:
-        os.close(fd)
-
-
-@contextmanager
-def publish_folder(final: str | os.PathLike) -> Iterator[Path]:
-    """Write a folder under a temporary name and rename it into place when the block succeeds.
-
-    Yields the temporary path (``.tmp-<name>-<random>`` beside ``final``). On success its
-    files are fsynced and it replaces the previous ``final`` (if any); on an exception the
-    temporary folder is removed and ``final`` is left as it was. Not a collective: one
-    process (rank 0) uses it.
-    """
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        yield tmp
-        fsync_tree(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    replace_folder(tmp, final)
-
-
-def replace_folder(src: Path, final: Path) -> None:
-    """Rename ``src`` to ``final``, moving an existing ``final`` aside first (``.old-*``) and
-    deleting it afterwards. A crash in between leaves ``.old-*`` beside ``final``, which
-    ``remove_interrupted_writes`` cleans at the next start."""
-    old = None
-    if final.exists():
-        old = final.parent / f"{OLD_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
-        os.replace(final, old)
-    os.replace(src, final)
-    fsync_dir(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def remove_interrupted_writes(folder: str | os.PathLike) -> list[Path]:
-    """Delete the ``.tmp-*`` and ``.old-*`` entries that a killed save left in ``folder``.
-
-    Not a collective: call on the global main process only, before any rank writes into
-    ``folder`` (a barrier after it), since another rank's live temporary folder would go too.
-    Returns what was removed.
-    """
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    removed = []
-    for p in folder.iterdir():
-        if p.name.startswith((TMP_PREFIX, OLD_PREFIX)):
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                p.unlink(missing_ok=True)
-            removed.append(p)
-    return removed
 
 
 # ----------------------------------------------------------------------------- safetensors
@@ -254,30 +150,6 @@ def weight_files(folder: Path, variant: str | None = None) -> dict[str, Path]:
     )
 
 
-def _zero_init_config(ds_config: dict | None, accelerator) -> dict:
-    """The part of a (training) DeepSpeed config that ``zero.Init`` needs, ``"auto"`` resolved."""
-    if ds_config is None and accelerator is not None:
-        plugin = accelerator.state.deepspeed_plugin
-        ds_config = plugin.deepspeed_config if plugin is not None else None
-    if ds_config is None:
-        return {}
-    from .frozen import _resolve_dtype
-
-    zero = ds_config.get("zero_optimization", {})
-    init_zero = {"stage": zero.get("stage")}
-    offload = zero.get("offload_param")
-    if isinstance(offload, dict) and offload.get("device") not in (None, "none", "auto"):
-        init_zero["offload_param"] = offload
-    dtype = _resolve_dtype(None, ds_config, accelerator)
-    return {
-        "train_micro_batch_size_per_gpu": 1,
-        "train_batch_size": get_world_size(),
-        "zero_optimization": init_zero,
-        "bf16": {"enabled": dtype == torch.bfloat16},
-        "fp16": {"enabled": dtype == torch.float16},
-    }
-
-
 def _build_model(model_cls, folder: Path):
     if hasattr(model_cls, "load_config") and hasattr(model_cls, "from_config"):  # diffusers ModelMixin
         config = model_cls.load_config(folder)
@@ -328,7 +200,7 @@ def load_pretrained_zero3(
         >>> unet = load_pretrained_zero3(UNet2DConditionModel, "path/to/sd", "unet", accelerator=accelerator)
         >>> unet, optimizer = accelerator.prepare(unet, torch.optim.AdamW(unet.parameters()))
     """
-    cfg = _zero_init_config(ds_config, accelerator)
+    cfg = zero_init_config(ds_config, accelerator)
     folder = resolve_model_folder(pretrained_model_name_or_path, subfolder, revision, cache_dir)
     if cfg.get("zero_optimization", {}).get("stage") != 3:
         with zero3_init_disabled():

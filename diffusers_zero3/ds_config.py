@@ -1,0 +1,169 @@
+"""Every DeepSpeed config and dtype rule of the package, derived in one place.
+
+* ``frozen_engine_config``: a ZeRO-3 *inference* config for a frozen model, from a training one.
+* ``zero_init_config``: what ``deepspeed.zero.Init`` needs to build a model partitioned.
+* ``zero3_bucket_sizes`` / ``fill_auto_bucket_sizes``: ZeRO-3 bucket and persistence sizes
+  from a model's own shapes (accelerate's ``"auto"`` reads ``config.hidden_size``, which
+  diffusers models lack).
+* ``resolve_dtype`` / ``weight_dtype``: which dtype a model runs in.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from .distributed import get_world_size
+from .zero3 import is_zero3_param
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+_DTYPES = {"fp32": torch.float32, "no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def weight_dtype(accelerator) -> torch.dtype:
+    """The dtype frozen models run in: the accelerator's mixed precision, else fp32."""
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
+
+
+def typical_hidden_size(model: torch.nn.Module) -> int:
+    """A hidden size for DeepSpeed's bucket heuristics, from the model's own weights.
+
+    accelerate's ``"auto"`` reads ``model.config.hidden_size``, which diffusers models lack.
+    The median matrix (or conv kernel) of the model plays the part of ``hidden^2``.
+    """
+    sizes = sorted(p.ds_numel if is_zero3_param(p) else p.numel() for p in model.parameters() if p.dim() >= 2)
+    if not sizes:
+        return 1024
+    return max(64, int(math.sqrt(sizes[len(sizes) // 2])))
+
+
+def zero3_bucket_sizes(model: torch.nn.Module) -> dict[str, int]:
+    """ZeRO-3 bucket and persistence sizes for ``model`` from its parameter shapes.
+
+    The same rules as accelerate's ``"auto"`` (``hidden^2``, ``0.9 hidden^2``,
+    ``10 hidden``), with the hidden size taken from the model's median weight matrix, since
+    diffusers models have no ``config.hidden_size``.
+    """
+    hidden = typical_hidden_size(model)
+    return {
+        "reduce_bucket_size": hidden * hidden,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+        "stage3_param_persistence_threshold": 10 * hidden,
+    }
+
+
+def fill_auto_bucket_sizes(ds_config: dict, model: torch.nn.Module) -> dict:
+    """Replace ``"auto"`` bucket/persistence sizes in ``ds_config`` (in place) for ``model``.
+
+    Call before ``accelerator.prepare(model)``: accelerate reads ``model.config.hidden_size``
+    for them, which diffusers models lack.
+    """
+    zero = ds_config.setdefault("zero_optimization", {})
+    for key, value in zero3_bucket_sizes(model).items():
+        if zero.get(key, "auto") == "auto":
+            zero[key] = value
+    return ds_config
+
+
+def resolve_dtype(
+    dtype: torch.dtype | str | None, base: dict, accelerator: Accelerator | None
+) -> torch.dtype:
+    """The dtype a model runs in: ``dtype`` if given (a dtype or ``"fp32"``/``"bf16"``/...),
+    else the DeepSpeed config's bf16/fp16 section (``"auto"`` follows the accelerator), else
+    the accelerator's mixed precision, else fp32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or a torch.dtype, got {dtype!r}")
+        return _DTYPES[dtype]
+    for key, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        enabled = base.get(key, {}).get("enabled", False)
+        if enabled == "auto":
+            enabled = accelerator is not None and accelerator.mixed_precision == key
+        if enabled is True:
+            return dt
+    if accelerator is not None and accelerator.mixed_precision in ("bf16", "fp16"):
+        return _DTYPES[accelerator.mixed_precision]
+    return torch.float32
+
+
+def frozen_engine_config(
+    model: torch.nn.Module,
+    base_config: dict | None = None,
+    *,
+    micro_batch_size: int = 1,
+    dtype: torch.dtype = torch.float32,
+    offload: bool = False,
+    world_size: int | None = None,
+) -> dict:
+    """A DeepSpeed ZeRO-3 inference config for a frozen ``model``, derived from a training one.
+
+    Keeps the user's explicit stage-3 settings from ``base_config`` and drops everything that
+    belongs to training (optimizer, scheduler, optimizer offload, gradient clipping and
+    accumulation): a training config copied onto a frozen engine brings its optimizer along
+    (huggingface/trl#3228). The micro batch and ``train_batch_size`` are explicit integers
+    consistent with the world size (DeepSpeed checks them even without an optimizer), and
+    the ``"auto"`` bucket and persistence sizes are computed from the model's own parameter
+    shapes.
+    """
+    world_size = world_size or get_world_size()
+    base = copy.deepcopy(base_config or {})
+    zero = {
+        k: v
+        for k, v in base.get("zero_optimization", {}).items()
+        if k not in ("offload_optimizer", "offload_param")
+    }
+    zero["stage"] = 3
+    for key, value in zero3_bucket_sizes(model).items():
+        if zero.get(key, "auto") == "auto":
+            zero[key] = value
+    for key in [k for k, v in zero.items() if v == "auto"]:
+        del zero[key]
+    if offload:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return {
+        "train_micro_batch_size_per_gpu": int(micro_batch_size),
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": int(micro_batch_size) * world_size,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "fp16": {"enabled": dtype == torch.float16},
+        "steps_per_print": base.get("steps_per_print", 10**9),
+        "wall_clock_breakdown": False,
+    }
+
+
+def base_config(ds_config: dict | None, accelerator: Accelerator | None) -> dict:
+    """``ds_config``, else the accelerator's active DeepSpeed plugin's config, else ``{}``."""
+    if ds_config is not None:
+        return ds_config
+    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+    return plugin.deepspeed_config if plugin is not None else {}
+
+
+def zero_init_config(ds_config: dict | None, accelerator) -> dict:
+    """The part of a (training) DeepSpeed config that ``zero.Init`` needs, ``"auto"`` resolved."""
+    if ds_config is None and accelerator is not None:
+        plugin = accelerator.state.deepspeed_plugin
+        ds_config = plugin.deepspeed_config if plugin is not None else None
+    if ds_config is None:
+        return {}
+    zero = ds_config.get("zero_optimization", {})
+    init_zero = {"stage": zero.get("stage")}
+    offload = zero.get("offload_param")
+    if isinstance(offload, dict) and offload.get("device") not in (None, "none", "auto"):
+        init_zero["offload_param"] = offload
+    dtype = resolve_dtype(None, ds_config, accelerator)
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "train_batch_size": get_world_size(),
+        "zero_optimization": init_zero,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "fp16": {"enabled": dtype == torch.float16},
+    }
