@@ -20,9 +20,63 @@ class ArgumentError(ValueError):
     """A command-line value that cannot work; the message names the flag."""
 
 
+def add_optimizer_args(parser: argparse.ArgumentParser, learning_rate: float = 1e-4) -> None:
+    """AdamW and clipping flags, with diffusers' names and defaults."""
+    a = parser.add_argument_group("optimizer").add_argument
+    a("--learning_rate", type=float, default=learning_rate)
+    a("--adam_beta1", type=float, default=0.9)
+    a("--adam_beta2", type=float, default=0.999)
+    a("--adam_weight_decay", type=float, default=1e-2)
+    a("--adam_epsilon", type=float, default=1e-08)
+    a("--max_grad_norm", default=1.0, type=float)
+
+
+def add_tracking_args(parser: argparse.ArgumentParser, tracker_project_name: str) -> None:
+    """Precision, trackers and logs, with diffusers' names and defaults."""
+    a = parser.add_argument_group("precision and logging").add_argument
+    a("--mixed_precision", type=str, default=None, choices=["no", "fp16", "bf16"])
+    a("--report_to", type=str, default="tensorboard", help="tensorboard, wandb, all or none.")
+    a("--logging_dir", type=str, default="logs", help="TensorBoard folder, inside --output_dir.")
+    a("--tracker_project_name", type=str, default=tracker_project_name)
+
+
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    """Checkpoints, rotation, resume and EMA (see ``diffusers_zero3.resume`` for the rules)."""
+    a = parser.add_argument_group("checkpoints and EMA").add_argument
+    a("--checkpointing_steps", type=int, default=500, help="Save a resumable checkpoint every N steps.")
+    a("--checkpoints_total_limit", type=int, default=None, help="Keep the newest N checkpoints (N >= 1).")
+    a("--resume_from_checkpoint", type=str, default=None, help="'latest' or a checkpoint folder.")
+    a("--use_ema", action="store_true", help="Keep an EMA of the trained model (ShardedEMA under ZeRO-3).")
+
+
+def add_placement_args(
+    parser: argparse.ArgumentParser, components: dict[str, str], choices=PLACEMENT_CHOICES
+) -> None:
+    """One ``--<component>_placement`` flag per frozen model (``{component: help}``), and
+    ``--process_group_timeout``."""
+    group = parser.add_argument_group("placements of frozen models")
+    for name, help_text in components.items():
+        default = None if name == "text_encoder_2" else "replicate"
+        group.add_argument(f"--{name}_placement", default=default, choices=choices, help=help_text)
+    group.add_argument(
+        "--process_group_timeout", type=float, default=1800, help="Seconds before a collective gives up."
+    )
+
+
 def text_to_image_parser() -> argparse.ArgumentParser:
     """The argument parser: diffusers' text-to-image flags and this package's own."""
     p = argparse.ArgumentParser(description="Fine-tune a Stable Diffusion UNet under DeepSpeed ZeRO-3.")
+    add_optimizer_args(p)
+    add_tracking_args(p, "text2image-fine-tune")
+    add_checkpoint_args(p)
+    add_placement_args(
+        p,
+        {
+            "text_encoder": "Where the text encoder lives.",
+            "text_encoder_2": "Where SDXL's second text encoder lives (default replicate; SDXL pipelines only).",
+            "vae": "Where the VAE lives.",
+        },
+    )
     a = p.add_argument
     # --- diffusers' flags (same names, defaults and meanings)
     a(
@@ -58,7 +112,6 @@ def text_to_image_parser() -> argparse.ArgumentParser:
     a("--max_train_steps", type=int, default=None, help="Total optimisation steps; overrides epochs.")
     a("--gradient_accumulation_steps", type=int, default=1)
     a("--gradient_checkpointing", action="store_true", help="Trade compute for memory in the UNet.")
-    a("--learning_rate", type=float, default=1e-4)
     a("--scale_lr", action="store_true", default=False, help="Scale lr by GPUs, accumulation and batch size.")
     a("--lr_scheduler", type=str, default="constant", help="A diffusers.optimization scheduler name.")
     a("--lr_warmup_steps", type=int, default=500)
@@ -67,16 +120,10 @@ def text_to_image_parser() -> argparse.ArgumentParser:
     a("--dream_detail_preservation", type=float, default=1.0)
     a("--use_8bit_adam", action="store_true", help="bitsandbytes 8-bit Adam.")
     a("--allow_tf32", action="store_true", help="Allow TF32 on Ampere GPUs.")
-    a("--use_ema", action="store_true", help="Keep an EMA of the UNet (ShardedEMA under ZeRO-3).")
     a("--offload_ema", action="store_true", help="Keep the EMA partitions in CPU memory.")
     a("--foreach_ema", action="store_true", help="Accepted for compatibility: ShardedEMA gathers nothing.")
     a("--non_ema_revision", type=str, default=None, help="Revision of the UNet to train from.")
     a("--dataloader_num_workers", type=int, default=0)
-    a("--adam_beta1", type=float, default=0.9)
-    a("--adam_beta2", type=float, default=0.999)
-    a("--adam_weight_decay", type=float, default=1e-2)
-    a("--adam_epsilon", type=float, default=1e-08)
-    a("--max_grad_norm", default=1.0, type=float)
     a("--push_to_hub", action="store_true", help="Not supported here (no hub access is assumed).")
     a("--hub_token", type=str, default=None)
     a("--hub_model_id", type=str, default=None)
@@ -86,17 +133,10 @@ def text_to_image_parser() -> argparse.ArgumentParser:
         default=None,
         help="'epsilon' or 'v_prediction'; default: the scheduler's.",
     )
-    a("--logging_dir", type=str, default="logs", help="TensorBoard folder, inside --output_dir.")
-    a("--mixed_precision", type=str, default=None, choices=["no", "fp16", "bf16"])
-    a("--report_to", type=str, default="tensorboard", help="tensorboard, wandb, all or none.")
     a("--local_rank", type=int, default=-1, help="Set by launchers.")
-    a("--checkpointing_steps", type=int, default=500, help="Save a resumable checkpoint every N steps.")
-    a("--checkpoints_total_limit", type=int, default=None, help="Keep at most this many checkpoints.")
-    a("--resume_from_checkpoint", type=str, default=None, help="'latest' or a checkpoint folder.")
     a("--enable_xformers_memory_efficient_attention", action="store_true")
     a("--noise_offset", type=float, default=0, help="The scale of noise offset.")
     a("--validation_epochs", type=int, default=5, help="Run validation every X epochs.")
-    a("--tracker_project_name", type=str, default="text2image-fine-tune")
     # --- diffusers' SDXL script's own flags (train_text_to_image_sdxl.py)
     a(
         "--pretrained_vae_model_name_or_path",
@@ -133,25 +173,11 @@ def text_to_image_parser() -> argparse.ArgumentParser:
     )
     # --- this package's flags
     a(
-        "--text_encoder_placement",
-        default="replicate",
-        choices=PLACEMENT_CHOICES,
-        help="Where the text encoder lives.",
-    )
-    a(
-        "--text_encoder_2_placement",
-        default=None,
-        choices=PLACEMENT_CHOICES,
-        help="Where SDXL's second text encoder lives (default replicate; SDXL pipelines only).",
-    )
-    a("--vae_placement", default="replicate", choices=PLACEMENT_CHOICES, help="Where the VAE lives.")
-    a(
         "--frozen_cache_dir",
         type=str,
         default=None,
         help="Folder of 'cache' outputs (default: OUTPUT_DIR/frozen_cache).",
     )
-    a("--process_group_timeout", type=float, default=1800, help="Seconds before a collective gives up.")
     a("--validation_steps", type=int, default=None, help="Also validate every N steps.")
     a("--num_validation_inference_steps", type=int, default=20, help="Denoising steps of validation images.")
     return p

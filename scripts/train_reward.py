@@ -25,7 +25,15 @@ from pathlib import Path
 import torch
 
 from diffusers_zero3 import ParallelReward, ShardedEMA, barrier, is_main_process, log_rank_zero
-from diffusers_zero3.args import ArgumentError, validate_args, validate_launch
+from diffusers_zero3.args import (
+    ArgumentError,
+    add_checkpoint_args,
+    add_optimizer_args,
+    add_placement_args,
+    add_tracking_args,
+    validate_args,
+    validate_launch,
+)
 from diffusers_zero3.families import SD, detect_family
 from diffusers_zero3.folders import remove_interrupted_writes
 from diffusers_zero3.pipeline_io import check_output_dir, model_card, pipeline_components, save_final_pipeline
@@ -54,26 +62,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--max_train_steps", type=int, default=100)
     a("--num_inference_steps", type=int, default=20, help="DDIM steps of each sample.")
     a("--truncated_backprop_steps", type=int, default=1, help="K: last denoising steps with gradients.")
-    a("--learning_rate", type=float, default=1e-4)
-    a("--adam_beta1", type=float, default=0.9)
-    a("--adam_beta2", type=float, default=0.999)
-    a("--adam_weight_decay", type=float, default=1e-2)
-    a("--adam_epsilon", type=float, default=1e-8)
-    a("--max_grad_norm", type=float, default=1.0)
-    a("--mixed_precision", default=None, choices=["no", "fp16", "bf16"])
-    a("--report_to", default="tensorboard", choices=["tensorboard", "wandb", "all", "none"])
-    a("--logging_dir", default="logs")
-    a("--tracker_project_name", default="reward-fine-tune")
-    a("--checkpointing_steps", type=int, default=500)
-    a("--checkpoints_total_limit", type=int, default=None)
-    a("--resume_from_checkpoint", default=None, help="'latest' or a checkpoint folder.")
-    a("--use_ema", action="store_true")
-    a("--text_encoder_placement", default="replicate", choices=["replicate", "shard", "offload"])
-    a("--vae_placement", default="replicate", choices=["replicate", "shard", "offload"])
-    a("--reward_placement", default="shard", choices=["replicate", "shard", "offload"])
+    add_optimizer_args(p)
+    add_tracking_args(p, "reward-fine-tune")
+    add_checkpoint_args(p)
+    add_placement_args(
+        p,
+        {
+            "text_encoder": "Where the text encoder lives.",
+            "vae": "Where the VAE lives.",
+            "reward": "Where the reward model lives (default shard).",
+        },
+        choices=("replicate", "shard", "offload"),
+    )
+    p.set_defaults(reward_placement="shard")
     a("--reward_micro_batch_size", type=int, default=4)
     a("--reward_normalize", default=None, choices=["batch", "per_prompt"])
-    a("--process_group_timeout", type=float, default=1800)
     args = p.parse_args(argv)
     if not 1 <= args.truncated_backprop_steps <= args.num_inference_steps:
         p.error("--truncated_backprop_steps must be between 1 and --num_inference_steps")
