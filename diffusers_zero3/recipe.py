@@ -16,7 +16,7 @@ import torch
 from .accelerator import build_accelerator
 from .args import ArgumentError
 from .data import DataError
-from .distributed import destroy_process_group, log_rank_zero
+from .distributed import exit_after_teardown, log_rank_zero
 from .ds_config import fill_auto_bucket_sizes, weight_dtype
 from .frozen import prepare_frozen
 from .pretrained import CheckpointError, load_pretrained_zero3
@@ -149,7 +149,8 @@ def run_script(body: Callable[[], None]) -> int:
     * Under ``torch.distributed`` a failing rank leaves with ``os._exit`` at once: tearing
       down a process group whose peers are gone or stuck can hang or abort, and the peers
       then fail at their next collective (within the collective timeout) instead of waiting.
-    * On success every rank tears the process group down together and returns 0.
+    * On success every rank tears the process group down together and exits with code 0
+      (``exit_after_teardown``: interpreter teardown can abort a finished gloo run).
     """
     import traceback
 
@@ -164,7 +165,7 @@ def run_script(body: Callable[[], None]) -> int:
         traceback.print_exc()
         code = 1
     else:
-        destroy_process_group()
+        exit_after_teardown(0)  # leaves the process when distributed
         return 0
     if torch.distributed.is_initialized():
         sys.stdout.flush()

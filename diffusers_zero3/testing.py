@@ -175,14 +175,11 @@ def _rank_main() -> int:
         sys.stderr.flush()
         # Skip interpreter teardown: with a live gloo group it can hang or abort.
         os._exit(1)
-    from .distributed import destroy_process_group
+    from .distributed import exit_after_teardown
 
-    destroy_process_group()
+    exit_after_teardown(0)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(_rank_main())
 
 
 _COLLECTIVES = (
@@ -245,3 +242,7 @@ def fault_point(name: str) -> None:
     _fired.add(name)
     print(f"fault: stopping rank {get_rank()} at {name}", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGSTOP)
+
+
+if __name__ == "__main__":
+    sys.exit(_rank_main())
