@@ -181,7 +181,6 @@ def _rank_main() -> int:
     return 0
 
 
-
 _COLLECTIVES = (
     "all_reduce all_gather all_gather_into_tensor reduce_scatter_tensor reduce_scatter broadcast gather scatter"
     " barrier all_to_all_single reduce send recv isend irecv all_gather_object broadcast_object_list"

@@ -267,3 +267,27 @@ def test_sdxl_cache_gives_the_live_conditioning_pooled_embeds_and_time_ids(tiny_
     pipe, data = tiny_sdxl
     outs = run_on_ranks(_sdxl_cache_vs_live, pipe_dir=pipe, data_dir=data, cache_dir=str(tmp_path / "cache"))
     assert all("OK sdxl cache" in o for o in outs)
+
+
+@pytest.mark.unit
+def test_sdxl_vae_runs_in_fp32_under_mixed_precision(tiny_pipeline, tiny_sdxl):
+    """bf16 mixed precision: SDXL's VAE stays fp32 (it overflows in half precision), the
+    text encoders follow the training dtype; SD's VAE follows it too."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from diffusers_zero3 import build_accelerator
+    from diffusers_zero3.families import SD, SDXL
+    from diffusers_zero3.frozen_inputs import place_frozen_models
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        accelerator = build_accelerator(mixed_precision="bf16", cpu=True)
+        xl = place_frozen_models(accelerator, SDXL, tiny_sdxl[0], {})
+        assert xl.models["vae"].dtype == torch.float32
+        assert xl.models["text_encoder_2"].dtype == torch.bfloat16 and xl.dtype == torch.bfloat16
+        sd = place_frozen_models(accelerator, SD, tiny_pipeline, {})
+        assert sd.models["vae"].dtype == torch.bfloat16
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
