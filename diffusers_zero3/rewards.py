@@ -137,6 +137,13 @@ class ParallelReward:
         result = torch.cat(outs) if outs else torch.zeros(0, device=inputs.device)
         for d in dummies:
             result = result + 0.0 * d.sum()
+        if not outs and torch.is_tensor(images) and images.requires_grad:
+            # No sample here: keep the (empty) result in the inputs' graph, so that any loss
+            # built from it backpropagates into the upstream model on this rank too. A
+            # trainable ZeRO-3 model that gets no backward on one rank skips its gradient
+            # reduce there while the others wait in theirs (gloo: "Received data size
+            # doesn't match expected size").
+            result = result + 0.0 * images.sum()
         return result
 
     def _score_main_process(self, images, prompts) -> torch.Tensor:

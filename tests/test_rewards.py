@@ -80,10 +80,22 @@ def worker_rewards(rm_dir: str, ref_path: str):
         sl = _slice(counts, rank)
         x = images[sl].clone().requires_grad_(True)
         diff(x).sum().backward()  # every rank, the one with no samples too
-        if counts[rank] == 0:
-            assert x.grad is None  # nothing of this rank's reached the model
+        if counts[rank] == 0:  # connected to this rank's (empty) inputs, with no gradient in it
+            assert x.grad is not None and x.grad.shape == x.shape
         else:
             torch.testing.assert_close(x.grad, grads[sl])
+
+    # Zero samples on one rank below a *trainable* ZeRO-3 model, with the natural loss: every
+    # rank's backward reaches the generator, whose gradient reduce needs all ranks.
+    generator = torch.nn.Linear(8, 3 * 16 * 16)
+    generator, optimizer = accelerator.prepare(generator, torch.optim.SGD(generator.parameters(), lr=0.1))
+    for counts in ((2, 0), (0, 3), (1, 1)):
+        z = torch.randn(counts[rank], 8, generator=torch.Generator().manual_seed(rank))
+        r = diff(torch.tanh(generator(z)).view(-1, 3, 16, 16))
+        loss = -r.sum() / max(len(r), 1)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
     print("OK rewards")
 
 
