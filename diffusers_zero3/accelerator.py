@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .distributed import process_group_timeout
+from .distributed import log_rank_zero, process_group_timeout
+from .zero3 import unregister_transformers_zero3
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -80,6 +81,10 @@ def build_accelerator(*, timeout_s: float | None = None, **accelerator_kwargs: A
       seconds, else 1800) for the default group *and* for the groups DeepSpeed creates, so a
       rank that dies or stops makes the others fail instead of waiting forever.
     * torch's deprecation warnings for the collectives DeepSpeed calls are filtered.
+    * transformers' ZeRO-3 registration is dropped (``unregister_transformers_zero3``), so a
+      ``from_pretrained`` on a subset of ranks (rank 0 loading a pipeline to look at a
+      sample) loads whole instead of waiting for the other ranks; load models that must be
+      partitioned with ``load_pretrained_zero3``. The timeout in force is logged.
 
     All other keyword arguments go to ``Accelerator`` unchanged. An
     ``InitProcessGroupKwargs`` passed in ``kwargs_handlers`` is respected as given.
@@ -109,4 +114,14 @@ def build_accelerator(*, timeout_s: float | None = None, **accelerator_kwargs: A
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         if not uses_deepspeed(accelerator_kwargs):
             accelerator_kwargs.setdefault("cpu", True)
-    return Accelerator(kwargs_handlers=handlers, **accelerator_kwargs)
+    accelerator = Accelerator(kwargs_handlers=handlers, **accelerator_kwargs)
+    # Loads that must be partitioned go through load_pretrained_zero3; with transformers'
+    # ZeRO-3 config registered, a plain from_pretrained on one rank alone would hang.
+    unregister_transformers_zero3()
+    log_rank_zero(
+        f"collective timeout: {timeout.total_seconds():.0f} s (--process_group_timeout or "
+        "DIFFUSERS_ZERO3_PG_TIMEOUT); a rank that stops makes the others fail after it"
+        if timeout is not None
+        else "collective timeout: torch's default"
+    )
+    return accelerator

@@ -74,9 +74,20 @@ def all_gather_ints(values: list[int]) -> list[list[int]]:
 
 
 def log_rank_zero(msg: str, *args, level: int = logging.INFO) -> None:
-    """Log ``msg`` on rank 0 only (the single place that decides who speaks)."""
-    if is_main_process():
+    """Log ``msg`` on rank 0 only (the single place that decides who speaks).
+
+    Goes to the ``diffusers_zero3`` logger. When logging is not configured at all (no
+    handler on that logger or the root), the message is printed to stderr instead, so that a
+    script that never calls ``logging.basicConfig`` still sees it.
+    """
+    if not is_main_process():
+        return
+    if logger.handlers or logging.getLogger().handlers:
         logger.log(level, msg, *args)
+    elif level >= logging.INFO:
+        import sys
+
+        print(msg % args if args else msg, file=sys.stderr, flush=True)
 
 
 def destroy_process_group() -> None:

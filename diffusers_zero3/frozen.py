@@ -106,6 +106,15 @@ def _freeze(model: torch.nn.Module) -> None:
     model.eval()
 
 
+def _move(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """``model.to(device, dtype)``, casting only when the dtype differs: diffusers warns on
+    every dtype cast of a model with ``_keep_in_fp32_modules`` (the VAE), even a no-op one."""
+    model.to(device=device)
+    first = next(iter(model.parameters()), None)
+    if first is not None and first.dtype != dtype:
+        model.to(dtype=dtype)
+
+
 def _default_device(accelerator: Accelerator | None) -> torch.device:
     if accelerator is not None:
         return accelerator.device
@@ -172,7 +181,7 @@ def prepare_frozen(
             )
         _freeze(model)
         base = base_config(ds_config, accelerator)
-        model.to(device=_default_device(accelerator), dtype=resolve_dtype(dtype, base, accelerator))
+        _move(model, _default_device(accelerator), resolve_dtype(dtype, base, accelerator))
         return FrozenModel(model, "replicate", name=name)
     return _shard(model, placement, accelerator, ds_config, micro_batch_size, dtype, name)
 

@@ -69,6 +69,23 @@ def is_zero3_enabled() -> bool:
     return _transformers_zero3() or _package_zero3_engines > 0
 
 
+def unregister_transformers_zero3() -> bool:
+    """Forget transformers' registered ZeRO-3 config (accelerate registers it when it builds a
+    ZeRO-3 ``Accelerator``); return whether one was registered.
+
+    While it is registered, *every* transformers ``from_pretrained`` partitions the model
+    with collectives, so a load on rank 0 alone (a pipeline to look at a sample) waits
+    forever for the other ranks. This package builds the models it wants partitioned itself
+    (``load_pretrained_zero3``), so ``build_accelerator`` calls this once the accelerator
+    exists. Not a collective.
+    """
+    hf_ds = sys.modules.get("transformers.integrations.deepspeed")
+    if hf_ds is None or getattr(hf_ds, "_hf_deepspeed_config_weak_ref", None) is None:
+        return False
+    hf_ds._hf_deepspeed_config_weak_ref = None
+    return True
+
+
 def is_zero3_param(param: Any) -> bool:
     """True for a parameter partitioned by DeepSpeed ZeRO-3 (it carries a ``ds_id``)."""
     return hasattr(param, "ds_id")

@@ -60,8 +60,10 @@ def worker_placements(pipe_dir: str, ref_path: str):
             assert held == full
         print(f"{placement}: held {held} of {full}")
 
-    # A text encoder partitioned by zero.Init at load time goes straight into a "shard" engine...
-    te_partitioned = CLIPTextModel.from_pretrained(pipe_dir, subfolder="text_encoder")
+    # A text encoder partitioned at load time goes straight into a "shard" engine...
+    from diffusers_zero3 import load_pretrained_zero3
+
+    te_partitioned = load_pretrained_zero3(CLIPTextModel, pipe_dir, "text_encoder", accelerator=accelerator)
     assert all(is_zero3_param(p) for p in te_partitioned.parameters())
     with pytest.raises(ValueError, match="zero3_init_disabled"):  # ...and cannot be replicated
         prepare_frozen(te_partitioned, "replicate", accelerator=accelerator)
@@ -159,3 +161,31 @@ def test_lockstep_uneven_counts_and_mismatch_check(tiny_pipeline, tmp_path):
     torch.save(reference_outputs(tiny_pipeline), ref_path)
     outs = run_on_ranks(worker_lockstep, pipe_dir=tiny_pipeline, ref_path=str(ref_path), timeout=200)
     assert all("OK lockstep" in o for o in outs)
+
+
+@pytest.mark.unit
+def test_replicate_placement_makes_no_fp32_module_warning(tiny_pipeline):
+    """diffusers warns "There are modules in AutoencoderKL that should be kept in float32"
+    on every dtype cast of a VAE, even to its own dtype; the replicate placement casts only
+    when the dtype changes."""
+    import logging
+
+    from diffusers import AutoencoderKL
+
+    from diffusers_zero3 import prepare_frozen
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    diffusers_logger = logging.getLogger("diffusers.models.modeling_utils")
+    diffusers_logger.addHandler(handler)
+    try:
+        vae = AutoencoderKL.from_pretrained(tiny_pipeline, subfolder="vae")
+        vae.to(dtype=torch.float32)  # positive control: the warning is there to be seen
+        assert any("should be kept in float32" in m for m in seen), seen
+        seen.clear()
+        prepare_frozen(vae, "replicate", dtype=torch.float32)
+        assert not any("should be kept in float32" in m for m in seen), seen
+        assert prepare_frozen(vae, "replicate", dtype=torch.bfloat16).dtype == torch.bfloat16
+    finally:
+        diffusers_logger.removeHandler(handler)

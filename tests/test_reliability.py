@@ -238,3 +238,42 @@ def _ranks_resolve_check_and_ddp(work: str):
 @pytest.mark.multirank
 def test_two_ranks_ddp_on_cpu_latest_from_rank_zero_and_node_local_checkpoints(tmp_path):
     run_on_ranks(_ranks_resolve_check_and_ddp, work=str(tmp_path), env={"ACCELERATE_USE_DEEPSPEED": "false"})
+
+
+def _rank_zero_loads_a_pipeline_alone(pipe_dir: str):
+    from diffusers import StableDiffusionPipeline
+
+    from diffusers_zero3 import barrier, get_rank, is_zero3_enabled
+    from tests.common import accelerator_with_zero3
+
+    accelerator_with_zero3(zero3_init_flag=True)  # accelerate registers transformers' ZeRO-3 config
+    assert is_zero3_enabled()
+    if get_rank() == 0:  # the naive pattern: look at a sample on rank 0 only
+        pipe = StableDiffusionPipeline.from_pretrained(pipe_dir)
+        image = pipe("a red circle", num_inference_steps=2, height=32, width=32).images[0]
+        assert image.size == (32, 32)
+    barrier()
+    print("OK rank-0 load")
+
+
+@pytest.mark.multirank
+def test_a_from_pretrained_on_rank_zero_alone_does_not_hang(tiny_pipeline):
+    """transformers partitions every from_pretrained while accelerate's ZeRO-3 config is
+    registered, with collectives the other ranks never join: this hung until the timeout."""
+    outs = run_on_ranks(
+        _rank_zero_loads_a_pipeline_alone,
+        pipe_dir=tiny_pipeline,
+        timeout=90,
+        env={"DIFFUSERS_ZERO3_PG_TIMEOUT": "40"},
+    )
+    assert "OK rank-0 load" in outs[0]
+
+
+@pytest.mark.unit
+def test_log_rank_zero_prints_without_logging_configuration():
+    import subprocess
+    import sys
+
+    code = "from diffusers_zero3 import log_rank_zero; log_rank_zero('hello %s', 'there')"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0 and "hello there" in res.stderr, res.stderr
