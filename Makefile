@@ -29,12 +29,12 @@ bench:
 	$(PYTHON) -m benchmarks.run
 
 style:
-	$(PYTHON) -m ruff check --fix diffusers_zero3 scripts tests benchmarks
-	$(PYTHON) -m ruff format diffusers_zero3 scripts tests benchmarks
+	$(PYTHON) -m ruff check --fix diffusers_zero3 scripts tests benchmarks examples
+	$(PYTHON) -m ruff format diffusers_zero3 scripts tests benchmarks examples
 
 quality:
-	$(PYTHON) -m ruff check diffusers_zero3 scripts tests benchmarks
-	$(PYTHON) -m ruff format --check diffusers_zero3 scripts tests benchmarks
+	$(PYTHON) -m ruff check diffusers_zero3 scripts tests benchmarks examples
+	$(PYTHON) -m ruff format --check diffusers_zero3 scripts tests benchmarks examples
 
 clean:
 	rm -rf build *.egg-info .pytest_cache outputs

@@ -11,6 +11,7 @@ MODULE_TIERS = {
     "test_train_text_to_image": "e2e",
     "test_train_reward": "e2e",
     "test_train_sdxl": "e2e",
+    "test_examples": "e2e",
     "test_faults_and_machines": "e2e",
     "test_bad_input": "unit",
 }

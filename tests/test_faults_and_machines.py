@@ -149,6 +149,7 @@ def test_a_stopped_rank_fails_the_others_within_the_timeout_in_every_phase(defau
         waited = ended_at[phase] - stopped_at[phase]
         assert 25 < waited < 100, f"{phase}: ended {waited:.0f} s after the stop\n{text[-3000:]}"
         assert "timed out" in text.lower() or "timeout" in text.lower(), f"{phase}\n{text[-3000:]}"
+        assert "collective timeout: 30 s (--process_group_timeout" in text  # said at start
 
 
 # --------------------------------------------------------------------------- two machines

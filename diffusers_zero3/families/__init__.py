@@ -93,10 +93,14 @@ class Family:
     # ------------------------------------------------------------------ prompts
 
     def tokenize(self, tokenizers: dict[str, Any], captions: list[str]) -> dict[str, torch.Tensor]:
-        """Token ids of ``captions`` for every encoder, padded to each tokenizer's max length."""
+        """Token ids of ``captions`` for every encoder, padded to each tokenizer's max length
+        (an empty batch of the right width for no captions)."""
         out = {}
         for spec in self.text_encoders:
             tok = tokenizers[spec.name]
+            if not captions:  # a rank with no samples still calls the encoders (lockstep)
+                out[spec.input_key] = torch.zeros(0, tok.model_max_length, dtype=torch.long)
+                continue
             out[spec.input_key] = tok(
                 list(captions),
                 max_length=tok.model_max_length,
