@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import sys
@@ -34,6 +35,8 @@ def _run_in_process(name: str, argv: list[str], capfd) -> tuple[int, str]:
     from accelerate.state import AcceleratorState, GradientState
 
     saved_env = dict(os.environ)
+    root = logging.getLogger()
+    saved_logging = (root.handlers[:], root.level)  # the scripts' basicConfig(force=True)
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     try:
@@ -43,6 +46,8 @@ def _run_in_process(name: str, argv: list[str], capfd) -> tuple[int, str]:
     finally:
         os.environ.clear()
         os.environ.update(saved_env)
+        root.handlers[:] = saved_logging[0]
+        root.setLevel(saved_logging[1])
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
     out, err = capfd.readouterr()
