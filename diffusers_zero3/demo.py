@@ -61,6 +61,20 @@ def write_clip_tokenizer(folder: str | os.PathLike) -> Path:
     return folder
 
 
+def _local_clip_tokenizer(folder: Path):
+    """A byte-level ``CLIPTokenizer`` written under ``folder`` and read back (the folder it
+    was written to is removed: the pipeline saves its own copy)."""
+    import shutil
+
+    from transformers import CLIPTokenizer
+
+    tok_dir = write_clip_tokenizer(folder / "_tokenizer_tmp")
+    try:
+        return CLIPTokenizer.from_pretrained(tok_dir)
+    finally:
+        shutil.rmtree(tok_dir)
+
+
 def tiny_component_configs(
     width: int = 32, text_layers: int = 2, cross_dim: int | None = None
 ) -> dict[str, dict]:
@@ -135,12 +149,10 @@ def save_tiny_pipeline(
     Not a collective: call it on one rank (or before launching) and share the folder.
     """
     from diffusers import DDPMScheduler, StableDiffusionPipeline
-    from transformers import CLIPTokenizer
 
     folder = Path(folder)
     parts = build_tiny_components(seed, width, text_layers)
-    tok_dir = write_clip_tokenizer(folder / "_tokenizer_tmp")
-    tokenizer = CLIPTokenizer.from_pretrained(tok_dir)
+    tokenizer = _local_clip_tokenizer(folder)
     scheduler = DDPMScheduler(
         beta_schedule="scaled_linear",
         beta_start=0.00085,
@@ -160,9 +172,6 @@ def save_tiny_pipeline(
         requires_safety_checker=False,
     )
     pipe.save_pretrained(folder, safe_serialization=True)
-    for f in tok_dir.iterdir():
-        f.unlink()
-    tok_dir.rmdir()
     return folder
 
 
@@ -179,7 +188,7 @@ def save_tiny_sdxl_pipeline(folder: str | os.PathLike, seed: int = 0, width: int
         StableDiffusionXLPipeline,
         UNet2DConditionModel,
     )
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     from .zero3 import zero3_init_disabled
 
@@ -209,8 +218,7 @@ def save_tiny_sdxl_pipeline(folder: str | os.PathLike, seed: int = 0, width: int
         vae = AutoencoderKL(**cfg["vae"])
         text_encoder = CLIPTextModel(CLIPTextConfig(**text_cfg))
         text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**text_cfg, projection_dim=proj_dim))
-    tok_dir = write_clip_tokenizer(folder / "_tokenizer_tmp")
-    tokenizer = CLIPTokenizer.from_pretrained(tok_dir)
+    tokenizer = _local_clip_tokenizer(folder)
     scheduler = EulerDiscreteScheduler(
         beta_schedule="scaled_linear",
         beta_start=0.00085,
@@ -229,9 +237,6 @@ def save_tiny_sdxl_pipeline(folder: str | os.PathLike, seed: int = 0, width: int
         add_watermarker=False,
     )
     pipe.save_pretrained(folder, safe_serialization=True)
-    for f in tok_dir.iterdir():
-        f.unlink()
-    tok_dir.rmdir()
     return folder
 
 
