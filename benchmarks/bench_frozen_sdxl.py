@@ -69,10 +69,7 @@ def case_encoders(placements: tuple[str, str], tmp: str):
 
         def forward():
             with torch.no_grad():
-                outputs = {}
-                for spec in SDXL.text_encoders:
-                    outputs.update(SDXL.encode_text(spec.name, placed[spec.name], ids[spec.input_key]))
-                SDXL.conditioning(outputs)
+                SDXL.conditioning(SDXL.encode_texts(placed, ids))
 
     forward()  # warm-up
     start = time.perf_counter()

@@ -83,12 +83,6 @@ def _dataset_fingerprint(dataset, caption_column: str) -> str:
     return h.hexdigest()[:16]
 
 
-def _resized_width(image, resolution: int) -> int:
-    """The width ``transform_image`` resizes ``image`` to (shorter side to ``resolution``)."""
-    w, h = image.size
-    return max(resolution, round(w * resolution / min(w, h)))
-
-
 def cache_key(**inputs: Any) -> str:
     """The folder name for a cache of ``inputs`` (a stable hash of their JSON)."""
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:20]
@@ -262,7 +256,6 @@ def _encode_share(
     seed: int, batch_size: int,
 ) -> None:  # fmt: skip
     """This rank's share of the cache, written into ``tmp`` (in lockstep with the others)."""
-    input_keys = {spec.name: spec.input_key for spec in family.text_encoders}
     rank, world = get_rank(), get_world_size()
     per_rank = -(-len(dataset) // world)
     mine = list(range(rank * per_rank, min(len(dataset), (rank + 1) * per_rank)))
@@ -281,10 +274,8 @@ def _encode_share(
         with torch.no_grad():
             if text_encoders:
                 captions = [pick_caption(r[caption_column], None) for r in rows]
-                ids = family.tokenize(tokenizers, captions)
-                for name, encoder in text_encoders.items():
-                    outputs = family.encode_text(name, encoder, ids[input_keys[name]].to(encoder.device))
-                    out.update({k: v.cpu() for k, v in outputs.items()})
+                outputs = family.encode_texts(text_encoders, family.tokenize(tokenizers, captions))
+                out.update({k: v.cpu() for k, v in outputs.items()})
             if vae is not None:
                 crops = [
                     transform_image_with_crop(
@@ -301,12 +292,8 @@ def _encode_share(
                     out["latent_params_flipped"] = vae.encode(pixels.flip(-1)).latent_dist.parameters.cpu()
                 if random_flip and family.uses_time_ids:
                     # the same crop seen in the flipped image, as live training records it
-                    widths = [_resized_width(r[image_column], resolution) for r in rows]
                     out["crop_top_left_flipped"] = torch.tensor(
-                        [
-                            (c.crop_top_left[0], w - c.crop_top_left[1] - resolution)
-                            for (_, c), w in zip(crops, widths)
-                        ]
+                        [c.mirrored(resolution).crop_top_left for _, c in crops]
                     )
         return out
 

@@ -127,6 +127,13 @@ class CropInfo:
     original_size: tuple[int, int]
     crop_top_left: tuple[int, int]
     flipped: bool
+    resized_size: tuple[int, int]  # (height, width) after the shorter side was resized
+
+    def mirrored(self, resolution: int) -> CropInfo:
+        """The same crop seen in the horizontally flipped resized image."""
+        top, left = self.crop_top_left
+        mirrored_left = self.resized_size[1] - left - resolution
+        return CropInfo(self.original_size, (top, mirrored_left), not self.flipped, self.resized_size)
 
 
 def transform_image_with_crop(
@@ -145,12 +152,11 @@ def transform_image_with_crop(
     else:
         left, top = rng.randint(0, nw - resolution), rng.randint(0, nh - resolution)
     image = image.crop((left, top, left + resolution, top + resolution))
-    flipped = bool(random_flip and rng.random() < 0.5)
-    if flipped:
+    info = CropInfo((h, w), (top, left), False, (nh, nw))
+    if random_flip and rng.random() < 0.5:
         image = image.transpose(Image.FLIP_LEFT_RIGHT)
-        left = nw - left - resolution  # the same crop, seen in the flipped image
+        info = info.mirrored(resolution)  # the same crop, seen in the flipped image
     arr = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
-    info = CropInfo((h, w), (top, left), flipped)
     return torch.from_numpy(arr).permute(2, 0, 1).contiguous(), info
 
 

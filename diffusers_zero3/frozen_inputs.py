@@ -19,8 +19,7 @@ import torch
 from .cache import CachedOutputs, precompute_frozen_outputs
 from .families import Family, time_ids
 from .recipe import load_frozen_component, weight_dtype
-
-PLACEMENT_CHOICES = ("replicate", "shard", "offload", "cache")
+from .testing import fault_point
 
 
 class FrozenInputs:
@@ -74,13 +73,10 @@ class FrozenInputs:
             latents = latents - self.shift_factor
         latents = (latents * self.scaling_factor).to(self.dtype)
         outputs = {k: v for k, v in cached.items() if k not in ("latents", "original_size", "crop_top_left")}
-        for spec in self.family.text_encoders:
-            encoder = self.models[spec.name]
-            if encoder is not None:
-                from .testing import fault_point
-
-                fault_point("frozen_forward")
-                outputs.update(self.family.encode_text(spec.name, encoder, batch[spec.input_key].to(device)))
+        live = {spec.name: self.models[spec.name] for spec in self.family.text_encoders}
+        if any(encoder is not None for encoder in live.values()):
+            fault_point("frozen_forward")
+            outputs.update(self.family.encode_texts(live, batch))
         cond = {k: v.to(device, self.dtype) for k, v in self.family.conditioning(outputs).items()}
         ids = None
         if self.family.uses_time_ids:
@@ -101,14 +97,10 @@ class FrozenInputs:
                     "replicate",
                     self.family.component_class(name),
                     self.variant,
-                    dtype=self._dtype_of(name, accelerator),
+                    dtype=self.family.component_dtype(name, self.dtype),
                 )
             modules[name] = frozen.module
         return modules
-
-    def _dtype_of(self, name: str, accelerator) -> torch.dtype:
-        dtype = weight_dtype(accelerator)
-        return self.family.vae_dtype(dtype) if name == "vae" else dtype
 
 
 def place_frozen_models(
@@ -161,7 +153,7 @@ def place_frozen_models(
             placement,
             family.component_class(name),
             variant,
-            dtype=family.vae_dtype(dtype) if name == "vae" else dtype,
+            dtype=family.component_dtype(name, dtype),
         )
     cached = [n for n in family.frozen_components if placements.get(n) == "cache"]
     cache = None

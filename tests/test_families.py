@@ -45,11 +45,9 @@ def test_conditioning_equals_the_pipelines_own_encode_prompt(tiny_pipeline, tiny
     prompts = ["a red circle", "a blue square on grey"]
     tokenizers = family.load_tokenizers(source)
     ids = family.tokenize(tokenizers, prompts)
-    outputs = {}
     with torch.no_grad():
-        for spec in family.text_encoders:
-            outputs.update(family.encode_text(spec.name, getattr(pipe, spec.name), ids[spec.input_key]))
-        cond = family.conditioning(outputs)
+        encoders = {spec.name: getattr(pipe, spec.name) for spec in family.text_encoders}
+        cond = family.conditioning(family.encode_texts(encoders, ids))
         if which == "sd":
             expected, _ = pipe.encode_prompt(
                 prompts, device="cpu", num_images_per_prompt=1, do_classifier_free_guidance=False
@@ -236,11 +234,8 @@ def _sdxl_cache_vs_live(pipe_dir: str, data_dir: str, cache_dir: str):
     assert flips.any() and not flips.all()
     from diffusers_zero3.families import SDXL as family
 
-    outputs = {}
     with torch.no_grad():
-        for spec in family.text_encoders:
-            outputs.update(family.encode_text(spec.name, live.models[spec.name], batch[spec.input_key]))
-    live_cond = family.conditioning(outputs)
+        live_cond = family.conditioning(family.encode_texts(live.models, batch))
     from_cache = cached.cache.get(batch["index"], flip=flips)
     cache_cond = family.conditioning(from_cache)
     torch.testing.assert_close(cache_cond["encoder_hidden_states"], live_cond["encoder_hidden_states"])

@@ -80,9 +80,10 @@ class Family:
                 return spec
         raise KeyError(f"{self.name} has no text encoder {name!r}")
 
-    def vae_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
-        """The dtype the VAE runs in: fp32 where the family says so, else the training dtype."""
-        return torch.float32 if self.vae_in_fp32 else weight_dtype
+    def component_dtype(self, name: str, weight_dtype: torch.dtype) -> torch.dtype:
+        """The dtype a frozen component runs in: the training dtype, except a VAE the family
+        keeps in fp32."""
+        return torch.float32 if name == "vae" and self.vae_in_fp32 else weight_dtype
 
     def load_tokenizers(self, source: str | os.PathLike) -> dict[str, Any]:
         """``{encoder name: tokenizer}`` from the pipeline folder."""
@@ -113,6 +114,17 @@ class Family:
     def encode_text(self, name: str, encoder, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """One encoder's outputs, named for the cache. Collective when ``encoder`` is sharded."""
         raise NotImplementedError
+
+    def encode_texts(self, encoders: dict[str, Any], ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The named outputs of the given encoders (any subset of the family's, by folder
+        name) for a batch of token ids (``tokenize``'s dict), each on its encoder's device.
+        Collective when an encoder is sharded."""
+        outputs = {}
+        for spec in self.text_encoders:
+            if encoders.get(spec.name) is not None:
+                encoder = encoders[spec.name]
+                outputs.update(self.encode_text(spec.name, encoder, ids[spec.input_key].to(encoder.device)))
+        return outputs
 
     def conditioning(self, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Combine the encoders' named outputs into ``encoder_hidden_states`` (and the pooled
