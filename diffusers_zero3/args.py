@@ -11,7 +11,7 @@ import argparse
 import importlib.util
 import os
 
-from .training import TIMESTEP_BIAS_STRATEGIES
+from .training import TIMESTEP_BIAS_STRATEGIES, WEIGHTING_SCHEMES
 
 PLACEMENT_CHOICES = ("replicate", "shard", "offload", "cache")
 
@@ -56,7 +56,7 @@ def add_placement_args(
     ``--process_group_timeout``."""
     group = parser.add_argument_group("placements of frozen models")
     for name, help_text in components.items():
-        default = None if name == "text_encoder_2" else "replicate"
+        default = "replicate" if name in ("text_encoder", "vae") else None  # others: families that have them
         group.add_argument(f"--{name}_placement", default=default, choices=choices, help=help_text)
     group.add_argument(
         "--process_group_timeout", type=float, default=1800, help="Seconds before a collective gives up."
@@ -73,7 +73,8 @@ def text_to_image_parser() -> argparse.ArgumentParser:
         p,
         {
             "text_encoder": "Where the text encoder lives.",
-            "text_encoder_2": "Where SDXL's second text encoder lives (default replicate; SDXL pipelines only).",
+            "text_encoder_2": "Where the second text encoder lives (SDXL's CLIP-G, Flux's T5; default replicate).",
+            "text_encoder_3": "Where SD3's T5 encoder lives (default replicate; SD3 pipelines only).",
             "vae": "Where the VAE lives.",
         },
     )
@@ -171,6 +172,29 @@ def text_to_image_parser() -> argparse.ArgumentParser:
         default=0.25,
         help="Portion of timesteps 'earlier'/'later' bias.",
     )
+    # --- diffusers' SD3 and Flux scripts' flags (train_dreambooth_sd3.py, train_dreambooth_flux.py)
+    a(
+        "--weighting_scheme",
+        type=str,
+        default=None,
+        choices=WEIGHTING_SCHEMES,
+        help="Flow matching's timestep density and loss weighting (default: logit_normal for SD3, none for Flux).",
+    )
+    a("--logit_mean", type=float, default=0.0, help="Mean of the logit_normal weighting scheme.")
+    a("--logit_std", type=float, default=1.0, help="Std of the logit_normal weighting scheme.")
+    a("--mode_scale", type=float, default=1.29, help="Scale of the mode weighting scheme.")
+    a(
+        "--guidance_scale",
+        type=float,
+        default=3.5,
+        help="Guidance value of guidance-distilled Flux (transformer.config.guidance_embeds), in training and validation.",
+    )
+    a(
+        "--max_sequence_length",
+        type=int,
+        default=None,
+        help="T5 tokens per caption (default: 77 for SD3, 512 for Flux, as diffusers' scripts).",
+    )
     # --- this package's flags
     a(
         "--frozen_cache_dir",
@@ -252,6 +276,8 @@ def validate_args(args: argparse.Namespace) -> None:
                 f"--timestep_bias_begin {args.timestep_bias_begin} and --timestep_bias_end {args.timestep_bias_end} "
                 "do not make a range"
             )
+    if getattr(args, "max_sequence_length", None) is not None and args.max_sequence_length <= 0:
+        raise ArgumentError(f"--max_sequence_length must be a positive number, got {args.max_sequence_length}")
     if args.resolution % 8:
         raise ArgumentError(
             f"--resolution must be divisible by 8 (the VAE's downsampling and the pipelines need it), "
@@ -297,6 +323,37 @@ def validate_family(args: argparse.Namespace, family) -> None:
             )
     if getattr(args, "dream_training", False) and not family.supports_dream:
         raise ArgumentError(f"--dream_training is not supported for {family.pipeline_class}")
+    objective = "flow matching" if family.flow_matching else "DDPM noise prediction"
+    unet_only = {  # flag: its value when not given
+        "snr_gamma": None,
+        "input_perturbation": 0,
+        "noise_offset": 0,
+        "prediction_type": None,
+        "timestep_bias_strategy": "none",
+    }
+    flow_only = {"weighting_scheme": None, "max_sequence_length": None}
+    for flag, unset in (unet_only if family.flow_matching else flow_only).items():
+        value = getattr(args, flag, unset)
+        if value != unset:
+            raise ArgumentError(
+                f"--{flag} {value} does not apply to a {family.pipeline_class}, which trains with {objective}"
+            )
+
+
+def check_resolution(resolution: int, family, vae_folder: str | os.PathLike) -> None:
+    """Raise ``ArgumentError`` unless ``--resolution`` is a multiple of what the family's VAE
+    (and Flux's latent packing) needs; reads only the VAE's config."""
+    from diffusers import AutoencoderKL
+
+    try:
+        vae_config = AutoencoderKL.load_config(vae_folder)
+    except (OSError, ValueError) as e:
+        raise ArgumentError(f"cannot read the VAE's config in {vae_folder}: {e}") from e
+    multiple = family.latent_multiple(vae_config)
+    if resolution % multiple:
+        raise ArgumentError(
+            f"--resolution must be a multiple of {multiple} for this {family.pipeline_class}, got {resolution}"
+        )
 
 
 def placement_flags(args: argparse.Namespace) -> dict[str, str]:

@@ -181,6 +181,7 @@ def precompute_frozen_outputs(
     random_flip: bool = False,
     seed: int = 0,
     batch_size: int = 8,
+    max_sequence_length: int | None = None,
 ) -> CachedOutputs:
     """Encode a dataset once with the frozen models and publish the outputs; call on every rank.
 
@@ -193,6 +194,7 @@ def precompute_frozen_outputs(
     of a family's encoders may be cached. ``text_encoder=``/``tokenizer=`` are the SD 1.x
     shorthand. With a VAE and a family that conditions on crops (SDXL's ``time_ids``), each
     image's ``original_size`` and ``crop_top_left`` (also for the flipped copy) are stored too.
+    ``max_sequence_length`` is the T5 tokens per caption (default: the family's).
 
     Returns the cache (reused as is when a cache with the same key exists in ``cache_dir``;
     rank 0 decides, and a published folder is checked before use). Afterwards the models can
@@ -217,6 +219,11 @@ def precompute_frozen_outputs(
         "family": family.name,
         "text_encoders": {n: model_fingerprint(m) for n, m in sorted(text_encoders.items())},
         "tokenizers": {n: _tokenizer_fingerprint(tokenizers[n]) for n in sorted(text_encoders)},
+        "sequence_lengths": {
+            spec.name: family.sequence_length(spec, tokenizers[spec.name], max_sequence_length)
+            for spec in family.text_encoders
+            if spec.name in text_encoders
+        },
         "vae": model_fingerprint(vae) if vae is not None else None,
         "data": _dataset_fingerprint(dataset, caption_column),
         "columns": [image_column, caption_column],
@@ -239,8 +246,8 @@ def precompute_frozen_outputs(
     # collective_publish gives the temporary folder a name of its own: two jobs sharing
     # cache_dir never write into one.
     with collective_publish(final, commit=_publish_unless_present) as tmp:
-        _encode_share(tmp, dataset, inputs, text_encoders, tokenizers, family, vae,
-                      image_column, caption_column, resolution, center_crop, random_flip, seed, batch_size)  # fmt: skip
+        _encode_share(tmp, dataset, inputs, text_encoders, tokenizers, family, vae, image_column,
+                      caption_column, resolution, center_crop, random_flip, seed, batch_size, max_sequence_length)  # fmt: skip
     return CachedOutputs(final)
 
 
@@ -253,7 +260,7 @@ def _publish_unless_present(tmp: Path, final: Path) -> None:
 def _encode_share(
     tmp: Path, dataset, inputs: dict, text_encoders: dict, tokenizers: dict, family, vae,
     image_column: str, caption_column: str, resolution: int, center_crop: bool, random_flip: bool,
-    seed: int, batch_size: int,
+    seed: int, batch_size: int, max_sequence_length: int | None,
 ) -> None:  # fmt: skip
     """This rank's share of the cache, written into ``tmp`` (in lockstep with the others)."""
     rank, world = get_rank(), get_world_size()
@@ -274,7 +281,9 @@ def _encode_share(
         with torch.no_grad():
             if text_encoders:
                 captions = [pick_caption(r[caption_column], None) for r in rows]
-                outputs = family.encode_texts(text_encoders, family.tokenize(tokenizers, captions))
+                outputs = family.encode_texts(
+                    text_encoders, family.tokenize(tokenizers, captions, max_sequence_length)
+                )
                 out.update({k: v.cpu() for k, v in outputs.items()})
             if vae is not None:
                 crops = [

@@ -240,6 +240,178 @@ def save_tiny_sdxl_pipeline(folder: str | os.PathLike, seed: int = 0, width: int
     return folder
 
 
+T5_WORDS = ("a", "an", "the", "of", "photo", "picture", "shape", *COLOURS, *SHAPES)
+
+
+def write_t5_tokenizer(folder: str | os.PathLike, model_max_length: int = 512) -> Path:
+    """Write a small unigram T5 tokenizer to ``folder`` and return the path.
+
+    The vocabulary is T5's three special tokens, every lowercase letter, digit and common
+    punctuation mark (alone and with the ``▁`` word-start marker, so any ASCII text
+    tokenizes), upper-case letters, and whole words for the default captions.
+    """
+    import string
+
+    from transformers import T5TokenizerFast
+
+    folder = Path(folder)
+    chars = string.ascii_lowercase + string.digits + ",.!?'-:;()"
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    pieces += [("\u2581" + c, -3.0) for c in chars]
+    pieces += [(c, -4.0) for c in chars + string.ascii_uppercase]
+    pieces += [("\u2581" + w, -1.0) for w in T5_WORDS]
+    tok = T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _local_t5_tokenizer(folder: Path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    tok_dir = write_t5_tokenizer(folder / "_t5_tokenizer_tmp")
+    try:
+        return AutoTokenizer.from_pretrained(tok_dir)
+    finally:
+        shutil.rmtree(tok_dir)
+
+
+def _tiny_t5_encoder(d_model: int, vocab_size: int, layers: int = 2):
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(
+        T5Config(
+            vocab_size=vocab_size,
+            d_model=d_model,
+            d_kv=8,
+            d_ff=d_model * 2,
+            num_layers=layers,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            feed_forward_proj="gated-gelu",
+            is_encoder_decoder=False,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+    )
+
+
+def _tiny_clip_config(projection_dim: int = 32) -> dict:
+    cfg = tiny_component_configs(32)["text_encoder"]
+    return {**cfg, "hidden_size": 32, "intermediate_size": 37, "num_attention_heads": 4, "projection_dim": projection_dim}
+
+
+def _flow_vae(latent_channels: int, width: int = 32):
+    from diffusers import AutoencoderKL
+
+    cfg = tiny_component_configs(width)["vae"]
+    return AutoencoderKL(
+        **{**cfg, "latent_channels": latent_channels},
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0609,
+        scaling_factor=1.5035,
+    )
+
+
+def save_tiny_flux_pipeline(folder: str | os.PathLike, seed: int = 0, guidance_embeds: bool = True) -> Path:
+    """Save a tiny ``FluxPipeline`` folder (fp32 safetensors) and return its path.
+
+    Flux.1's layout with small shapes: a ``FluxTransformer2DModel`` (double- and single-stream
+    blocks, 2x2-packed latents, rotary ``img_ids``/``txt_ids``, guidance embedding when
+    ``guidance_embeds``) conditioned on CLIP's pooled output and a T5 encoder's hidden states
+    (``text_encoder_2``, with a locally written unigram tokenizer), a 16-channel-latent VAE
+    with ``shift_factor`` and a flow-matching Euler scheduler. Not a collective.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from .zero3 import zero3_init_disabled
+
+    folder = Path(folder)
+    t5_tokenizer = _local_t5_tokenizer(folder)
+    with zero3_init_disabled():
+        torch.manual_seed(seed)
+        transformer = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=16 * 4,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            pooled_projection_dim=32,
+            guidance_embeds=guidance_embeds,
+            axes_dims_rope=(4, 4, 8),
+        )
+        text_encoder = CLIPTextModel(CLIPTextConfig(**_tiny_clip_config()))
+        text_encoder_2 = _tiny_t5_encoder(32, len(t5_tokenizer))
+        vae = _flow_vae(16)
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=_local_clip_tokenizer(folder),
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=t5_tokenizer,
+        transformer=transformer,
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def save_tiny_sd3_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
+    """Save a tiny ``StableDiffusion3Pipeline`` folder (fp32 safetensors) and return its path.
+
+    SD3's layout with small shapes: an ``SD3Transformer2DModel`` conditioned on two CLIP
+    encoders with projections (pooled outputs concatenated) and a T5 encoder
+    (``text_encoder_3``, whose width the CLIP states are padded to), a VAE with
+    ``shift_factor`` and a flow-matching Euler scheduler. Not a collective.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    from .zero3 import zero3_init_disabled
+
+    folder = Path(folder)
+    t5_width = 64  # >= the two CLIP widths together (32 + 32), as in SD3 (2048 <= 4096)
+    t5_tokenizer = _local_t5_tokenizer(folder)
+    with zero3_init_disabled():
+        torch.manual_seed(seed)
+        transformer = SD3Transformer2DModel(
+            sample_size=16,
+            patch_size=1,
+            in_channels=4,
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            caption_projection_dim=32,
+            joint_attention_dim=t5_width,
+            pooled_projection_dim=64,
+            pos_embed_max_size=32,
+        )
+        text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**_tiny_clip_config()))
+        text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**_tiny_clip_config()))
+        text_encoder_3 = _tiny_t5_encoder(t5_width, len(t5_tokenizer))
+        vae = _flow_vae(4)
+    clip_tokenizer = _local_clip_tokenizer(folder)
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=clip_tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=clip_tokenizer,
+        text_encoder_3=text_encoder_3,
+        tokenizer_3=t5_tokenizer,
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
 def shape_image(
     colour: str, shape: str, size: int = 32, rng: random.Random | None = None, width: int | None = None
 ):

@@ -10,7 +10,9 @@ validation. A custom training script calls these two instead of copying the logi
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from .cache import CachedOutputs, precompute_frozen_outputs
 from .families import Family, time_ids
 from .recipe import load_frozen_component, weight_dtype
 from .testing import fault_point
+from .zero3 import is_zero3_enabled
 
 
 class FrozenInputs:
@@ -83,10 +86,15 @@ class FrozenInputs:
             ids = time_ids(sizes, crops, self.resolution).to(device, self.dtype)
         return latents, cond, ids
 
-    def validation_modules(self, accelerator) -> dict[str, torch.nn.Module]:
-        """Every frozen component as a module for a pipeline; cached ones are reloaded as
-        replicas for the occasion. Collective only in that sharded modules are returned."""
-        modules = {}
+    @contextlib.contextmanager
+    def validation_modules(self, accelerator) -> Iterator[dict[str, torch.nn.Module]]:
+        """Every frozen component as a module for a pipeline, for the duration of the block.
+
+        Cached ones are reloaded for the occasion (``cache_placement()``: partitioned under
+        ZeRO-3) and released on exit. Collective: every rank enters it (reloading a sharded
+        model builds an engine, and sharded modules are called in lockstep).
+        """
+        modules, reloaded = {}, []
         for name, frozen in self.models.items():
             if frozen is None:
                 folder, sub = self.sources[name]
@@ -94,13 +102,25 @@ class FrozenInputs:
                     accelerator,
                     folder,
                     sub,
-                    "replicate",
+                    cache_placement(),
                     self.family.component_class(name),
                     self.variant,
                     dtype=self.family.component_dtype(name, self.dtype),
                 )
+                reloaded.append(frozen)
             modules[name] = frozen.module
-        return modules
+        try:
+            yield modules
+        finally:
+            for frozen in reloaded:
+                frozen.release()
+
+
+def cache_placement() -> str:
+    """How a ``cache`` model runs while it encodes (and for validation images): ``shard``
+    under ZeRO-3, so that it is loaded partitioned and no rank ever holds it whole, else
+    ``replicate``."""
+    return "shard" if is_zero3_enabled() else "replicate"
 
 
 def place_frozen_models(
@@ -121,14 +141,17 @@ def place_frozen_models(
     batch_size: int = 8,
     variant: str | None = None,
     vae_source: str | os.PathLike | None = None,
+    max_sequence_length: int | None = None,
 ) -> FrozenInputs:
     """Load and place a family's frozen models, one placement each. Collective: every rank.
 
     ``placements`` maps each of ``family.frozen_components`` to ``replicate``, ``shard``,
     ``offload`` or ``cache`` (missing ones are replicated). Sharded models are read straight
     into partitions. The ``cache`` ones encode ``dataset`` once (``precompute_frozen_outputs``,
-    with ``tokenizers``, into ``cache_dir``) and are then freed. The VAE runs in fp32 where the
-    family says so; ``vae_source`` is a VAE folder to use instead of ``source/vae``.
+    with ``tokenizers`` and ``max_sequence_length`` T5 tokens, into ``cache_dir``) and are then
+    freed; under ZeRO-3 they are loaded partitioned and run sharded for this (a T5-XXL is never
+    whole on every rank), otherwise as replicas. The VAE runs in fp32 where the family says
+    so; ``vae_source`` is a VAE folder to use instead of ``source/vae``.
 
     Example:
         >>> family = detect_family(source)
@@ -150,7 +173,7 @@ def place_frozen_models(
             accelerator,
             folder,
             sub,
-            placement,
+            cache_placement() if placement == "cache" else placement,
             family.component_class(name),
             variant,
             dtype=family.component_dtype(name, dtype),
@@ -173,6 +196,7 @@ def place_frozen_models(
             random_flip=random_flip,
             seed=seed,
             batch_size=batch_size,
+            max_sequence_length=max_sequence_length,
         )
         for name in cached:  # training holds none of their weights
             live[name].release()

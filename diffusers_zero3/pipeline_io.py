@@ -23,6 +23,7 @@ def generate_validation_images(
     resolution: int,
     num_inference_steps: int = 20,
     seed: int = 0,
+    **pipeline_kwargs,
 ) -> list:
     """One image per prompt from a pipeline around the current weights. Collective: call on
     every rank.
@@ -31,8 +32,10 @@ def generate_validation_images(
     denoiser and the placed frozen models. Every rank runs the same prompts with the same
     seed, so partitioned models (the denoiser engine, sharded frozen engines) are called the
     same number of times on every rank; all ranks get the same images, and one of them writes.
+    ``pipeline_kwargs`` go to the pipeline call (a family's ``validation_kwargs``, e.g.
+    Flux's ``max_sequence_length`` and ``guidance_scale``).
     """
-    denoiser = pipeline.unet
+    denoiser = pipeline.unet if hasattr(pipeline, "unet") else pipeline.transformer
     was_training = denoiser.training
     denoiser.eval()
     pipeline.set_progress_bar_config(disable=True)
@@ -46,6 +49,7 @@ def generate_validation_images(
             generator=generator,
             height=resolution,
             width=resolution,
+            **pipeline_kwargs,
         )
         images.append(out.images[0])
     denoiser.train(was_training)

@@ -237,7 +237,17 @@ def _load_partitions(model: torch.nn.Module, files: dict[str, Path]) -> None:
         return path, info, start
 
     rank = get_rank()
+    # Tied weights (T5's shared embedding and encoder.embed_tokens) are one tensor under
+    # several names, of which the checkpoint holds one: read each tensor once, by a name the
+    # checkpoint has.
+    names_of: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
+        names_of.setdefault(id(tensor), []).append(name)
+        tensors[id(tensor)] = tensor
+    for key, names in names_of.items():
+        tensor = tensors[key]
+        name = next((n for n in names if n in files), names[0])
         if is_zero3_param(tensor):
             path, info, start = info_of(name, tensor.ds_shape)
             part = tensor.ds_tensor

@@ -121,7 +121,8 @@ def load_frozen_component(
     variant: str | None = None,
     dtype: torch.dtype | None = None,
 ):
-    """Load ``source/name`` and place it (``"cache"`` loads a replica, to be cached and freed).
+    """Load ``source/name`` and place it (``"cache"`` loads a replica, to be cached and freed;
+    ``frozen_inputs.place_frozen_models`` passes ``"shard"`` instead under ZeRO-3).
 
     ``"shard"``/``"offload"`` models are read straight into partitions, never whole. ``dtype``
     is the dtype it runs in (default: the accelerator's mixed precision). Call on every rank.

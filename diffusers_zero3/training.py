@@ -1,4 +1,4 @@
-"""The text-to-image training objective, shared by the script, the cache and the tests.
+"""The text-to-image training objectives: DDPM noise prediction (UNets) and flow matching (SD3, Flux).
 
 Same maths as diffusers' ``examples/text_to_image/train_text_to_image.py``: noise offset,
 input perturbation, epsilon / v-prediction targets, and Min-SNR-gamma loss weighting.
@@ -136,3 +136,52 @@ def diffusion_loss(
     weights = weights / snr if noise_scheduler.config.prediction_type == "epsilon" else weights / (snr + 1)
     loss = F.mse_loss(model_pred.float(), target.float(), reduction="none")
     return (loss.mean(dim=list(range(1, loss.ndim))) * weights).mean()
+
+
+WEIGHTING_SCHEMES = ("sigma_sqrt", "logit_normal", "mode", "cosmap", "none")
+
+
+def flow_matching_loss(
+    predict,
+    noise_scheduler,
+    latents: torch.Tensor,
+    noise: torch.Tensor,
+    *,
+    weighting_scheme: str = "none",
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    mode_scale: float = 1.29,
+) -> torch.Tensor:
+    """The rectified-flow loss of diffusers' SD3 and Flux training scripts (mean over the batch).
+
+    Timesteps are drawn with ``compute_density_for_timestep_sampling`` (``logit_normal``,
+    ``mode``, else uniform) as indices into the ``FlowMatchEulerDiscreteScheduler``'s
+    ``timesteps`` and ``sigmas`` (a scheduler that ``set_timesteps`` never touched); the input
+    is ``(1 - sigma) * latents + sigma * noise``, the target ``noise - latents``, and each
+    sample's squared error is weighted by ``compute_loss_weighting_for_sd3`` (``sigma_sqrt``,
+    ``cosmap``, else 1). ``predict(noisy_latents, timesteps)`` calls the denoiser (a family's
+    ``predict``) and returns a prediction in the latents' shape.
+    """
+    from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
+
+    if weighting_scheme not in WEIGHTING_SCHEMES:
+        raise ValueError(f"weighting scheme must be one of {WEIGHTING_SCHEMES}, got {weighting_scheme!r}")
+    n = latents.shape[0]
+    u = compute_density_for_timestep_sampling(
+        weighting_scheme=weighting_scheme,
+        batch_size=n,
+        logit_mean=logit_mean,
+        logit_std=logit_std,
+        mode_scale=mode_scale,
+    )
+    num_steps = noise_scheduler.config.num_train_timesteps
+    indices = (u * num_steps).long().clamp(max=num_steps - 1)
+    timesteps = noise_scheduler.timesteps[indices].to(latents.device)
+    sigmas = noise_scheduler.sigmas[indices].to(latents.device, latents.dtype)
+    sigmas = sigmas.view(n, *([1] * (latents.ndim - 1)))
+    noisy = (1.0 - sigmas) * latents + sigmas * noise
+    model_pred = predict(noisy, timesteps)
+    weighting = compute_loss_weighting_for_sd3(weighting_scheme=weighting_scheme, sigmas=sigmas)
+    target = noise - latents
+    error = (weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(n, -1)
+    return error.mean(dim=1).mean()

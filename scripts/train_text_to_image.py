@@ -1,10 +1,11 @@
 #!/usr/bin/env python
-"""Fine-tune a Stable Diffusion (1.x/2.x) or SDXL UNet under DeepSpeed ZeRO-3, beside frozen
-text encoders and a VAE.
+"""Fine-tune the denoiser of a Stable Diffusion (1.x/2.x), SDXL, SD3 or Flux.1 pipeline under
+DeepSpeed ZeRO-3, beside frozen text encoders (T5-XXL included) and a VAE.
 
 A drop-in for diffusers' ``examples/text_to_image/train_text_to_image.py`` and
-``train_text_to_image_sdxl.py`` (same flags); the family is detected from the pipeline's
-``model_index.json``. It runs the whole way under ZeRO-3:
+``train_text_to_image_sdxl.py`` (same flags), with the flow-matching flags of its SD3 and
+Flux scripts (``--weighting_scheme``, ``--guidance_scale``, ``--max_sequence_length``); the
+family is detected from the pipeline's ``model_index.json``. It runs the whole way under ZeRO-3:
 
     accelerate launch --config_file configs/accelerate_zero3.yaml --num_processes 8 \\
         scripts/train_text_to_image.py --pretrained_model_name_or_path PIPE \\
@@ -15,10 +16,12 @@ also as one plain ``python`` process without DeepSpeed, and on CPU-only hosts (g
 ``make train`` runs it on the embedded default (a tiny generated pipeline and dataset).
 
 What differs from upstream, and why:
-* the UNet is loaded straight into ZeRO-3 partitions and saved by streaming them (no rank
-  ever holds it whole), instead of ``from_pretrained`` + ``save_pretrained`` of placeholders;
+* the denoiser (UNet or transformer) is loaded straight into ZeRO-3 partitions and saved by
+  streaming them (no rank ever holds it whole), instead of ``from_pretrained`` +
+  ``save_pretrained`` of placeholders;
 * frozen models are placed one by one (``--text_encoder_placement``,
-  ``--text_encoder_2_placement``, ``--vae_placement``); upstream's
+  ``--text_encoder_2_placement``, ``--text_encoder_3_placement``, ``--vae_placement``); a
+  sharded or cached T5 is read straight into partitions; upstream's
   ``zero3_init_context_manager(enable=False)`` no longer keeps them whole;
 * ``--use_ema`` averages each rank's partition (``ShardedEMA``) instead of a full copy;
 * every collective (checkpoint save, final save, validation) runs on every rank;
@@ -37,7 +40,14 @@ from pathlib import Path
 import torch
 
 from diffusers_zero3 import ShardedEMA, barrier, is_main_process, log_rank_zero
-from diffusers_zero3.args import ArgumentError, parse_args, validate_args, validate_family, validate_launch
+from diffusers_zero3.args import (
+    ArgumentError,
+    check_resolution,
+    parse_args,
+    validate_args,
+    validate_family,
+    validate_launch,
+)
 from diffusers_zero3.data import (
     ImageCaptionDataset,
     check_enough_rows,
@@ -68,7 +78,13 @@ from diffusers_zero3.schedule import (
     updates_per_epoch,
 )
 from diffusers_zero3.testing import fault_point
-from diffusers_zero3.training import diffusion_loss, sample_noise, sample_timesteps, timestep_bias_weights
+from diffusers_zero3.training import (
+    diffusion_loss,
+    flow_matching_loss,
+    sample_noise,
+    sample_timesteps,
+    timestep_bias_weights,
+)
 
 logger = logging.getLogger("train_text_to_image")
 
@@ -103,6 +119,7 @@ class TextToImageTrainer:
             self.vae_source = resolve_model_folder(
                 args.pretrained_vae_model_name_or_path, None, args.revision, args.cache_dir
             )
+        check_resolution(args.resolution, self.family, self.vae_source or Path(self.source) / "vae")
         self.accelerator = acc = accelerator_from_args(args)
         validate_launch(
             args, deepspeed_active=acc.state.deepspeed_plugin is not None, on_cpu=acc.device.type == "cpu"
@@ -120,17 +137,16 @@ class TextToImageTrainer:
         self._prepare_training()
 
     def _load_models(self) -> None:
-        from diffusers import DDPMScheduler
-
         args, src = self.args, self.source
-        self.noise_scheduler = DDPMScheduler.from_pretrained(src, subfolder="scheduler")
+        self.noise_scheduler = self.family.noise_scheduler_class().from_pretrained(src, subfolder="scheduler")
+        self.weighting_scheme = args.weighting_scheme or self.family.default_weighting_scheme
         if args.prediction_type is not None:
             self.noise_scheduler.register_to_config(prediction_type=args.prediction_type)
         if args.dream_training and self.noise_scheduler.config.prediction_type != "epsilon":
             raise ArgumentError(
                 "--dream_training supports epsilon prediction only (diffusers has no v-prediction DREAM)"
             )
-        self.timestep_weights = timestep_bias_weights(
+        self.timestep_weights = None if self.family.flow_matching else timestep_bias_weights(
             self.noise_scheduler.config.num_train_timesteps,
             args.timestep_bias_strategy,
             args.timestep_bias_multiplier,
@@ -139,11 +155,11 @@ class TextToImageTrainer:
             args.timestep_bias_portion,
         )
         self.tokenizers = self.family.load_tokenizers(src)
-        self.unet = load_trainable_denoiser(self.accelerator, src, self.family, args.variant)
+        self.denoiser = load_trainable_denoiser(self.accelerator, src, self.family, args.variant)
         if args.gradient_checkpointing:
-            self.unet.enable_gradient_checkpointing()
+            self.denoiser.enable_gradient_checkpointing()
         if args.enable_xformers_memory_efficient_attention:
-            self.unet.enable_xformers_memory_efficient_attention()
+            self.denoiser.enable_xformers_memory_efficient_attention()
 
     def _load_data(self) -> None:
         args = self.args
@@ -166,7 +182,7 @@ class TextToImageTrainer:
             args.random_flip,
             seed=args.seed or 0,
             with_images=args.vae_placement != "cache",
-            tokenize=lambda captions: self.family.tokenize(self.tokenizers, captions),
+            tokenize=lambda captions: self.family.tokenize(self.tokenizers, captions, args.max_sequence_length),
             empty_prompt_probability=args.proportion_empty_prompts,
         )
 
@@ -190,6 +206,7 @@ class TextToImageTrainer:
             batch_size=args.train_batch_size,
             variant=args.variant,
             vae_source=self.vae_source,
+            max_sequence_length=args.max_sequence_length,
         )
         if self.frozen.cache is not None:
             self.train_dataset.unreadable_rows = set(self.frozen.cache.skipped_rows)
@@ -207,7 +224,7 @@ class TextToImageTrainer:
                 num_processes=acc.num_processes,
             )
         optimizer = torch.optim.AdamW(
-            self.unet.parameters(),
+            self.denoiser.parameters(),
             lr=lr,
             betas=(args.adam_beta1, args.adam_beta2),
             weight_decay=args.adam_weight_decay,
@@ -233,13 +250,13 @@ class TextToImageTrainer:
             num_training_steps=args.max_train_steps * acc.num_processes,
         )
         # The UNet first: accelerate's backward drives the first engine it prepared.
-        self.unet, self.optimizer, self.loader, self.lr_scheduler = acc.prepare(
-            self.unet, optimizer, loader, scheduler
+        self.denoiser, self.optimizer, self.loader, self.lr_scheduler = acc.prepare(
+            self.denoiser, optimizer, loader, scheduler
         )
         args.num_train_epochs = epochs_for(
             args.max_train_steps, updates_per_epoch(len(self.loader), args.gradient_accumulation_steps)
         )
-        self.ema = ShardedEMA(self.unet, device="cpu" if args.offload_ema else None) if args.use_ema else None
+        self.ema = ShardedEMA(self.denoiser, device="cpu" if args.offload_ema else None) if args.use_ema else None
         if acc.is_main_process and args.report_to != "none":
             config = {k: v for k, v in vars(args).items() if not isinstance(v, list)}
             acc.init_trackers(args.tracker_project_name, config)
@@ -264,12 +281,23 @@ class TextToImageTrainer:
     def _loss(self, batch: dict) -> torch.Tensor:
         args = self.args
         latents, cond, time_ids = self.frozen(batch, self.accelerator.device)
+        if self.family.flow_matching:
+            return flow_matching_loss(
+                lambda noisy, t: self.family.predict(self.denoiser, noisy, t, cond, guidance_scale=args.guidance_scale),
+                self.noise_scheduler,
+                latents,
+                torch.randn_like(latents),
+                weighting_scheme=self.weighting_scheme,
+                logit_mean=args.logit_mean,
+                logit_std=args.logit_std,
+                mode_scale=args.mode_scale,
+            )
         noise = sample_noise(latents, args.noise_offset)
         perturbation = torch.randn_like(noise) if args.input_perturbation else None
         n_steps = self.noise_scheduler.config.num_train_timesteps
         timesteps = sample_timesteps(latents.shape[0], n_steps, latents.device, self.timestep_weights)
         return diffusion_loss(
-            self.unet,
+            self.denoiser,
             self.noise_scheduler,
             latents,
             cond["encoder_hidden_states"],
@@ -299,7 +327,7 @@ class TextToImageTrainer:
             done_in_epoch = self.resume_batches if epoch == self.first_epoch else 0
             accumulated = 0.0
             for batch in epoch_batches(acc, self.loader, epoch, done_in_epoch):
-                with acc.accumulate(self.unet):
+                with acc.accumulate(self.denoiser):
                     loss = self._loss(batch)
                     accumulated += acc.gather(loss.detach().repeat(len(batch["index"]))).mean().item()
                     fault_point("train_step")
@@ -359,28 +387,26 @@ class TextToImageTrainer:
 
     def validate(self) -> None:
         """Images for --validation_prompts from the (EMA) weights; every rank, rank 0 writes."""
-        from diffusers import DDPMScheduler
-
         args, acc = self.args, self.accelerator
         if not args.validation_prompts:
             return
         fault_point("validation")
-        modules = self.frozen.validation_modules(acc)
-        pipeline = self.family.pipeline(
-            getattr(self.unet, "module", self.unet),
-            modules["vae"],
-            modules,
-            self.tokenizers,
-            DDPMScheduler.from_config(self.noise_scheduler.config),
-        )
-        ctx = self.ema.averaged_weights() if self.ema is not None else contextlib.nullcontext()
-        with ctx:
+        ema = self.ema.averaged_weights() if self.ema is not None else contextlib.nullcontext()
+        with self.frozen.validation_modules(acc) as modules, ema:
+            pipeline = self.family.pipeline(
+                getattr(self.denoiser, "module", self.denoiser),
+                modules["vae"],
+                modules,
+                self.tokenizers,
+                self.family.noise_scheduler_class().from_config(self.noise_scheduler.config),
+            )
             images = generate_validation_images(
                 pipeline,
                 args.validation_prompts,
                 resolution=args.resolution,
                 num_inference_steps=args.num_validation_inference_steps,
                 seed=args.seed or 0,
+                **self.family.validation_kwargs(args.max_sequence_length, args.guidance_scale),
             )
         if acc.is_main_process:
             folder = Path(args.output_dir) / "validation"
@@ -419,7 +445,7 @@ class TextToImageTrainer:
         save_final_pipeline(
             self.source,
             args.output_dir,
-            self.unet,
+            self.denoiser,
             ema=self.ema,
             readme=card,
             denoiser_name=self.family.denoiser,

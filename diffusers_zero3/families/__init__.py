@@ -1,9 +1,11 @@
-"""Model families: everything that differs between Stable Diffusion 1.x/2.x and SDXL, in one place.
+"""Model families: everything that differs between SD 1.x/2.x, SDXL, SD3 and Flux.1, in one place.
 
 A ``Family`` answers, for one kind of pipeline: which folder holds the trained denoiser and
 its class, which frozen text encoders (and tokenizers) condition it, the VAE's dtype rule,
 how a prompt is encoded (which hidden state, which pooled output), the extra conditioning
-(SDXL's ``time_ids``), the denoiser's keyword arguments, and the pipeline class used for
+(SDXL's ``time_ids``), the objective (DDPM noise prediction for the UNets, flow matching
+for the SD3 and Flux transformers) and how the denoiser is called (Flux packs its latents
+and takes ``img_ids``/``txt_ids`` and a guidance value), and the pipeline class used for
 validation and for the final output. Everything else in the package (placements, the
 cache, EMA, checkpoints, load/save, lockstep, the loop) is written once and asks the family.
 
@@ -37,6 +39,7 @@ class TextEncoderSpec:
     model_class: str  # transformers class name
     tokenizer: str  # tokenizer folder, e.g. "tokenizer_2"
     input_key: str  # the batch key of its token ids, e.g. "input_ids_2"
+    uses_max_sequence_length: bool = False  # T5: --max_sequence_length tokens, else the tokenizer's length
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,9 @@ class Family:
     vae_in_fp32: bool = False  # SDXL's VAE overflows in fp16
     uses_time_ids: bool = False
     supports_dream: bool = True
+    flow_matching: bool = False  # SD3/Flux: flow matching with FlowMatchEulerDiscreteScheduler's sigmas
+    default_max_sequence_length: int = 77  # T5 tokens, as diffusers' training scripts default
+    default_weighting_scheme: str = "none"  # flow matching's timestep density and loss weighting
 
     # ------------------------------------------------------------------ components
 
@@ -93,18 +99,31 @@ class Family:
 
     # ------------------------------------------------------------------ prompts
 
-    def tokenize(self, tokenizers: dict[str, Any], captions: list[str]) -> dict[str, torch.Tensor]:
-        """Token ids of ``captions`` for every encoder, padded to each tokenizer's max length
-        (an empty batch of the right width for no captions)."""
+    def sequence_length(self, spec: TextEncoderSpec, tokenizer, max_sequence_length: int | None = None) -> int:
+        """Tokens per caption for one encoder: ``max_sequence_length`` (default: the family's)
+        for a T5 encoder, the tokenizer's own length (77 for CLIP) otherwise."""
+        if spec.uses_max_sequence_length:
+            return max_sequence_length or self.default_max_sequence_length
+        return tokenizer.model_max_length
+
+    def tokenize(
+        self, tokenizers: dict[str, Any], captions: list[str], max_sequence_length: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Token ids of ``captions`` for every encoder of ``tokenizers`` (any subset of the
+        family's, by encoder folder name), padded to each encoder's sequence length
+        (``sequence_length``; an empty batch of that width for no captions)."""
         out = {}
         for spec in self.text_encoders:
+            if spec.name not in tokenizers:
+                continue
             tok = tokenizers[spec.name]
+            length = self.sequence_length(spec, tok, max_sequence_length)
             if not captions:  # a rank with no samples still calls the encoders (lockstep)
-                out[spec.input_key] = torch.zeros(0, tok.model_max_length, dtype=torch.long)
+                out[spec.input_key] = torch.zeros(0, length, dtype=torch.long)
                 continue
             out[spec.input_key] = tok(
                 list(captions),
-                max_length=tok.model_max_length,
+                max_length=length,
                 padding="max_length",
                 truncation=True,
                 return_tensors="pt",
@@ -132,7 +151,35 @@ class Family:
         raise NotImplementedError
 
     def denoiser_kwargs(self, cond: dict[str, torch.Tensor], time_ids: torch.Tensor | None) -> dict[str, Any]:
-        """Keyword arguments of the denoiser call beyond (latents, timesteps, hidden states)."""
+        """Keyword arguments of the UNet call beyond (latents, timesteps, hidden states)."""
+        return {}
+
+    def predict(
+        self,
+        denoiser,
+        noisy_latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        cond: dict[str, torch.Tensor],
+        *,
+        guidance_scale: float | None = None,
+    ) -> torch.Tensor:
+        """The flow-matching families' denoiser output for ``noisy_latents`` (N, C, H, W), in
+        the latents' shape. ``timesteps`` are the scheduler's (sigma x 1000)."""
+        raise NotImplementedError(f"{self.name} is not a flow-matching family")
+
+    def noise_scheduler_class(self):
+        """The scheduler class of training (and validation) for this family."""
+        import diffusers
+
+        return diffusers.FlowMatchEulerDiscreteScheduler if self.flow_matching else diffusers.DDPMScheduler
+
+    def latent_multiple(self, vae_config: dict) -> int:
+        """Image sides must be a multiple of this: the VAE's downsampling (x2 for Flux's 2x2
+        latent packing)."""
+        return 2 ** (len(vae_config["block_out_channels"]) - 1)
+
+    def validation_kwargs(self, max_sequence_length: int | None, guidance_scale: float | None) -> dict[str, Any]:
+        """Extra keyword arguments of the family's pipeline call for validation images."""
         return {}
 
     # ------------------------------------------------------------------ pipelines
@@ -213,6 +260,140 @@ class StableDiffusionXL(Family):
         )
 
 
+def _clip_hidden_and_pooled(encoder, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A CLIP encoder with projection: (penultimate hidden states, projected pooled output)."""
+    out = encoder(input_ids, output_hidden_states=True, return_dict=False)
+    return out[-1][-2], out[0]
+
+
+class StableDiffusion3(Family):
+    """SD3: the penultimate hidden states of CLIP-L and CLIP-G, concatenated and zero-padded to
+    T5's width, then T5's states appended along the sequence; pooled = both CLIPs' projected
+    outputs, concatenated. Flow matching."""
+
+    def encode_text(self, name, encoder, input_ids):
+        if name == "text_encoder_3":
+            return {"t5_embeds": encoder(input_ids, return_dict=False)[0]}
+        hidden, pooled = _clip_hidden_and_pooled(encoder, input_ids)
+        k = 1 if name == "text_encoder" else 2
+        return {f"prompt_embeds_{k}": hidden, f"pooled_{k}": pooled}
+
+    def conditioning(self, outputs):
+        clip = torch.cat([outputs["prompt_embeds_1"], outputs["prompt_embeds_2"]], dim=-1)
+        t5 = outputs["t5_embeds"]
+        clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+        return {
+            "encoder_hidden_states": torch.cat([clip, t5.to(clip.dtype)], dim=-2),
+            "pooled_projections": torch.cat([outputs["pooled_1"], outputs["pooled_2"]], dim=-1),
+        }
+
+    def predict(self, denoiser, noisy_latents, timesteps, cond, *, guidance_scale=None):
+        return denoiser(
+            hidden_states=noisy_latents,
+            timestep=timesteps,
+            encoder_hidden_states=cond["encoder_hidden_states"],
+            pooled_projections=cond["pooled_projections"],
+            return_dict=False,
+        )[0]
+
+    def validation_kwargs(self, max_sequence_length, guidance_scale):
+        return {"max_sequence_length": max_sequence_length or self.default_max_sequence_length}
+
+    def pipeline(self, denoiser, vae, text_encoders, tokenizers, scheduler):
+        from diffusers import StableDiffusion3Pipeline
+
+        return StableDiffusion3Pipeline(
+            transformer=denoiser,
+            scheduler=scheduler,
+            vae=vae,
+            text_encoder=text_encoders["text_encoder"],
+            tokenizer=tokenizers["text_encoder"],
+            text_encoder_2=text_encoders["text_encoder_2"],
+            tokenizer_2=tokenizers["text_encoder_2"],
+            text_encoder_3=text_encoders["text_encoder_3"],
+            tokenizer_3=tokenizers["text_encoder_3"],
+        )
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """Flux's 2x2 patches: (N, C, H, W) -> (N, H/2 * W/2, 4C), as ``FluxPipeline`` packs."""
+    n, c, h, w = latents.shape
+    return latents.view(n, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(n, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(packed: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The inverse of ``pack_latents`` for latents of ``height`` x ``width``."""
+    n, _, c4 = packed.shape
+    c = c4 // 4
+    return packed.view(n, height // 2, width // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(n, c, height, width)
+
+
+def latent_image_ids(height: int, width: int, device=None, dtype=None) -> torch.Tensor:
+    """Flux's rotary position ids of the packed latents, (H/2 * W/2, 3): (0, row, column)."""
+    ids = torch.zeros(height // 2, width // 2, 3)
+    ids[..., 1] = torch.arange(height // 2)[:, None]
+    ids[..., 2] = torch.arange(width // 2)[None, :]
+    return ids.reshape(-1, 3).to(device=device, dtype=dtype)
+
+
+class Flux(Family):
+    """Flux.1: CLIP-L's pooled output as ``pooled_projections``, T5's hidden states as
+    ``encoder_hidden_states``; 2x2-packed latents with ``img_ids``/``txt_ids``, the timestep
+    as sigma, and a guidance value when the transformer has ``guidance_embeds``."""
+
+    def encode_text(self, name, encoder, input_ids):
+        if name == "text_encoder_2":
+            return {"encoder_hidden_states": encoder(input_ids, return_dict=False)[0]}
+        return {"pooled_projections": encoder(input_ids, output_hidden_states=False, return_dict=False)[1]}
+
+    def conditioning(self, outputs):
+        return {
+            "encoder_hidden_states": outputs["encoder_hidden_states"],
+            "pooled_projections": outputs["pooled_projections"],
+        }
+
+    def latent_multiple(self, vae_config):
+        return 2 * super().latent_multiple(vae_config)
+
+    def predict(self, denoiser, noisy_latents, timesteps, cond, *, guidance_scale=None):
+        n, _, h, w = noisy_latents.shape
+        states = cond["encoder_hidden_states"]
+        config = getattr(denoiser, "module", denoiser).config
+        guidance = None
+        if config.guidance_embeds:
+            guidance = torch.full((n,), float(guidance_scale or 1.0), device=noisy_latents.device)
+        packed = denoiser(
+            hidden_states=pack_latents(noisy_latents),
+            timestep=timesteps / 1000,
+            guidance=guidance,
+            pooled_projections=cond["pooled_projections"],
+            encoder_hidden_states=states,
+            txt_ids=torch.zeros(states.shape[1], 3, device=states.device, dtype=states.dtype),
+            img_ids=latent_image_ids(h, w, noisy_latents.device, noisy_latents.dtype),
+            return_dict=False,
+        )[0]
+        return unpack_latents(packed, h, w)
+
+    def validation_kwargs(self, max_sequence_length, guidance_scale):
+        kwargs = {"max_sequence_length": max_sequence_length or self.default_max_sequence_length}
+        if guidance_scale is not None:
+            kwargs["guidance_scale"] = guidance_scale
+        return kwargs
+
+    def pipeline(self, denoiser, vae, text_encoders, tokenizers, scheduler):
+        from diffusers import FluxPipeline
+
+        return FluxPipeline(
+            scheduler=scheduler,
+            vae=vae,
+            text_encoder=text_encoders["text_encoder"],
+            tokenizer=tokenizers["text_encoder"],
+            text_encoder_2=text_encoders["text_encoder_2"],
+            tokenizer_2=tokenizers["text_encoder_2"],
+            transformer=denoiser,
+        )
+
+
 SD = StableDiffusion(
     name="sd",
     pipeline_class="StableDiffusionPipeline",
@@ -229,7 +410,36 @@ SDXL = StableDiffusionXL(
     uses_time_ids=True,
     supports_dream=False,  # diffusers' DREAM helper calls the UNet without added_cond_kwargs
 )
-FAMILIES: dict[str, Family] = {f.pipeline_class: f for f in (SD, SDXL)}
+SD3 = StableDiffusion3(
+    name="sd3",
+    pipeline_class="StableDiffusion3Pipeline",
+    text_encoders=(
+        TextEncoderSpec("text_encoder", "CLIPTextModelWithProjection", "tokenizer", "input_ids"),
+        TextEncoderSpec("text_encoder_2", "CLIPTextModelWithProjection", "tokenizer_2", "input_ids_2"),
+        TextEncoderSpec("text_encoder_3", "T5EncoderModel", "tokenizer_3", "input_ids_3", uses_max_sequence_length=True),
+    ),
+    denoiser="transformer",
+    denoiser_class="SD3Transformer2DModel",
+    supports_dream=False,
+    flow_matching=True,
+    default_max_sequence_length=77,  # diffusers' train_dreambooth_sd3.py
+    default_weighting_scheme="logit_normal",
+)
+FLUX = Flux(
+    name="flux",
+    pipeline_class="FluxPipeline",
+    text_encoders=(
+        TextEncoderSpec("text_encoder", "CLIPTextModel", "tokenizer", "input_ids"),
+        TextEncoderSpec("text_encoder_2", "T5EncoderModel", "tokenizer_2", "input_ids_2", uses_max_sequence_length=True),
+    ),
+    denoiser="transformer",
+    denoiser_class="FluxTransformer2DModel",
+    supports_dream=False,
+    flow_matching=True,
+    default_max_sequence_length=512,  # diffusers' train_dreambooth_flux.py
+    default_weighting_scheme="none",
+)
+FAMILIES: dict[str, Family] = {f.pipeline_class: f for f in (SD, SDXL, SD3, FLUX)}
 
 
 def detect_family(source: str | os.PathLike) -> Family:
