@@ -17,7 +17,7 @@ test:
 test-unit:
 	$(PYTHON) -m pytest tests -q -m unit
 
-# make train MODEL=sdxl trains the SDXL-architecture default instead
+# make train MODEL=sdxl|flux|sd3 trains the SDXL, Flux.1 or SD3-architecture default instead
 MODEL ?= sd
 train:
 	PYTHON=$(PYTHON) MODEL=$(MODEL) bash scripts/train_default.sh

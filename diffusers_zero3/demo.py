@@ -1,5 +1,5 @@
-"""The embedded default: a tiny Stable-Diffusion-architecture pipeline and a captioned
-shapes dataset, both generated locally (no model hub, no network).
+"""The embedded default: tiny SD, SDXL, SD3 and Flux.1-architecture pipelines and a captioned
+shapes dataset, all generated locally (no model hub, no network; tokenizers written here).
 
 The pipeline has the real classes (``UNet2DConditionModel``, ``AutoencoderKL``,
 ``CLIPTextModel``, ``CLIPTokenizer``, ``DDPMScheduler``) built small from configs, and is saved
@@ -462,29 +462,33 @@ def write_shapes_dataset(
 VARIED_SIZES = [(32, 32), (48, 32), (32, 40), (56, 40), (40, 64)]
 
 
+TINY_PIPELINES = {"sdxl": save_tiny_sdxl_pipeline, "flux": save_tiny_flux_pipeline, "sd3": save_tiny_sd3_pipeline}
+MODELS = ("sd", *TINY_PIPELINES)
+
+
 def prepare_default(folder: str | os.PathLike, num_images: int = 64, model: str = "sd") -> tuple[Path, Path]:
     """Create (once) the default runs' pipeline, dataset and reward model under ``folder``.
 
     Returns the pipeline and dataset paths; the reward model is ``folder/redness-reward``.
     ``model="sdxl"`` makes a tiny SDXL pipeline (``tiny-sdxl``) and a dataset of varied image
-    sizes (``shapes-varied``) instead.
+    sizes (``shapes-varied``) instead; ``"flux"`` and ``"sd3"`` make tiny Flux.1 and SD3
+    pipelines (``tiny-flux``, ``tiny-sd3``) beside the shapes dataset.
     """
     folder = Path(folder)
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
     if model == "sdxl":
         pipe, data = folder / "tiny-sdxl", folder / "shapes-varied"
-        if not (pipe / "model_index.json").exists():
-            save_tiny_sdxl_pipeline(pipe)
         if not (data / "metadata.jsonl").exists():
             write_shapes_dataset(data, num_images=num_images, sizes=VARIED_SIZES)
-        return pipe, data
-    if model != "sd":
-        raise ValueError(f"model must be sd or sdxl, got {model!r}")
-    pipe, data, reward = folder / "tiny-sd", folder / "shapes", folder / "redness-reward"
+    else:
+        pipe, data = folder / f"tiny-{model}", folder / "shapes"
+        if not (data / "metadata.jsonl").exists():
+            write_shapes_dataset(data, num_images=num_images)
     if not (pipe / "model_index.json").exists():
-        save_tiny_pipeline(pipe)
-    if not (data / "metadata.jsonl").exists():
-        write_shapes_dataset(data, num_images=num_images)
-    if not (reward / "config.json").exists():
+        TINY_PIPELINES.get(model, save_tiny_pipeline)(pipe)
+    reward = folder / "redness-reward"
+    if model == "sd" and not (reward / "config.json").exists():
         save_reward_model(reward)
     return pipe, data
 
@@ -546,7 +550,7 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description="Generate the embedded default's pipeline and data.")
     parser.add_argument("folder", nargs="?", default="outputs/default")
-    parser.add_argument("--model", default="sd", choices=["sd", "sdxl"])
+    parser.add_argument("--model", default="sd", choices=MODELS)
     cli = parser.parse_args()
     p, d = prepare_default(cli.folder, model=cli.model)
     print(f"pipeline: {p}\ndataset: {d}")

@@ -36,7 +36,11 @@ def typical_hidden_size(model: torch.nn.Module) -> int:
     accelerate's ``"auto"`` reads ``model.config.hidden_size``, which diffusers models lack.
     The median matrix (or conv kernel) of the model plays the part of ``hidden^2``.
     """
-    sizes = sorted(p.ds_numel if is_zero3_param(p) else p.numel() for p in model.parameters() if p.dim() >= 2)
+    sizes = sorted(
+        p.ds_numel if is_zero3_param(p) else p.numel()
+        for p in model.parameters()
+        if len(p.ds_shape if is_zero3_param(p) else p.shape) >= 2  # a partitioned parameter's data is 1-D
+    )
     if not sizes:
         return 1024
     return max(64, int(math.sqrt(sizes[len(sizes) // 2])))
@@ -57,16 +61,26 @@ def zero3_bucket_sizes(model: torch.nn.Module) -> dict[str, int]:
     }
 
 
+# id(zero_optimization dict) -> the keys fill_auto_bucket_sizes set in it: sizes derived from
+# one model (the trained one), which a frozen engine built from the same config recomputes
+# from its own shapes instead of inheriting.
+_FILLED_FOR_ANOTHER_MODEL: dict[int, frozenset[str]] = {}
+
+
 def fill_auto_bucket_sizes(ds_config: dict, model: torch.nn.Module) -> dict:
     """Replace ``"auto"`` bucket/persistence sizes in ``ds_config`` (in place) for ``model``.
 
     Call before ``accelerator.prepare(model)``: accelerate reads ``model.config.hidden_size``
-    for them, which diffusers models lack.
+    for them, which diffusers models lack. Frozen engines later derived from the same config
+    (``frozen_engine_config``) still get sizes from their own shapes.
     """
     zero = ds_config.setdefault("zero_optimization", {})
+    filled = set(_FILLED_FOR_ANOTHER_MODEL.get(id(zero), ()))
     for key, value in zero3_bucket_sizes(model).items():
-        if zero.get(key, "auto") == "auto":
+        if zero.get(key, "auto") == "auto" or key in filled:
             zero[key] = value
+            filled.add(key)
+    _FILLED_FOR_ANOTHER_MODEL[id(zero)] = frozenset(filled)
     return ds_config
 
 
@@ -109,10 +123,11 @@ def frozen_engine_config(
     accumulation): a training config copied onto a frozen engine brings its optimizer along
     (huggingface/trl#3228). The micro batch and ``train_batch_size`` are explicit integers
     consistent with the world size (DeepSpeed checks them even without an optimizer), and
-    the ``"auto"`` bucket and persistence sizes are computed from the model's own parameter
-    shapes.
+    the ``"auto"`` bucket and persistence sizes (also those ``fill_auto_bucket_sizes`` filled
+    in for the trained model) are computed from the model's own parameter shapes.
     """
     world_size = world_size or get_world_size()
+    filled = _FILLED_FOR_ANOTHER_MODEL.get(id((base_config or {}).get("zero_optimization")), frozenset())
     base = copy.deepcopy(base_config or {})
     zero = {
         k: v
@@ -121,7 +136,7 @@ def frozen_engine_config(
     }
     zero["stage"] = 3
     for key, value in zero3_bucket_sizes(model).items():
-        if zero.get(key, "auto") == "auto":
+        if zero.get(key, "auto") == "auto" or key in filled:
             zero[key] = value
     for key in [k for k, v in zero.items() if v == "auto"]:
         del zero[key]

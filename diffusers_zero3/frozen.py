@@ -76,6 +76,14 @@ class FrozenModel:
         """Bytes of parameters this rank holds (a ZeRO-3 partition counts as its shard)."""
         return local_parameter_bytes(self.module)
 
+    def describe(self) -> str:
+        """``"<name>: <placement>, X MiB of Y MiB on this rank"``, for the logs."""
+        mib = 2**20
+        return (
+            f"{self.name}: {self.placement}, {self.local_parameter_bytes() / mib:.2f} MiB of "
+            f"{total_parameter_bytes(self.module) / mib:.2f} MiB on this rank"
+        )
+
     def release(self) -> None:
         """Drop the weights (engine and module) so that their memory can be freed."""
         if self.engine is not None and hasattr(self.engine, "destroy"):
@@ -98,6 +106,15 @@ def local_parameter_bytes(module: torch.nn.Module) -> int:
                 total += p.ds_numel * p.ds_tensor.element_size()
         else:
             total += p.numel() * p.element_size()
+    return total
+
+
+def total_parameter_bytes(module: torch.nn.Module) -> int:
+    """Bytes of ``module``'s parameters whole (a ZeRO-3 parameter counts its full size)."""
+    total = 0
+    for p in module.parameters():
+        numel = p.ds_numel if is_zero3_param(p) else p.numel()
+        total += numel * (p.ds_tensor.element_size() if is_zero3_param(p) else p.element_size())
     return total
 
 

@@ -21,6 +21,7 @@ import torch
 from .cache import CachedOutputs, precompute_frozen_outputs
 from .families import Family, time_ids
 from .recipe import load_frozen_component, weight_dtype
+from .distributed import log_rank_zero
 from .testing import fault_point
 from .zero3 import is_zero3_enabled
 
@@ -178,6 +179,8 @@ def place_frozen_models(
             variant,
             dtype=family.component_dtype(name, dtype),
         )
+        note = f" (to encode the cache as {live[name].placement})" if placement == "cache" else ""
+        log_rank_zero(live[name].describe() + note)
     cached = [n for n in family.frozen_components if placements.get(n) == "cache"]
     cache = None
     if cached:

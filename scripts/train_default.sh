@@ -6,6 +6,10 @@
 #   MODEL=sd   (default) Stable Diffusion architecture, text encoder sharded.
 #   MODEL=sdxl SDXL architecture (two text encoders, text_encoder_2 sharded, the VAE cached),
 #              on images of varied sizes (SDXL's size and crop conditioning).
+#   MODEL=flux Flux.1 architecture (flow matching, packed latents, guidance embedding): the T5
+#              encoder (text_encoder_2) sharded, CLIP replicated, 32 T5 tokens.
+#   MODEL=sd3  SD3 architecture (two CLIPs and a T5): the T5 (text_encoder_3) cached, encoded
+#              sharded and freed; the VAE cached too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -18,7 +22,13 @@ case "$MODEL" in
       PLACEMENTS=(--text_encoder_placement shard --vae_placement replicate) ;;
   sdxl) PIPE="$OUT/tiny-sdxl"; DATA="$OUT/shapes-varied"; RUN="$OUT/run-sdxl"
       PLACEMENTS=(--text_encoder_placement replicate --text_encoder_2_placement shard --vae_placement cache) ;;
-  *) echo "error: MODEL must be sd or sdxl, got '$MODEL'" >&2; exit 2 ;;
+  flux) PIPE="$OUT/tiny-flux"; DATA="$OUT/shapes"; RUN="$OUT/run-flux"
+      PLACEMENTS=(--text_encoder_placement replicate --text_encoder_2_placement shard --vae_placement replicate
+                  --max_sequence_length 32) ;;
+  sd3) PIPE="$OUT/tiny-sd3"; DATA="$OUT/shapes"; RUN="$OUT/run-sd3"
+      PLACEMENTS=(--text_encoder_placement replicate --text_encoder_2_placement replicate
+                  --text_encoder_3_placement cache --vae_placement cache --max_sequence_length 32) ;;
+  *) echo "error: MODEL must be sd, sdxl, flux or sd3, got '$MODEL'" >&2; exit 2 ;;
 esac
 $PYTHON -m accelerate.commands.launch --config_file configs/accelerate_zero3.yaml --num_processes 2 \
   scripts/train_text_to_image.py \

@@ -11,6 +11,7 @@ MODULE_TIERS = {
     "test_train_text_to_image": "e2e",
     "test_train_reward": "e2e",
     "test_train_sdxl": "e2e",
+    "test_train_flux_sd3": "e2e",
     "test_examples": "e2e",
     "test_faults_and_machines": "e2e",
     "test_bad_input": "unit",
@@ -53,4 +54,22 @@ def tiny_sdxl(tmp_path_factory):
     from diffusers_zero3.demo import prepare_default
 
     pipe, data = prepare_default(tmp_path_factory.mktemp("sdxl"), num_images=10, model="sdxl")
+    return str(pipe), str(data)
+
+
+@pytest.fixture(scope="session")
+def tiny_flux(tmp_path_factory):
+    """A tiny Flux.1 pipeline (guidance-distilled) and an 8-image dataset: ``(pipeline, dataset)``."""
+    from diffusers_zero3.demo import prepare_default
+
+    pipe, data = prepare_default(tmp_path_factory.mktemp("flux"), num_images=8, model="flux")
+    return str(pipe), str(data)
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3(tmp_path_factory):
+    """A tiny SD3 pipeline and an 8-image dataset: ``(pipeline, dataset)``."""
+    from diffusers_zero3.demo import prepare_default
+
+    pipe, data = prepare_default(tmp_path_factory.mktemp("sd3"), num_images=8, model="sd3")
     return str(pipe), str(data)

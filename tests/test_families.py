@@ -16,15 +16,18 @@ from tests.distributed_harness import run_on_ranks
 
 
 @pytest.mark.unit
-def test_family_detected_from_model_index(tiny_pipeline, tiny_sdxl, tmp_path):
-    from diffusers_zero3.families import SD, SDXL, detect_family
+def test_family_detected_from_model_index(tiny_pipeline, tiny_sdxl, tiny_flux, tiny_sd3, tmp_path):
+    from diffusers_zero3.families import FLUX, SD, SD3, SDXL, detect_family
     from diffusers_zero3.pretrained import CheckpointError
 
     assert detect_family(tiny_pipeline) is SD
     assert detect_family(tiny_sdxl[0]) is SDXL
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    assert detect_family(tiny_flux[0]) is FLUX
+    assert detect_family(tiny_sd3[0]) is SD3
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "KandinskyPipeline"}))
     with pytest.raises(
-        CheckpointError, match="FluxPipeline pipeline; supported pipelines: StableDiffusionPipeline"
+        CheckpointError,
+        match="KandinskyPipeline pipeline; supported pipelines: FluxPipeline, StableDiffusion3Pipeline",
     ):
         detect_family(tmp_path)
 
@@ -33,31 +36,131 @@ def test_family_detected_from_model_index(tiny_pipeline, tiny_sdxl, tmp_path):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("which", ["sd", "sdxl"])
-def test_conditioning_equals_the_pipelines_own_encode_prompt(tiny_pipeline, tiny_sdxl, which):
+@pytest.mark.parametrize("which", ["sd", "sdxl", "flux", "sd3"])
+def test_conditioning_equals_the_pipelines_own_encode_prompt(tiny_pipeline, tiny_sdxl, tiny_flux, tiny_sd3, which):
     from diffusers import DiffusionPipeline
 
     from diffusers_zero3.families import detect_family
 
-    source = tiny_pipeline if which == "sd" else tiny_sdxl[0]
+    source = {"sd": tiny_pipeline, "sdxl": tiny_sdxl[0], "flux": tiny_flux[0], "sd3": tiny_sd3[0]}[which]
     family = detect_family(source)
     pipe = DiffusionPipeline.from_pretrained(source)
     prompts = ["a red circle", "a blue square on grey"]
     tokenizers = family.load_tokenizers(source)
-    ids = family.tokenize(tokenizers, prompts)
+    ids = family.tokenize(tokenizers, prompts, max_sequence_length=24 if family.flow_matching else None)
+    common = dict(device="cpu", num_images_per_prompt=1)
     with torch.no_grad():
         encoders = {spec.name: getattr(pipe, spec.name) for spec in family.text_encoders}
         cond = family.conditioning(family.encode_texts(encoders, ids))
         if which == "sd":
-            expected, _ = pipe.encode_prompt(
-                prompts, device="cpu", num_images_per_prompt=1, do_classifier_free_guidance=False
-            )
+            expected, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, **common)
+        elif which == "sdxl":
+            expected, _, pooled, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, **common)
+            torch.testing.assert_close(cond["text_embeds"], pooled)
+        elif which == "flux":
+            expected, pooled, _ = pipe.encode_prompt(prompts, prompts, max_sequence_length=24, **common)
+            torch.testing.assert_close(cond["pooled_projections"], pooled)
         else:
             expected, _, pooled, _ = pipe.encode_prompt(
-                prompts, device="cpu", num_images_per_prompt=1, do_classifier_free_guidance=False
+                prompts, prompts, prompts, do_classifier_free_guidance=False, max_sequence_length=24, **common
             )
-            torch.testing.assert_close(cond["text_embeds"], pooled)
+            assert expected.shape[1] == 77 + 24  # CLIP tokens, then T5's
+            torch.testing.assert_close(cond["pooled_projections"], pooled)
     torch.testing.assert_close(cond["encoder_hidden_states"], expected)
+
+
+@pytest.mark.unit
+def test_flux_prediction_is_the_pipelines_packed_transformer_call(tiny_flux):
+    """``FLUX.predict`` packs the latents, builds ``img_ids``/``txt_ids``, passes sigma as the
+    timestep and the guidance value, and unpacks: the same numbers as ``FluxPipeline``'s own
+    helpers and transformer call."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    from diffusers_zero3.families import FLUX
+
+    transformer = FluxTransformer2DModel.from_pretrained(tiny_flux[0], subfolder="transformer")
+    assert transformer.config.guidance_embeds
+    torch.manual_seed(0)
+    latents = torch.randn(2, 16, 8, 6)
+    cond = {"encoder_hidden_states": torch.randn(2, 5, 32), "pooled_projections": torch.randn(2, 32)}
+    timesteps = torch.tensor([250.0, 900.0])
+    with torch.no_grad():
+        ours = FLUX.predict(transformer, latents, timesteps, cond, guidance_scale=3.5)
+        packed = FluxPipeline._pack_latents(latents, 2, 16, 8, 6)
+        expected = transformer(
+            hidden_states=packed,
+            timestep=timesteps / 1000,
+            guidance=torch.full((2,), 3.5),
+            pooled_projections=cond["pooled_projections"],
+            encoder_hidden_states=cond["encoder_hidden_states"],
+            txt_ids=torch.zeros(5, 3),
+            img_ids=FluxPipeline._prepare_latent_image_ids(2, 4, 3, "cpu", torch.float32),
+            return_dict=False,
+        )[0]
+        expected = FluxPipeline._unpack_latents(expected, 8 * 8, 6 * 8, 8)
+        other_guidance = FLUX.predict(transformer, latents, timesteps, cond, guidance_scale=1.0)
+    assert ours.shape == latents.shape
+    torch.testing.assert_close(ours, expected)
+    assert not torch.allclose(other_guidance, ours)  # the guidance value reaches the model
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("scheme", ["none", "logit_normal", "mode", "sigma_sqrt", "cosmap"])
+def test_flow_matching_loss_is_diffusers_rectified_flow(tiny_flux, scheme):
+    """The denoiser sees ``(1 - sigma) x + sigma n`` at ``timestep = 1000 sigma`` with sigma
+    from the scheduler's own table; predicting ``n - x`` gives zero loss, predicting zero gives
+    the weighted mean of ``(n - x)^2`` with diffusers' weighting."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+    from diffusers_zero3.training import flow_matching_loss
+
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_flux[0], subfolder="scheduler")
+    torch.manual_seed(1)
+    x, n = torch.randn(4, 16, 4, 4), torch.randn(4, 16, 4, 4)
+    seen = {}
+
+    def exact(noisy, timesteps):
+        sigmas = (timesteps / 1000).view(-1, 1, 1, 1)
+        torch.testing.assert_close(noisy, (1 - sigmas) * x + sigmas * n)
+        assert all(bool((scheduler.timesteps == t).any()) for t in timesteps)
+        seen["sigmas"] = sigmas
+        return n - x
+
+    assert flow_matching_loss(exact, scheduler, x, n, weighting_scheme=scheme).item() == pytest.approx(0, abs=1e-6)
+    torch.manual_seed(2)
+    loss = flow_matching_loss(exact, scheduler, x, n, weighting_scheme=scheme)  # draws the sigmas
+    torch.manual_seed(2)
+    zero = flow_matching_loss(lambda noisy, t: torch.zeros_like(noisy), scheduler, x, n, weighting_scheme=scheme)
+    weights = compute_loss_weighting_for_sd3(scheme, seen["sigmas"])
+    expected = (weights * (n - x) ** 2).reshape(4, -1).mean(dim=1).mean()
+    assert loss.item() == pytest.approx(0, abs=1e-6)
+    torch.testing.assert_close(zero, expected)
+    with pytest.raises(ValueError, match="weighting scheme must be one of"):
+        flow_matching_loss(exact, scheduler, x, n, weighting_scheme="uniform")
+
+
+@pytest.mark.unit
+def test_flags_that_do_not_apply_to_a_family_are_refused(tiny_flux, tiny_pipeline):
+    from diffusers_zero3.args import ArgumentError, check_resolution, parse_args, validate_family
+    from diffusers_zero3.families import FLUX, SD
+
+    def args(*extra):
+        return parse_args(["--pretrained_model_name_or_path", "p", "--train_data_dir", "d", *extra])
+
+    validate_family(args("--weighting_scheme", "cosmap", "--max_sequence_length", "64"), FLUX)
+    validate_family(args("--snr_gamma", "5"), SD)
+    with pytest.raises(ArgumentError, match="--snr_gamma 5.0 does not apply to a FluxPipeline, which trains with flow"):
+        validate_family(args("--snr_gamma", "5"), FLUX)
+    with pytest.raises(ArgumentError, match="--weighting_scheme cosmap does not apply to a StableDiffusionPipeline"):
+        validate_family(args("--weighting_scheme", "cosmap"), SD)
+    with pytest.raises(ArgumentError, match="--text_encoder_3_placement shard: a FluxPipeline has no"):
+        validate_family(args("--text_encoder_3_placement", "shard"), FLUX)
+    # Flux packs 2x2 latents: sides must be a multiple of twice the VAE's downsampling.
+    check_resolution(32, FLUX, f"{tiny_flux[0]}/vae")
+    with pytest.raises(ArgumentError, match="--resolution must be a multiple of 4 for this FluxPipeline, got 34"):
+        check_resolution(34, FLUX, f"{tiny_flux[0]}/vae")
+    check_resolution(34, SD, f"{tiny_flux[0]}/vae")
 
 
 @pytest.mark.unit
