@@ -4,7 +4,14 @@ from .accelerator import build_accelerator
 from .cache import CachedOutputs, precompute_frozen_outputs
 from .distributed import barrier, get_rank, get_world_size, is_main_process, log_rank_zero
 from .ema import ShardedEMA
-from .frozen import PLACEMENTS, FrozenModel, frozen_engine_config, local_parameter_bytes, prepare_frozen
+from .frozen import (
+    PLACEMENTS,
+    FrozenModel,
+    frozen_engine_config,
+    local_parameter_bytes,
+    placement_bytes_per_rank,
+    prepare_frozen,
+)
 from .lockstep import LockstepError, lockstep_check, lockstep_map
 from .pretrained import CheckpointError, load_pretrained_zero3, publish_folder, save_pretrained_zero3
 from .rewards import ParallelReward
@@ -26,6 +33,7 @@ __all__ = [
     "LockstepError",
     "frozen_engine_config",
     "local_parameter_bytes",
+    "placement_bytes_per_rank",
     "lockstep_check",
     "lockstep_map",
     "prepare_frozen",

@@ -277,7 +277,9 @@ def validate_args(args: argparse.Namespace) -> None:
                 "do not make a range"
             )
     if getattr(args, "max_sequence_length", None) is not None and args.max_sequence_length <= 0:
-        raise ArgumentError(f"--max_sequence_length must be a positive number, got {args.max_sequence_length}")
+        raise ArgumentError(
+            f"--max_sequence_length must be a positive number, got {args.max_sequence_length}"
+        )
     if args.resolution % 8:
         raise ArgumentError(
             f"--resolution must be divisible by 8 (the VAE's downsampling and the pipelines need it), "

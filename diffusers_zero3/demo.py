@@ -299,7 +299,13 @@ def _tiny_t5_encoder(d_model: int, vocab_size: int, layers: int = 2):
 
 def _tiny_clip_config(projection_dim: int = 32) -> dict:
     cfg = tiny_component_configs(32)["text_encoder"]
-    return {**cfg, "hidden_size": 32, "intermediate_size": 37, "num_attention_heads": 4, "projection_dim": projection_dim}
+    return {
+        **cfg,
+        "hidden_size": 32,
+        "intermediate_size": 37,
+        "num_attention_heads": 4,
+        "projection_dim": projection_dim,
+    }
 
 
 def _flow_vae(latent_channels: int, width: int = 32):
@@ -462,7 +468,11 @@ def write_shapes_dataset(
 VARIED_SIZES = [(32, 32), (48, 32), (32, 40), (56, 40), (40, 64)]
 
 
-TINY_PIPELINES = {"sdxl": save_tiny_sdxl_pipeline, "flux": save_tiny_flux_pipeline, "sd3": save_tiny_sd3_pipeline}
+TINY_PIPELINES = {
+    "sdxl": save_tiny_sdxl_pipeline,
+    "flux": save_tiny_flux_pipeline,
+    "sd3": save_tiny_sd3_pipeline,
+}
 MODELS = ("sd", *TINY_PIPELINES)
 
 

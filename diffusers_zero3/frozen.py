@@ -118,6 +118,42 @@ def total_parameter_bytes(module: torch.nn.Module) -> int:
     return total
 
 
+def placement_bytes_per_rank(
+    model: torch.nn.Module,
+    placement: str,
+    world_size: int,
+    dtype: torch.dtype = torch.float32,
+    persistence_threshold: int | None = None,
+) -> int:
+    """Bytes of a frozen model's weights each rank holds for ``placement``, from its parameter
+    shapes alone (a model built on the meta device will do).
+
+    ``replicate``: the whole model. ``shard``: DeepSpeed's partition of every parameter
+    (``ceil(numel / world_size)`` elements), plus the whole of each parameter at or below the
+    persistence threshold (default: ``zero3_bucket_sizes(model)``'s, as ``frozen_engine_config``
+    sets), which stays whole on every rank. ``offload``: the same bytes as ``shard``, held in
+    host memory instead of accelerator memory. ``cache``: none (the outputs are on disk).
+    """
+    from .ds_config import zero3_bucket_sizes
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numels = [p.ds_numel if is_zero3_param(p) else p.numel() for p in model.parameters()]
+    if placement == "replicate":
+        return sum(numels) * itemsize
+    if placement == "cache":
+        return 0
+    if placement not in ("shard", "offload"):
+        raise ValueError(f"unknown placement {placement!r}: choose replicate, shard, offload or cache")
+    if persistence_threshold is None:
+        persistence_threshold = zero3_bucket_sizes(model)["stage3_param_persistence_threshold"]
+    total = 0
+    for numel in numels:
+        total += -(-numel // world_size)
+        if numel <= persistence_threshold:
+            total += numel
+    return total * itemsize
+
+
 def _freeze(model: torch.nn.Module) -> None:
     model.requires_grad_(False)
     model.eval()

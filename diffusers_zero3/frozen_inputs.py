@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from .cache import CachedOutputs, precompute_frozen_outputs
+from .distributed import log_rank_zero
 from .families import Family, time_ids
 from .recipe import load_frozen_component, weight_dtype
-from .distributed import log_rank_zero
 from .testing import fault_point
 from .zero3 import is_zero3_enabled
 

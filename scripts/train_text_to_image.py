@@ -146,18 +146,23 @@ class TextToImageTrainer:
             raise ArgumentError(
                 "--dream_training supports epsilon prediction only (diffusers has no v-prediction DREAM)"
             )
-        self.timestep_weights = None if self.family.flow_matching else timestep_bias_weights(
-            self.noise_scheduler.config.num_train_timesteps,
-            args.timestep_bias_strategy,
-            args.timestep_bias_multiplier,
-            args.timestep_bias_begin,
-            args.timestep_bias_end,
-            args.timestep_bias_portion,
+        self.timestep_weights = (
+            None
+            if self.family.flow_matching
+            else timestep_bias_weights(
+                self.noise_scheduler.config.num_train_timesteps,
+                args.timestep_bias_strategy,
+                args.timestep_bias_multiplier,
+                args.timestep_bias_begin,
+                args.timestep_bias_end,
+                args.timestep_bias_portion,
+            )
         )
         self.tokenizers = self.family.load_tokenizers(src)
         self.denoiser = load_trainable_denoiser(self.accelerator, src, self.family, args.variant)
         if args.gradient_checkpointing:
             self.denoiser.enable_gradient_checkpointing()
+            log_rank_zero(f"gradient checkpointing of the {self.family.denoiser}: on")
         if args.enable_xformers_memory_efficient_attention:
             self.denoiser.enable_xformers_memory_efficient_attention()
 
@@ -182,7 +187,9 @@ class TextToImageTrainer:
             args.random_flip,
             seed=args.seed or 0,
             with_images=args.vae_placement != "cache",
-            tokenize=lambda captions: self.family.tokenize(self.tokenizers, captions, args.max_sequence_length),
+            tokenize=lambda captions: self.family.tokenize(
+                self.tokenizers, captions, args.max_sequence_length
+            ),
             empty_prompt_probability=args.proportion_empty_prompts,
         )
 
@@ -256,7 +263,9 @@ class TextToImageTrainer:
         args.num_train_epochs = epochs_for(
             args.max_train_steps, updates_per_epoch(len(self.loader), args.gradient_accumulation_steps)
         )
-        self.ema = ShardedEMA(self.denoiser, device="cpu" if args.offload_ema else None) if args.use_ema else None
+        self.ema = (
+            ShardedEMA(self.denoiser, device="cpu" if args.offload_ema else None) if args.use_ema else None
+        )
         if acc.is_main_process and args.report_to != "none":
             config = {k: v for k, v in vars(args).items() if not isinstance(v, list)}
             acc.init_trackers(args.tracker_project_name, config)
@@ -283,7 +292,9 @@ class TextToImageTrainer:
         latents, cond, time_ids = self.frozen(batch, self.accelerator.device)
         if self.family.flow_matching:
             return flow_matching_loss(
-                lambda noisy, t: self.family.predict(self.denoiser, noisy, t, cond, guidance_scale=args.guidance_scale),
+                lambda noisy, t: self.family.predict(
+                    self.denoiser, noisy, t, cond, guidance_scale=args.guidance_scale
+                ),
                 self.noise_scheduler,
                 latents,
                 torch.randn_like(latents),

@@ -55,7 +55,7 @@ def _run_in_process(name: str, argv: list[str], capfd) -> tuple[int, str]:
 
 
 @pytest.fixture(scope="module")
-def bad_data(default_data, tiny_sdxl, tmp_path_factory):
+def bad_data(default_data, tiny_sdxl, tiny_flux, tmp_path_factory):
     """Datasets (and pipelines) that are wrong in one way each, next to the good default."""
     pipe, data, _ = default_data
     root = tmp_path_factory.mktemp("bad-data")
@@ -69,7 +69,13 @@ def bad_data(default_data, tiny_sdxl, tmp_path_factory):
     strings.mkdir()
     rows = [{"image": f"img{i}.png", "text": f"caption {i}"} for i in range(8)]
     (strings / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    return {"empty": str(empty), "strings": str(strings), "unknown": str(unknown), "sdxl": tiny_sdxl[0]}
+    return {
+        "empty": str(empty),
+        "strings": str(strings),
+        "unknown": str(unknown),
+        "sdxl": tiny_sdxl[0],
+        "flux": tiny_flux[0],
+    }
 
 
 def _t2i(pipe, data, out):
@@ -127,13 +133,27 @@ T2I_CASES = COMMON_CASES + [
     ),
     (
         ["--pretrained_model_name_or_path", "{unknown}"],
-        "pipeline; supported pipelines: StableDiffusionPipeline",
+        "pipeline; supported pipelines: FluxPipeline, StableDiffusion3Pipeline, StableDiffusionPipeline",
     ),
     (
         ["--pretrained_model_name_or_path", "{sdxl}", "--dream_training"],
         "--dream_training is not supported for",
     ),
     (["--proportion_empty_prompts", "1.5"], "--proportion_empty_prompts must be between 0 and 1"),
+    (
+        ["--pretrained_model_name_or_path", "{flux}", "--snr_gamma", "5"],
+        "--snr_gamma 5.0 does not apply to a FluxPipeline, which trains with flow matching",
+    ),
+    (
+        ["--weighting_scheme", "cosmap"],
+        "--weighting_scheme cosmap does not apply to a StableDiffusionPipeline",
+    ),
+    (["--weighting_scheme", "uniform"], "argument --weighting_scheme: invalid choice: 'uniform'"),
+    (["--max_sequence_length", "0"], "--max_sequence_length must be a positive number, got 0"),
+    (
+        ["--text_encoder_3_placement", "cache"],
+        "--text_encoder_3_placement cache: a StableDiffusionPipeline has no",
+    ),
     (
         ["--timestep_bias_strategy", "range", "--timestep_bias_begin", "500", "--timestep_bias_end", "100"],
         "do not make a range",

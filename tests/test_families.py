@@ -37,7 +37,9 @@ def test_family_detected_from_model_index(tiny_pipeline, tiny_sdxl, tiny_flux, t
 
 @pytest.mark.unit
 @pytest.mark.parametrize("which", ["sd", "sdxl", "flux", "sd3"])
-def test_conditioning_equals_the_pipelines_own_encode_prompt(tiny_pipeline, tiny_sdxl, tiny_flux, tiny_sd3, which):
+def test_conditioning_equals_the_pipelines_own_encode_prompt(
+    tiny_pipeline, tiny_sdxl, tiny_flux, tiny_sd3, which
+):
     from diffusers import DiffusionPipeline
 
     from diffusers_zero3.families import detect_family
@@ -127,11 +129,15 @@ def test_flow_matching_loss_is_diffusers_rectified_flow(tiny_flux, scheme):
         seen["sigmas"] = sigmas
         return n - x
 
-    assert flow_matching_loss(exact, scheduler, x, n, weighting_scheme=scheme).item() == pytest.approx(0, abs=1e-6)
+    assert flow_matching_loss(exact, scheduler, x, n, weighting_scheme=scheme).item() == pytest.approx(
+        0, abs=1e-6
+    )
     torch.manual_seed(2)
     loss = flow_matching_loss(exact, scheduler, x, n, weighting_scheme=scheme)  # draws the sigmas
     torch.manual_seed(2)
-    zero = flow_matching_loss(lambda noisy, t: torch.zeros_like(noisy), scheduler, x, n, weighting_scheme=scheme)
+    zero = flow_matching_loss(
+        lambda noisy, t: torch.zeros_like(noisy), scheduler, x, n, weighting_scheme=scheme
+    )
     weights = compute_loss_weighting_for_sd3(scheme, seen["sigmas"])
     expected = (weights * (n - x) ** 2).reshape(4, -1).mean(dim=1).mean()
     assert loss.item() == pytest.approx(0, abs=1e-6)
@@ -150,15 +156,21 @@ def test_flags_that_do_not_apply_to_a_family_are_refused(tiny_flux, tiny_pipelin
 
     validate_family(args("--weighting_scheme", "cosmap", "--max_sequence_length", "64"), FLUX)
     validate_family(args("--snr_gamma", "5"), SD)
-    with pytest.raises(ArgumentError, match="--snr_gamma 5.0 does not apply to a FluxPipeline, which trains with flow"):
+    with pytest.raises(
+        ArgumentError, match="--snr_gamma 5.0 does not apply to a FluxPipeline, which trains with flow"
+    ):
         validate_family(args("--snr_gamma", "5"), FLUX)
-    with pytest.raises(ArgumentError, match="--weighting_scheme cosmap does not apply to a StableDiffusionPipeline"):
+    with pytest.raises(
+        ArgumentError, match="--weighting_scheme cosmap does not apply to a StableDiffusionPipeline"
+    ):
         validate_family(args("--weighting_scheme", "cosmap"), SD)
     with pytest.raises(ArgumentError, match="--text_encoder_3_placement shard: a FluxPipeline has no"):
         validate_family(args("--text_encoder_3_placement", "shard"), FLUX)
     # Flux packs 2x2 latents: sides must be a multiple of twice the VAE's downsampling.
     check_resolution(32, FLUX, f"{tiny_flux[0]}/vae")
-    with pytest.raises(ArgumentError, match="--resolution must be a multiple of 4 for this FluxPipeline, got 34"):
+    with pytest.raises(
+        ArgumentError, match="--resolution must be a multiple of 4 for this FluxPipeline, got 34"
+    ):
         check_resolution(34, FLUX, f"{tiny_flux[0]}/vae")
     check_resolution(34, SD, f"{tiny_flux[0]}/vae")
 

@@ -13,7 +13,7 @@ def worker_t5_partitioned(pipe_dir: str, data_dir: str, cache_dir: str):
     import datasets
     from transformers import T5EncoderModel
 
-    from diffusers_zero3 import load_pretrained_zero3, zero3_init_disabled
+    from diffusers_zero3 import load_pretrained_zero3, placement_bytes_per_rank, zero3_init_disabled
     from diffusers_zero3.data import ImageCaptionDataset, collate
     from diffusers_zero3.ds_config import fill_auto_bucket_sizes, frozen_engine_config, zero3_bucket_sizes
     from diffusers_zero3.families import FLUX
@@ -31,15 +31,24 @@ def worker_t5_partitioned(pipe_dir: str, data_dir: str, cache_dir: str):
     assert zero3_bucket_sizes(t5) == zero3_bucket_sizes(whole)
     # A frozen engine gets sizes from its own shapes, not those filled in for the trained model.
     trained = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
-    auto = dict.fromkeys(("stage3_param_persistence_threshold", "reduce_bucket_size", "stage3_prefetch_bucket_size"), "auto")
+    auto = dict.fromkeys(
+        ("stage3_param_persistence_threshold", "reduce_bucket_size", "stage3_prefetch_bucket_size"), "auto"
+    )
     cfg = fill_auto_bucket_sizes(zero3_config(**auto), trained)
     assert cfg["zero_optimization"]["stage3_param_persistence_threshold"] == 5120
     frozen_cfg = frozen_engine_config(t5, cfg)["zero_optimization"]
-    assert frozen_cfg["stage3_param_persistence_threshold"] == zero3_bucket_sizes(whole)[
-        "stage3_param_persistence_threshold"
-    ] == 640
+    assert (
+        frozen_cfg["stage3_param_persistence_threshold"]
+        == zero3_bucket_sizes(whole)["stage3_param_persistence_threshold"]
+        == 640
+    )
     engine = prepare_frozen(t5, "shard", accelerator=accelerator, name="t5")
-    assert engine.local_parameter_bytes() < 0.6 * sum(p.numel() * 4 for p in whole.parameters())
+    # The bytes a rank holds are what placement_bytes_per_rank computes from the shapes alone.
+    # (the tests' config keeps nothing whole: persistence threshold 0)
+    assert engine.local_parameter_bytes() == placement_bytes_per_rank(
+        whole, "shard", 2, persistence_threshold=0
+    )
+    assert engine.local_parameter_bytes() < 0.6 * placement_bytes_per_rank(whole, "replicate", 2)
     ids = torch.randint(3, 100, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(engine(ids)[0], whole(ids)[0])
@@ -67,7 +76,11 @@ def worker_t5_partitioned(pipe_dir: str, data_dir: str, cache_dir: str):
 @pytest.mark.multirank
 def test_t5_partitioned_load_buckets_and_cache_encoded_sharded(tiny_flux, tmp_path):
     pipe, data = tiny_flux
-    outs = run_on_ranks(worker_t5_partitioned, pipe_dir=pipe, data_dir=data, cache_dir=str(tmp_path / "cache"))
+    outs = run_on_ranks(
+        worker_t5_partitioned, pipe_dir=pipe, data_dir=data, cache_dir=str(tmp_path / "cache")
+    )
     assert all("OK t5 partitioned" in o for o in outs)
     # The log of the cache placement says how the encoder ran: sharded, half of it per rank.
-    assert "text_encoder_2: shard, 0.05 MiB of 0.10 MiB on this rank (to encode the cache as shard)" in outs[0]
+    assert (
+        "text_encoder_2: shard, 0.05 MiB of 0.10 MiB on this rank (to encode the cache as shard)" in outs[0]
+    )

@@ -99,7 +99,9 @@ class Family:
 
     # ------------------------------------------------------------------ prompts
 
-    def sequence_length(self, spec: TextEncoderSpec, tokenizer, max_sequence_length: int | None = None) -> int:
+    def sequence_length(
+        self, spec: TextEncoderSpec, tokenizer, max_sequence_length: int | None = None
+    ) -> int:
         """Tokens per caption for one encoder: ``max_sequence_length`` (default: the family's)
         for a T5 encoder, the tokenizer's own length (77 for CLIP) otherwise."""
         if spec.uses_max_sequence_length:
@@ -178,7 +180,9 @@ class Family:
         latent packing)."""
         return 2 ** (len(vae_config["block_out_channels"]) - 1)
 
-    def validation_kwargs(self, max_sequence_length: int | None, guidance_scale: float | None) -> dict[str, Any]:
+    def validation_kwargs(
+        self, max_sequence_length: int | None, guidance_scale: float | None
+    ) -> dict[str, Any]:
         """Extra keyword arguments of the family's pipeline call for validation images."""
         return {}
 
@@ -318,14 +322,22 @@ class StableDiffusion3(Family):
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
     """Flux's 2x2 patches: (N, C, H, W) -> (N, H/2 * W/2, 4C), as ``FluxPipeline`` packs."""
     n, c, h, w = latents.shape
-    return latents.view(n, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(n, (h // 2) * (w // 2), c * 4)
+    return (
+        latents.view(n, c, h // 2, 2, w // 2, 2)
+        .permute(0, 2, 4, 1, 3, 5)
+        .reshape(n, (h // 2) * (w // 2), c * 4)
+    )
 
 
 def unpack_latents(packed: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """The inverse of ``pack_latents`` for latents of ``height`` x ``width``."""
     n, _, c4 = packed.shape
     c = c4 // 4
-    return packed.view(n, height // 2, width // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(n, c, height, width)
+    return (
+        packed.view(n, height // 2, width // 2, c, 2, 2)
+        .permute(0, 3, 1, 4, 2, 5)
+        .reshape(n, c, height, width)
+    )
 
 
 def latent_image_ids(height: int, width: int, device=None, dtype=None) -> torch.Tensor:
@@ -416,7 +428,9 @@ SD3 = StableDiffusion3(
     text_encoders=(
         TextEncoderSpec("text_encoder", "CLIPTextModelWithProjection", "tokenizer", "input_ids"),
         TextEncoderSpec("text_encoder_2", "CLIPTextModelWithProjection", "tokenizer_2", "input_ids_2"),
-        TextEncoderSpec("text_encoder_3", "T5EncoderModel", "tokenizer_3", "input_ids_3", uses_max_sequence_length=True),
+        TextEncoderSpec(
+            "text_encoder_3", "T5EncoderModel", "tokenizer_3", "input_ids_3", uses_max_sequence_length=True
+        ),
     ),
     denoiser="transformer",
     denoiser_class="SD3Transformer2DModel",
@@ -430,7 +444,9 @@ FLUX = Flux(
     pipeline_class="FluxPipeline",
     text_encoders=(
         TextEncoderSpec("text_encoder", "CLIPTextModel", "tokenizer", "input_ids"),
-        TextEncoderSpec("text_encoder_2", "T5EncoderModel", "tokenizer_2", "input_ids_2", uses_max_sequence_length=True),
+        TextEncoderSpec(
+            "text_encoder_2", "T5EncoderModel", "tokenizer_2", "input_ids_2", uses_max_sequence_length=True
+        ),
     ),
     denoiser="transformer",
     denoiser_class="FluxTransformer2DModel",

@@ -1,0 +1,138 @@
+"""scripts/train_text_to_image.py on Flux.1 and SD3 pipelines, 2 ZeRO-3 ranks: T5 sharded or
+cached, EMA, exact resume, gradient checkpointing, and output pipelines that load and generate."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed_harness import accelerate_launch, run_launcher
+
+LAUNCH = accelerate_launch("scripts/train_text_to_image.py")
+
+
+def _losses(output: str) -> dict[int, float]:
+    return {int(s): float(v) for s, v in re.findall(r"step (\d+) loss ([0-9.]+)\b", output)}
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def _state(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "diffusion_pytorch_model.safetensors"))
+
+
+def _common(pipe: str, data: str, steps: int) -> list[str]:
+    return ["--pretrained_model_name_or_path", pipe, "--train_data_dir", data, "--resolution", "32",
+            "--center_crop", "--random_flip", "--train_batch_size", "2", "--max_train_steps", str(steps),
+            "--learning_rate", "1e-3", "--lr_warmup_steps", "0", "--seed", "3", "--report_to", "none",
+            "--max_sequence_length", "16"]  # fmt: skip
+
+
+def _generates(out: Path, pipeline_class: str) -> None:
+    from diffusers import DiffusionPipeline
+
+    pipeline = DiffusionPipeline.from_pretrained(out)
+    assert type(pipeline).__name__ == pipeline_class
+    image = pipeline(
+        "a red circle", num_inference_steps=2, height=32, width=32, max_sequence_length=16
+    ).images[0]
+    assert image.size == (32, 32)
+
+
+def test_flux_t5_sharded_clip_replicated_ema_output_and_exact_resume(tiny_flux, tmp_path):
+    pipe, data = tiny_flux
+    out = tmp_path / "run"
+    common = [*_common(pipe, data, 4), "--use_ema", "--checkpointing_steps", "2",
+              "--text_encoder_placement", "replicate", "--text_encoder_2_placement", "shard",
+              "--weighting_scheme", "logit_normal", "--guidance_scale", "2.5"]  # fmt: skip
+    validation = ["--validation_prompts", "a red circle", "--validation_steps", "4",
+                  "--num_validation_inference_steps", "2"]  # fmt: skip
+    _, log = run_launcher([*LAUNCH, *common, *validation, "--output_dir", str(out)], timeout=400)
+    losses = _losses(log)
+    assert sorted(losses) == [1, 2, 3, 4], log[-3000:]
+    assert "text_encoder_2: shard, 0.05 MiB of 0.10 MiB on this rank" in log  # T5 held 1/N per rank
+    assert "text_encoder: replicate" in log
+    assert "FluxPipeline.from_pretrained" in log
+    assert (out / "validation" / "step-000004.png").exists()
+
+    # The output: a FluxPipeline that loads and generates; the (EMA) transformer was streamed
+    # from the partitions and changed; the frozen components are the source's, byte for byte.
+    _generates(out, "FluxPipeline")
+    before, after = _state(Path(pipe) / "transformer"), _state(out / "transformer")
+    assert before.keys() == after.keys() and all(after[k].shape == before[k].shape for k in before)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    for name in ("text_encoder", "text_encoder_2", "tokenizer_2", "vae", "scheduler"):
+        assert _files(out / name) == _files(Path(pipe) / name), name
+
+    # Resume from checkpoint-2 in a fresh folder: steps 3-4 and the final (EMA) weights
+    # repeat the uninterrupted run's.
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
+    _, log2 = run_launcher(
+        [*LAUNCH, *common, "--output_dir", str(resumed), "--resume_from_checkpoint", "latest"], timeout=400
+    )
+    again = _losses(log2)
+    assert sorted(again) == [3, 4], log2[-3000:]
+    for step in again:
+        assert again[step] == pytest.approx(losses[step], abs=2e-6), (step, again, losses)
+    final = _state(resumed / "transformer")
+    for k in after:
+        torch.testing.assert_close(final[k], after[k], rtol=0, atol=1e-6, msg=k)
+
+
+def test_flux_with_t5_cached(tiny_flux, tmp_path):
+    """T5 and CLIP cached (encoded with T5 sharded, then freed), gradient checkpointing on."""
+    pipe, data = tiny_flux
+    out = tmp_path / "run"
+    argv = [*LAUNCH, *_common(pipe, data, 2), "--output_dir", str(out), "--text_encoder_placement", "cache",
+            "--text_encoder_2_placement", "cache", "--gradient_checkpointing",
+            "--validation_prompts", "a blue square", "--validation_steps", "2",
+            "--num_validation_inference_steps", "2"]  # fmt: skip
+    _, log = run_launcher(argv, timeout=400)
+    assert sorted(_losses(log)) == [1, 2], log[-3000:]
+    assert "text_encoder_2: shard, 0.05 MiB of 0.10 MiB on this rank (to encode the cache as shard)" in log
+    assert "encoding 8 rows with the frozen models" in log
+    assert (out / "validation" / "step-000002.png").exists()  # cached encoders reloaded for it
+    _generates(out, "FluxPipeline")
+
+
+def test_sd3_end_to_end_and_gradient_checkpointing_changes_nothing(tiny_sd3, tmp_path):
+    """SD3 with its T5 (text_encoder_3) sharded and the VAE cached; the same run with
+    gradient checkpointing of the transformer gives the same losses and weights."""
+    pipe, data = tiny_sd3
+    common = [*_common(pipe, data, 3), "--text_encoder_3_placement", "shard", "--vae_placement", "cache",
+              "--text_encoder_2_placement", "replicate"]  # fmt: skip
+    plain, checkpointed = tmp_path / "plain", tmp_path / "gc"
+    _, log = run_launcher(
+        [*LAUNCH, *common, "--output_dir", str(plain), "--frozen_cache_dir", str(tmp_path / "cache"),
+         "--validation_prompts", "a red circle", "--validation_steps", "3", "--num_validation_inference_steps", "2"],
+        timeout=400,
+    )  # fmt: skip
+    losses = _losses(log)
+    assert sorted(losses) == [1, 2, 3], log[-3000:]
+    assert "text_encoder_3: shard" in log and "StableDiffusion3Pipeline.from_pretrained" in log
+    _generates(plain, "StableDiffusion3Pipeline")
+    _, log_gc = run_launcher(
+        [*LAUNCH, *common, "--output_dir", str(checkpointed), "--frozen_cache_dir", str(tmp_path / "cache"),
+         "--gradient_checkpointing"],
+        timeout=400,
+    )  # fmt: skip
+    losses_gc = _losses(log_gc)
+    assert "gradient checkpointing of the transformer: on" in log_gc
+    assert sorted(losses_gc) == [1, 2, 3], log_gc[-3000:]
+    for step in losses:
+        assert losses_gc[step] == pytest.approx(losses[step], abs=1e-5), (losses, losses_gc)
+    a, b = _state(plain / "transformer"), _state(checkpointed / "transformer")
+    before = _state(Path(pipe) / "transformer")
+    assert any(not torch.equal(a[k], before[k]) for k in a)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=k)
