@@ -46,10 +46,13 @@ def run_on_ranks(fn, world_size: int = 2, timeout: float = DEFAULT_TIMEOUT, env=
 
 
 def accelerate_launch(script: str, num_processes: int = 2) -> list[str]:
-    """``accelerate launch`` argv for ``script`` with the repository's ZeRO-3 config."""
+    """``accelerate launch`` argv for ``script`` with the repository's ZeRO-3 config, on a port
+    of its own (launches that run side by side would otherwise all take 29500)."""
+    from diffusers_zero3.testing import free_port
+
     config = "configs/accelerate_zero3.yaml"
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
-            "--num_processes", str(num_processes), script]  # fmt: skip
+            "--num_processes", str(num_processes), "--main_process_port", str(free_port()), script]  # fmt: skip
 
 
 def run_launcher(argv, timeout: float = DEFAULT_TIMEOUT, env=None, expect_rc: int | None = 0):
