@@ -195,6 +195,22 @@ def text_to_image_parser() -> argparse.ArgumentParser:
         default=None,
         help="T5 tokens per caption (default: 77 for SD3, 512 for Flux, as diffusers' scripts).",
     )
+    # --- diffusers' LoRA scripts' flags (train_text_to_image_lora.py, train_dreambooth_lora_*.py)
+    a(
+        "--rank",
+        type=int,
+        default=None,
+        help="Train LoRA adapters of this rank on the frozen denoiser instead of the whole denoiser "
+        "(diffusers' LoRA scripts use 4); the output is pytorch_lora_weights.safetensors.",
+    )
+    a("--lora_alpha", type=float, default=None, help="LoRA alpha (default: the rank).")
+    a("--lora_dropout", type=float, default=0.0, help="Dropout of the LoRA layers.")
+    a(
+        "--lora_layers",
+        type=str,
+        default=None,
+        help="Comma-separated modules to adapt (default: the family's, as diffusers' LoRA scripts).",
+    )
     # --- this package's flags
     a(
         "--frozen_cache_dir",
@@ -276,6 +292,14 @@ def validate_args(args: argparse.Namespace) -> None:
                 f"--timestep_bias_begin {args.timestep_bias_begin} and --timestep_bias_end {args.timestep_bias_end} "
                 "do not make a range"
             )
+    if getattr(args, "rank", None) is not None and args.rank <= 0:
+        raise ArgumentError(f"--rank must be a positive number, got {args.rank}")
+    if getattr(args, "rank", None) is None:
+        for flag, unset in (("lora_alpha", None), ("lora_dropout", 0.0), ("lora_layers", None)):
+            if getattr(args, flag, unset) != unset:
+                raise ArgumentError(f"--{flag} applies to LoRA training: add --rank")
+    if not 0 <= getattr(args, "lora_dropout", 0.0) < 1:
+        raise ArgumentError(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
     if getattr(args, "max_sequence_length", None) is not None and args.max_sequence_length <= 0:
         raise ArgumentError(
             f"--max_sequence_length must be a positive number, got {args.max_sequence_length}"

@@ -159,7 +159,8 @@ def gathered_parameters(
 
     A thin wrapper around ``deepspeed.zero.GatheredParameters`` that accepts a module, a
     single parameter or any iterable of parameters; drops parameters that are not ZeRO-3
-    parameters; and is a plain ``nullcontext`` when nothing is partitioned (DeepSpeed
+    parameters (and, for a read-only gather, those already whole, which DeepSpeed would
+    otherwise release on exit); and is a plain ``nullcontext`` when nothing is partitioned (DeepSpeed
     missing, ZeRO-3 off, or ``enabled=False``). Collective when anything is gathered: call
     on every rank with the same parameters.
 
@@ -188,6 +189,10 @@ def gathered_parameters(
                 latents = vae.encode(pixels).latent_dist.sample()
     """
     zero_params = [p for p in _as_param_list(params) if is_zero3_param(p)]
+    if modifier_rank is None:
+        # Already whole (kept by the persistence threshold): reading needs no gather, and
+        # DeepSpeed's exit would release them, undoing their persistence.
+        zero_params = [p for p in zero_params if p.ds_status.name != "AVAILABLE"]
     if not enabled or not zero_params:
         return contextlib.nullcontext()
     import deepspeed

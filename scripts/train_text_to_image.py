@@ -24,6 +24,9 @@ What differs from upstream, and why:
   sharded or cached T5 is read straight into partitions; upstream's
   ``zero3_init_context_manager(enable=False)`` no longer keeps them whole;
 * ``--use_ema`` averages each rank's partition (``ShardedEMA``) instead of a full copy;
+* ``--rank N`` trains peft LoRA adapters on the partitioned, frozen denoiser (the optimizer
+  holds the adapters alone) and writes ``pytorch_lora_weights.safetensors`` gathered from the
+  partitions, in diffusers' format for the pipeline class;
 * every collective (checkpoint save, final save, validation) runs on every rank;
 * checkpoints are atomic and resume the exact trajectory (RNG, data position, EMA).
 """
@@ -59,6 +62,7 @@ from diffusers_zero3.data import (
 from diffusers_zero3.families import detect_family
 from diffusers_zero3.folders import remove_interrupted_writes
 from diffusers_zero3.frozen_inputs import place_frozen_models
+from diffusers_zero3.lora import LORA_WEIGHT_NAME, add_lora_adapters, save_lora_zero3
 from diffusers_zero3.pipeline_io import (
     check_output_dir,
     generate_validation_images,
@@ -160,6 +164,19 @@ class TextToImageTrainer:
         )
         self.tokenizers = self.family.load_tokenizers(src)
         self.denoiser = load_trainable_denoiser(self.accelerator, src, self.family, args.variant)
+        if args.rank is not None:
+            targets = args.lora_layers.split(",") if args.lora_layers else self.family.lora_target_modules
+            adapters = add_lora_adapters(
+                self.denoiser,
+                rank=args.rank,
+                target_modules=targets,
+                alpha=args.lora_alpha,
+                dropout=args.lora_dropout,
+            )
+            log_rank_zero(
+                f"LoRA rank {args.rank} on {', '.join(targets)}: {sum(p.numel() for p in adapters):,} trainable "
+                f"parameters; the {self.family.denoiser} is frozen"
+            )
         if args.gradient_checkpointing:
             self.denoiser.enable_gradient_checkpointing()
             log_rank_zero(f"gradient checkpointing of the {self.family.denoiser}: on")
@@ -231,7 +248,7 @@ class TextToImageTrainer:
                 num_processes=acc.num_processes,
             )
         optimizer = torch.optim.AdamW(
-            self.denoiser.parameters(),
+            [p for p in self.denoiser.parameters() if p.requires_grad],  # the adapters alone under LoRA
             lr=lr,
             betas=(args.adam_beta1, args.adam_beta2),
             weight_decay=args.adam_weight_decay,
@@ -442,9 +459,19 @@ class TextToImageTrainer:
         trained no step and the folder is complete."""
         args = self.args
         fault_point("final_save")
-        if self.trained_steps == 0 and (Path(args.output_dir) / "model_index.json").exists():
-            log_rank_zero(f"pipeline: {os.path.abspath(args.output_dir)} (already complete)")
+        marker = LORA_WEIGHT_NAME if args.rank is not None else "model_index.json"
+        if self.trained_steps == 0 and (Path(args.output_dir) / marker).exists():
+            log_rank_zero(f"output: {os.path.abspath(args.output_dir)} (already complete)")
             self.accelerator.end_training()
+            return
+        if args.rank is not None:
+            with self.ema.averaged_weights() if self.ema is not None else contextlib.nullcontext():
+                path = save_lora_zero3(self.denoiser, self.family, args.output_dir)
+            self.accelerator.end_training()
+            log_rank_zero(
+                f"LoRA weights: {os.path.abspath(path)} ({self.family.pipeline_class}.load_lora_weights)\n"
+                f"validation images: {os.path.abspath(os.path.join(args.output_dir, 'validation'))}"
+            )
             return
         card = model_card(
             args.pretrained_model_name_or_path,

@@ -57,6 +57,8 @@ class Family:
     flow_matching: bool = False  # SD3/Flux: flow matching with FlowMatchEulerDiscreteScheduler's sigmas
     default_max_sequence_length: int = 77  # T5 tokens, as diffusers' training scripts default
     default_weighting_scheme: str = "none"  # flow matching's timestep density and loss weighting
+    # LoRA targets of diffusers' LoRA scripts for this family (--lora_layers overrides them)
+    lora_target_modules: tuple[str, ...] = ("to_k", "to_q", "to_v", "to_out.0")
 
     # ------------------------------------------------------------------ components
 
@@ -438,6 +440,16 @@ SD3 = StableDiffusion3(
     flow_matching=True,
     default_max_sequence_length=77,  # diffusers' train_dreambooth_sd3.py
     default_weighting_scheme="logit_normal",
+    lora_target_modules=(  # train_dreambooth_lora_sd3.py
+        "attn.add_k_proj",
+        "attn.add_q_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+        "attn.to_k",
+        "attn.to_out.0",
+        "attn.to_q",
+        "attn.to_v",
+    ),  # fmt: skip
 )
 FLUX = Flux(
     name="flux",
@@ -454,6 +466,20 @@ FLUX = Flux(
     flow_matching=True,
     default_max_sequence_length=512,  # diffusers' train_dreambooth_flux.py
     default_weighting_scheme="none",
+    lora_target_modules=(  # train_dreambooth_lora_flux.py
+        "attn.to_k",
+        "attn.to_q",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_k_proj",
+        "attn.add_q_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
+    ),  # fmt: skip
 )
 FAMILIES: dict[str, Family] = {f.pipeline_class: f for f in (SD, SDXL, SD3, FLUX)}
 

@@ -1,0 +1,141 @@
+"""LoRA under ZeRO-3: peft adapters on a partitioned frozen denoiser, saved in diffusers' format.
+
+The base denoiser is loaded straight into ZeRO-3 partitions (``load_pretrained_zero3``), then
+``add_lora_adapters`` injects peft LoRA layers and freezes everything else. The model is
+prepared as one ZeRO-3 engine whose optimizer holds the adapters alone: the frozen base stays
+partitioned (gathered layer by layer in forward and backward, never given gradients or
+optimizer state), and the adapters are partitioned like any trained parameter.
+
+``save_lora_zero3`` gathers the adapters (a collective) and rank 0 writes
+``pytorch_lora_weights.safetensors`` with the family's pipeline class's
+``save_lora_weights``, after checking that every tensor has its adapter's full shape (an
+ungathered ZeRO-3 parameter reads as shape [0]: the empty LoRA files reported upstream in
+peft#2500, accelerate#3508, trl#4416). The file is written aside and moved into place.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+
+from .args import ArgumentError
+from .distributed import barrier, is_main_process
+from .folders import fsync_tree
+from .zero3 import gathered_parameters, is_zero3_param
+
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+
+
+class LoraError(RuntimeError):
+    """A gathered adapter tensor that does not have its adapter's shape (never written)."""
+
+
+def add_lora_adapters(
+    denoiser: torch.nn.Module,
+    *,
+    rank: int,
+    target_modules: list[str] | tuple[str, ...],
+    alpha: float | None = None,
+    dropout: float = 0.0,
+) -> list[torch.nn.Parameter]:
+    """Inject peft LoRA adapters (``rank``, ``alpha`` default ``rank``, ``dropout``, gaussian
+    init as diffusers' LoRA scripts) into ``target_modules`` of ``denoiser`` and freeze the rest.
+
+    Works on a whole or a ZeRO-3-partitioned denoiser (call before ``accelerator.prepare``, on
+    every rank, after seeding: the adapters' initial values come from the RNG; under ZeRO-3
+    the engine broadcasts rank 0's). Returns the trainable adapter parameters, the only ones
+    to give the optimizer. Raises ``ArgumentError`` when no module matches the targets.
+    """
+    from peft import LoraConfig
+
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha if alpha is not None else rank,
+        lora_dropout=dropout,
+        init_lora_weights="gaussian",
+        target_modules=list(target_modules),
+    )
+    denoiser.requires_grad_(False)
+    try:
+        denoiser.add_adapter(config)
+    except ValueError as e:  # peft: "Target modules ... not found in the base model"
+        raise ArgumentError(
+            f"--lora_layers {','.join(target_modules)}: no such module in {type(denoiser).__name__}"
+        ) from e
+    params = [p for n, p in denoiser.named_parameters() if "lora_" in n]
+    for p in params:
+        p.requires_grad_(True)
+    if not params:
+        raise LoraError(
+            f"no module of {type(denoiser).__name__} matches the LoRA targets {', '.join(target_modules)}"
+        )
+    return params
+
+
+def adapter_shapes(denoiser: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """``{peft state-dict key: full shape}`` of every adapter tensor (partitioned or not)."""
+    module = getattr(denoiser, "module", denoiser)
+    shapes = {}
+    for name, p in module.named_parameters():
+        if "lora_" in name:
+            shape = tuple(p.ds_shape) if is_zero3_param(p) else tuple(p.shape)
+            shapes[name.replace(".default", "")] = shape
+    return shapes
+
+
+def gathered_lora_state_dict(denoiser: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' full tensors in peft's state-dict form (CPU copies), checked against their
+    shapes. Collective under ZeRO-3 (every rank gathers; every rank gets the dict)."""
+    from peft.utils import get_peft_model_state_dict
+
+    module = getattr(denoiser, "module", denoiser)
+    params = [p for n, p in module.named_parameters() if "lora_" in n]
+    expected = adapter_shapes(module)
+    with gathered_parameters(params):
+        state = {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(module).items()}
+    if set(state) != set(expected):
+        raise LoraError(
+            f"the LoRA state dict has {len(state)} tensors, the model {len(expected)} adapters: "
+            f"{sorted(set(state) ^ set(expected))[:4]}"
+        )
+    for key, tensor in state.items():
+        if tuple(tensor.shape) != expected[key] or tensor.numel() == 0:
+            raise LoraError(f"LoRA tensor {key} has shape {tuple(tensor.shape)}, its adapter {expected[key]}")
+    return state
+
+
+def save_lora_zero3(denoiser, family, output_dir: str | os.PathLike) -> Path:
+    """Write ``output_dir/pytorch_lora_weights.safetensors`` in diffusers' LoRA format for the
+    family's pipeline class, gathered from the partitions. Collective: call on every rank.
+
+    ``denoiser`` is the trained model or its engine; wrap the call in
+    ``ema.averaged_weights()`` to save the EMA adapters. Every tensor's shape is checked against
+    its adapter (never an empty or shape-[0] tensor); the file is written by the global main
+    process into a staging folder and moved into place, so an existing file is replaced whole
+    or not at all. The result loads with ``pipeline.load_lora_weights(output_dir)``.
+    """
+    import diffusers
+    from diffusers.utils import convert_state_dict_to_diffusers
+
+    state = gathered_lora_state_dict(denoiser)
+    final = Path(output_dir) / LORA_WEIGHT_NAME
+    if is_main_process():
+        staging = Path(output_dir) / f".tmp-lora-{uuid.uuid4().hex[:8]}"
+        staging.mkdir(parents=True)
+        try:
+            pipeline_class = getattr(diffusers, family.pipeline_class)
+            pipeline_class.save_lora_weights(
+                staging,
+                **{f"{family.denoiser}_lora_layers": convert_state_dict_to_diffusers(state)},
+                weight_name=LORA_WEIGHT_NAME,
+            )
+            fsync_tree(staging)
+            os.replace(staging / LORA_WEIGHT_NAME, final)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    barrier()
+    return final
