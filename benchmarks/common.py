@@ -71,9 +71,12 @@ def report(**numbers) -> None:
     print(_MARK + json.dumps(numbers), flush=True)
 
 
-def run_case(target: str, world_size: int = 2, timeout_s: float = 1200, **kwargs) -> list[dict]:
-    """Run ``module:function`` on ``world_size`` ranks; one dict of reported numbers per rank."""
-    env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+def run_case(
+    target: str, world_size: int = 2, timeout_s: float = 1200, env: dict[str, str] | None = None, **kwargs
+) -> list[dict]:
+    """Run ``module:function`` on ``world_size`` ranks (with extra environment variables
+    ``env``); one dict of reported numbers per rank."""
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
     outputs = run_function_on_ranks(target, kwargs, world_size=world_size, timeout_s=timeout_s, env=env)
     results = []
     for rank, out in enumerate(outputs):

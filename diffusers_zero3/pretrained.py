@@ -83,17 +83,35 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _read_flat_range(path: Path, data_start: int, info: dict, start: int, end: int) -> torch.Tensor:
-    """Elements ``[start, end)`` of a stored tensor, flattened, read straight from the file."""
+def _read_flat_range(
+    path: Path, data_start: int, info: dict, start: int, end: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Elements ``[start, end)`` of a stored tensor, flattened, read straight from the file.
+
+    With ``out`` (a flat tensor of ``end - start`` elements), the values land in it: read
+    into it directly when it is a CPU tensor of the stored dtype (no intermediate buffer, so
+    loading a partition costs no transient copy of it), else through a buffer and a cast.
+    """
     dtype = _TORCH_DTYPES[info["dtype"]]
     size = _itemsize(dtype)
     begin = data_start + info["data_offsets"][0] + start * size
-    buf = bytearray((end - start) * size)
-    with open(path, "rb") as fh:
-        fh.seek(begin)
-        if fh.readinto(buf) != len(buf):
-            raise CheckpointError(f"{path} is truncated")
-    return torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
+    direct = out is not None and out.device.type == "cpu" and out.dtype == dtype and out.is_contiguous()
+    if direct:
+        buf = memoryview(out.numpy() if dtype != torch.bfloat16 else out.view(torch.int16).numpy()).cast("B")
+    else:
+        buf = bytearray((end - start) * size)
+    if len(buf):
+        with open(path, "rb") as fh:
+            fh.seek(begin)
+            if fh.readinto(buf) != len(buf):
+                raise CheckpointError(f"{path} is truncated")
+    if direct:
+        return out
+    values = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
+    if out is not None:
+        out.copy_(values)
+        return out
+    return values
 
 
 # ----------------------------------------------------------------------------- load
@@ -254,7 +272,7 @@ def _load_partitions(model: torch.nn.Module, files: dict[str, Path]) -> None:
             lo = min(rank * part.numel(), tensor.ds_numel)
             hi = min(lo + part.numel(), tensor.ds_numel)
             with torch.no_grad():
-                part.data.view(-1)[: hi - lo].copy_(_read_flat_range(path, start, info, lo, hi))
+                _read_flat_range(path, start, info, lo, hi, out=part.data.view(-1)[: hi - lo])
                 if tensor.ds_status.name == "AVAILABLE":  # kept whole (persistence): fill it too
                     full = _read_flat_range(path, start, info, 0, tensor.ds_numel)
                     tensor.data.copy_(full.view(tensor.ds_shape))

@@ -104,9 +104,9 @@ def worker_load_and_save(pipe_dir: str, work: str):
     reads = []
     real_read = ckpt._read_flat_range
 
-    def spy(path, start, info, lo, hi):
+    def spy(path, start, info, lo, hi, out=None):
         reads.append((hi - lo, info["shape"]))
-        return real_read(path, start, info, lo, hi)
+        return real_read(path, start, info, lo, hi, out=out)
 
     ckpt._read_flat_range = spy
     ours = load_pretrained_zero3(UNet2DConditionModel, pipe_dir, "unet", ds_config=cfg)
