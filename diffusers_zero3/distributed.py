@@ -90,32 +90,21 @@ def log_rank_zero(msg: str, *args, level: int = logging.INFO) -> None:
         print(msg % args if args else msg, file=sys.stderr, flush=True)
 
 
-def destroy_process_group() -> None:
-    """Barrier then tear down the default process group. Collective: call on every rank.
-
-    On CPU/gloo a process that exits with a live process group can abort with SIGABRT
-    ("terminate called without an active exception") after all its work is done, which a
-    launcher reports as a failed run. Call this last.
-    """
-    if is_distributed():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 def exit_after_teardown(code: int = 0) -> None:
-    """End the process: tear the process group down together (``destroy_process_group``),
-    flush the output, and leave with ``os._exit(code)``. Collective when a process group is
-    initialised: call on every rank, last.
+    """End the process: wait for every rank (a barrier), flush the output, and leave with
+    ``os._exit(code)``. Collective when a process group is initialised: call on every rank,
+    last.
 
-    On CPU/gloo, interpreter teardown after a finished run can still abort with
-    "terminate called without an active exception" (a C++ thread of the collective backend
-    destroyed while joinable), which a launcher reports as a failed run: seen now and then
-    even after ``destroy_process_group``. Skipping that teardown makes the exit code the
-    run's own. Without a process group this returns and the interpreter exits normally.
+    On CPU/gloo, tearing down a finished run can abort with "terminate called without an
+    active exception" (a C++ thread of the collective backend destroyed while joinable),
+    which a launcher reports as a failed run: seen now and then in interpreter teardown and,
+    rarely, inside ``destroy_process_group`` itself. Leaving without any teardown once all
+    ranks are past the barrier makes the exit code the run's own. Without a process group
+    this returns and the interpreter exits normally.
     """
     if not is_distributed():
         return
-    destroy_process_group()
+    dist.barrier()  # every rank's work is done; tearing the group down is what can abort
     import sys
 
     logging.shutdown()
