@@ -106,7 +106,9 @@ def case(kind: str):
     zero = optimizer.optimizer
     grads = zero.grad_partitions_flat_buffer
     grad_bytes = grads.numel() * grads.element_size()
-    grad_bytes += sum(b.buffer.numel() * b.buffer.element_size() for b in getattr(zero, "ipg_buckets", {}).values())
+    grad_bytes += sum(
+        b.buffer.numel() * b.buffer.element_size() for b in getattr(zero, "ipg_buckets", {}).values()
+    )
     report(
         params=local_parameter_bytes(engine.module),
         grads=grad_bytes,

@@ -295,7 +295,9 @@ def validate_args(args: argparse.Namespace) -> None:
     if getattr(args, "rank", None) is not None and args.rank <= 0:
         raise ArgumentError(f"--rank must be a positive number, got {args.rank}")
     if getattr(args, "rank", None) is not None and importlib.util.find_spec("peft") is None:
-        raise ArgumentError("--rank (LoRA) needs peft, which is not installed (pip install 'diffusers_zero3[lora]')")
+        raise ArgumentError(
+            "--rank (LoRA) needs peft, which is not installed (pip install 'diffusers_zero3[lora]')"
+        )
     if getattr(args, "rank", None) is None:
         for flag, unset in (("lora_alpha", None), ("lora_dropout", 0.0), ("lora_layers", None)):
             if getattr(args, flag, unset) != unset:
@@ -344,7 +346,7 @@ def validate_family(args: argparse.Namespace, family) -> None:
     components = set(family.frozen_components)
     for flag, placement in placement_flags(args).items():
         component = flag[: -len("_placement")]
-        if component not in components and component not in ("reward",):
+        if component not in components and component not in ("reward", "reference"):
             raise ArgumentError(
                 f"--{flag} {placement}: a {family.pipeline_class} has no {component} "
                 f"(its frozen models: {', '.join(sorted(components))})"

@@ -28,8 +28,10 @@ def load_image_caption_dataset(
     dataset_config_name: str | None = None,
     train_data_dir: str | None = None,
     cache_dir: str | None = None,
+    split: str = "train",
 ):
-    """Load the ``train`` split of a hub/local dataset, or an ``imagefolder`` directory.
+    """Load the ``split`` split (default ``train``) of a hub/local dataset (a local folder of
+    parquet/json/csv files too), or an ``imagefolder`` directory.
 
     ``train_data_dir`` follows diffusers' layout: images plus a ``metadata.jsonl`` whose
     ``file_name`` column names them and whose other columns (e.g. ``text``) hold captions.
@@ -52,9 +54,9 @@ def load_image_caption_dataset(
             raise
         name = dataset_name or train_data_dir
         raise DataError(f"cannot load the dataset {name!r}: {e}") from e
-    if "train" not in ds:
-        raise DataError(f"dataset has no 'train' split (splits: {sorted(ds)})")
-    return ds["train"]
+    if split not in ds:
+        raise DataError(f"dataset has no {split!r} split (splits: {sorted(ds)})")
+    return ds[split]
 
 
 def resolve_columns(dataset, image_column: str | None, caption_column: str | None) -> tuple[str, str]:

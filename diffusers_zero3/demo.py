@@ -503,6 +503,40 @@ def prepare_default(folder: str | os.PathLike, num_images: int = 64, model: str 
     return pipe, data
 
 
+def write_preference_dataset(
+    folder: str | os.PathLike, num_pairs: int = 64, seed: int = 0, ties: int = 4
+) -> Path:
+    """Write a Pick-a-Pic-style preference dataset (one parquet file) and return its folder.
+
+    Each pair is a caption ("a red circle") with an image that matches it and one of the
+    same shape in a wrong colour; ``label_0`` says which of ``jpg_0``/``jpg_1`` (PNG bytes)
+    is the matching one, at random. ``ties`` more rows have ``label_0`` 0.5 (dropped by
+    training, as upstream). Loads with ``datasets.load_dataset(folder)``.
+    """
+    import io
+
+    import datasets
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    rows = {"jpg_0": [], "jpg_1": [], "label_0": [], "caption": []}
+    for i in range(num_pairs + ties):
+        colour, shape = rng.choice(sorted(COLOURS)), rng.choice(SHAPES)
+        wrong = rng.choice([c for c in sorted(COLOURS) if c != colour])
+        good, bad = (shape_image(c, shape, 32, random.Random(f"{seed}-{i}")) for c in (colour, wrong))
+        label = 0.5 if i >= num_pairs else float(rng.random() < 0.5)
+        first, second = (good, bad) if label != 0 else (bad, good)
+        for column, image in (("jpg_0", first), ("jpg_1", second)):
+            buf = io.BytesIO()
+            image.save(buf, format="PNG")
+            rows[column].append(buf.getvalue())
+        rows["label_0"].append(label)
+        rows["caption"].append(f"a {colour} {shape}")
+    datasets.Dataset.from_dict(rows).to_parquet(str(folder / "train-00000-of-00001.parquet"))
+    return folder
+
+
 def _reward_model_class():
     from diffusers import ModelMixin
     from diffusers.configuration_utils import ConfigMixin, register_to_config
@@ -561,6 +595,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Generate the embedded default's pipeline and data.")
     parser.add_argument("folder", nargs="?", default="outputs/default")
     parser.add_argument("--model", default="sd", choices=MODELS)
+    parser.add_argument(
+        "--preferences", action="store_true", help="also a preference dataset (make train-dpo)"
+    )
     cli = parser.parse_args()
     p, d = prepare_default(cli.folder, model=cli.model)
     print(f"pipeline: {p}\ndataset: {d}")
+    if cli.preferences and not (Path(cli.folder) / "preferences").exists():
+        print(f"preferences: {write_preference_dataset(Path(cli.folder) / 'preferences')}")

@@ -12,6 +12,7 @@ MODULE_TIERS = {
     "test_train_reward": "e2e",
     "test_train_sdxl": "e2e",
     "test_train_flux_sd3": "e2e",
+    "test_train_dpo": "e2e",
     "test_examples": "e2e",
     "test_faults_and_machines": "e2e",
     "test_bad_input": "unit",
@@ -73,3 +74,13 @@ def tiny_sd3(tmp_path_factory):
 
     pipe, data = prepare_default(tmp_path_factory.mktemp("sd3"), num_images=8, model="sd3")
     return str(pipe), str(data)
+
+
+@pytest.fixture(scope="session")
+def preferences(tmp_path_factory):
+    """A generated Pick-a-Pic-style preference dataset: 12 pairs and 2 ties (parquet)."""
+    from diffusers_zero3.demo import write_preference_dataset
+
+    return str(
+        write_preference_dataset(tmp_path_factory.mktemp("prefs") / "preferences", num_pairs=12, ties=2)
+    )

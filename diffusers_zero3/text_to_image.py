@@ -1,0 +1,487 @@
+"""The text-to-image trainer behind ``scripts/train_text_to_image.py`` (and the base of
+``scripts/train_dpo.py``): ``TextToImageTrainer(args)`` with ``setup()``, ``train()``,
+``save()``, each step a short method that a subclass can replace (``_make_dataset``,
+``_loss``, ``_load_models``), for every family and for LoRA.
+
+Every method runs on every rank (collectives inside: loading, frozen forwards, checkpoints,
+validation, the final save).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from .args import (
+    ArgumentError,
+    check_resolution,
+    validate_args,
+    validate_family,
+    validate_launch,
+)
+from .data import (
+    ImageCaptionDataset,
+    check_enough_rows,
+    check_image_column,
+    collate,
+    load_image_caption_dataset,
+    resolve_columns,
+)
+from .distributed import barrier, is_main_process, log_rank_zero
+from .ema import ShardedEMA
+from .families import detect_family
+from .folders import remove_interrupted_writes
+from .frozen_inputs import place_frozen_models
+from .lora import LORA_WEIGHT_NAME, add_lora_adapters, save_lora_zero3
+from .pipeline_io import (
+    check_output_dir,
+    generate_validation_images,
+    image_grid,
+    model_card,
+    pipeline_components,
+    save_final_pipeline,
+)
+from .pretrained import resolve_model_folder
+from .recipe import accelerator_from_args, load_trainable_denoiser
+from .resume import resume_training, save_training_checkpoint
+from .schedule import (
+    epoch_batches,
+    epochs_for,
+    resume_position,
+    scaled_learning_rate,
+    updates_per_epoch,
+)
+from .testing import fault_point
+from .training import (
+    diffusion_loss,
+    flow_matching_loss,
+    sample_noise,
+    sample_timesteps,
+    timestep_bias_weights,
+)
+
+logger = logging.getLogger("diffusers_zero3.text_to_image")
+
+
+class TextToImageTrainer:
+    """setup() -> train() -> save(); each step is a short method. All ranks call each.
+
+    ``args`` is ``args.parse_args()``'s namespace. A subclass may replace ``_load_data`` (it
+    sets ``hf_dataset``, ``train_dataset``, ``collate_fn``, ``image_column``,
+    ``caption_column``), ``_loss`` (which may leave per-micro-batch ``batch_metrics``, logged
+    per step beside the loss, averaged over ranks) and extend ``_load_models``.
+    """
+
+    def __init__(self, args):
+        self.args = args
+        self.global_step = 0
+        self.first_epoch = 0
+        self.resume_batches = 0
+        self.trained_steps = 0
+        self.collate_fn = collate
+        self.batch_metrics: dict[str, torch.Tensor] = {}
+        self.metric_history: list[dict[str, float]] = []
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self) -> None:
+        from accelerate.utils import set_seed
+
+        args = self.args
+        # Everything that can be checked before anything is written is checked first.
+        validate_args(args)
+        self.source = resolve_model_folder(
+            args.pretrained_model_name_or_path, None, args.revision, args.cache_dir
+        )
+        check_output_dir(args.output_dir, self.source)
+        pipeline_components(self.source)  # a readable model_index.json with plain component names
+        self.family = detect_family(self.source)
+        validate_family(args, self.family)
+        self.vae_source = None
+        if args.pretrained_vae_model_name_or_path is not None:
+            self.vae_source = resolve_model_folder(
+                args.pretrained_vae_model_name_or_path, None, args.revision, args.cache_dir
+            )
+        check_resolution(args.resolution, self.family, self.vae_source or Path(self.source) / "vae")
+        self.accelerator = acc = accelerator_from_args(args)
+        validate_launch(
+            args, deepspeed_active=acc.state.deepspeed_plugin is not None, on_cpu=acc.device.type == "cpu"
+        )
+        if is_main_process():  # once per job, before any rank writes
+            for path in remove_interrupted_writes(args.output_dir):
+                log_rank_zero(f"removed {path}, left by an interrupted save")
+        barrier()
+        set_seed(args.seed if args.seed is not None else 0)
+        if args.allow_tf32 and torch.cuda.is_available():
+            torch.backends.cuda.matmul.allow_tf32 = True
+        self._load_models()
+        self._load_data()
+        self._place_frozen()
+        self._prepare_training()
+
+    def _load_models(self) -> None:
+        args, src = self.args, self.source
+        self.noise_scheduler = self.family.noise_scheduler_class().from_pretrained(src, subfolder="scheduler")
+        self.weighting_scheme = args.weighting_scheme or self.family.default_weighting_scheme
+        if args.prediction_type is not None:
+            self.noise_scheduler.register_to_config(prediction_type=args.prediction_type)
+        if args.dream_training and self.noise_scheduler.config.prediction_type != "epsilon":
+            raise ArgumentError(
+                "--dream_training supports epsilon prediction only (diffusers has no v-prediction DREAM)"
+            )
+        self.timestep_weights = (
+            None
+            if self.family.flow_matching
+            else timestep_bias_weights(
+                self.noise_scheduler.config.num_train_timesteps,
+                args.timestep_bias_strategy,
+                args.timestep_bias_multiplier,
+                args.timestep_bias_begin,
+                args.timestep_bias_end,
+                args.timestep_bias_portion,
+            )
+        )
+        self.tokenizers = self.family.load_tokenizers(src)
+        self.denoiser = load_trainable_denoiser(self.accelerator, src, self.family, args.variant)
+        if args.rank is not None:
+            targets = args.lora_layers.split(",") if args.lora_layers else self.family.lora_target_modules
+            adapters = add_lora_adapters(
+                self.denoiser,
+                rank=args.rank,
+                target_modules=targets,
+                alpha=args.lora_alpha,
+                dropout=args.lora_dropout,
+            )
+            log_rank_zero(
+                f"LoRA rank {args.rank} on {', '.join(targets)}: {sum(p.numel() for p in adapters):,} trainable "
+                f"parameters; the {self.family.denoiser} is frozen"
+            )
+        if args.gradient_checkpointing:
+            self.denoiser.enable_gradient_checkpointing()
+            log_rank_zero(f"gradient checkpointing of the {self.family.denoiser}: on")
+        if args.enable_xformers_memory_efficient_attention:
+            self.denoiser.enable_xformers_memory_efficient_attention()
+
+    def _load_data(self) -> None:
+        args = self.args
+        ds = load_image_caption_dataset(
+            args.dataset_name, args.dataset_config_name, args.train_data_dir, args.cache_dir
+        )
+        self.image_column, self.caption_column = resolve_columns(ds, args.image_column, args.caption_column)
+        check_image_column(ds, self.image_column)
+        if args.max_train_samples is not None:
+            ds = ds.shuffle(seed=args.seed or 0).select(range(min(args.max_train_samples, len(ds))))
+        check_enough_rows(len(ds), self.accelerator.num_processes, args.train_batch_size)
+        self.hf_dataset = ds
+        self.train_dataset = ImageCaptionDataset(
+            ds,
+            None,
+            self.image_column,
+            self.caption_column,
+            args.resolution,
+            args.center_crop,
+            args.random_flip,
+            seed=args.seed or 0,
+            with_images=args.vae_placement != "cache",
+            tokenize=lambda captions: self.family.tokenize(
+                self.tokenizers, captions, args.max_sequence_length
+            ),
+            empty_prompt_probability=args.proportion_empty_prompts,
+        )
+
+    def _place_frozen(self) -> None:
+        """Frozen models by placement; 'cache' ones are run once over the data, then freed."""
+        args = self.args
+        self.frozen = place_frozen_models(
+            self.accelerator,
+            self.family,
+            self.source,
+            {name: getattr(args, f"{name}_placement") for name in self.family.frozen_components},
+            dataset=self.hf_dataset,
+            tokenizers=self.tokenizers,
+            cache_dir=args.frozen_cache_dir or os.path.join(args.output_dir, "frozen_cache"),
+            image_column=self.image_column,
+            caption_column=self.caption_column,
+            resolution=args.resolution,
+            center_crop=args.center_crop,
+            random_flip=args.random_flip,
+            seed=args.seed or 0,
+            batch_size=args.train_batch_size,
+            variant=args.variant,
+            vae_source=self.vae_source,
+            max_sequence_length=args.max_sequence_length,
+        )
+        if self.frozen.cache is not None:
+            self.train_dataset.unreadable_rows = set(self.frozen.cache.skipped_rows)
+
+    def _prepare_training(self) -> None:
+        from diffusers.optimization import get_scheduler
+
+        args, acc = self.args, self.accelerator
+        lr = args.learning_rate
+        if args.scale_lr:
+            lr = scaled_learning_rate(
+                lr,
+                gradient_accumulation_steps=args.gradient_accumulation_steps,
+                train_batch_size=args.train_batch_size,
+                num_processes=acc.num_processes,
+            )
+        optimizer = torch.optim.AdamW(
+            [p for p in self.denoiser.parameters() if p.requires_grad],  # the adapters alone under LoRA
+            lr=lr,
+            betas=(args.adam_beta1, args.adam_beta2),
+            weight_decay=args.adam_weight_decay,
+            eps=args.adam_epsilon,
+        )
+        loader = torch.utils.data.DataLoader(
+            self.train_dataset,
+            shuffle=True,
+            collate_fn=self.collate_fn,
+            batch_size=args.train_batch_size,
+            num_workers=args.dataloader_num_workers,
+            generator=torch.Generator().manual_seed(args.seed or 0),
+        )
+        if args.max_train_steps is None:
+            steps = updates_per_epoch(
+                math.ceil(len(loader) / acc.num_processes), args.gradient_accumulation_steps
+            )
+            args.max_train_steps = args.num_train_epochs * steps
+        scheduler = get_scheduler(
+            args.lr_scheduler,
+            optimizer=optimizer,
+            num_warmup_steps=args.lr_warmup_steps * acc.num_processes,
+            num_training_steps=args.max_train_steps * acc.num_processes,
+        )
+        # The UNet first: accelerate's backward drives the first engine it prepared.
+        self.denoiser, self.optimizer, self.loader, self.lr_scheduler = acc.prepare(
+            self.denoiser, optimizer, loader, scheduler
+        )
+        args.num_train_epochs = epochs_for(
+            args.max_train_steps, updates_per_epoch(len(self.loader), args.gradient_accumulation_steps)
+        )
+        self.ema = (
+            ShardedEMA(self.denoiser, device="cpu" if args.offload_ema else None) if args.use_ema else None
+        )
+        if acc.is_main_process and args.report_to != "none":
+            config = {k: v for k, v in vars(args).items() if not isinstance(v, list)}
+            acc.init_trackers(args.tracker_project_name, config)
+        self._maybe_resume()
+
+    def _maybe_resume(self) -> None:
+        resumed = resume_training(
+            self.accelerator, self.args.output_dir, self.args.resume_from_checkpoint, ema=self.ema
+        )
+        if resumed is None:
+            if self.args.resume_from_checkpoint:
+                log_rank_zero("no checkpoint to resume from yet: starting a new run")
+            return
+        path, state = resumed
+        self.global_step = state["global_step"]
+        self.first_epoch = state["epoch"]
+        self.resume_batches = state["batches_in_epoch"]
+        log_rank_zero(f"resumed from {path} at step {self.global_step}")
+
+    # ------------------------------------------------------------------ training
+
+    def _loss(self, batch: dict) -> torch.Tensor:
+        args = self.args
+        latents, cond, time_ids = self.frozen(batch, self.accelerator.device)
+        if self.family.flow_matching:
+            return flow_matching_loss(
+                lambda noisy, t: self.family.predict(
+                    self.denoiser, noisy, t, cond, guidance_scale=args.guidance_scale
+                ),
+                self.noise_scheduler,
+                latents,
+                torch.randn_like(latents),
+                weighting_scheme=self.weighting_scheme,
+                logit_mean=args.logit_mean,
+                logit_std=args.logit_std,
+                mode_scale=args.mode_scale,
+            )
+        noise = sample_noise(latents, args.noise_offset)
+        perturbation = torch.randn_like(noise) if args.input_perturbation else None
+        n_steps = self.noise_scheduler.config.num_train_timesteps
+        timesteps = sample_timesteps(latents.shape[0], n_steps, latents.device, self.timestep_weights)
+        return diffusion_loss(
+            self.denoiser,
+            self.noise_scheduler,
+            latents,
+            cond["encoder_hidden_states"],
+            noise,
+            timesteps,
+            snr_gamma=args.snr_gamma,
+            input_perturbation=args.input_perturbation,
+            perturbation=perturbation,
+            dream_detail_preservation=args.dream_detail_preservation if args.dream_training else None,
+            denoiser_kwargs=self.family.denoiser_kwargs(cond, time_ids),
+        )
+
+    def train(self) -> list[float]:
+        """The training loop; returns the logged per-step losses (all ranks call it)."""
+        from tqdm.auto import tqdm
+
+        args, acc = self.args, self.accelerator
+        bar = tqdm(
+            range(args.max_train_steps), initial=self.global_step, disable=not acc.is_local_main_process
+        )
+        losses = []
+        if self.global_step >= args.max_train_steps:
+            log_rank_zero(f"the run is complete at step {self.global_step}: no step to train")
+            return losses
+        for epoch in range(self.first_epoch, args.num_train_epochs):
+            self.train_dataset.set_epoch(epoch)
+            done_in_epoch = self.resume_batches if epoch == self.first_epoch else 0
+            accumulated, metrics = 0.0, {}
+            for batch in epoch_batches(acc, self.loader, epoch, done_in_epoch):
+                with acc.accumulate(self.denoiser):
+                    loss = self._loss(batch)
+                    accumulated += acc.gather(loss.detach().repeat(len(batch["index"]))).mean().item()
+                    for name, value in self.batch_metrics.items():
+                        mean = acc.gather(value.detach().float().reshape(1)).mean().item()
+                        metrics[name] = metrics.get(name, 0.0) + mean
+                    fault_point("train_step")
+                    acc.backward(loss)
+                    self.optimizer.step()
+                    self.lr_scheduler.step()
+                    self.optimizer.zero_grad()
+                done_in_epoch += 1
+                if not acc.sync_gradients:
+                    continue
+                if self.ema is not None:
+                    self.ema.step()
+                self.global_step += 1
+                self.trained_steps += 1
+                step_loss = accumulated / args.gradient_accumulation_steps
+                step_metrics = {k: v / args.gradient_accumulation_steps for k, v in metrics.items()}
+                accumulated, metrics = 0.0, {}
+                losses.append(step_loss)
+                self.metric_history.append(step_metrics)
+                lr = self.lr_scheduler.get_last_lr()[0]
+                acc.log({"train_loss": step_loss, "lr": lr, **step_metrics}, step=self.global_step)
+                bar.update(1)
+                bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}")
+                extra = "".join(f" {k} {v:.6f}" for k, v in step_metrics.items())
+                log_rank_zero(f"step {self.global_step} loss {step_loss:.6f}{extra}")
+                if self.global_step % args.checkpointing_steps == 0:
+                    self._checkpoint(epoch, done_in_epoch)
+                if args.validation_steps and self.global_step % args.validation_steps == 0:
+                    self.validate()
+                if self.global_step >= args.max_train_steps:
+                    break
+            if args.validation_prompts and (epoch + 1) % args.validation_epochs == 0:
+                self.validate()
+            if self.global_step >= args.max_train_steps:
+                break
+        bar.close()
+        if len(losses) >= 2:
+            k = max(1, min(10, len(losses) // 4))
+            first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+            log_rank_zero(
+                f"loss: mean of the first {k} steps {first:.4f} -> mean of the last {k} steps {last:.4f}"
+            )
+        skipped = len(self.train_dataset.skipped_rows)
+        if skipped:
+            logger.warning("skipped %d unreadable image row(s) on rank %d", skipped, acc.process_index)
+        return losses
+
+    def _checkpoint(self, epoch: int, done_in_epoch: int) -> None:
+        fault_point("checkpoint")
+        state = resume_position(epoch, done_in_epoch, len(self.loader))
+        path = save_training_checkpoint(
+            self.accelerator,
+            self.args.output_dir,
+            self.global_step,
+            state,
+            ema=self.ema,
+            total_limit=self.args.checkpoints_total_limit,
+        )
+        log_rank_zero(f"saved {path}")
+
+    def validate(self) -> None:
+        """Images for --validation_prompts from the (EMA) weights; every rank, rank 0 writes."""
+        args, acc = self.args, self.accelerator
+        if not args.validation_prompts:
+            return
+        fault_point("validation")
+        ema = self.ema.averaged_weights() if self.ema is not None else contextlib.nullcontext()
+        with self.frozen.validation_modules(acc) as modules, ema:
+            pipeline = self.family.pipeline(
+                getattr(self.denoiser, "module", self.denoiser),
+                modules["vae"],
+                modules,
+                self.tokenizers,
+                self.family.noise_scheduler_class().from_config(self.noise_scheduler.config),
+            )
+            images = generate_validation_images(
+                pipeline,
+                args.validation_prompts,
+                resolution=args.resolution,
+                num_inference_steps=args.num_validation_inference_steps,
+                seed=args.seed or 0,
+                **self.family.validation_kwargs(args.max_sequence_length, args.guidance_scale),
+            )
+        if acc.is_main_process:
+            folder = Path(args.output_dir) / "validation"
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"step-{self.global_step:06d}.png"
+            image_grid(images).save(path)
+            self._log_images(images)
+            log_rank_zero(f"validation images: {path}")
+
+    def _log_images(self, images) -> None:
+        import numpy as np
+
+        for tracker in self.accelerator.trackers:
+            if tracker.name == "tensorboard":
+                arr = np.stack([np.asarray(img) for img in images])
+                tracker.writer.add_images("validation", arr, self.global_step, dataformats="NHWC")
+
+    # ------------------------------------------------------------------ output
+
+    def save(self) -> None:
+        """The final pipeline folder (every rank); kept as is when resuming a finished run
+        trained no step and the folder is complete."""
+        args = self.args
+        fault_point("final_save")
+        marker = LORA_WEIGHT_NAME if args.rank is not None else "model_index.json"
+        if self.trained_steps == 0 and (Path(args.output_dir) / marker).exists():
+            log_rank_zero(f"output: {os.path.abspath(args.output_dir)} (already complete)")
+            self.accelerator.end_training()
+            return
+        if args.rank is not None:
+            with self.ema.averaged_weights() if self.ema is not None else contextlib.nullcontext():
+                path = save_lora_zero3(self.denoiser, self.family, args.output_dir)
+            self.accelerator.end_training()
+            log_rank_zero(
+                f"LoRA weights: {os.path.abspath(path)} ({self.family.pipeline_class}.load_lora_weights)\n"
+                f"validation images: {os.path.abspath(os.path.join(args.output_dir, 'validation'))}"
+            )
+            return
+        card = model_card(
+            args.pretrained_model_name_or_path,
+            args.dataset_name or args.train_data_dir,
+            {k: v for k, v in vars(args).items() if not isinstance(v, list)},
+            args.validation_prompts,
+            self.family.pipeline_class,
+        )
+        save_final_pipeline(
+            self.source,
+            args.output_dir,
+            self.denoiser,
+            ema=self.ema,
+            readme=card,
+            denoiser_name=self.family.denoiser,
+            component_sources={"vae": self.vae_source} if self.vae_source is not None else None,
+        )
+        self.accelerator.end_training()
+        log_rank_zero(
+            f"pipeline: {os.path.abspath(args.output_dir)} ({self.family.pipeline_class}.from_pretrained)\n"
+            f"validation images: {os.path.abspath(os.path.join(args.output_dir, 'validation'))}\n"
+            f"logs: {os.path.abspath(os.path.join(args.output_dir, args.logging_dir))}"
+        )
