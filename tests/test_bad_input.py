@@ -172,6 +172,27 @@ REWARD_CASES = COMMON_CASES + [
 ]
 
 
+DPO_CASES = [
+    (
+        ["--dataset_name", "{strings}"],
+        "the preference dataset lacks the column(s) jpg_0, jpg_1, label_0, caption",
+    ),
+    (["--vae_placement", "cache"], "--vae_placement cache does not apply to preference pairs"),
+    (["--reference_placement", "shard"], "--reference_placement shard applies to --rank 0"),
+    (["--rank", "0", "--reference_placement", "shard"], "--reference_placement shard needs DeepSpeed"),
+    (["--beta_dpo", "0"], "--beta_dpo must be positive, got 0.0"),
+    (["--loss_type", "kto"], "argument --loss_type: invalid choice: 'kto'"),
+    (
+        ["--pretrained_model_name_or_path", "{flux}"],
+        "train_dpo.py trains SD 1.x/2.x and SDXL pipelines, not FluxPipeline",
+    ),
+    (["--train_data_dir", "{empty}"], "train_dpo.py reads preference pairs from --dataset_name"),
+    (["--dataset_split_name", "validation"], "dataset has no 'validation' split"),
+    (["--rank", "-2"], "--rank must be a positive number, got -2"),
+    (["--max_train_steps", "0"], "--max_train_steps must be a positive number"),
+]
+
+
 def _apply(argv: list[str], change: list[str], fill: dict[str, str]) -> list[str]:
     change = [c.format(**fill) for c in change]
     argv = list(argv)
@@ -221,6 +242,17 @@ def test_reward_bad_input(default_data, bad_data, tmp_path, capfd, change, messa
     out = tmp_path / "out"
     argv = _apply(_reward(pipe, reward, str(out)), change, {"pipe": pipe, **bad_data})
     code, log = _run_in_process("train_reward", argv, capfd)
+    _check(code, log, message, out, pipe, files)
+
+
+@pytest.mark.parametrize("change, message", DPO_CASES, ids=[" ".join(c) for c, _ in DPO_CASES])
+def test_dpo_bad_input(default_data, bad_data, preferences, tmp_path, capfd, change, message):
+    pipe, _, _ = default_data
+    files = {str(p.relative_to(pipe)) for p in Path(pipe).rglob("*")}
+    out = tmp_path / "out"
+    argv = ["--pretrained_model_name_or_path", pipe, "--dataset_name", preferences, "--output_dir", str(out),
+            "--resolution", "32", "--train_batch_size", "2", "--max_train_steps", "2", "--report_to", "none"]  # fmt: skip
+    code, log = _run_in_process("train_dpo", _apply(argv, change, {"pipe": pipe, **bad_data}), capfd)
     _check(code, log, message, out, pipe, files)
 
 
