@@ -104,12 +104,12 @@ def exit_after_teardown(code: int = 0) -> None:
     """
     if not is_distributed():
         return
-    dist.barrier()  # every rank's work is done; tearing the group down is what can abort
     import sys
 
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    logging.shutdown()  # everything that takes time happens before the barrier: once a rank
+    sys.stdout.flush()  # is past it and leaves, the others' collective threads see its
+    sys.stderr.flush()  # sockets close, and a rank still tearing down can abort on that
+    dist.barrier()  # every rank's work is done
     os._exit(code)
 
 
