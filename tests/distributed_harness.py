@@ -84,3 +84,25 @@ def run_launcher(argv, timeout: float = DEFAULT_TIMEOUT, env=None, expect_rc: in
             f"{argv[:4]} exited {proc.returncode}, expected {expect_rc}\n{out[-8000:]}", pytrace=False
         )
     return proc.returncode, out
+
+
+def step_values(output: str, name: str = "loss") -> dict[int, float]:
+    """``{step: value}`` of a metric from a training script's ``step N loss X ...`` log lines."""
+    import re
+
+    return {int(s): float(v) for s, v in re.findall(rf"step (\d+) .*?\b{name} (-?[0-9.]+)\b", output)}
+
+
+def resume_in_fresh_folder(
+    argv: list[str], out, folder, checkpoint: str = "checkpoint-2", timeout: float = 400
+) -> str:
+    """Copy ``out/checkpoint`` into a new ``folder`` and run ``argv`` there with
+    ``--resume_from_checkpoint latest``; returns the log."""
+    import shutil
+
+    folder.mkdir()
+    shutil.copytree(out / checkpoint, folder / checkpoint)
+    _, log = run_launcher(
+        [*argv, "--output_dir", str(folder), "--resume_from_checkpoint", "latest"], timeout=timeout
+    )
+    return log

@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-import re
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from diffusers_zero3.lora import LORA_WEIGHT_NAME
-from tests.distributed_harness import accelerate_launch, run_launcher, run_on_ranks
+from tests.distributed_harness import (
+    accelerate_launch,
+    resume_in_fresh_folder,
+    run_launcher,
+    run_on_ranks,
+    step_values,
+)
 
 LAUNCH = accelerate_launch("scripts/train_text_to_image.py")
-
-
-def _losses(output: str) -> dict[int, float]:
-    return {int(s): float(v) for s, v in re.findall(r"step (\d+) loss ([0-9.]+)\b", output)}
 
 
 def worker_lora_save(pipe_dir: str, out: str):
@@ -109,7 +109,7 @@ def test_sd_lora_script_ema_exact_resume_and_output_that_loads(default_data, tmp
               "--lr_warmup_steps", "0", "--seed", "4", "--report_to", "none", "--rank", "4", "--use_ema",
               "--checkpointing_steps", "2", "--text_encoder_placement", "shard"]  # fmt: skip
     _, log = run_launcher([*LAUNCH, *common, "--output_dir", str(out)], timeout=400)
-    losses = _losses(log)
+    losses = step_values(log)
     assert sorted(losses) == [1, 2, 3, 4], log[-3000:]
     assert "LoRA rank 4 on to_k, to_q, to_v, to_out.0" in log
     assert (out / LORA_WEIGHT_NAME).exists() and not (out / "model_index.json").exists()
@@ -124,12 +124,8 @@ def test_sd_lora_script_ema_exact_resume_and_output_that_loads(default_data, tmp
     assert abs(_lora_image(pipe, str(out)) - _lora_image(pipe, None)).max() > 1e-3
 
     resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
-    _, log2 = run_launcher(
-        [*LAUNCH, *common, "--output_dir", str(resumed), "--resume_from_checkpoint", "latest"], timeout=400
-    )
-    again = _losses(log2)
+    log2 = resume_in_fresh_folder([*LAUNCH, *common], out, resumed)
+    again = step_values(log2)
     assert sorted(again) == [3, 4], log2[-3000:]
     for step in again:
         assert again[step] == pytest.approx(losses[step], abs=2e-6), (step, again, losses)
@@ -149,7 +145,7 @@ def test_flux_lora_script_with_t5_sharded(tiny_flux, tmp_path):
             "--validation_prompts", "a red circle", "--validation_steps", "3",
             "--num_validation_inference_steps", "2"]  # fmt: skip
     _, log = run_launcher(argv, timeout=400)
-    assert sorted(_losses(log)) == [1, 2, 3], log[-3000:]
+    assert sorted(step_values(log)) == [1, 2, 3], log[-3000:]
     assert "ff_context.net.2" in log  # the Flux LoRA script's targets
     assert (out / "validation" / "step-000003.png").exists()
     base = _lora_image(pipe, None, max_sequence_length=16)

@@ -4,14 +4,13 @@ on 2 ZeRO-3 ranks with the reference sharded (full fine-tune) and as the adapter
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.distributed_harness import accelerate_launch, run_launcher
+from tests.distributed_harness import accelerate_launch, resume_in_fresh_folder, run_launcher, step_values
 
 LAUNCH = accelerate_launch("scripts/train_dpo.py")
 
@@ -72,10 +71,6 @@ def test_preference_pairs_put_the_preferred_image_first_and_drop_ties(preference
         drop_ties(ds.map(lambda r: {"label_0": 0.7}))
 
 
-def _losses(output: str, name: str = "loss") -> dict[int, float]:
-    return {int(s): float(v) for s, v in re.findall(rf"step (\d+) .*?\b{name} ([0-9.]+)\b", output)}
-
-
 def _common(pipe: str, data: str, steps: int) -> list[str]:
     return ["--pretrained_model_name_or_path", pipe, "--dataset_name", data, "--resolution", "32",
             "--center_crop", "--random_flip", "--train_batch_size", "2", "--max_train_steps", str(steps),
@@ -92,7 +87,7 @@ def test_dpo_full_fine_tune_with_a_sharded_reference_and_exact_resume(default_da
     common = [*_common(pipe, preferences, 4), "--rank", "0", "--reference_placement", "shard",
               "--checkpointing_steps", "2", "--use_ema"]  # fmt: skip
     _, log = run_launcher([*LAUNCH, *common, "--output_dir", str(out)], timeout=400)
-    losses, acc = _losses(log), _losses(log, "implicit_acc")
+    losses, acc = step_values(log), step_values(log, "implicit_acc")
     assert sorted(losses) == [1, 2, 3, 4] and sorted(acc) == [1, 2, 3, 4], log[-3000:]
     assert "12 preference pairs (2 ties dropped)" in log
     # The reference holds about 1/N of its bytes per rank (small parameters stay whole) ...
@@ -111,12 +106,8 @@ def test_dpo_full_fine_tune_with_a_sharded_reference_and_exact_resume(default_da
     StableDiffusionPipeline.from_pretrained(out)  # a complete pipeline folder
 
     resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
-    _, log2 = run_launcher(
-        [*LAUNCH, *common, "--output_dir", str(resumed), "--resume_from_checkpoint", "latest"], timeout=400
-    )
-    again, acc2 = _losses(log2), _losses(log2, "implicit_acc")
+    log2 = resume_in_fresh_folder([*LAUNCH, *common], out, resumed)
+    again, acc2 = step_values(log2), step_values(log2, "implicit_acc")
     assert sorted(again) == [3, 4], log2[-3000:]
     for step in again:
         assert again[step] == pytest.approx(losses[step], abs=2e-6), (step, again, losses)
@@ -129,9 +120,9 @@ def test_dpo_lora_default_rank_reference_is_the_base_without_adapters(default_da
     out = tmp_path / "run"
     _, log = run_launcher([*LAUNCH, *_common(pipe, preferences, 3), "--output_dir", str(out),
                            "--text_encoder_placement", "shard"], timeout=400)  # fmt: skip
-    assert sorted(_losses(log)) == [1, 2, 3], log[-3000:]
+    assert sorted(step_values(log)) == [1, 2, 3], log[-3000:]
     assert "LoRA rank 4" in log and "reference: the base denoiser with the LoRA adapters disabled" in log
     # Step 1: the adapters start at zero (lora_B = 0), so the trained and reference errors
     # are equal, the margin is 0 and the sigmoid loss is log 2.
-    assert _losses(log)[1] == pytest.approx(0.693147, abs=1e-5)
+    assert step_values(log)[1] == pytest.approx(0.693147, abs=1e-5)
     assert (out / "pytorch_lora_weights.safetensors").exists() and not (out / "model_index.json").exists()

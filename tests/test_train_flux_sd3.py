@@ -3,20 +3,14 @@ cached, EMA, exact resume, gradient checkpointing, and output pipelines that loa
 
 from __future__ import annotations
 
-import re
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed_harness import accelerate_launch, run_launcher
+from tests.distributed_harness import accelerate_launch, resume_in_fresh_folder, run_launcher, step_values
 
 LAUNCH = accelerate_launch("scripts/train_text_to_image.py")
-
-
-def _losses(output: str) -> dict[int, float]:
-    return {int(s): float(v) for s, v in re.findall(r"step (\d+) loss ([0-9.]+)\b", output)}
 
 
 def _files(folder: Path) -> dict[str, bytes]:
@@ -56,7 +50,7 @@ def test_flux_t5_sharded_clip_replicated_ema_output_and_exact_resume(tiny_flux, 
     validation = ["--validation_prompts", "a red circle", "--validation_steps", "4",
                   "--num_validation_inference_steps", "2"]  # fmt: skip
     _, log = run_launcher([*LAUNCH, *common, *validation, "--output_dir", str(out)], timeout=400)
-    losses = _losses(log)
+    losses = step_values(log)
     assert sorted(losses) == [1, 2, 3, 4], log[-3000:]
     assert "text_encoder_2: shard, 0.05 MiB of 0.10 MiB on this rank" in log  # T5 held 1/N per rank
     assert "text_encoder: replicate" in log
@@ -75,12 +69,8 @@ def test_flux_t5_sharded_clip_replicated_ema_output_and_exact_resume(tiny_flux, 
     # Resume from checkpoint-2 in a fresh folder: steps 3-4 and the final (EMA) weights
     # repeat the uninterrupted run's.
     resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
-    _, log2 = run_launcher(
-        [*LAUNCH, *common, "--output_dir", str(resumed), "--resume_from_checkpoint", "latest"], timeout=400
-    )
-    again = _losses(log2)
+    log2 = resume_in_fresh_folder([*LAUNCH, *common], out, resumed)
+    again = step_values(log2)
     assert sorted(again) == [3, 4], log2[-3000:]
     for step in again:
         assert again[step] == pytest.approx(losses[step], abs=2e-6), (step, again, losses)
@@ -98,7 +88,7 @@ def test_flux_with_t5_cached(tiny_flux, tmp_path):
             "--validation_prompts", "a blue square", "--validation_steps", "2",
             "--num_validation_inference_steps", "2"]  # fmt: skip
     _, log = run_launcher(argv, timeout=400)
-    assert sorted(_losses(log)) == [1, 2], log[-3000:]
+    assert sorted(step_values(log)) == [1, 2], log[-3000:]
     assert "text_encoder_2: shard, 0.05 MiB of 0.10 MiB on this rank (to encode the cache as shard)" in log
     assert "encoding 8 rows with the frozen models" in log
     assert (out / "validation" / "step-000002.png").exists()  # cached encoders reloaded for it
@@ -117,7 +107,7 @@ def test_sd3_end_to_end_and_gradient_checkpointing_changes_nothing(tiny_sd3, tmp
          "--validation_prompts", "a red circle", "--validation_steps", "3", "--num_validation_inference_steps", "2"],
         timeout=400,
     )  # fmt: skip
-    losses = _losses(log)
+    losses = step_values(log)
     assert sorted(losses) == [1, 2, 3], log[-3000:]
     assert "text_encoder_3: shard" in log and "StableDiffusion3Pipeline.from_pretrained" in log
     _generates(plain, "StableDiffusion3Pipeline")
@@ -126,7 +116,7 @@ def test_sd3_end_to_end_and_gradient_checkpointing_changes_nothing(tiny_sd3, tmp
          "--gradient_checkpointing"],
         timeout=400,
     )  # fmt: skip
-    losses_gc = _losses(log_gc)
+    losses_gc = step_values(log_gc)
     assert "gradient checkpointing of the transformer: on" in log_gc
     assert sorted(losses_gc) == [1, 2, 3], log_gc[-3000:]
     for step in losses:

@@ -3,20 +3,15 @@ the VAE cached, EMA, checkpoints, exact resume, and the output pipeline."""
 
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed_harness import accelerate_launch, run_launcher
+from tests.distributed_harness import accelerate_launch, run_launcher, step_values
 
 LAUNCH = accelerate_launch("scripts/train_text_to_image.py")
-
-
-def _losses(output: str) -> dict[int, float]:
-    return {int(s): float(v) for s, v in re.findall(r"step (\d+) loss ([0-9.]+)\b", output)}
 
 
 def _files(folder: Path) -> dict[str, bytes]:
@@ -35,7 +30,7 @@ def test_sdxl_end_to_end_shard_cache_ema_and_exact_resume(tiny_sdxl, tmp_path):
     validation = ["--validation_prompts", "a red circle", "--validation_steps", "4",
                   "--num_validation_inference_steps", "2"]  # fmt: skip
     _, log = run_launcher([*LAUNCH, *common, *validation, "--output_dir", str(out)], timeout=400)
-    losses = _losses(log)
+    losses = step_values(log)
     assert sorted(losses) == [1, 2, 3, 4], log[-3000:]
     assert "StableDiffusionXLPipeline.from_pretrained" in log
     assert (out / "validation" / "step-000004.png").exists()
@@ -62,7 +57,7 @@ def test_sdxl_end_to_end_shard_cache_ema_and_exact_resume(tiny_sdxl, tmp_path):
          "--resume_from_checkpoint", "latest"],
         timeout=400,
     )  # fmt: skip
-    again = _losses(log2)
+    again = step_values(log2)
     assert sorted(again) == [3, 4], log2[-3000:]
     assert "reusing the frozen-model cache" in log2
     for step in again:
