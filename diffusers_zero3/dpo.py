@@ -155,38 +155,3 @@ def collate_pairs(examples: list[dict]) -> dict:
         else:
             batch[key] = torch.stack([e[key] for e in examples])
     return batch
-
-
-def plot_curve(
-    values: list[float], path, title: str, smooth: int = 10, y_range: tuple[float, float] = (0.0, 1.0)
-):
-    """Draw ``values`` per step (raw, light, and a ``smooth``-step moving average, dark) as a
-    PNG at ``path`` with PIL (no plotting library needed); a dashed line marks 0.5."""
-    from PIL import Image, ImageDraw
-
-    w, h, m = 640, 360, 40
-    img = Image.new("RGB", (w, h), "white")
-    draw = ImageDraw.Draw(img)
-    lo, hi = y_range
-
-    def xy(i: int, v: float) -> tuple[float, float]:
-        x = m + (w - 2 * m) * i / max(1, len(values) - 1)
-        y = h - m - (h - 2 * m) * (min(max(v, lo), hi) - lo) / (hi - lo)
-        return x, y
-
-    draw.rectangle([m, m, w - m, h - m], outline="black")
-    for x in range(m, w - m, 12):
-        draw.line([(x, xy(0, 0.5)[1]), (x + 6, xy(0, 0.5)[1])], fill="grey")
-    if len(values) > 1:
-        draw.line([xy(i, v) for i, v in enumerate(values)], fill=(170, 190, 230), width=1)
-        avg = [
-            sum(values[max(0, i - smooth + 1) : i + 1]) / len(values[max(0, i - smooth + 1) : i + 1])
-            for i in range(len(values))
-        ]
-        draw.line([xy(i, v) for i, v in enumerate(avg)], fill=(20, 60, 160), width=3)
-    draw.text((m, 12), title, fill="black")
-    draw.text((6, m - 6), f"{hi:g}", fill="black")
-    draw.text((6, h - m - 6), f"{lo:g}", fill="black")
-    draw.text((w - m - 60, h - m + 8), f"{len(values)} steps", fill="black")
-    img.save(path)
-    return path

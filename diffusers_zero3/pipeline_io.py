@@ -69,6 +69,57 @@ def image_grid(images: list, cols: int | None = None):
     return grid
 
 
+def plot_curve(
+    values: list[float],
+    path: str | os.PathLike,
+    title: str,
+    *,
+    y_range: tuple[float, float] | None = None,
+    reference: float | None = None,
+    smooth: int | None = None,
+    size: tuple[int, int] = (640, 360),
+):
+    """A per-step line chart of ``values`` as a PNG at ``path`` (PIL only; matplotlib is not a
+    dependency); returns ``path``.
+
+    ``y_range`` defaults to the values' own range; ``reference`` draws a dashed horizontal line
+    (e.g. chance level); ``smooth`` adds a moving average over that many steps in a darker line.
+    """
+    from PIL import Image, ImageDraw
+
+    w, h = size
+    m = 40
+    img = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(img)
+    lo, hi = y_range or (min(values, default=0.0), max(values, default=1.0))
+    span = (hi - lo) or 1.0
+
+    def xy(i: int, v: float) -> tuple[float, float]:
+        x = m + (w - 2 * m) * i / max(1, len(values) - 1)
+        return x, h - m - (h - 2 * m) * (min(max(v, lo), hi) - lo) / span
+
+    draw.rectangle([m, m, w - m, h - m], outline="black")
+    if reference is not None:
+        y = xy(0, reference)[1]
+        for x in range(m, w - m, 12):
+            draw.line([(x, y), (x + 6, y)], fill="grey")
+    if len(values) > 1:
+        draw.line(
+            [xy(i, v) for i, v in enumerate(values)],
+            fill=(170, 190, 230) if smooth else (20, 60, 160),
+            width=2,
+        )
+        if smooth:
+            window = [values[max(0, i - smooth + 1) : i + 1] for i in range(len(values))]
+            draw.line([xy(i, sum(v) / len(v)) for i, v in enumerate(window)], fill=(20, 60, 160), width=3)
+    draw.text((m, 12), title, fill="black")
+    draw.text((6, m - 6), f"{hi:.3g}", fill="black")
+    draw.text((6, h - m - 6), f"{lo:.3g}", fill="black")
+    draw.text((w - m - 60, h - m + 8), f"{len(values)} steps", fill="black")
+    img.save(path)
+    return path
+
+
 def model_card(
     base_model: str,
     dataset: str,

@@ -10,6 +10,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -172,3 +173,17 @@ def run_script(body: Callable[[], None]) -> int:
         sys.stdout.flush()
         os._exit(code)
     return code
+
+
+def run_trainer(make_trainer: Callable[[], Any]) -> int:
+    """``run_script`` over a trainer's ``setup()``, ``train()`` and ``save()`` (every rank);
+    returns the exit code. ``make_trainer`` (which parses the flags) runs inside, so its usage
+    errors end the same way: one ``error:`` line."""
+
+    def body() -> None:
+        trainer = make_trainer()
+        trainer.setup()
+        trainer.train()
+        trainer.save()
+
+    return run_script(body)

@@ -42,3 +42,10 @@ def epoch_batches(accelerator, loader, epoch: int, skip: int = 0) -> Iterable:
     (already trained before a resume) skipped. Each rank calls it with the same arguments."""
     loader.set_epoch(epoch)
     return accelerator.skip_first_batches(loader, skip) if skip else loader
+
+
+def first_last_means(values: list[float]) -> tuple[int, float, float]:
+    """``(k, mean of the first k values, mean of the last k)``, k a quarter of them, 1 to 10:
+    the end-of-run summary of a per-step curve (loss, reward, implicit accuracy)."""
+    k = max(1, min(10, len(values) // 4))
+    return k, sum(values[:k]) / k, sum(values[-k:]) / k

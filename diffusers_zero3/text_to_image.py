@@ -52,6 +52,7 @@ from .resume import resume_training, save_training_checkpoint
 from .schedule import (
     epoch_batches,
     epochs_for,
+    first_last_means,
     resume_position,
     scaled_learning_rate,
     updates_per_epoch,
@@ -174,9 +175,7 @@ class TextToImageTrainer:
         )
         self.image_column, self.caption_column = resolve_columns(ds, args.image_column, args.caption_column)
         check_image_column(ds, self.image_column)
-        if args.max_train_samples is not None:
-            ds = ds.shuffle(seed=args.seed or 0).select(range(min(args.max_train_samples, len(ds))))
-        check_enough_rows(len(ds), self.accelerator.num_processes, args.train_batch_size)
+        ds = self._select_rows(ds)
         self.hf_dataset = ds
         self.train_dataset = ImageCaptionDataset(
             ds,
@@ -193,6 +192,15 @@ class TextToImageTrainer:
             ),
             empty_prompt_probability=args.proportion_empty_prompts,
         )
+
+    def _select_rows(self, ds):
+        """``--max_train_samples`` rows of ``ds`` (shuffled by the seed), checked to give every
+        process a batch."""
+        args = self.args
+        if args.max_train_samples is not None:
+            ds = ds.shuffle(seed=args.seed or 0).select(range(min(args.max_train_samples, len(ds))))
+        check_enough_rows(len(ds), self.accelerator.num_processes, args.train_batch_size)
+        return ds
 
     def _place_frozen(self) -> None:
         """Frozen models by placement; 'cache' ones are run once over the data, then freed."""
@@ -342,9 +350,11 @@ class TextToImageTrainer:
                 with acc.accumulate(self.denoiser):
                     loss = self._loss(batch)
                     accumulated += acc.gather(loss.detach().repeat(len(batch["index"]))).mean().item()
-                    for name, value in self.batch_metrics.items():
-                        mean = acc.gather(value.detach().float().reshape(1)).mean().item()
-                        metrics[name] = metrics.get(name, 0.0) + mean
+                    if self.batch_metrics:  # one gather for all of them
+                        values = torch.stack([v.detach().float() for v in self.batch_metrics.values()])
+                        means = acc.gather(values.unsqueeze(0)).mean(dim=0).tolist()
+                        for name, mean in zip(self.batch_metrics, means):
+                            metrics[name] = metrics.get(name, 0.0) + mean
                     fault_point("train_step")
                     acc.backward(loss)
                     self.optimizer.step()
@@ -380,8 +390,7 @@ class TextToImageTrainer:
                 break
         bar.close()
         if len(losses) >= 2:
-            k = max(1, min(10, len(losses) // 4))
-            first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+            k, first, last = first_last_means(losses)
             log_rank_zero(
                 f"loss: mean of the first {k} steps {first:.4f} -> mean of the last {k} steps {last:.4f}"
             )

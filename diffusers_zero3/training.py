@@ -77,6 +77,18 @@ def sample_timesteps(
     return torch.multinomial(weights, batch_size, replacement=True).long().to(device)
 
 
+def diffusion_target(
+    noise_scheduler, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor
+) -> torch.Tensor:
+    """What the UNet learns to predict: the noise (``epsilon``) or the velocity
+    (``v_prediction``), by the scheduler's ``prediction_type``."""
+    if noise_scheduler.config.prediction_type == "epsilon":
+        return noise
+    if noise_scheduler.config.prediction_type == "v_prediction":
+        return noise_scheduler.get_velocity(latents, noise, timesteps)
+    raise ValueError(f"unknown prediction type {noise_scheduler.config.prediction_type!r}")
+
+
 def diffusion_loss(
     unet,
     noise_scheduler,
@@ -107,12 +119,7 @@ def diffusion_loss(
     if input_perturbation and perturbation is not None:
         noisy_input = noise + input_perturbation * perturbation
     noisy_latents = noise_scheduler.add_noise(latents, noisy_input, timesteps)
-    if noise_scheduler.config.prediction_type == "epsilon":
-        target = noise
-    elif noise_scheduler.config.prediction_type == "v_prediction":
-        target = noise_scheduler.get_velocity(latents, noise, timesteps)
-    else:
-        raise ValueError(f"unknown prediction type {noise_scheduler.config.prediction_type!r}")
+    target = diffusion_target(noise_scheduler, latents, noise, timesteps)
     if dream_detail_preservation is not None:
         from diffusers.training_utils import compute_dream_and_update_latents
 

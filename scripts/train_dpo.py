@@ -43,11 +43,13 @@ from diffusers_zero3.dpo import (
     collate_pairs,
     dpo_loss,
     drop_ties,
-    plot_curve,
 )
-from diffusers_zero3.recipe import load_frozen_component, run_script
+from diffusers_zero3.ds_config import weight_dtype
+from diffusers_zero3.pipeline_io import plot_curve
+from diffusers_zero3.recipe import load_frozen_component, run_trainer
+from diffusers_zero3.schedule import first_last_means
 from diffusers_zero3.text_to_image import TextToImageTrainer
-from diffusers_zero3.training import sample_noise, sample_timesteps
+from diffusers_zero3.training import diffusion_target, sample_noise, sample_timesteps
 
 
 def dpo_parser():
@@ -100,8 +102,6 @@ class DPOTrainer(TextToImageTrainer):
         super().setup()
 
     def _load_models(self) -> None:
-        from diffusers_zero3.ds_config import weight_dtype
-
         if self.family.flow_matching:
             raise ArgumentError(
                 f"train_dpo.py trains SD 1.x/2.x and SDXL pipelines, not {self.family.pipeline_class}"
@@ -137,12 +137,7 @@ class DPOTrainer(TextToImageTrainer):
         before = len(ds)
         ds = drop_ties(ds)
         log_rank_zero(f"{len(ds)} preference pairs ({before - len(ds)} ties dropped)")
-        if args.max_train_samples is not None:
-            ds = ds.shuffle(seed=args.seed or 0).select(range(min(args.max_train_samples, len(ds))))
-        from diffusers_zero3.data import check_enough_rows
-
-        check_enough_rows(len(ds), self.accelerator.num_processes, args.train_batch_size)
-        self.hf_dataset = ds
+        self.hf_dataset = ds = self._select_rows(ds)
         self.image_column, self.caption_column = "jpg_0", "caption"
         self.train_dataset = PreferencePairs(
             ds,
@@ -154,12 +149,19 @@ class DPOTrainer(TextToImageTrainer):
         )
         self.collate_fn = collate_pairs
 
+    @contextlib.contextmanager
     def _reference_context(self):
+        """The reference's forward: the separate frozen model as is, or the trained LoRA
+        denoiser with its adapters disabled for the block."""
         if self.reference is not None:
-            return contextlib.nullcontext()
+            yield
+            return
         module = getattr(self.denoiser, "module", self.denoiser)
         module.disable_adapters()
-        return _Finally(module.enable_adapters)
+        try:
+            yield
+        finally:
+            module.enable_adapters()
 
     def _loss(self, batch: dict) -> torch.Tensor:
         args = self.args
@@ -170,10 +172,7 @@ class DPOTrainer(TextToImageTrainer):
         n_steps = self.noise_scheduler.config.num_train_timesteps
         timesteps = sample_timesteps(pairs, n_steps, latents.device, self.timestep_weights).repeat(2)
         noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
-        if self.noise_scheduler.config.prediction_type == "v_prediction":
-            target = self.noise_scheduler.get_velocity(latents, noise, timesteps)
-        else:
-            target = noise
+        target = diffusion_target(self.noise_scheduler, latents, noise, timesteps)
         kwargs = self.family.denoiser_kwargs(cond, time_ids)
         states = cond["encoder_hidden_states"]
         with torch.no_grad(), self._reference_context():  # every rank, once per micro-batch
@@ -188,18 +187,20 @@ class DPOTrainer(TextToImageTrainer):
     def train(self) -> list[float]:
         losses = super().train()
         if self.metric_history:
-            k = max(1, min(10, len(self.metric_history) // 4))
-            first = sum(m["implicit_acc"] for m in self.metric_history[:k]) / k
-            last = sum(m["implicit_acc"] for m in self.metric_history[-k:]) / k
+            accuracy = [m["implicit_acc"] for m in self.metric_history]
+            k, first, last = first_last_means(accuracy)
             log_rank_zero(
                 f"implicit accuracy: mean of the first {k} steps {first:.3f} -> of the last {k} {last:.3f}"
             )
             if self.accelerator.is_main_process:
                 Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
                 path = plot_curve(
-                    [m["implicit_acc"] for m in self.metric_history],
+                    accuracy,
                     Path(self.args.output_dir) / "implicit_accuracy.png",
                     f"Diffusion-DPO implicit accuracy per step ({self.args.loss_type}, beta {self.args.beta_dpo:g})",
+                    y_range=(0.0, 1.0),
+                    reference=0.5,
+                    smooth=10,
                 )
                 log_rank_zero(f"implicit accuracy curve: {path}")
         if self.reference is not None:
@@ -210,23 +211,8 @@ class DPOTrainer(TextToImageTrainer):
         return losses
 
 
-class _Finally(contextlib.AbstractContextManager):
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __exit__(self, *exc):
-        self.fn()
-        return False
-
-
 def main(argv: list[str] | None = None) -> int:
-    def body() -> None:
-        trainer = DPOTrainer(parse_args(argv))
-        trainer.setup()
-        trainer.train()
-        trainer.save()
-
-    return run_script(body)
+    return run_trainer(lambda: DPOTrainer(parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -36,16 +36,23 @@ from diffusers_zero3.args import (
 )
 from diffusers_zero3.families import SD, detect_family
 from diffusers_zero3.folders import remove_interrupted_writes
-from diffusers_zero3.pipeline_io import check_output_dir, model_card, pipeline_components, save_final_pipeline
+from diffusers_zero3.pipeline_io import (
+    check_output_dir,
+    model_card,
+    pipeline_components,
+    plot_curve,
+    save_final_pipeline,
+)
 from diffusers_zero3.pretrained import resolve_model_folder
 from diffusers_zero3.recipe import (
     accelerator_from_args,
     load_frozen_component,
     load_trainable_denoiser,
-    run_script,
+    run_trainer,
     weight_dtype,
 )
 from diffusers_zero3.resume import resume_training, save_training_checkpoint
+from diffusers_zero3.schedule import first_last_means
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -244,46 +251,20 @@ class RewardTrainer:
             (out / "rewards.json").write_text(
                 json.dumps({"mean": self.rewards, "per_rank": self.rewards_per_rank})
             )
-            plot_curve(self.rewards, out / "rewards.png")
-            k = max(1, min(10, len(self.rewards) // 4))
+            title = "mean reward per step"
+            if self.rewards:
+                title += f": {self.rewards[0]:.3f} -> {self.rewards[-1]:.3f} (max {max(self.rewards):.3f})"
+            plot_curve(self.rewards, out / "rewards.png", title)
+            k, first, last = first_last_means(self.rewards)
             log_rank_zero(
-                f"mean reward: first {k} steps {sum(self.rewards[:k]) / k:.4f} -> last {k} steps "
-                f"{sum(self.rewards[-k:]) / k:.4f}\npipeline: {out.resolve()}\nreward curve: {out.resolve() / 'rewards.png'}"
+                f"mean reward: first {k} steps {first:.4f} -> last {k} steps "
+                f"{last:.4f}\npipeline: {out.resolve()}\nreward curve: {out.resolve() / 'rewards.png'}"
             )
         self.accelerator.end_training()
 
 
-def plot_curve(values: list[float], path: Path, size: tuple[int, int] = (480, 240)) -> None:
-    """A line chart of ``values`` as a PNG (PIL only; matplotlib is not a dependency)."""
-    from PIL import Image, ImageDraw
-
-    w, h = size
-    img = Image.new("RGB", size, "white")
-    draw = ImageDraw.Draw(img)
-    if len(values) >= 2:
-        lo, hi = min(values), max(values)
-        span = (hi - lo) or 1.0
-        pts = [
-            (20 + i * (w - 40) / (len(values) - 1), h - 20 - (v - lo) * (h - 40) / span)
-            for i, v in enumerate(values)
-        ]
-        draw.line(pts, fill=(200, 30, 30), width=2)
-        draw.text(
-            (22, 4), f"mean reward per step: {values[0]:.3f} -> {values[-1]:.3f} (max {hi:.3f})", fill="black"
-        )
-    draw.rectangle((20, 20, w - 20, h - 20), outline=(160, 160, 160))
-    img.save(path)
-
-
 def main(argv: list[str] | None = None) -> int:
-    trainer = RewardTrainer(parse_args(argv))
-
-    def body() -> None:
-        trainer.setup()
-        trainer.train()
-        trainer.save()
-
-    return run_script(body)
+    return run_trainer(lambda: RewardTrainer(parse_args(argv)))
 
 
 if __name__ == "__main__":

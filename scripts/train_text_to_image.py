@@ -36,19 +36,12 @@ from __future__ import annotations
 import sys
 
 from diffusers_zero3.args import parse_args
-from diffusers_zero3.recipe import run_script
+from diffusers_zero3.recipe import run_trainer
 from diffusers_zero3.text_to_image import TextToImageTrainer
 
 
 def main(argv: list[str] | None = None) -> int:
-    trainer = TextToImageTrainer(parse_args(argv))
-
-    def body() -> None:
-        trainer.setup()
-        trainer.train()
-        trainer.save()
-
-    return run_script(body)
+    return run_trainer(lambda: TextToImageTrainer(parse_args(argv)))
 
 
 if __name__ == "__main__":
