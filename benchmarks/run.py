@@ -10,7 +10,7 @@ import argparse
 import importlib
 import time
 
-SUITES = ["rss_baseline", "frozen", "frozen_sdxl", "t5", "lora", "ema", "checkpoint", "reward"]
+SUITES = ["end_to_end", "rss_baseline", "frozen", "frozen_sdxl", "t5", "lora", "ema", "checkpoint", "reward"]
 
 
 def main() -> None:

@@ -13,9 +13,16 @@ from .frozen import (
     prepare_frozen,
 )
 from .lockstep import LockstepError, lockstep_check, lockstep_map
+from .memory import MemoryLog, model_state_bytes, return_large_frees_to_os
 from .pretrained import CheckpointError, load_pretrained_zero3, publish_folder, save_pretrained_zero3
 from .rewards import ParallelReward
-from .zero3 import gathered_parameters, is_zero3_enabled, is_zero3_param, zero3_init_disabled
+from .zero3 import (
+    gathered_parameters,
+    is_zero3_enabled,
+    is_zero3_param,
+    share_fp32_master_weights,
+    zero3_init_disabled,
+)
 
 __version__ = "0.1.0"
 
@@ -47,4 +54,8 @@ __all__ = [
     "is_zero3_param",
     "log_rank_zero",
     "zero3_init_disabled",
+    "share_fp32_master_weights",
+    "MemoryLog",
+    "model_state_bytes",
+    "return_large_frees_to_os",
 ]

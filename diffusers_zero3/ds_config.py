@@ -46,18 +46,39 @@ def typical_hidden_size(model: torch.nn.Module) -> int:
     return max(64, int(math.sqrt(sizes[len(sizes) // 2])))
 
 
-def zero3_bucket_sizes(model: torch.nn.Module) -> dict[str, int]:
-    """ZeRO-3 bucket and persistence sizes for ``model`` from its parameter shapes.
+# Buckets never grow past this many elements for one large parameter (an embedding table of
+# a text encoder): 2**25 elements is 64 MiB in bf16.
+MAX_BUCKET = 2**25
 
-    The same rules as accelerate's ``"auto"`` (``hidden^2``, ``0.9 hidden^2``,
-    ``10 hidden``), with the hidden size taken from the model's median weight matrix, since
-    diffusers models have no ``config.hidden_size``.
+
+def zero3_bucket_sizes(model: torch.nn.Module) -> dict[str, int]:
+    """ZeRO-3 bucket, sub-group and persistence sizes for ``model`` from its parameter shapes.
+
+    ``hidden`` is the model's typical hidden size (its median weight matrix: diffusers models
+    have no ``config.hidden_size`` for accelerate's ``"auto"``), ``largest`` its largest
+    parameter (at most ``MAX_BUCKET`` elements), ``bucket = max(hidden^2, largest)``:
+
+    * ``stage3_param_persistence_threshold = 10 hidden`` (accelerate's rule): parameters up
+      to it (norms, biases) stay whole on every rank, with no gather per forward.
+    * ``reduce_bucket_size = bucket``: gradients are reduce-scattered in buckets of this many
+      elements; a gradient larger than the bucket goes alone, so accelerate's ``hidden^2``
+      gave a UNet (whose largest convolutions hold many times ``hidden^2``) one collective
+      per gradient. One buffer of this size is held for the run.
+    * ``stage3_prefetch_bucket_size = bucket``: the parameters gathered ahead of the module
+      that needs them, in one collective; ``0.9 hidden^2`` fetched about one matrix ahead.
+    * ``sub_group_size = bucket``: the optimizer steps over its partition in groups of this
+      many elements. DeepSpeed's default (10^9) makes one group of the whole partition, with
+      an fp32 copy of all of its gradients at every step (``4 params / N`` bytes at once)
+      and an Adam update that streams the whole partition through memory once per operation.
     """
     hidden = typical_hidden_size(model)
+    largest = max((p.ds_numel if is_zero3_param(p) else p.numel() for p in model.parameters()), default=0)
+    bucket = max(hidden * hidden, min(largest, MAX_BUCKET))
     return {
-        "reduce_bucket_size": hidden * hidden,
-        "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+        "reduce_bucket_size": bucket,
+        "stage3_prefetch_bucket_size": bucket,
         "stage3_param_persistence_threshold": 10 * hidden,
+        "sub_group_size": bucket,
     }
 
 

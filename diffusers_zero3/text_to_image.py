@@ -38,6 +38,7 @@ from .families import detect_family
 from .folders import remove_interrupted_writes
 from .frozen_inputs import place_frozen_models
 from .lora import LORA_WEIGHT_NAME, add_lora_adapters, save_lora_zero3
+from .memory import MIB, MemoryLog, model_state_bytes, return_large_frees_to_os
 from .pipeline_io import (
     check_output_dir,
     generate_validation_images,
@@ -46,6 +47,7 @@ from .pipeline_io import (
     pipeline_components,
     save_final_pipeline,
 )
+from .plan import resolve_auto_placements
 from .pretrained import resolve_model_folder
 from .recipe import accelerator_from_args, load_trainable_denoiser
 from .resume import resume_training, save_training_checkpoint
@@ -65,6 +67,7 @@ from .training import (
     sample_timesteps,
     timestep_bias_weights,
 )
+from .zero3 import share_fp32_master_weights
 
 logger = logging.getLogger("diffusers_zero3.text_to_image")
 
@@ -78,6 +81,10 @@ class TextToImageTrainer:
     per step beside the loss, averaged over ranks) and extend ``_load_models``.
     """
 
+    # Frozen outputs depend on the data alone (crops and flips are cached too): the planner
+    # may cache them (--*_placement auto). A trainer whose inputs change sets this False.
+    cacheable_data = True
+
     def __init__(self, args):
         self.args = args
         self.global_step = 0
@@ -87,6 +94,8 @@ class TextToImageTrainer:
         self.collate_fn = collate
         self.batch_metrics: dict[str, torch.Tensor] = {}
         self.metric_history: list[dict[str, float]] = []
+        self.memory = MemoryLog()
+        self.model_states: dict[str, int] | None = None  # bytes by kind, measured at the first step
 
     # ------------------------------------------------------------------ setup
 
@@ -96,6 +105,8 @@ class TextToImageTrainer:
         args = self.args
         # Everything that can be checked before anything is written is checked first.
         validate_args(args)
+        if getattr(args, "return_freed_memory", False):
+            return_large_frees_to_os()
         self.source = resolve_model_folder(
             args.pretrained_model_name_or_path, None, args.revision, args.cache_dir
         )
@@ -110,6 +121,10 @@ class TextToImageTrainer:
             )
         check_resolution(args.resolution, self.family, self.vae_source or Path(self.source) / "vae")
         self.accelerator = acc = accelerator_from_args(args)
+        try:
+            self.plan = resolve_auto_placements(args, self.source, acc, fixed_data=self.cacheable_data)
+        except ValueError as e:
+            raise ArgumentError(str(e)) from e
         validate_launch(
             args, deepspeed_active=acc.state.deepspeed_plugin is not None, on_cpu=acc.device.type == "cpu"
         )
@@ -120,10 +135,14 @@ class TextToImageTrainer:
         set_seed(args.seed if args.seed is not None else 0)
         if args.allow_tf32 and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = True
+        self.memory.mark("accelerator built")
         self._load_models()
+        self.memory.mark("models loaded")
         self._load_data()
         self._place_frozen()
+        self.memory.mark("frozen models placed")
         self._prepare_training()
+        self.memory.mark("prepared")
 
     def _load_models(self) -> None:
         args, src = self.args, self.source
@@ -269,6 +288,11 @@ class TextToImageTrainer:
         self.denoiser, self.optimizer, self.loader, self.lr_scheduler = acc.prepare(
             self.denoiser, optimizer, loader, scheduler
         )
+        freed = share_fp32_master_weights(self.optimizer)
+        if freed:
+            log_rank_zero(
+                f"fp32 master weights shared with the parameters: {freed / MIB:.1f} MiB freed per rank"
+            )
         args.num_train_epochs = epochs_for(
             args.max_train_steps, updates_per_epoch(len(self.loader), args.gradient_accumulation_steps)
         )
@@ -347,8 +371,11 @@ class TextToImageTrainer:
             done_in_epoch = self.resume_batches if epoch == self.first_epoch else 0
             accumulated, metrics = 0.0, {}
             for batch in epoch_batches(acc, self.loader, epoch, done_in_epoch):
+                first = not self.memory.has("first forward")
                 with acc.accumulate(self.denoiser):
                     loss = self._loss(batch)
+                    if first:
+                        self.memory.mark("first forward")
                     accumulated += acc.gather(loss.detach().repeat(len(batch["index"]))).mean().item()
                     if self.batch_metrics:  # one gather for all of them
                         values = torch.stack([v.detach().float() for v in self.batch_metrics.values()])
@@ -357,8 +384,13 @@ class TextToImageTrainer:
                             metrics[name] = metrics.get(name, 0.0) + mean
                     fault_point("train_step")
                     acc.backward(loss)
+                    if first:
+                        self.memory.mark("first backward")
                     self.optimizer.step()
                     self.lr_scheduler.step()
+                    if first:  # before zero_grad: a plain optimizer's gradients still exist
+                        self.memory.mark("first optimizer step")
+                        self.model_states = model_state_bytes(self.denoiser, self.optimizer, self.ema)
                     self.optimizer.zero_grad()
                 done_in_epoch += 1
                 if not acc.sync_gradients:
@@ -389,6 +421,8 @@ class TextToImageTrainer:
             if self.global_step >= args.max_train_steps:
                 break
         bar.close()
+        self.memory.mark("training done")
+        self._log_memory()
         if len(losses) >= 2:
             k, first, last = first_last_means(losses)
             log_rank_zero(
@@ -398,6 +432,24 @@ class TextToImageTrainer:
         if skipped:
             logger.warning("skipped %d unreadable image row(s) on rank %d", skipped, acc.process_index)
         return losses
+
+    def _log_memory(self) -> None:
+        """Log the RSS per phase and the trained model's state bytes (measured after the first
+        optimizer step, before its gradients are zeroed), each the maximum over ranks
+        (collectives: every rank calls it once, at the end of training)."""
+        records = self.memory.gathered()
+        states = self.model_states or model_state_bytes(self.denoiser, self.optimizer, self.ema)
+        values = torch.tensor(list(states.values()), dtype=torch.float64)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+        states = dict(zip(states, (int(v) for v in values.tolist())))
+        log_rank_zero("memory per rank (maximum over ranks):\n" + MemoryLog.format(records))
+        log_rank_zero(
+            "model states per rank: "
+            + ", ".join(f"{k} {v / MIB:.1f} MiB" for k, v in states.items())
+            + f" (total {sum(states.values()) / MIB:.1f} MiB)"
+        )
+        self.model_states = states
 
     def _checkpoint(self, epoch: int, done_in_epoch: int) -> None:
         fault_point("checkpoint")

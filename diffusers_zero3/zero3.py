@@ -198,3 +198,45 @@ def gathered_parameters(
     import deepspeed
 
     return deepspeed.zero.GatheredParameters(zero_params, modifier_rank=modifier_rank, fwd_module=fwd_module)
+
+
+def zero3_optimizer(optimizer: Any) -> Any:
+    """DeepSpeed's ZeRO-3 optimizer: ``optimizer`` itself (as ``deepspeed.initialize``
+    returns it) or the one inside accelerate's wrapper; None for any other optimizer."""
+    for candidate in (optimizer, getattr(optimizer, "optimizer", None)):
+        if candidate is not None and hasattr(candidate, "fp32_partitioned_groups_flat"):
+            return candidate
+    return None
+
+
+def share_fp32_master_weights(optimizer: Any) -> int:
+    """Let a ZeRO-3 optimizer whose parameters are already fp32 update them in place instead
+    of keeping a second fp32 copy of every partition; returns the bytes freed on this rank.
+
+    DeepSpeed means to do this itself ("we don't need another copy of the weights", stage3.py)
+    but compares ``tensor.device == "cpu"`` (a ``torch.device`` with a string: always False),
+    so an fp32 run keeps ``4 x params / N`` bytes of duplicate master weights per rank. Here
+    the master partition becomes a view of the parameter partition it copies (the optimizer
+    state, keyed by the master tensor object, is untouched); the optimizer then writes the
+    parameters directly, and its copy back to them is a copy onto itself. Mixed precision,
+    optimizer offload and NVMe swapping keep their separate master weights (nothing to share).
+
+    Call on every rank after ``accelerator.prepare`` (not a collective). A no-op for other
+    optimizers.
+    """
+    zero = zero3_optimizer(optimizer)
+    if zero is None or getattr(zero, "offload_optimizer", False):
+        return 0
+    freed = 0
+    for low, master in zip(zero.fp16_partitioned_groups_flat, zero.fp32_partitioned_groups_flat):
+        if low is None or master.numel() == 0 or low.numel() != master.numel():
+            continue
+        if low.dtype != master.dtype or low.device != master.device:
+            continue
+        if low.untyped_storage().data_ptr() == master.untyped_storage().data_ptr():
+            continue  # already shared (a DeepSpeed that compares devices correctly)
+        if not torch.equal(low, master):
+            continue  # not a fresh copy: leave it alone
+        freed += master.numel() * master.element_size()
+        master.data = low.data
+    return freed

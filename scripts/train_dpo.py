@@ -94,6 +94,8 @@ def parse_args(argv: list[str] | None = None):
 class DPOTrainer(TextToImageTrainer):
     """The text-to-image trainer with preference pairs, a reference and the DPO loss."""
 
+    cacheable_data = False  # two images per row: the VAE runs live (auto never picks cache)
+
     def setup(self) -> None:
         if self.args.vae_placement == "cache":
             raise ArgumentError(

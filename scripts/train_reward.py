@@ -36,6 +36,7 @@ from diffusers_zero3.args import (
 )
 from diffusers_zero3.families import SD, detect_family
 from diffusers_zero3.folders import remove_interrupted_writes
+from diffusers_zero3.memory import return_large_frees_to_os
 from diffusers_zero3.pipeline_io import (
     check_output_dir,
     model_card,
@@ -53,6 +54,7 @@ from diffusers_zero3.recipe import (
 )
 from diffusers_zero3.resume import resume_training, save_training_checkpoint
 from diffusers_zero3.schedule import first_last_means
+from diffusers_zero3.zero3 import share_fp32_master_weights
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -124,6 +126,8 @@ class RewardTrainer:
 
         args = self.args
         validate_args(args)
+        if args.return_freed_memory:
+            return_large_frees_to_os()
         self.source = resolve_model_folder(args.pretrained_model_name_or_path)
         check_output_dir(args.output_dir, self.source)
         pipeline_components(self.source)
@@ -165,6 +169,7 @@ class RewardTrainer:
                 args.train_batch_size
             )
         self.unet, self.optimizer = acc.prepare(self.unet, optimizer)
+        share_fp32_master_weights(self.optimizer)
         self.ema = ShardedEMA(self.unet) if args.use_ema else None
         if acc.is_main_process and args.report_to != "none":
             acc.init_trackers(

@@ -1,0 +1,223 @@
+"""The text-to-image script end to end: ZeRO-3 (N=2) against plain DDP on the same job.
+
+A UNet of tens of millions of parameters (``WIDTH``), fp32, batch 2 per rank, 32 px, on two
+CPU processes (gloo). ZeRO-3 runs with the frozen text encoder and VAE all replicated, all
+sharded, and cached; DDP runs them replicated. Each run's numbers come from the script's own
+log (``TextToImageTrainer._log_memory``): peak RSS per rank, RSS per phase, the trained
+model's state bytes per rank, and the time of the steps after the first.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.common import REPO_ROOT, markdown_table, print_section
+
+WIDTH = 224  # a UNet of 38.5 M parameters (demo.tiny_component_configs)
+STEPS = 12
+PLACEMENTS = {
+    "replicated": ("replicate", "replicate"),
+    "sharded": ("shard", "shard"),
+    "cache": ("cache", "cache"),
+}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_script(
+    pipe: Path, data: Path, out: Path, *, zero3: bool, te: str, vae: str, env: dict | None = None, steps=STEPS
+) -> str:
+    """Run the text-to-image script on 2 CPU ranks; returns its output (raises on failure)."""
+    script = str(REPO_ROOT / "scripts" / "train_text_to_image.py")
+    if zero3:
+        launch = [
+            sys.executable, "-m", "accelerate.commands.launch",
+            "--config_file", str(REPO_ROOT / "configs" / "accelerate_zero3.yaml"),
+            "--num_processes", "2", "--main_process_port", str(_free_port()),
+        ]  # fmt: skip
+    else:
+        launch = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+            "--master_port", str(_free_port()),
+        ]  # fmt: skip
+    argv = [
+        *launch, script,
+        "--pretrained_model_name_or_path", str(pipe), "--train_data_dir", str(data),
+        "--output_dir", str(out), "--resolution", "32", "--center_crop",
+        "--train_batch_size", "2", "--max_train_steps", str(steps), "--learning_rate", "1e-4",
+        "--checkpointing_steps", "100000", "--seed", "0", "--report_to", "none",
+        "--text_encoder_placement", te, "--vae_placement", vae,
+    ]  # fmt: skip
+    full_env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": str(REPO_ROOT),
+        "ACCELERATE_USE_DEEPSPEED": "true" if zero3 else "false",
+        **(env or {}),
+    }
+    proc = subprocess.run(argv, env=full_env, capture_output=True, text=True, timeout=1800)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "launch.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"run failed ({proc.returncode}), log {out / 'launch.log'}:\n{(proc.stdout + proc.stderr)[-4000:]}"
+        )
+    return proc.stdout + proc.stderr
+
+
+_PHASE = re.compile(r"^\s+(.+?)\s+RSS\s+([\d.]+) MiB\s+peak\s+([\d.]+) MiB \(\+\s*[\d.]+\)\s+([\d.]+) s$")
+_STATES = re.compile(r"model states per rank: (.*) \(total ([\d.]+) MiB\)")
+
+
+def parse_memory(output: str) -> dict:
+    """The per-phase table and model-state bytes of a run's log (MiB, seconds)."""
+    phases = {}
+    for line in output.splitlines():
+        m = _PHASE.match(line)
+        if m:
+            phases[m.group(1)] = {"rss": float(m.group(2)), "peak": float(m.group(3)), "s": float(m.group(4))}
+    states_line = _STATES.search(output)
+    if not phases or not states_line:
+        raise RuntimeError(f"no memory report in the run's log:\n{output[-3000:]}")
+    states = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) MiB", states_line.group(1))}
+    return {"phases": phases, "states": states, "state_total": float(states_line.group(2))}
+
+
+def measure(
+    pipe: Path, data: Path, work: Path, name: str, *, zero3: bool, te: str, vae: str, env=None
+) -> dict:
+    out = parse_memory(run_script(pipe, data, work / name, zero3=zero3, te=te, vae=vae, env=env))
+    ph = out["phases"]
+    step_s = ph["training done"]["s"] / (STEPS - 1)  # steps 2..STEPS (the first one warms up)
+    return {**out, "peak": max(p["peak"] for p in ph.values()), "step_s": step_s, "sample_s": step_s / 4}
+
+
+def prepare(work: Path, width: int = WIDTH) -> tuple[Path, Path]:
+    from diffusers_zero3.demo import save_tiny_pipeline, write_shapes_dataset
+
+    pipe = save_tiny_pipeline(work / f"pipe-{width}", width=width)
+    data = work / "shapes"
+    if not data.exists():
+        write_shapes_dataset(data, num_images=32)
+    return pipe, data
+
+
+SIZES = (96, 160)  # smaller UNets, for the size at which ZeRO-3's peak RSS drops below DDP's
+
+
+def calibration_rows(pipe: Path, ddp: dict, zero3: dict) -> list[dict]:
+    """The planner's model-state bytes per rank against the ones measured (N=2): parameters,
+    gradients, optimizer state (and EMA), without buffers."""
+    from diffusers_zero3.plan import PlanOptions, make_plan
+
+    plan = make_plan(str(pipe), PlanOptions(num_processes=2))["components"]["unet"]["placements"]
+    kinds = ("parameters", "gradients", "optimizer", "ema")
+    rows = []
+    for name, placement, res in (("DDP", "replicate", ddp), ("ZeRO-3", "shard", zero3)):
+        planned = sum(plan[placement][k] for k in kinds) / 2**20
+        measured = sum(res["states"].get(k, 0.0) for k in kinds)
+        rows.append(
+            {
+                "run": name,
+                "planned MiB / rank": f"{planned:.1f}",
+                "measured MiB / rank": f"{measured:.1f}",
+                "planned / measured": f"{planned / measured:.3f}",
+            }
+        )
+    return rows
+
+
+def crossover(points: list[tuple[float, float]]) -> str:
+    """Where the ratio ZeRO-3 / DDP of peak RSS crosses 1, from (params, ratio) points."""
+    points = sorted(points)
+    for (p0, r0), (p1, r1) in zip(points, points[1:]):
+        if r0 >= 1 > r1:
+            at = p0 + (p1 - p0) * (r0 - 1) / (r0 - r1)
+            return f"ZeRO-3's peak RSS per rank drops below DDP's at about {at / 1e6:.0f} M UNet parameters"
+    if points and points[0][1] < 1:
+        return f"ZeRO-3's peak RSS per rank is below DDP's at every size measured (from {points[0][0] / 1e6:.0f} M)"
+    return f"ZeRO-3's peak RSS per rank stays above DDP's up to {points[-1][0] / 1e6:.0f} M parameters"
+
+
+def main() -> None:
+    from diffusers_zero3.plan import PlanOptions, make_plan
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        pipe, data = prepare(work)
+        params = make_plan(str(pipe), PlanOptions(num_processes=2))["components"]["unet"]["parameters"]
+        ddp = measure(pipe, data, work, "ddp", zero3=False, te="replicate", vae="replicate")
+        rows = [_row("DDP (replicated)", ddp, ddp)]
+        phases = {"DDP": ddp["phases"]}
+        results = {}
+        for name, (te, vae) in PLACEMENTS.items():
+            results[name] = res = measure(pipe, data, work, name, zero3=True, te=te, vae=vae)
+            rows.append(_row(f"ZeRO-3, frozen {name}", res, ddp))
+            phases[f"ZeRO-3 {name}"] = res["phases"]
+        print_section(
+            f"End to end: text-to-image script, UNet {params / 1e6:.1f} M parameters, N=2 CPU ranks, "
+            "fp32, batch 2 per rank, 32 px",
+            markdown_table(rows, list(rows[0])),
+        )
+        names = list(phases["DDP"])
+        table = [
+            {
+                "phase": n,
+                **{k: f"{v[n]['rss']:.0f} / {v[n]['peak']:.0f}" for k, v in phases.items() if n in v},
+            }
+            for n in names
+        ]
+        print_section("RSS / peak RSS per rank (MiB) after each phase", markdown_table(table, list(table[0])))
+        cal = calibration_rows(pipe, ddp, results["replicated"])
+        print_section("Planner calibration: model states per rank, N=2", markdown_table(cal, list(cal[0])))
+        points = [(params, results["replicated"]["peak"] / ddp["peak"])]
+        size_rows = [_size_row(params, ddp, results["replicated"])]
+        for width in SIZES:
+            small, _ = prepare(work, width)
+            n = make_plan(str(small), PlanOptions(num_processes=2))["components"]["unet"]["parameters"]
+            d = measure(small, data, work, f"ddp-{width}", zero3=False, te="replicate", vae="replicate")
+            z = measure(small, data, work, f"zero3-{width}", zero3=True, te="replicate", vae="replicate")
+            points.append((n, z["peak"] / d["peak"]))
+            size_rows.append(_size_row(n, d, z))
+        size_rows.sort(key=lambda r: float(r["UNet M params"]))
+        print_section(
+            "Peak RSS per rank by UNet size, ZeRO-3 (frozen replicated) vs DDP, N=2: " + crossover(points),
+            markdown_table(size_rows, list(size_rows[0])),
+        )
+
+
+def _size_row(params: int, ddp: dict, zero3: dict) -> dict:
+    return {
+        "UNet M params": f"{params / 1e6:.1f}",
+        "DDP peak MiB": f"{ddp['peak']:.0f}",
+        "ZeRO-3 peak MiB": f"{zero3['peak']:.0f}",
+        "ZeRO-3 / DDP": f"{zero3['peak'] / ddp['peak']:.2f}",
+        "time ZeRO-3 / DDP": f"{zero3['sample_s'] / ddp['sample_s']:.2f}",
+    }
+
+
+def _row(name: str, res: dict, ddp: dict) -> dict:
+    return {
+        "run": name,
+        "s / sample": f"{res['sample_s']:.3f}",
+        "time vs DDP": f"{res['sample_s'] / ddp['sample_s']:.2f}",
+        "peak RSS MiB / rank": f"{res['peak']:.0f}",
+        "RSS vs DDP": f"{res['peak'] / ddp['peak']:.2f}",
+        "model states MiB / rank": f"{res['state_total']:.1f}",
+        "states vs DDP": f"{res['state_total'] / ddp['state_total']:.2f}",
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""What a rank holds: process RSS by phase of a run, and model-state bytes by kind.
+
+``MemoryLog`` records the resident set size (now, and the peak so far) at named phases of a
+run (after loading, after ``prepare``, after the first forward, backward and optimizer
+step, ...); ``model_state_bytes`` counts the bytes of parameters, gradients, optimizer
+state and EMA a rank holds in tensors, for a ZeRO-3 engine or a plain module alike. The
+text-to-image trainer logs both; the benchmarks read them; the planner
+(``diffusers_zero3.plan``) predicts the second.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .zero3 import is_zero3_param, zero3_optimizer
+
+MIB = 2**20
+
+
+def current_rss_bytes() -> int:
+    """Resident set size of this process now (Linux; 0 where ``/proc`` is missing)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if os.uname().sysname == "Darwin" else peak * 1024
+
+
+# glibc's mallopt parameter number for the mmap threshold (malloc.h: M_MMAP_THRESHOLD = -3).
+_M_MMAP_THRESHOLD = -3
+
+
+def return_large_frees_to_os(threshold_bytes: int = MIB) -> bool:
+    """Make glibc serve allocations of ``threshold_bytes`` or more with ``mmap`` (returned to
+    the OS on free) instead of its heap, for this process from now on. Returns False where
+    glibc is absent.
+
+    ZeRO-3 on a CPU host allocates and frees a whole parameter (or bucket) at every gather.
+    glibc's default raises its mmap threshold dynamically up to 32 MiB after the first such
+    frees, after which freed blocks stay in the heap and the RSS of a rank keeps them: the
+    same effect as ``MALLOC_MMAP_THRESHOLD_=1048576`` in the environment, set in-process.
+    Setting the threshold explicitly also turns glibc's dynamic adjustment off.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes)))
+
+
+@dataclass
+class PhaseMemory:
+    """RSS at the end of a phase and the peak RSS of the process up to then, in bytes, and
+    when the phase ended (``time.monotonic()``)."""
+
+    phase: str
+    rss: int
+    peak: int
+    time: float = field(default_factory=time.monotonic)
+
+
+class MemoryLog:
+    """Per-phase RSS of this rank: ``mark("after prepare")`` after each phase.
+
+    Not a collective, except ``gathered`` (every rank calls it the same number of times).
+    """
+
+    def __init__(self) -> None:
+        self.phases: list[PhaseMemory] = []
+
+    def mark(self, phase: str) -> PhaseMemory:
+        """Record the RSS now and the peak so far under ``phase``; returns the record."""
+        rss = current_rss_bytes()
+        record = PhaseMemory(phase, rss, max(rss, peak_rss_bytes()))  # the kernel's peak can lag
+        self.phases.append(record)
+        return record
+
+    def has(self, phase: str) -> bool:
+        """True once ``phase`` is marked."""
+        return any(p.phase == phase for p in self.phases)
+
+    def gathered(self) -> list[PhaseMemory]:
+        """The records with each number the maximum over ranks. All ranks must call this,
+        with the same phases marked; without a process group it returns the local ones."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or not self.phases:
+            return list(self.phases)
+        values = torch.tensor([[p.rss, p.peak, p.time] for p in self.phases], dtype=torch.float64)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return [PhaseMemory(p.phase, int(r), int(k), t) for p, (r, k, t) in zip(self.phases, values.tolist())]
+
+    @staticmethod
+    def format(records: list[PhaseMemory]) -> str:
+        """One line per phase: RSS, peak so far, the peak's growth in that phase (MiB) and the
+        phase's seconds."""
+        lines, last_peak, last_time = [], 0, records[0].time if records else 0.0
+        for p in records:
+            lines.append(
+                f"  {p.phase:<22} RSS {p.rss / MIB:8.1f} MiB  peak {p.peak / MIB:8.1f} MiB "
+                f"(+{max(0, p.peak - last_peak) / MIB:6.1f})  {p.time - last_time:7.2f} s"
+            )
+            last_peak, last_time = p.peak, p.time
+        return "\n".join(lines)
+
+
+def _tensor_bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer=None, ema=None) -> dict[str, int]:
+    """Bytes of the trained model's states this rank holds, by kind.
+
+    * ``parameters``: the model's parameters (a ZeRO-3 parameter counts its partition, plus
+      its whole size when the persistence threshold keeps it whole on every rank);
+    * ``gradients``: ZeRO-3's flat buffer of gradient partitions, else the ``.grad`` tensors;
+    * ``optimizer``: the optimizer's state tensors, plus ZeRO-3's fp32 master partitions
+      where they are not the parameters' own storage (mixed precision);
+    * ``ema``: ``ShardedEMA.local_bytes()`` (or an EMA model's parameters);
+    * ``buffers``: ZeRO-3's gradient reduce buckets (``reduce_bucket_size`` elements per
+      gradient dtype), held for the whole run.
+
+    ``model`` may be the prepared engine or its module; ``optimizer`` the prepared one.
+    """
+    from .frozen import local_parameter_bytes
+
+    module = getattr(model, "module", model)
+    params = local_parameter_bytes(module)
+    zero = zero3_optimizer(optimizer)
+    # the torch optimizer holding the state: ZeRO's inner one, or the one accelerate wraps
+    torch_opt = zero.optimizer if zero is not None else getattr(optimizer, "optimizer", optimizer)
+    if zero is not None:
+        grads = _tensor_bytes(getattr(zero, "grad_partitions_flat_buffer", None))
+    else:
+        grads = sum(_tensor_bytes(p.grad) for p in module.parameters() if not is_zero3_param(p))
+    opt, seen = 0, set()
+    for state in getattr(torch_opt, "state", {}).values():
+        for value in state.values():
+            if torch.is_tensor(value) and value.dim() > 0 and id(value) not in seen:
+                seen.add(id(value))
+                opt += _tensor_bytes(value)
+    buffers = 0
+    if zero is not None:
+        low = {t.untyped_storage().data_ptr() for t in zero.fp16_partitioned_groups_flat if t is not None}
+        for master in zero.fp32_partitioned_groups_flat:  # a separate copy unless shared
+            if master.numel() and master.untyped_storage().data_ptr() not in low:
+                opt += _tensor_bytes(master)
+        buffers = sum(
+            _tensor_bytes(getattr(b, "buffer", None)) for b in getattr(zero, "ipg_buckets", {}).values()
+        )
+    ema_bytes = 0
+    if ema is not None:
+        ema_bytes = ema.local_bytes() if hasattr(ema, "local_bytes") else local_parameter_bytes(ema)
+    return {"parameters": params, "gradients": grads, "optimizer": opt, "ema": ema_bytes, "buffers": buffers}

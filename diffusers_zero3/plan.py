@@ -1,0 +1,609 @@
+"""Placement planner: bytes per rank of every component of a training job, by placement, and
+the fastest set of placements that fits the device memory.
+
+    python -m diffusers_zero3.plan PIPELINE [--num_processes N] [--device_memory 80GiB]
+        [--mixed_precision bf16] [--use_ema] [--rank R] [--offload frozen|optimizer|all]
+        [--fixed_data] [--json]
+
+``PIPELINE`` is a local pipeline folder, a hub id (only its ``*.json`` configs are fetched), or
+one of the carried configs (``known_pipelines``: SD 1.5, SDXL, SD3 medium, FLUX.1 [dev]).
+Models are built on the meta device from their configs: no weight is read.
+
+What is counted (per rank, ``N = num_processes``, ``Ψ`` parameters, ``b`` bytes per element
+of the training dtype, the trained model's persistence threshold and bucket sizes as
+``ds_config.zero3_bucket_sizes`` sets them):
+
+* trained denoiser, ``shard`` (a ZeRO-3 engine): parameters ``b·Ψ/N`` (plus the whole of the
+  parameters under the persistence threshold), gradient partitions ``b·Ψ/N``, optimizer
+  Adam moments ``8Ψ/N`` and, under bf16/fp16, fp32 master partitions ``4Ψ/N`` (under fp32
+  the parameters are the master weights: ``zero3.share_fp32_master_weights``); EMA ``4Ψ/N``;
+  buffers (below). ``offload``: the same with the gradients, optimizer
+  state and master weights in host memory. ``replicate`` (plain DDP, for comparison): ``4Ψ``
+  parameters, ``4Ψ`` gradients, ``4Ψ`` of DDP's gradient buckets, ``8Ψ`` Adam, ``4Ψ`` EMA.
+  With ``--rank R`` (LoRA) the base is frozen and partitioned, and gradients, optimizer and
+  EMA are the adapters' (``R·(in + out)`` per targeted layer). Buffers are the gradient
+  reduce bucket and the fp32 copy of one optimizer sub-group's gradients made at each step
+  (both sized by ``ds_config.zero3_bucket_sizes``).
+* frozen model: ``replicate`` ``b·Ψ``; ``shard`` DeepSpeed's partition of every parameter plus
+  the whole of those under its persistence threshold (``frozen.placement_bytes_per_rank``);
+  ``offload`` nothing on the device (the shard in host memory); ``cache`` nothing, and the
+  bytes of its stored outputs per image on disk.
+
+Activations are not counted: the recommendation keeps ``--margin`` (default 25 %) of the
+device memory free for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .known_pipelines import KNOWN_PIPELINES
+
+GIB = 2**30
+MIB = 2**20
+_DTYPE_BYTES = {"no": 4, "fp32": 4, "bf16": 2, "fp16": 2}
+FROZEN_ORDER = ("replicate", "cache", "shard", "offload")  # fastest first (cache needs fixed data)
+
+
+@dataclass
+class Component:
+    """One model of a pipeline: folder name, library, class and config, built on demand."""
+
+    name: str
+    library: str
+    class_name: str
+    config: dict
+    trainable: bool = False
+    _module: torch.nn.Module | None = field(default=None, repr=False)
+
+    def meta_module(self) -> torch.nn.Module:
+        """The model built on the meta device from its config (no weights, exact shapes)."""
+        if self._module is None:
+            self._module = build_on_meta(self.library, self.class_name, self.config)
+        return self._module
+
+    @property
+    def parameters(self) -> int:
+        return sum(p.numel() for p in self.meta_module().parameters())
+
+
+def build_on_meta(library: str, class_name: str, config: dict) -> torch.nn.Module:
+    """``class_name`` of ``library`` (``diffusers`` or ``transformers``) built from ``config``
+    on the meta device."""
+    from .zero3 import zero3_init_disabled
+
+    cls = getattr(importlib.import_module(library), class_name)
+    with zero3_init_disabled(), torch.device("meta"):
+        if library == "transformers":
+            config_cls = cls.config_class
+            known = {k: v for k, v in config.items() if not k.startswith("_")}
+            if "text_config" in known and hasattr(config_cls, "sub_configs"):
+                known = known["text_config"]  # a CLIP config saved whole
+            return cls(config_cls(**known))
+        return cls.from_config(config)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path} ({type(e).__name__}: {e})") from e
+
+
+def pipeline_components(pipeline: str | os.PathLike) -> tuple[str, dict[str, Component]]:
+    """``(pipeline class name, {folder: Component})`` of a pipeline folder, a hub id (configs
+    only) or a carried config; the family's denoiser is marked trainable."""
+    from .families import FAMILIES
+
+    key = str(pipeline)
+    if key in KNOWN_PIPELINES and not Path(key).is_dir():
+        known = KNOWN_PIPELINES[key]
+        class_name = known["_class_name"]
+        components = {
+            name: Component(name, lib, cls, dict(cfg))
+            for name, (lib, cls, cfg) in known["components"].items()
+        }
+    else:
+        folder = _config_folder(key)
+        index = _read_json(folder / "model_index.json")
+        class_name = index.get("_class_name", "?")
+        components = {}
+        for name, value in index.items():
+            if name.startswith("_") or not isinstance(value, list) or len(value) != 2:
+                continue
+            lib, cls = value
+            if lib not in ("diffusers", "transformers") or not (folder / name / "config.json").is_file():
+                continue  # tokenizers, schedulers, absent components
+            components[name] = Component(name, lib, cls, _read_json(folder / name / "config.json"))
+    if class_name not in FAMILIES:
+        raise ValueError(f"{pipeline} is a {class_name} pipeline; supported: {', '.join(sorted(FAMILIES))}")
+    family = FAMILIES[class_name]
+    for name in list(components):
+        if name != family.denoiser and name not in family.frozen_components:
+            del components[name]  # e.g. a safety checker: not part of training
+    components[family.denoiser].trainable = True
+    return class_name, components
+
+
+def _config_folder(pipeline: str) -> Path:
+    path = Path(pipeline)
+    if path.is_dir():
+        return path
+    if path.is_absolute() or pipeline.startswith((".", "~")):
+        raise ValueError(f"pipeline folder {pipeline!r} does not exist")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(pipeline, allow_patterns=["*.json"]))
+    except Exception as e:  # offline, unknown id, gated repository
+        known = ", ".join(KNOWN_PIPELINES)
+        raise ValueError(
+            f"{pipeline!r} is neither a local folder nor reachable on the hub ({type(e).__name__}); "
+            f"configs carried offline: {known}"
+        ) from e
+
+
+# ---------------------------------------------------------------------------- bytes
+
+
+def _persistence_threshold(module: torch.nn.Module) -> int:
+    from .ds_config import zero3_bucket_sizes
+
+    return zero3_bucket_sizes(module)["stage3_param_persistence_threshold"]
+
+
+def sharded_elements(numels: list[int], world_size: int, persistence_threshold: int) -> int:
+    """Elements of parameters a rank holds under ZeRO-3: ``ceil(numel / N)`` of each, plus the
+    whole of each parameter at or below the persistence threshold."""
+    total = 0
+    for n in numels:
+        total += math.ceil(n / world_size)
+        if n <= persistence_threshold:
+            total += n
+    return total
+
+
+def lora_parameters(module: torch.nn.Module, rank: int, target_modules: tuple[str, ...] | list[str]) -> int:
+    """Parameters of rank-``rank`` LoRA adapters on ``module``'s layers named by
+    ``target_modules`` (peft's rule: the module's name is a target or ends in ``.target``):
+    ``rank·(in + out)`` per Linear, ``rank·(in·k·k + out)`` per Conv2d."""
+    total = 0
+    for name, sub in module.named_modules():
+        if not any(name == t or name.endswith("." + t) for t in target_modules):
+            continue
+        if isinstance(sub, torch.nn.Linear):
+            total += rank * (sub.in_features + sub.out_features)
+        elif isinstance(sub, torch.nn.Conv2d):
+            k = sub.kernel_size[0] * sub.kernel_size[1]
+            total += rank * (sub.in_channels // sub.groups * k + sub.out_channels)
+    return total
+
+
+def denoiser_placements(
+    module: torch.nn.Module,
+    world_size: int,
+    mixed_precision: str,
+    use_ema: bool,
+    lora: tuple[int, tuple[str, ...]] | None = None,
+) -> dict[str, dict[str, int]]:
+    """Bytes per rank of the trained denoiser by placement (see the module doc)."""
+    from .ds_config import zero3_bucket_sizes
+
+    b = _DTYPE_BYTES[mixed_precision]
+    numels = [p.numel() for p in module.parameters()]
+    psi = sum(numels)
+    sizes = zero3_bucket_sizes(module)
+    threshold = sizes["stage3_param_persistence_threshold"]
+    trainable = psi if lora is None else lora_parameters(module, *lora)
+    # LoRA adapters are partitioned like the rest; their shapes are small and many stay whole
+    base = sharded_elements(numels, world_size, threshold) * b
+    own = math.ceil(trainable / world_size)
+    master = 4 * own if b != 4 else 0
+    zero = {
+        "parameters": base + (own * b if lora is not None else 0),
+        "gradients": own * b,
+        "optimizer": 8 * own + master,
+        "ema": 4 * own if use_ema else 0,
+        # the gradient reduce bucket, and the fp32 copy of one optimizer sub-group's gradients
+        # that DeepSpeed makes at each step
+        "buffers": sizes["reduce_bucket_size"] * b + 4 * min(sizes["sub_group_size"], own),
+    }
+    out = {
+        "shard": {**zero, "host_bytes_per_rank": 0},
+        "offload": {
+            **zero,
+            "gradients": 0,
+            "optimizer": 0,
+            "host_bytes_per_rank": 4 * own + zero["optimizer"] + (4 * own if b == 4 else 0),
+        },
+    }
+    if lora is None:  # DDP for comparison: fp32 weights (autocast), gradients, buckets, Adam
+        out["replicate"] = {
+            "parameters": 4 * psi,
+            "gradients": 4 * psi,
+            "optimizer": 8 * psi,
+            "ema": 4 * psi if use_ema else 0,
+            "buffers": 4 * psi,
+            "host_bytes_per_rank": 0,
+        }
+    for p in out.values():
+        p["bytes_per_rank"] = sum(v for k, v in p.items() if k != "host_bytes_per_rank")
+    return out
+
+
+def cache_bytes_per_image(
+    comp: Component, family, dtype_bytes: int, resolution: int, sequence_length: int
+) -> int:
+    """Bytes a cached model's outputs take per image, in the dtype it runs in: the outputs the
+    family stores for a text encoder (``encode_text`` run on the meta device), or the VAE's
+    latent distribution (mean and log-variance) at ``resolution``."""
+    module = comp.meta_module()
+    with torch.no_grad():
+        if comp.name == "vae":
+            pixels = torch.zeros(1, module.config.in_channels, resolution, resolution, device="meta")
+            outputs = {"latent_params": module.encode(pixels).latent_dist.parameters}
+        else:
+            ids = torch.zeros(1, sequence_length, dtype=torch.long, device="meta")
+            outputs = family.encode_text(comp.name, module, ids)
+    return sum(t.numel() for t in outputs.values()) * dtype_bytes
+
+
+def frozen_placements(
+    comp: Component, family, world_size: int, mixed_precision: str, resolution: int, sequence_length: int
+) -> dict[str, dict[str, int]]:
+    """Bytes per rank of a frozen model by placement (see the module doc)."""
+    from .frozen import placement_bytes_per_rank
+
+    module = comp.meta_module()
+    weight = {"no": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    dtype = family.component_dtype(comp.name, weight[mixed_precision])
+    b = torch.empty((), dtype=dtype).element_size()
+    shard = placement_bytes_per_rank(module, "shard", world_size, dtype, _persistence_threshold(module))
+    replicate = placement_bytes_per_rank(module, "replicate", world_size, dtype)
+    return {
+        "replicate": {"bytes_per_rank": replicate, "parameters": replicate},
+        "shard": {"bytes_per_rank": shard, "parameters": shard},
+        "offload": {"bytes_per_rank": 0, "parameters": 0, "host_bytes_per_rank": shard},
+        "cache": {
+            "bytes_per_rank": 0,
+            "parameters": 0,
+            "cache_bytes_per_image": cache_bytes_per_image(comp, family, b, resolution, sequence_length),
+        },
+    }
+
+
+# ---------------------------------------------------------------------------- plan
+
+
+@dataclass
+class PlanOptions:
+    """What the job looks like (the planner's flags)."""
+
+    num_processes: int = 1
+    num_machines: int = 1
+    device_memory: int | None = None  # bytes per rank; None: no limit (everything fits)
+    mixed_precision: str = "no"
+    use_ema: bool = False
+    rank: int | None = None
+    offload: str = "none"  # which offloads may be recommended: none, frozen, optimizer, all
+    fixed_data: bool = False  # the same images and captions every epoch: frozen outputs can be cached
+    resolution: int = 512
+    max_sequence_length: int | None = None
+    margin: float = 0.25
+    zero3: bool = True  # False: a DDP launch, where nothing can be sharded or offloaded
+    fixed_placements: dict[str, str] = field(default_factory=dict)  # components the user placed
+
+
+def make_plan(pipeline: str | os.PathLike, options: PlanOptions) -> dict:
+    """The plan as a JSON-ready dict: ``num_processes``, ``components`` (class, exact
+    parameter count, trainable, bytes per placement), ``recommended`` placements,
+    ``total_bytes_per_rank`` of the recommended set, ``fits`` and ``advice``."""
+    from .families import FAMILIES
+
+    if options.mixed_precision not in _DTYPE_BYTES:
+        raise ValueError(f"--mixed_precision must be no, fp16 or bf16, got {options.mixed_precision!r}")
+    if options.num_processes < 1 or options.num_machines < 1 or options.num_processes % options.num_machines:
+        raise ValueError(
+            f"--num_processes ({options.num_processes}) must be a positive multiple of --num_machines "
+            f"({options.num_machines})"
+        )
+    class_name, components = pipeline_components(pipeline)
+    plan = {
+        "pipeline": str(pipeline),
+        "pipeline_class": class_name,
+        **_plan(components, FAMILIES[class_name], options),
+    }
+    if not plan["fits"]:
+        plan["advice"] = what_would_fit(components, FAMILIES[class_name], options)
+    return plan
+
+
+def _plan(components: dict[str, Component], family, options: PlanOptions) -> dict:
+    n = options.num_processes
+    out: dict = {"num_processes": n, "components": {}}
+    for name, comp in components.items():
+        if comp.trainable:
+            lora = (options.rank, tuple(family.lora_target_modules)) if options.rank else None
+            placements = denoiser_placements(
+                comp.meta_module(), n, options.mixed_precision, options.use_ema, lora
+            )
+        else:
+            spec = next((e for e in family.text_encoders if e.name == name), None)
+            seq = 77
+            if spec is not None and spec.uses_max_sequence_length:
+                seq = options.max_sequence_length or family.default_max_sequence_length
+            placements = frozen_placements(comp, family, n, options.mixed_precision, options.resolution, seq)
+        out["components"][name] = {
+            "class": comp.class_name,
+            "parameters": comp.parameters,
+            "trainable": comp.trainable,
+            "placements": placements,
+        }
+    out.update(recommend(out["components"], options))
+    return out
+
+
+def _choices(name: str, component: dict, options: PlanOptions) -> list[str]:
+    """The placements the planner may pick for a component, fastest first."""
+    if name in options.fixed_placements:
+        return [options.fixed_placements[name]]
+    if not options.zero3:
+        return (
+            ["replicate"]
+            if component["trainable"]
+            else [p for p in ("replicate", "cache") if p != "cache" or options.fixed_data]
+        )
+    if component["trainable"]:
+        allowed = ["shard"]
+        if options.offload in ("optimizer", "all"):
+            allowed.append("offload")
+        return allowed
+    allowed = [p for p in FROZEN_ORDER if p != "cache" or options.fixed_data]
+    if options.offload not in ("frozen", "all"):
+        allowed.remove("offload")
+    return allowed
+
+
+def _total(components: dict, chosen: dict[str, str]) -> int:
+    return sum(components[name]["placements"][p]["bytes_per_rank"] for name, p in chosen.items())
+
+
+def recommend(components: dict, options: PlanOptions) -> dict:
+    """The fastest placements that fit ``options.device_memory`` less the margin: each
+    component starts at its fastest choice, and the largest ones move to their next choice
+    until the total fits (replicate where it fits, cache where the data is fixed and it does
+    not, shard where it must, offload where allowed). Says what would fit when nothing does."""
+    choices = {name: _choices(name, c, options) for name, c in components.items()}
+    chosen = {name: cs[0] for name, cs in choices.items()}
+    budget = None if options.device_memory is None else int(options.device_memory * (1 - options.margin))
+
+    def bytes_of(name: str) -> int:
+        return components[name]["placements"][chosen[name]]["bytes_per_rank"]
+
+    while budget is not None and _total(components, chosen) > budget:
+        movable = [n for n in chosen if choices[n].index(chosen[n]) + 1 < len(choices[n]) and bytes_of(n) > 0]
+        if not movable:
+            break
+        frozen = [n for n in movable if not components[n]["trainable"]]
+        name = max(frozen or movable, key=bytes_of)  # frozen models move before the trained one
+        chosen[name] = choices[name][choices[name].index(chosen[name]) + 1]
+    total = _total(components, chosen)
+    fits = budget is None or total <= budget
+    result = {"recommended": chosen, "total_bytes_per_rank": total, "fits": fits}
+    if budget is not None:
+        result["budget_bytes_per_rank"] = budget
+    return result
+
+
+def what_would_fit(components: dict[str, Component], family, options: PlanOptions) -> list[str]:
+    """Sentences naming changes that would make the job fit, each checked by planning again:
+    more processes, offloading, LoRA, caching the frozen models' outputs."""
+    from dataclasses import replace
+
+    advice = []
+    n = options.num_processes
+    while n < 4096:
+        n *= 2
+        if _plan(components, family, replace(options, num_processes=n))["fits"]:
+            advice.append(f"it would fit on {n} processes (--num_processes {n})")
+            break
+    else:
+        advice.append("it does not fit on up to 4096 processes")
+    variants = [
+        (
+            "offload=all",
+            "with --offload all (frozen shards and the optimizer in host memory)",
+            {"offload": "all"},
+        ),
+        ("fixed_data", "with --fixed_data (the frozen models' outputs cached)", {"fixed_data": True}),
+        ("rank", "with LoRA (--rank 16)", {"rank": 16}),
+    ]
+    for key, text, change in variants:
+        if key == "offload=all" and options.offload == "all" or key == "fixed_data" and options.fixed_data:
+            continue
+        if key == "rank" and options.rank:
+            continue
+        if _plan(components, family, replace(options, **change))["fits"]:
+            advice.append(f"it would fit at {options.num_processes} processes {text}")
+    return advice
+
+
+def device_memory_per_rank(accelerator) -> int:
+    """Memory one rank may use: its GPU's total memory, else the host's memory divided by
+    the processes on this machine."""
+    if accelerator.device.type == "cuda":
+        return torch.cuda.get_device_properties(accelerator.device).total_memory
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // max(1, accelerator.state.num_processes // max(1, _num_machines()))
+
+
+def _num_machines() -> int:
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return max(1, world // local) if local else 1
+
+
+def resolve_auto_placements(
+    args: argparse.Namespace, source: str | os.PathLike, accelerator, *, fixed_data: bool
+) -> dict | None:
+    """Replace every ``--<component>_placement auto`` of a script's ``args`` with the planner's
+    choice for this job (processes, device memory, mixed precision, EMA, LoRA rank; the
+    placements the user gave stay as given) and log the table and the choice. Returns the
+    plan, or None when no placement is ``auto``.
+
+    Collective: every rank calls it; rank 0 plans and broadcasts, so all ranks place alike.
+    """
+    from .distributed import all_gather_object, get_rank, log_rank_zero
+
+    flags = {
+        k[: -len("_placement")]: v
+        for k, v in vars(args).items()
+        if k.endswith("_placement") and isinstance(v, str)
+    }
+    auto = [name for name, value in flags.items() if value == "auto"]
+    if not auto:
+        return None
+    plan = None
+    if get_rank() == 0:
+        options = PlanOptions(
+            num_processes=accelerator.num_processes,
+            num_machines=_num_machines(),
+            device_memory=device_memory_per_rank(accelerator),
+            mixed_precision=accelerator.mixed_precision
+            if accelerator.mixed_precision in _DTYPE_BYTES
+            else "no",
+            use_ema=bool(getattr(args, "use_ema", False)),
+            rank=getattr(args, "rank", None) or None,
+            offload="frozen" if accelerator.device.type == "cuda" else "none",
+            fixed_data=fixed_data,
+            resolution=args.resolution,
+            max_sequence_length=getattr(args, "max_sequence_length", None),
+            zero3=accelerator.state.deepspeed_plugin is not None,
+            fixed_placements={k: v for k, v in flags.items() if v not in ("auto",) and k != "reference"},
+        )
+        plan = make_plan(source, options)
+    plan = all_gather_object(plan)[0]
+    log_rank_zero("placement plan (--*_placement auto):\n" + format_table(plan))
+    for name in auto:
+        if name not in plan["recommended"]:
+            raise ValueError(f"--{name}_placement auto: the planner has no {name} for this pipeline")
+        setattr(args, f"{name}_placement", plan["recommended"][name])
+    log_rank_zero("auto placements: " + ", ".join(f"{n}={plan['recommended'][n]}" for n in auto))
+    return plan
+
+
+def format_table(plan: dict) -> str:
+    """The plan as a text table: one row per component and placement (MiB per rank), the
+    recommended rows marked, then the totals."""
+    head = (
+        f"{'component':<16} {'class':<30} {'params':>14} {'placement':<10} {'params MiB':>11} "
+        f"{'grads MiB':>10} {'optim MiB':>10} {'EMA MiB':>9} {'buffers':>9} {'total MiB':>11} "
+        f"{'host MiB':>10} {'cache/img':>10}"
+    )
+    lines = [
+        f"{plan['pipeline_class']} {plan['pipeline']}: bytes per rank at N={plan['num_processes']}",
+        head,
+        "-" * len(head),
+    ]
+    for name, comp in plan["components"].items():
+        for placement, row in comp["placements"].items():
+            mark = "*" if plan["recommended"].get(name) == placement else " "
+            cache = row.get("cache_bytes_per_image")
+            lines.append(
+                f"{name:<16} {comp['class']:<30} {comp['parameters']:>14,} {mark}{placement:<9} "
+                f"{row.get('parameters', 0) / MIB:>11.1f} {row.get('gradients', 0) / MIB:>10.1f} "
+                f"{row.get('optimizer', 0) / MIB:>10.1f} {row.get('ema', 0) / MIB:>9.1f} "
+                f"{row.get('buffers', 0) / MIB:>9.1f} {row['bytes_per_rank'] / MIB:>11.1f} "
+                f"{row.get('host_bytes_per_rank', 0) / MIB:>10.1f} "
+                f"{'' if cache is None else f'{cache / MIB:.2f} MiB':>10}"
+            )
+    chosen = ", ".join(f"{k}={v}" for k, v in plan["recommended"].items())
+    lines.append(f"recommended (*): {chosen}")
+    total = f"total per rank: {plan['total_bytes_per_rank'] / GIB:.2f} GiB"
+    if "budget_bytes_per_rank" in plan:
+        total += f" of {plan['budget_bytes_per_rank'] / GIB:.2f} GiB usable"
+        total += " (fits)" if plan["fits"] else " (does NOT fit)"
+    lines.append(total + "; activations not included")
+    lines.extend(plan.get("advice", []))
+    return "\n".join(lines)
+
+
+_SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GiB"``, ``"80GB"`` (read as GiB), ``"512MiB"`` or a number of bytes -> bytes."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (e.g. 80GiB, 24GB, 512MiB)")
+    unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I")
+    return int(float(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[unit])
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m diffusers_zero3.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("pipeline", help="pipeline folder, hub id, or one of: " + ", ".join(KNOWN_PIPELINES))
+    p.add_argument("--num_processes", type=int, default=1, help="ranks in all (all machines)")
+    p.add_argument("--num_machines", type=int, default=1)
+    p.add_argument("--device_memory", type=parse_bytes, default=None, help="per rank, e.g. 80GiB")
+    p.add_argument("--mixed_precision", default="no", choices=["no", "fp16", "bf16"])
+    p.add_argument("--use_ema", action="store_true")
+    p.add_argument("--rank", type=int, default=None, help="LoRA rank (the denoiser frozen, adapters trained)")
+    p.add_argument(
+        "--offload",
+        default="none",
+        choices=["none", "frozen", "optimizer", "all"],
+        help="offloads the recommendation may use: frozen models' shards and/or the optimizer to host memory",
+    )
+    p.add_argument("--fixed_data", action="store_true", help="the frozen models' outputs may be cached")
+    p.add_argument("--resolution", type=int, default=None, help="for the cache's bytes per image")
+    p.add_argument("--max_sequence_length", type=int, default=None)
+    p.add_argument("--margin", type=float, default=0.25, help="share of the device memory kept free")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        options = options_from_args(args)
+        plan = make_plan(args.pipeline, options)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan, indent=1) if args.json else format_table(plan))
+    return 0
+
+
+def options_from_args(args: argparse.Namespace) -> PlanOptions:
+    if args.rank is not None and args.rank < 1:
+        raise ValueError(f"--rank must be at least 1, got {args.rank}")
+    if not 0 <= args.margin < 1:
+        raise ValueError(f"--margin must be in [0, 1), got {args.margin}")
+    return PlanOptions(
+        num_processes=args.num_processes,
+        num_machines=args.num_machines,
+        device_memory=args.device_memory,
+        mixed_precision=args.mixed_precision,
+        use_ema=args.use_ema,
+        rank=args.rank,
+        offload=args.offload,
+        fixed_data=args.fixed_data,
+        resolution=args.resolution or 512,
+        max_sequence_length=args.max_sequence_length,
+        margin=args.margin,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""The placement planner (``python -m diffusers_zero3.plan``): exact parameter counts from
+configs on the meta device, bytes per placement, the recommendation, and its calibration
+against a real 2-rank ZeRO-3 engine's model states."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+from diffusers_zero3.plan import PlanOptions, main, make_plan
+
+GIB = 2**30
+
+# Parameter counts published for these models (model cards, papers, diffusers' docs).
+PUBLISHED = {
+    ("runwayml/stable-diffusion-v1-5", "unet"): 859_520_964,
+    ("runwayml/stable-diffusion-v1-5", "text_encoder"): 123_060_480,
+    ("stabilityai/stable-diffusion-xl-base-1.0", "unet"): 2_567_463_684,
+    ("stabilityai/stable-diffusion-xl-base-1.0", "text_encoder_2"): 694_659_840,
+    ("stabilityai/stable-diffusion-3-medium-diffusers", "transformer"): 2_028_328_000,
+    ("stabilityai/stable-diffusion-3-medium-diffusers", "text_encoder_3"): 4_762_310_656,
+    ("black-forest-labs/FLUX.1-dev", "transformer"): 11_901_408_320,
+}
+
+
+@pytest.mark.parametrize("pipeline", sorted({p for p, _ in PUBLISHED}))
+def test_carried_configs_give_the_published_parameter_counts(pipeline):
+    plan = make_plan(pipeline, PlanOptions(num_processes=8, mixed_precision="bf16"))
+    for (p, name), count in PUBLISHED.items():
+        if p == pipeline:
+            assert plan["components"][name]["parameters"] == count, name
+    trained = [n for n, c in plan["components"].items() if c["trainable"]]
+    assert trained == [("transformer" if "unet" not in plan["components"] else "unet")]
+
+
+def _loaded(folder, name, cls_name):
+    import importlib
+
+    for lib in ("diffusers", "transformers"):
+        cls = getattr(importlib.import_module(lib), cls_name, None)
+        if cls is not None:
+            return cls.from_pretrained(folder, subfolder=name)
+    raise AssertionError(cls_name)
+
+
+def test_plan_of_a_local_folder_counts_and_sizes_exactly(tiny_sd3):
+    folder = tiny_sd3[0]
+    plan = make_plan(folder, PlanOptions(num_processes=2, use_ema=True))
+    assert set(plan) >= {"num_processes", "components", "recommended", "total_bytes_per_rank"}
+    assert plan["num_processes"] == 2
+    assert set(plan["components"]) == {
+        "transformer",
+        "text_encoder",
+        "text_encoder_2",
+        "text_encoder_3",
+        "vae",
+    }
+    for name, comp in plan["components"].items():
+        model = _loaded(folder, name, comp["class"])
+        numels = [p.numel() for p in model.parameters()]
+        assert comp["parameters"] == sum(numels), name
+        if comp["trainable"]:
+            continue
+        places = comp["placements"]
+        assert places["replicate"]["bytes_per_rank"] == 4 * sum(numels)
+        # DeepSpeed's partition of each parameter; those under the persistence threshold whole
+        from diffusers_zero3.ds_config import zero3_bucket_sizes
+
+        threshold = zero3_bucket_sizes(model)["stage3_param_persistence_threshold"]
+        expected = sum(math.ceil(n / 2) + (n if n <= threshold else 0) for n in numels) * 4
+        assert places["shard"]["bytes_per_rank"] == expected
+        assert places["cache"]["bytes_per_rank"] == 0 and places["cache"]["cache_bytes_per_image"] > 0
+    unet = plan["components"]["transformer"]["placements"]["shard"]
+    psi = plan["components"]["transformer"]["parameters"]
+    own = math.ceil(psi / 2)
+    assert (unet["gradients"], unet["optimizer"], unet["ema"]) == (4 * own, 8 * own, 4 * own)
+    assert plan["total_bytes_per_rank"] == sum(
+        plan["components"][n]["placements"][p]["bytes_per_rank"] for n, p in plan["recommended"].items()
+    )
+
+
+def test_the_vae_cache_holds_the_latent_distribution_per_image(tiny_pipeline):
+    plan = make_plan(str(tiny_pipeline), PlanOptions(num_processes=2, resolution=32))
+    # 4 latent channels, mean and log-variance, 32 px / 2 (two VAE blocks), fp32
+    assert plan["components"]["vae"]["placements"]["cache"]["cache_bytes_per_image"] == 2 * 4 * 16 * 16 * 4
+
+
+SD15 = "runwayml/stable-diffusion-v1-5"
+
+
+def test_recommendation_replicates_where_it_fits_and_shards_where_it_must():
+    roomy = make_plan(SD15, PlanOptions(num_processes=8, device_memory=80 * GIB, mixed_precision="bf16"))
+    assert roomy["fits"] and roomy["recommended"] == {
+        "unet": "shard",
+        "text_encoder": "replicate",
+        "vae": "replicate",
+    }
+    # a budget between "all replicated" and "text encoder sharded": only the largest frozen model moves
+    comps = roomy["components"]
+    replicated = roomy["total_bytes_per_rank"]
+    te = comps["text_encoder"]["placements"]
+    needed = replicated - te["replicate"]["bytes_per_rank"] + te["shard"]["bytes_per_rank"]
+    tight = PlanOptions(num_processes=8, mixed_precision="bf16", device_memory=int((needed + 1000) / 0.75))
+    plan = make_plan(SD15, tight)
+    assert plan["fits"] and plan["recommended"]["text_encoder"] == "shard"
+    assert plan["recommended"]["vae"] == "replicate"
+    tight.fixed_data = True  # outputs depend on the data alone: cache instead of shard
+    assert make_plan(SD15, tight)["recommended"]["text_encoder"] == "cache"
+
+
+def test_when_nothing_fits_it_says_what_would():
+    plan = make_plan(
+        "black-forest-labs/FLUX.1-dev",
+        PlanOptions(num_processes=2, device_memory=24 * GIB, mixed_precision="bf16"),
+    )
+    assert not plan["fits"]
+    advice = " ".join(plan["advice"])
+    assert "--num_processes 32" in advice or "--num_processes 16" in advice, advice
+    assert "LoRA" in advice
+    n = int(advice.split("--num_processes ")[1].split(")")[0])
+    bigger = make_plan(
+        "black-forest-labs/FLUX.1-dev",
+        PlanOptions(num_processes=n, device_memory=24 * GIB, mixed_precision="bf16"),
+    )
+    smaller = make_plan(
+        "black-forest-labs/FLUX.1-dev",
+        PlanOptions(num_processes=n // 2, device_memory=24 * GIB, mixed_precision="bf16"),
+    )
+    assert bigger["fits"] and not smaller["fits"]
+
+
+def test_lora_counts_the_adapters_peft_adds(tiny_pipeline):
+    from diffusers import UNet2DConditionModel
+
+    from diffusers_zero3.families import SD
+    from diffusers_zero3.lora import add_lora_adapters
+    from diffusers_zero3.plan import lora_parameters
+
+    unet = UNet2DConditionModel.from_pretrained(tiny_pipeline, subfolder="unet")
+    predicted = lora_parameters(unet, 4, SD.lora_target_modules)
+    adapters = add_lora_adapters(unet, rank=4, target_modules=list(SD.lora_target_modules))
+    assert predicted == sum(p.numel() for p in adapters) > 0
+
+
+def test_command_line_json_and_bad_input(capsys, tiny_pipeline, tmp_path):
+    assert main([str(tiny_pipeline), "--num_processes", "2", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    comp = plan["components"]["unet"]
+    assert set(comp) >= {"class", "parameters", "trainable", "placements"}
+    assert comp["placements"]["shard"]["bytes_per_rank"] > 0
+    assert main([str(tiny_pipeline), "--num_processes", "2", "--device_memory", "1GiB"]) == 0
+    table = capsys.readouterr().out
+    assert "recommended (*)" in table and "*shard" in table
+    for argv, words in [
+        ([str(tmp_path / "missing")], "does not exist"),
+        ([str(tiny_pipeline), "--num_processes", "3", "--num_machines", "2"], "multiple of --num_machines"),
+        ([str(tiny_pipeline), "--rank", "0"], "--rank"),
+    ]:
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error:") and words in err[0], err
+
+
+def test_memory_sizes_parse():
+    from diffusers_zero3.plan import parse_bytes
+
+    assert parse_bytes("80GiB") == parse_bytes("80GB") == 80 * GIB
+    assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("1000") == 1000
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bytes("lots")
+
+
+# ---------------------------------------------------------------- calibration (2 ranks)
+
+
+def worker_engine_states_match_the_plan(pipe_dir: str):
+    import deepspeed
+    from diffusers import UNet2DConditionModel
+
+    from diffusers_zero3 import load_pretrained_zero3, model_state_bytes, share_fp32_master_weights
+    from diffusers_zero3.ds_config import zero3_bucket_sizes
+    from tests.common import accelerator_with_zero3, zero3_config
+
+    acc = accelerator_with_zero3(zero3_init_flag=True)
+    plan = make_plan(pipe_dir, PlanOptions(num_processes=2))["components"]["unet"]["placements"]["shard"]
+    engines = []
+    for share in (True, False):
+        torch.manual_seed(0)
+        unet = load_pretrained_zero3(UNet2DConditionModel, pipe_dir, "unet", accelerator=acc)
+        config = zero3_config(**zero3_bucket_sizes(unet))  # as the scripts fill them in
+        optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-2)
+        engine, opt, *_ = deepspeed.initialize(model=unet, optimizer=optimizer, config=config)
+        freed = share_fp32_master_weights(opt) if share else 0
+        engines.append((engine, freed))
+    torch.manual_seed(1)
+    x, t = torch.randn(1, 4, 8, 8), torch.tensor([10])
+    h = torch.randn(1, 77, engines[0][0].module.config.cross_attention_dim)
+    for engine, _ in engines:  # the same steps for both
+        for _ in range(2):
+            engine.backward(engine(x, t, h).sample.pow(2).mean())
+            engine.step()
+    (shared, freed), (plain, _) = engines
+    states = model_state_bytes(shared, shared.optimizer)
+    plain_states = model_state_bytes(plain, plain.optimizer)
+    # positive control: DeepSpeed keeps a second fp32 copy of the partition unless shared
+    assert freed > 0 and plain_states["optimizer"] == states["optimizer"] + freed
+    for kind in ("parameters", "gradients", "optimizer"):
+        assert abs(states[kind] - plan[kind]) <= 0.1 * plan[kind], (kind, states[kind], plan[kind])
+    # the shared engine trained exactly like the plain one
+    from diffusers_zero3 import gathered_parameters
+
+    for (n, a), (_, b) in zip(shared.module.named_parameters(), plain.module.named_parameters()):
+        with gathered_parameters([a, b]):
+            assert torch.equal(a, b), n
+    print("CALIBRATED", {k: (states[k], plan[k]) for k in ("parameters", "gradients", "optimizer")})
+
+
+@pytest.mark.multirank
+def test_engine_model_states_match_the_plan_and_sharing_fp32_weights_changes_nothing(tiny_pipeline):
+    from tests.distributed_harness import run_on_ranks
+
+    outputs = run_on_ranks(worker_engine_states_match_the_plan, pipe_dir=str(tiny_pipeline))
+    assert all("CALIBRATED" in out for out in outputs)
