@@ -10,7 +10,18 @@ import argparse
 import importlib
 import time
 
-SUITES = ["end_to_end", "rss_baseline", "frozen", "frozen_sdxl", "t5", "lora", "ema", "checkpoint", "reward"]
+SUITES = [
+    "plan",
+    "end_to_end",
+    "rss_baseline",
+    "frozen",
+    "frozen_sdxl",
+    "t5",
+    "lora",
+    "ema",
+    "checkpoint",
+    "reward",
+]
 
 
 def main() -> None:

@@ -434,7 +434,7 @@ def what_would_fit(components: dict[str, Component], family, options: PlanOption
         if key == "rank" and options.rank:
             continue
         if _plan(components, family, replace(options, **change))["fits"]:
-            advice.append(f"it would fit at {options.num_processes} processes {text}")
+            advice.append(f"it would fit at --num_processes {options.num_processes} {text}")
     return advice
 
 

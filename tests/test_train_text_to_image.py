@@ -70,6 +70,7 @@ def test_end_to_end_zero3_ema_shard_checkpoint_validation_and_resume(default_dat
     pipe, data, _ = default_data
     out = tmp_path / "run"
     extra = ["--use_ema", "--text_encoder_placement", "shard", "--checkpointing_steps", "3"]
+    extra += ["--vae_placement", "auto"]  # the planner: a tiny VAE fits replicated
     extra += [
         "--checkpoints_total_limit",
         "2",
@@ -82,6 +83,16 @@ def test_end_to_end_zero3_ema_shard_checkpoint_validation_and_resume(default_dat
     _, log = run_launcher([*LAUNCH, *_common(pipe, data, out), *extra], timeout=400)
     losses = _losses(log)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6], log[-3000:]
+    assert "placement plan (--*_placement auto)" in log and "auto placements: vae=replicate" in log
+    # The logged memory report, and the planner's model states within 10 % of the measured ones.
+    assert "memory per rank (maximum over ranks)" in log and "first backward" in log
+    logged = dict(re.findall(r"(\w+) ([\d.]+) MiB", log.split("model states per rank: ")[1].splitlines()[0]))
+    from diffusers_zero3.plan import PlanOptions, make_plan
+
+    plan = make_plan(pipe, PlanOptions(num_processes=2, use_ema=True))["components"]["unet"]["placements"]
+    for kind in ("parameters", "gradients", "optimizer", "ema"):
+        planned = plan["shard"][kind] / 2**20
+        assert abs(float(logged[kind]) - planned) <= 0.1 * planned, (kind, logged, planned)
 
     # The output folder: a loadable pipeline whose UNet was trained, plus checkpoints, images, logs.
     from diffusers import StableDiffusionPipeline, UNet2DConditionModel
@@ -163,9 +174,12 @@ def test_single_process_without_deepspeed_runs(default_data, tmp_path):
         "0.1",
     ]
     log = _plain(
-        [*_common(pipe, data, tmp_path / "plain", steps=2), "--report_to", "none", *objective], expect_rc=0
-    )
+        [*_common(pipe, data, tmp_path / "plain", steps=2), "--report_to", "none", *objective,
+         "--text_encoder_placement", "auto"],
+        expect_rc=0,
+    )  # fmt: skip
     assert sorted(_losses(log)) == [1, 2]
+    assert "auto placements: text_encoder=replicate" in log  # without DeepSpeed nothing is sharded
     assert (tmp_path / "plain" / "model_index.json").exists()
 
 
