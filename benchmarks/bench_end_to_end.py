@@ -36,7 +36,16 @@ def _free_port() -> int:
 
 
 def run_script(
-    pipe: Path, data: Path, out: Path, *, zero3: bool, te: str, vae: str, env: dict | None = None, steps=STEPS
+    pipe: Path,
+    data: Path,
+    out: Path,
+    *,
+    zero3: bool,
+    te: str,
+    vae: str,
+    env: dict | None = None,
+    steps=STEPS,
+    extra: tuple[str, ...] = (),
 ) -> str:
     """Run the text-to-image script on 2 CPU ranks; returns its output (raises on failure)."""
     script = str(REPO_ROOT / "scripts" / "train_text_to_image.py")
@@ -57,7 +66,7 @@ def run_script(
         "--output_dir", str(out), "--resolution", "32", "--center_crop",
         "--train_batch_size", "2", "--max_train_steps", str(steps), "--learning_rate", "1e-4",
         "--checkpointing_steps", "100000", "--seed", "0", "--report_to", "none",
-        "--text_encoder_placement", te, "--vae_placement", vae,
+        "--text_encoder_placement", te, "--vae_placement", vae, *extra,
     ]  # fmt: skip
     full_env = {
         **os.environ,
@@ -95,9 +104,11 @@ def parse_memory(output: str) -> dict:
 
 
 def measure(
-    pipe: Path, data: Path, work: Path, name: str, *, zero3: bool, te: str, vae: str, env=None
+    pipe: Path, data: Path, work: Path, name: str, *, zero3: bool, te: str, vae: str, env=None, extra=()
 ) -> dict:
-    out = parse_memory(run_script(pipe, data, work / name, zero3=zero3, te=te, vae=vae, env=env))
+    """Run the script once; its memory report, peak RSS per rank (MiB) and seconds per step
+    and per sample."""
+    out = parse_memory(run_script(pipe, data, work / name, zero3=zero3, te=te, vae=vae, env=env, extra=extra))
     ph = out["phases"]
     step_s = ph["training done"]["s"] / (STEPS - 1)  # steps 2..STEPS (the first one warms up)
     return {**out, "peak": max(p["peak"] for p in ph.values()), "step_s": step_s, "sample_s": step_s / 4}
@@ -165,6 +176,17 @@ def main() -> None:
             results[name] = res = measure(pipe, data, work, name, zero3=True, te=te, vae=vae)
             rows.append(_row(f"ZeRO-3, frozen {name}", res, ddp))
             phases[f"ZeRO-3 {name}"] = res["phases"]
+        # the same two jobs with glibc handing freed blocks back to the OS (--return_freed_memory)
+        freed = ("--return_freed_memory",)
+        res = measure(
+            pipe, data, work, "zero3-freed", zero3=True, te="replicate", vae="replicate", extra=freed
+        )
+        rows.append(_row("ZeRO-3, frozen replicated, --return_freed_memory", res, ddp))
+        phases["ZeRO-3 replicated, freed"] = res["phases"]
+        res = measure(
+            pipe, data, work, "ddp-freed", zero3=False, te="replicate", vae="replicate", extra=freed
+        )
+        rows.append(_row("DDP, --return_freed_memory", res, ddp))
         print_section(
             f"End to end: text-to-image script, UNet {params / 1e6:.1f} M parameters, N=2 CPU ranks, "
             "fp32, batch 2 per rank, 32 px",

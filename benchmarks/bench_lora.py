@@ -32,7 +32,7 @@ def case(kind: str):
         peak_rss_since_reset_bytes,
         reset_peak_rss,
     )
-    from diffusers_zero3 import build_accelerator, get_rank, local_parameter_bytes
+    from diffusers_zero3 import build_accelerator, get_rank, local_parameter_bytes, share_fp32_master_weights
     from diffusers_zero3.demo import build_tiny_components
     from diffusers_zero3.ds_config import fill_auto_bucket_sizes
     from diffusers_zero3.families import SD
@@ -91,6 +91,7 @@ def case(kind: str):
     else:
         trainable = list(unet.parameters())
     engine, optimizer = accelerator.prepare(unet, torch.optim.AdamW(trainable, lr=1e-4))
+    share_fp32_master_weights(optimizer)  # as the scripts do
 
     def step():
         loss = engine(latents, timesteps, states).sample.pow(2).mean()

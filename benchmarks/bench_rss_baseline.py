@@ -21,7 +21,7 @@ def case_partitioned(width: int, zero3: bool):
     import deepspeed
     import torch
 
-    from diffusers_zero3 import local_parameter_bytes
+    from diffusers_zero3 import local_parameter_bytes, share_fp32_master_weights
 
     deepspeed.init_distributed(dist_backend="gloo")
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(8)])
@@ -33,6 +33,7 @@ def case_partitioned(width: int, zero3: bool):
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         }
         model, optimizer, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
+        share_fp32_master_weights(optimizer)  # fp32: the partitions are the master weights
     loss = model(torch.randn(1, width)).pow(2).mean()
     model.backward(loss) if zero3 else loss.backward()
     optimizer.step()

@@ -53,17 +53,11 @@ def peak_rss_since_reset_bytes() -> int:
 
 
 def optimizer_state_bytes(optimizer) -> int:
-    """Bytes held in an optimizer's state tensors (DeepSpeed's fp32 master partitions included)."""
-    seen, total = set(), 0
-    inner = getattr(optimizer, "optimizer", optimizer)
-    for state in getattr(inner, "state", {}).values():
-        for v in state.values():
-            if torch.is_tensor(v) and id(v) not in seen:
-                seen.add(id(v))
-                total += v.numel() * v.element_size()
-    for group in getattr(optimizer, "fp32_partitioned_groups_flat", []) or []:
-        total += group.numel() * group.element_size()
-    return total
+    """Bytes held in an optimizer's state tensors, DeepSpeed's fp32 master partitions
+    included where they are a copy (``diffusers_zero3.memory.model_state_bytes``)."""
+    from diffusers_zero3.memory import model_state_bytes
+
+    return model_state_bytes(torch.nn.Module(), optimizer)["optimizer"]
 
 
 def report(**numbers) -> None:

@@ -90,26 +90,33 @@ def log_rank_zero(msg: str, *args, level: int = logging.INFO) -> None:
         print(msg % args if args else msg, file=sys.stderr, flush=True)
 
 
-def exit_after_teardown(code: int = 0) -> None:
-    """End the process: wait for every rank (a barrier), flush the output, and leave with
-    ``os._exit(code)``. Collective when a process group is initialised: call on every rank,
-    last.
+def launched_as_rank() -> bool:
+    """True in a process started by a distributed launcher (``WORLD_SIZE`` > 1), whether or
+    not its process group is (still) initialised."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
 
-    On CPU/gloo, tearing down a finished run can abort with "terminate called without an
-    active exception" (a C++ thread of the collective backend destroyed while joinable),
-    which a launcher reports as a failed run: seen now and then in interpreter teardown and,
-    rarely, inside ``destroy_process_group`` itself. Leaving without any teardown once all
-    ranks are past the barrier makes the exit code the run's own. Without a process group
-    this returns and the interpreter exits normally.
+
+def exit_after_teardown(code: int = 0) -> None:
+    """End a launched rank: wait for every rank (a barrier, while the process group exists),
+    flush the output, and leave with ``os._exit(code)``, skipping the interpreter's teardown.
+    Collective when a process group is initialised: call on every rank, last.
+
+    On CPU/gloo, the interpreter's teardown of a finished run aborts now and then ("terminate
+    called without an active exception": a C++ thread destroyed while joinable; about one run
+    in ten here), more so once the process group was destroyed (``accelerator.end_training()``
+    does; the scripts use ``recipe.finish_trackers`` instead). Leaving without any teardown
+    makes the exit code the run's own. Outside a launched rank this returns and the
+    interpreter exits normally.
     """
-    if not is_distributed():
+    if not (is_distributed() or launched_as_rank()):
         return
     import sys
 
     logging.shutdown()  # everything that takes time happens before the barrier: once a rank
     sys.stdout.flush()  # is past it and leaves, the others' collective threads see its
     sys.stderr.flush()  # sockets close, and a rank still tearing down can abort on that
-    dist.barrier()  # every rank's work is done
+    if is_distributed():
+        dist.barrier()  # every rank's work is done
     os._exit(code)
 
 

@@ -49,7 +49,7 @@ from .pipeline_io import (
 )
 from .plan import resolve_auto_placements
 from .pretrained import resolve_model_folder
-from .recipe import accelerator_from_args, load_trainable_denoiser
+from .recipe import accelerator_from_args, finish_trackers, load_trainable_denoiser
 from .resume import resume_training, save_training_checkpoint
 from .schedule import (
     epoch_batches,
@@ -513,12 +513,12 @@ class TextToImageTrainer:
         marker = LORA_WEIGHT_NAME if args.rank is not None else "model_index.json"
         if self.trained_steps == 0 and (Path(args.output_dir) / marker).exists():
             log_rank_zero(f"output: {os.path.abspath(args.output_dir)} (already complete)")
-            self.accelerator.end_training()
+            finish_trackers(self.accelerator)
             return
         if args.rank is not None:
             with self.ema.averaged_weights() if self.ema is not None else contextlib.nullcontext():
                 path = save_lora_zero3(self.denoiser, self.family, args.output_dir)
-            self.accelerator.end_training()
+            finish_trackers(self.accelerator)
             log_rank_zero(
                 f"LoRA weights: {os.path.abspath(path)} ({self.family.pipeline_class}.load_lora_weights)\n"
                 f"validation images: {os.path.abspath(os.path.join(args.output_dir, 'validation'))}"
@@ -540,7 +540,7 @@ class TextToImageTrainer:
             denoiser_name=self.family.denoiser,
             component_sources={"vae": self.vae_source} if self.vae_source is not None else None,
         )
-        self.accelerator.end_training()
+        finish_trackers(self.accelerator)
         log_rank_zero(
             f"pipeline: {os.path.abspath(args.output_dir)} ({self.family.pipeline_class}.from_pretrained)\n"
             f"validation images: {os.path.abspath(os.path.join(args.output_dir, 'validation'))}\n"

@@ -47,6 +47,7 @@ from diffusers_zero3.pipeline_io import (
 from diffusers_zero3.pretrained import resolve_model_folder
 from diffusers_zero3.recipe import (
     accelerator_from_args,
+    finish_trackers,
     load_frozen_component,
     load_trainable_denoiser,
     run_trainer,
@@ -246,7 +247,7 @@ class RewardTrainer:
         args = self.args
         if self.trained_steps == 0 and (Path(args.output_dir) / "model_index.json").exists():
             log_rank_zero(f"pipeline: {Path(args.output_dir).resolve()} (already complete)")
-            self.accelerator.end_training()
+            finish_trackers(self.accelerator)
             return
         card = model_card(args.pretrained_model_name_or_path, "reward: " + args.reward_model_name_or_path,
                           {k: v for k, v in vars(args).items() if not isinstance(v, list)}, args.prompts)  # fmt: skip
@@ -265,7 +266,7 @@ class RewardTrainer:
                 f"mean reward: first {k} steps {first:.4f} -> last {k} steps "
                 f"{last:.4f}\npipeline: {out.resolve()}\nreward curve: {out.resolve() / 'rewards.png'}"
             )
-        self.accelerator.end_training()
+        finish_trackers(self.accelerator)
 
 
 def main(argv: list[str] | None = None) -> int:

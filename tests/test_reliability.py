@@ -234,6 +234,15 @@ def _ranks_resolve_check_and_ddp(work: str):
     with pytest.raises(CheckpointError, match="incomplete as seen from rank 1 .*shares"):
         check_resumable(resolved)
 
+    # The scripts end their trackers with finish_trackers, which keeps the process group for
+    # the exit protocol; accelerate's end_training (the control) destroys it.
+    from diffusers_zero3.recipe import finish_trackers
+
+    finish_trackers(accelerator)
+    assert torch.distributed.is_initialized()
+    accelerator.end_training()
+    assert not torch.distributed.is_initialized()
+
 
 @pytest.mark.multirank
 def test_two_ranks_ddp_on_cpu_latest_from_rank_zero_and_node_local_checkpoints(tmp_path):
@@ -270,6 +279,23 @@ def test_a_from_pretrained_on_rank_zero_alone_does_not_hang(tiny_pipeline):
 
 
 @pytest.mark.unit
+def test_a_launched_rank_leaves_without_interpreter_teardown_even_without_a_process_group():
+    """A finished run whose process group is gone (accelerate's end_training destroys it)
+    still leaves with os._exit: the interpreter's teardown of a gloo run aborted now and
+    then (SIGABRT after the output was written)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import atexit; atexit.register(lambda: print('interpreter teardown ran'));"
+        "from diffusers_zero3.distributed import exit_after_teardown; exit_after_teardown(3)"
+    )
+    for world_size, rc, teardown in (("2", 3, False), ("1", 0, True)):  # "1": the control
+        env = {**os.environ, "WORLD_SIZE": world_size}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert out.returncode == rc and ("interpreter teardown ran" in out.stdout) == teardown, out
+
+
 def test_log_rank_zero_prints_without_logging_configuration():
     import subprocess
     import sys
