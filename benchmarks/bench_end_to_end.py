@@ -155,10 +155,10 @@ def crossover(points: list[tuple[float, float]]) -> str:
     for (p0, r0), (p1, r1) in zip(points, points[1:]):
         if r0 >= 1 > r1:
             at = p0 + (p1 - p0) * (r0 - 1) / (r0 - r1)
-            return f"ZeRO-3's peak RSS per rank drops below DDP's at about {at / 1e6:.0f} M UNet parameters"
+            return f"below DDP's from about {at / 1e6:.0f} M UNet parameters"
     if points and points[0][1] < 1:
-        return f"ZeRO-3's peak RSS per rank is below DDP's at every size measured (from {points[0][0] / 1e6:.0f} M)"
-    return f"ZeRO-3's peak RSS per rank stays above DDP's up to {points[-1][0] / 1e6:.0f} M parameters"
+        return f"below DDP's at every size measured (from {points[0][0] / 1e6:.0f} M)"
+    return f"above DDP's at every size measured (up to {points[-1][0] / 1e6:.0f} M)"
 
 
 def main() -> None:
@@ -178,11 +178,11 @@ def main() -> None:
             phases[f"ZeRO-3 {name}"] = res["phases"]
         # the same two jobs with glibc handing freed blocks back to the OS (--return_freed_memory)
         freed = ("--return_freed_memory",)
-        res = measure(
+        freed_res = measure(
             pipe, data, work, "zero3-freed", zero3=True, te="replicate", vae="replicate", extra=freed
         )
-        rows.append(_row("ZeRO-3, frozen replicated, --return_freed_memory", res, ddp))
-        phases["ZeRO-3 replicated, freed"] = res["phases"]
+        rows.append(_row("ZeRO-3, frozen replicated, --return_freed_memory", freed_res, ddp))
+        phases["ZeRO-3 replicated, freed"] = freed_res["phases"]
         res = measure(
             pipe, data, work, "ddp-freed", zero3=False, te="replicate", vae="replicate", extra=freed
         )
@@ -203,30 +203,53 @@ def main() -> None:
         print_section("RSS / peak RSS per rank (MiB) after each phase", markdown_table(table, list(table[0])))
         cal = calibration_rows(pipe, ddp, results["replicated"])
         print_section("Planner calibration: model states per rank, N=2", markdown_table(cal, list(cal[0])))
-        points = [(params, results["replicated"]["peak"] / ddp["peak"])]
-        size_rows = [_size_row(params, ddp, results["replicated"])]
-        for width in SIZES:
-            small, _ = prepare(work, width)
-            n = make_plan(str(small), PlanOptions(num_processes=2))["components"]["unet"]["parameters"]
-            d = measure(small, data, work, f"ddp-{width}", zero3=False, te="replicate", vae="replicate")
-            z = measure(small, data, work, f"zero3-{width}", zero3=True, te="replicate", vae="replicate")
-            points.append((n, z["peak"] / d["peak"]))
-            size_rows.append(_size_row(n, d, z))
-        size_rows.sort(key=lambda r: float(r["UNet M params"]))
-        print_section(
-            "Peak RSS per rank by UNet size, ZeRO-3 (frozen replicated) vs DDP, N=2: " + crossover(points),
-            markdown_table(size_rows, list(size_rows[0])),
+        size_sweep(work, data, {WIDTH: (ddp, results["replicated"], freed_res)})
+
+
+def size_sweep(work: Path, data: Path, measured: dict | None = None) -> None:
+    """Peak RSS of ZeRO-3 (frozen replicated; with and without ``--return_freed_memory``)
+    against DDP at several UNet sizes, and the size where ZeRO-3's drops below DDP's.
+    ``measured`` holds runs already made, by width."""
+    from diffusers_zero3.plan import PlanOptions, make_plan
+
+    runs = dict(measured or {})
+    for width in sorted({*SIZES, WIDTH}):
+        if width in runs:
+            continue
+        pipe, _ = prepare(work, width)
+        common = dict(te="replicate", vae="replicate")
+        runs[width] = (
+            measure(pipe, data, work, f"ddp-{width}", zero3=False, **common),
+            measure(pipe, data, work, f"zero3-{width}", zero3=True, **common),
+            measure(
+                pipe, data, work, f"freed-{width}", zero3=True, extra=("--return_freed_memory",), **common
+            ),
         )
-
-
-def _size_row(params: int, ddp: dict, zero3: dict) -> dict:
-    return {
-        "UNet M params": f"{params / 1e6:.1f}",
-        "DDP peak MiB": f"{ddp['peak']:.0f}",
-        "ZeRO-3 peak MiB": f"{zero3['peak']:.0f}",
-        "ZeRO-3 / DDP": f"{zero3['peak'] / ddp['peak']:.2f}",
-        "time ZeRO-3 / DDP": f"{zero3['sample_s'] / ddp['sample_s']:.2f}",
-    }
+    rows, default, freed = [], [], []
+    for width, (d, z, f) in sorted(runs.items()):
+        pipe = work / f"pipe-{width}"
+        n = make_plan(str(pipe), PlanOptions(num_processes=2))["components"]["unet"]["parameters"]
+        default.append((n, z["peak"] / d["peak"]))
+        freed.append((n, f["peak"] / d["peak"]))
+        rows.append(
+            {
+                "UNet M params": f"{n / 1e6:.1f}",
+                "DDP peak MiB": f"{d['peak']:.0f}",
+                "ZeRO-3 peak MiB": f"{z['peak']:.0f}",
+                "ZeRO-3 / DDP": f"{z['peak'] / d['peak']:.2f}",
+                "time ZeRO-3 / DDP": f"{z['sample_s'] / d['sample_s']:.2f}",
+                "ZeRO-3 --return_freed_memory peak MiB": f"{f['peak']:.0f}",
+                "/ DDP": f"{f['peak'] / d['peak']:.2f}",
+                "time / DDP": f"{f['sample_s'] / d['sample_s']:.2f}",
+            }
+        )
+    print_section(
+        "Peak RSS per rank by UNet size, ZeRO-3 (frozen replicated) vs DDP, N=2. Default allocator: "
+        + crossover(default)
+        + ". With --return_freed_memory: "
+        + crossover(freed),
+        markdown_table(rows, list(rows[0])),
+    )
 
 
 def _row(name: str, res: dict, ddp: dict) -> dict:
@@ -242,4 +265,8 @@ def _row(name: str, res: dict, ddp: dict) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["sweep"]:  # the size sweep alone
+        with tempfile.TemporaryDirectory() as tmp:
+            size_sweep(Path(tmp), prepare(Path(tmp), SIZES[0])[1])
+    else:
+        main()
