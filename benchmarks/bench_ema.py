@@ -51,6 +51,12 @@ def case_ema(mode: str):
 
         held = ema.local_bytes()
     else:
+        # diffusers' EMAModel gathers only where transformers says ZeRO-3 is on, a registration
+        # build_accelerator drops (see unregister_transformers_zero3): register it again, as
+        # diffusers' example has it.
+        from transformers.integrations import HfDeepSpeedConfig
+
+        registration = HfDeepSpeedConfig(acc.state.deepspeed_plugin.deepspeed_config)  # noqa: F841 (kept alive)
 
         def ema_step():
             ema.step(unet.module.parameters())

@@ -34,7 +34,7 @@ def case(kind: str):
     )
     from diffusers_zero3 import build_accelerator, get_rank, local_parameter_bytes, share_fp32_master_weights
     from diffusers_zero3.demo import build_tiny_components
-    from diffusers_zero3.ds_config import fill_auto_bucket_sizes
+    from diffusers_zero3.ds_config import fill_auto_bucket_sizes, zero3_bucket_sizes
     from diffusers_zero3.families import SD
     from diffusers_zero3.lora import add_lora_adapters
 
@@ -88,6 +88,10 @@ def case(kind: str):
         return
     if kind == "lora":
         trainable = add_lora_adapters(unet, rank=RANK, target_modules=SD.lora_target_modules)
+        # as the script does: the reduce bucket and sub-groups sized for the adapters
+        accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"].update(
+            zero3_bucket_sizes(unet)
+        )
     else:
         trainable = list(unet.parameters())
     engine, optimizer = accelerator.prepare(unet, torch.optim.AdamW(trainable, lr=1e-4))

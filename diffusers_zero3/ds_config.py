@@ -55,30 +55,38 @@ def zero3_bucket_sizes(model: torch.nn.Module) -> dict[str, int]:
     """ZeRO-3 bucket, sub-group and persistence sizes for ``model`` from its parameter shapes.
 
     ``hidden`` is the model's typical hidden size (its median weight matrix: diffusers models
-    have no ``config.hidden_size`` for accelerate's ``"auto"``), ``largest`` its largest
-    parameter (at most ``MAX_BUCKET`` elements), ``bucket = max(hidden^2, largest)``:
+    have no ``config.hidden_size`` for accelerate's ``"auto"``); sizes are ``max(hidden^2,
+    largest)`` with ``largest`` the largest parameter (at most ``MAX_BUCKET`` elements): the
+    largest of all for what is gathered, the largest trainable one for what is reduced and
+    stepped (under LoRA, the adapters'; call again once they are added):
 
     * ``stage3_param_persistence_threshold = 10 hidden`` (accelerate's rule): parameters up
       to it (norms, biases) stay whole on every rank, with no gather per forward.
-    * ``reduce_bucket_size = bucket``: gradients are reduce-scattered in buckets of this many
+    * ``reduce_bucket_size``: gradients are reduce-scattered in buckets of this many
       elements; a gradient larger than the bucket goes alone, so accelerate's ``hidden^2``
       gave a UNet (whose largest convolutions hold many times ``hidden^2``) one collective
       per gradient. One buffer of this size is held for the run.
-    * ``stage3_prefetch_bucket_size = bucket``: the parameters gathered ahead of the module
+    * ``stage3_prefetch_bucket_size``: the parameters gathered ahead of the module
       that needs them, in one collective; ``0.9 hidden^2`` fetched about one matrix ahead.
-    * ``sub_group_size = bucket``: the optimizer steps over its partition in groups of this
+    * ``sub_group_size``: the optimizer steps over its partition in groups of this
       many elements. DeepSpeed's default (10^9) makes one group of the whole partition, with
       an fp32 copy of all of its gradients at every step (``4 params / N`` bytes at once)
       and an Adam update that streams the whole partition through memory once per operation.
     """
     hidden = typical_hidden_size(model)
-    largest = max((p.ds_numel if is_zero3_param(p) else p.numel() for p in model.parameters()), default=0)
-    bucket = max(hidden * hidden, min(largest, MAX_BUCKET))
+
+    def largest(params) -> int:
+        return min(
+            MAX_BUCKET, max((p.ds_numel if is_zero3_param(p) else p.numel() for p in params), default=0)
+        )
+
+    gathered = max(hidden * hidden, largest(model.parameters()))
+    reduced = max(hidden * hidden, largest(p for p in model.parameters() if p.requires_grad))
     return {
-        "reduce_bucket_size": bucket,
-        "stage3_prefetch_bucket_size": bucket,
+        "reduce_bucket_size": reduced,
+        "stage3_prefetch_bucket_size": gathered,
         "stage3_param_persistence_threshold": 10 * hidden,
-        "sub_group_size": bucket,
+        "sub_group_size": reduced,
     }
 
 

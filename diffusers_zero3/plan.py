@@ -197,7 +197,7 @@ def denoiser_placements(
     lora: tuple[int, tuple[str, ...]] | None = None,
 ) -> dict[str, dict[str, int]]:
     """Bytes per rank of the trained denoiser by placement (see the module doc)."""
-    from .ds_config import zero3_bucket_sizes
+    from .ds_config import typical_hidden_size, zero3_bucket_sizes
 
     b = _DTYPE_BYTES[mixed_precision]
     numels = [p.numel() for p in module.parameters()]
@@ -205,6 +205,9 @@ def denoiser_placements(
     sizes = zero3_bucket_sizes(module)
     threshold = sizes["stage3_param_persistence_threshold"]
     trainable = psi if lora is None else lora_parameters(module, *lora)
+    # the reduce bucket and optimizer sub-groups: sized by the largest trainable parameter
+    # (ds_config.zero3_bucket_sizes), under LoRA an adapter, smaller than hidden^2
+    reduced = sizes["reduce_bucket_size"] if lora is None else typical_hidden_size(module) ** 2
     # LoRA adapters are partitioned like the rest; their shapes are small and many stay whole
     base = sharded_elements(numels, world_size, threshold) * b
     own = math.ceil(trainable / world_size)
@@ -216,7 +219,7 @@ def denoiser_placements(
         "ema": 4 * own if use_ema else 0,
         # the gradient reduce bucket, and the fp32 copy of one optimizer sub-group's gradients
         # that DeepSpeed makes at each step
-        "buffers": sizes["reduce_bucket_size"] * b + 4 * min(sizes["sub_group_size"], own),
+        "buffers": reduced * b + 4 * min(reduced, own),
     }
     out = {
         "shard": {**zero, "host_bytes_per_rank": 0},

@@ -33,6 +33,7 @@ from .data import (
     resolve_columns,
 )
 from .distributed import barrier, is_main_process, log_rank_zero
+from .ds_config import fill_auto_bucket_sizes
 from .ema import ShardedEMA
 from .families import detect_family
 from .folders import remove_interrupted_writes
@@ -177,6 +178,9 @@ class TextToImageTrainer:
                 alpha=args.lora_alpha,
                 dropout=args.lora_dropout,
             )
+            plugin = self.accelerator.state.deepspeed_plugin
+            if plugin is not None:  # the reduce bucket and sub-groups: the adapters' sizes now
+                fill_auto_bucket_sizes(plugin.deepspeed_config, self.denoiser)
             log_rank_zero(
                 f"LoRA rank {args.rank} on {', '.join(targets)}: {sum(p.numel() for p in adapters):,} trainable "
                 f"parameters; the {self.family.denoiser} is frozen"
