@@ -112,13 +112,17 @@ def build_accelerator(*, timeout_s: float | None = None, **accelerator_kwargs: A
         # DeepSpeed falls back to its CPU accelerator when it finds no GPU; saying so
         # explicitly silences its warning and keeps a half-visible GPU from being picked.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        # DeepSpeed's CPU accelerator answers device_count() by running `numactl --hardware`
-        # in a subprocess unless LOCAL_SIZE is set, and ZeRO-3 asks at every gradient
-        # reduce-scatter: a fork per gradient bucket (about 0.1 s per step on a 39 M UNet).
-        os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if not uses_deepspeed(accelerator_kwargs):
             accelerator_kwargs.setdefault("cpu", True)
     accelerator = Accelerator(kwargs_handlers=handlers, **accelerator_kwargs)
+    if needs_gloo_backend():
+        # DeepSpeed's CPU accelerator answers device_count() by running `numactl --hardware`
+        # in a subprocess unless LOCAL_SIZE is set, and ZeRO-3 asks at every gradient
+        # reduce-scatter: a fork per bucket (about 0.1 s per step on a 39 M UNet). Set only
+        # now, after DeepSpeed's communication backend started: with LOCAL_SIZE set at its
+        # start, it maps a 66 MiB shared-memory all-reduce buffer per rank in /dev/shm that
+        # nothing ever unlinks (a 2-core machine's /dev/shm filled up after ~150 runs).
+        os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
     # Loads that must be partitioned go through load_pretrained_zero3; with transformers'
     # ZeRO-3 config registered, a plain from_pretrained on one rank alone would hang.
     unregister_transformers_zero3()

@@ -279,6 +279,25 @@ def test_a_from_pretrained_on_rank_zero_alone_does_not_hang(tiny_pipeline):
 
 
 @pytest.mark.unit
+def _ranks_leave_no_shared_memory():
+    import glob
+
+    from tests.common import accelerator_with_zero3
+
+    accelerator_with_zero3()
+    # LOCAL_SIZE is set (no numactl subprocess at every reduce-scatter), but only after
+    # DeepSpeed's backend started: set before, DeepSpeed maps a 66 MiB all-reduce buffer per
+    # rank in /dev/shm, named after the master port, that is never unlinked.
+    assert os.environ.get("LOCAL_SIZE") == os.environ.get("LOCAL_WORLD_SIZE", "1")
+    port = os.environ["MASTER_PORT"]
+    assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"), "shared memory left behind"
+
+
+@pytest.mark.multirank
+def test_zero3_ranks_leave_no_shared_memory_behind():
+    run_on_ranks(_ranks_leave_no_shared_memory)
+
+
 def test_a_launched_rank_leaves_without_interpreter_teardown_even_without_a_process_group():
     """A finished run whose process group is gone (accelerate's end_training destroys it)
     still leaves with os._exit: the interpreter's teardown of a gloo run aborted now and
