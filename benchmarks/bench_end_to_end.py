@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import REPO_ROOT, markdown_table, print_section
+from diffusers_zero3.testing import free_port
 
 WIDTH = 224  # a UNet of 38.5 M parameters (demo.tiny_component_configs)
 STEPS = 12
@@ -25,14 +26,6 @@ PLACEMENTS = {
     "sharded": ("shard", "shard"),
     "cache": ("cache", "cache"),
 }
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_script(
@@ -53,12 +46,12 @@ def run_script(
         launch = [
             sys.executable, "-m", "accelerate.commands.launch",
             "--config_file", str(REPO_ROOT / "configs" / "accelerate_zero3.yaml"),
-            "--num_processes", "2", "--main_process_port", str(_free_port()),
+            "--num_processes", "2", "--main_process_port", str(free_port()),
         ]  # fmt: skip
     else:
         launch = [
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-            "--master_port", str(_free_port()),
+            "--master_port", str(free_port()),
         ]  # fmt: skip
     argv = [
         *launch, script,

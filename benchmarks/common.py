@@ -10,27 +10,16 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 from pathlib import Path
 
 import torch
 
+from diffusers_zero3.memory import current_rss_bytes, peak_rss_bytes  # noqa: F401 (the benchmarks' readers)
 from diffusers_zero3.testing import run_function_on_ranks
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _MARK = "BENCH_RESULT "
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def current_rss_bytes() -> int:
-    """Resident set size of this process now."""
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def reset_peak_rss() -> bool:

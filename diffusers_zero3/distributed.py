@@ -60,6 +60,16 @@ def all_gather_object(obj):
     return out
 
 
+def max_over_ranks(values: list[float]) -> list[float]:
+    """The element-wise maximum of a fixed-length list of numbers over every rank (float64).
+    Collective: call on every rank; without a process group, ``values`` themselves."""
+    if not is_distributed() or not values:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def all_gather_ints(values: list[int]) -> list[list[int]]:
     """Gather a fixed-length list of ints from every rank. Collective: call on every rank.
 

@@ -146,12 +146,13 @@ def placement_bytes_per_rank(
         raise ValueError(f"unknown placement {placement!r}: choose replicate, shard, offload or cache")
     if persistence_threshold is None:
         persistence_threshold = zero3_bucket_sizes(model)["stage3_param_persistence_threshold"]
-    total = 0
-    for numel in numels:
-        total += -(-numel // world_size)
-        if numel <= persistence_threshold:
-            total += numel
-    return total * itemsize
+    return sharded_elements(numels, world_size, persistence_threshold) * itemsize
+
+
+def sharded_elements(numels: list[int], world_size: int, persistence_threshold: int) -> int:
+    """Elements of parameters a rank holds under ZeRO-3: ``ceil(numel / N)`` of each, plus the
+    whole of each parameter at or below the persistence threshold."""
+    return sum(-(-n // world_size) + (n if n <= persistence_threshold else 0) for n in numels)
 
 
 def _freeze(model: torch.nn.Module) -> None:

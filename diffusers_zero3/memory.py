@@ -94,13 +94,13 @@ class MemoryLog:
     def gathered(self) -> list[PhaseMemory]:
         """The records with each number the maximum over ranks. All ranks must call this,
         with the same phases marked; without a process group it returns the local ones."""
-        import torch.distributed as dist
+        from .distributed import max_over_ranks
 
-        if not (dist.is_available() and dist.is_initialized()) or not self.phases:
-            return list(self.phases)
-        values = torch.tensor([[p.rss, p.peak, p.time] for p in self.phases], dtype=torch.float64)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        return [PhaseMemory(p.phase, int(r), int(k), t) for p, (r, k, t) in zip(self.phases, values.tolist())]
+        flat = max_over_ranks([x for p in self.phases for x in (p.rss, p.peak, p.time)])
+        return [
+            PhaseMemory(p.phase, int(flat[3 * i]), int(flat[3 * i + 1]), flat[3 * i + 2])
+            for i, p in enumerate(self.phases)
+        ]
 
     @staticmethod
     def format(records: list[PhaseMemory]) -> str:

@@ -47,11 +47,12 @@ from pathlib import Path
 
 import torch
 
+from .ds_config import resolve_dtype
 from .known_pipelines import KNOWN_PIPELINES
 
 GIB = 2**30
 MIB = 2**20
-_DTYPE_BYTES = {"no": 4, "fp32": 4, "bf16": 2, "fp16": 2}
+MIXED_PRECISIONS = ("no", "fp16", "bf16")
 FROZEN_ORDER = ("replicate", "cache", "shard", "offload")  # fastest first (cache needs fixed data)
 
 
@@ -65,6 +66,9 @@ class Component:
     config: dict
     trainable: bool = False
     _module: torch.nn.Module | None = field(default=None, repr=False)
+    # elements of its cached outputs per image, by (resolution, sequence length): replanning
+    # at other process counts (what_would_fit) reuses them instead of running the model again
+    _output_elements: dict[tuple[int, int], int] = field(default_factory=dict, repr=False)
 
     def meta_module(self) -> torch.nn.Module:
         """The model built on the meta device from its config (no weights, exact shapes)."""
@@ -156,21 +160,8 @@ def _config_folder(pipeline: str) -> Path:
 # ---------------------------------------------------------------------------- bytes
 
 
-def _persistence_threshold(module: torch.nn.Module) -> int:
-    from .ds_config import zero3_bucket_sizes
-
-    return zero3_bucket_sizes(module)["stage3_param_persistence_threshold"]
-
-
-def sharded_elements(numels: list[int], world_size: int, persistence_threshold: int) -> int:
-    """Elements of parameters a rank holds under ZeRO-3: ``ceil(numel / N)`` of each, plus the
-    whole of each parameter at or below the persistence threshold."""
-    total = 0
-    for n in numels:
-        total += math.ceil(n / world_size)
-        if n <= persistence_threshold:
-            total += n
-    return total
+def _bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def lora_parameters(module: torch.nn.Module, rank: int, target_modules: tuple[str, ...] | list[str]) -> int:
@@ -198,8 +189,9 @@ def denoiser_placements(
 ) -> dict[str, dict[str, int]]:
     """Bytes per rank of the trained denoiser by placement (see the module doc)."""
     from .ds_config import typical_hidden_size, zero3_bucket_sizes
+    from .frozen import sharded_elements
 
-    b = _DTYPE_BYTES[mixed_precision]
+    b = _bytes(resolve_dtype(mixed_precision, {}, None))
     numels = [p.numel() for p in module.parameters()]
     psi = sum(numels)
     sizes = zero3_bucket_sizes(module)
@@ -250,15 +242,18 @@ def cache_bytes_per_image(
     """Bytes a cached model's outputs take per image, in the dtype it runs in: the outputs the
     family stores for a text encoder (``encode_text`` run on the meta device), or the VAE's
     latent distribution (mean and log-variance) at ``resolution``."""
-    module = comp.meta_module()
-    with torch.no_grad():
-        if comp.name == "vae":
-            pixels = torch.zeros(1, module.config.in_channels, resolution, resolution, device="meta")
-            outputs = {"latent_params": module.encode(pixels).latent_dist.parameters}
-        else:
-            ids = torch.zeros(1, sequence_length, dtype=torch.long, device="meta")
-            outputs = family.encode_text(comp.name, module, ids)
-    return sum(t.numel() for t in outputs.values()) * dtype_bytes
+    key = (resolution, sequence_length)
+    if key not in comp._output_elements:
+        module = comp.meta_module()
+        with torch.no_grad():
+            if comp.name == "vae":
+                pixels = torch.zeros(1, module.config.in_channels, resolution, resolution, device="meta")
+                outputs = {"latent_params": module.encode(pixels).latent_dist.parameters}
+            else:
+                ids = torch.zeros(1, sequence_length, dtype=torch.long, device="meta")
+                outputs = family.encode_text(comp.name, module, ids)
+        comp._output_elements[key] = sum(t.numel() for t in outputs.values())
+    return comp._output_elements[key] * dtype_bytes
 
 
 def frozen_placements(
@@ -268,10 +263,8 @@ def frozen_placements(
     from .frozen import placement_bytes_per_rank
 
     module = comp.meta_module()
-    weight = {"no": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    dtype = family.component_dtype(comp.name, weight[mixed_precision])
-    b = torch.empty((), dtype=dtype).element_size()
-    shard = placement_bytes_per_rank(module, "shard", world_size, dtype, _persistence_threshold(module))
+    dtype = family.component_dtype(comp.name, resolve_dtype(mixed_precision, {}, None))
+    shard = placement_bytes_per_rank(module, "shard", world_size, dtype)
     replicate = placement_bytes_per_rank(module, "replicate", world_size, dtype)
     return {
         "replicate": {"bytes_per_rank": replicate, "parameters": replicate},
@@ -280,7 +273,9 @@ def frozen_placements(
         "cache": {
             "bytes_per_rank": 0,
             "parameters": 0,
-            "cache_bytes_per_image": cache_bytes_per_image(comp, family, b, resolution, sequence_length),
+            "cache_bytes_per_image": cache_bytes_per_image(
+                comp, family, _bytes(dtype), resolution, sequence_length
+            ),
         },
     }
 
@@ -313,7 +308,7 @@ def make_plan(pipeline: str | os.PathLike, options: PlanOptions) -> dict:
     ``total_bytes_per_rank`` of the recommended set, ``fits`` and ``advice``."""
     from .families import FAMILIES
 
-    if options.mixed_precision not in _DTYPE_BYTES:
+    if options.mixed_precision not in MIXED_PRECISIONS:
         raise ValueError(f"--mixed_precision must be no, fp16 or bf16, got {options.mixed_precision!r}")
     if options.num_processes < 1 or options.num_machines < 1 or options.num_processes % options.num_machines:
         raise ValueError(
@@ -466,13 +461,10 @@ def resolve_auto_placements(
 
     Collective: every rank calls it; rank 0 plans and broadcasts, so all ranks place alike.
     """
+    from .args import placement_flags
     from .distributed import all_gather_object, get_rank, log_rank_zero
 
-    flags = {
-        k[: -len("_placement")]: v
-        for k, v in vars(args).items()
-        if k.endswith("_placement") and isinstance(v, str)
-    }
+    flags = {flag[: -len("_placement")]: value for flag, value in placement_flags(args).items()}
     auto = [name for name, value in flags.items() if value == "auto"]
     if not auto:
         return None
@@ -483,7 +475,7 @@ def resolve_auto_placements(
             num_machines=_num_machines(),
             device_memory=device_memory_per_rank(accelerator),
             mixed_precision=accelerator.mixed_precision
-            if accelerator.mixed_precision in _DTYPE_BYTES
+            if accelerator.mixed_precision in MIXED_PRECISIONS
             else "no",
             use_ema=bool(getattr(args, "use_ema", False)),
             rank=getattr(args, "rank", None) or None,
@@ -554,6 +546,7 @@ def parse_bytes(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m diffusers_zero3.plan``."""
     p = argparse.ArgumentParser(prog="python -m diffusers_zero3.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("pipeline", help="pipeline folder, hub id, or one of: " + ", ".join(KNOWN_PIPELINES))
     p.add_argument("--num_processes", type=int, default=1, help="ranks in all (all machines)")
@@ -577,6 +570,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Print the plan (a table, or JSON with ``--json``); a bad input is one ``error:`` line
+    on stderr and exit code 2."""
     args = parser().parse_args(argv)
     try:
         options = options_from_args(args)
@@ -589,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def options_from_args(args: argparse.Namespace) -> PlanOptions:
+    """``PlanOptions`` from the parsed command line; ``ValueError`` for a value out of range."""
     if args.rank is not None and args.rank < 1:
         raise ValueError(f"--rank must be at least 1, got {args.rank}")
     if not 0 <= args.margin < 1:

@@ -32,7 +32,7 @@ from .data import (
     load_image_caption_dataset,
     resolve_columns,
 )
-from .distributed import barrier, is_main_process, log_rank_zero
+from .distributed import barrier, is_main_process, log_rank_zero, max_over_ranks
 from .ds_config import fill_auto_bucket_sizes
 from .ema import ShardedEMA
 from .families import detect_family
@@ -443,10 +443,7 @@ class TextToImageTrainer:
         (collectives: every rank calls it once, at the end of training)."""
         records = self.memory.gathered()
         states = self.model_states or model_state_bytes(self.denoiser, self.optimizer, self.ema)
-        values = torch.tensor(list(states.values()), dtype=torch.float64)
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
-        states = dict(zip(states, (int(v) for v in values.tolist())))
+        states = dict(zip(states, (int(v) for v in max_over_ranks(list(states.values())))))
         log_rank_zero("memory per rank (maximum over ranks):\n" + MemoryLog.format(records))
         log_rank_zero(
             "model states per rank: "
