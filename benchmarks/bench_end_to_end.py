@@ -78,7 +78,9 @@ def run_script(
     return proc.stdout + proc.stderr
 
 
-_PHASE = re.compile(r"^\s+(.+?)\s+RSS\s+([\d.]+) MiB\s+peak\s+([\d.]+) MiB \(\+\s*[\d.]+\)\s+([\d.]+) s$")
+_PHASE = re.compile(
+    r"^\s+(.+?)\s+RSS\s+([\d.]+) MiB\s+peak\s+([\d.]+) MiB \(\+\s*[\d.]+\)\s+([\d.]+) s(?:\s+device peak .*)?$"
+)
 _STATES = re.compile(r"model states per rank: (.*) \(total ([\d.]+) MiB\)")
 
 

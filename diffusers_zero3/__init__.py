@@ -2,7 +2,15 @@
 
 from .accelerator import build_accelerator
 from .cache import CachedOutputs, precompute_frozen_outputs
-from .distributed import barrier, get_rank, get_world_size, is_main_process, log_rank_zero
+from .distributed import (
+    barrier,
+    enable_nccl_error_handling,
+    get_rank,
+    get_world_size,
+    init_distributed_if_needed,
+    is_main_process,
+    log_rank_zero,
+)
 from .ema import ShardedEMA
 from .frozen import (
     PLACEMENTS,
@@ -45,6 +53,8 @@ __all__ = [
     "lockstep_map",
     "prepare_frozen",
     "barrier",
+    "enable_nccl_error_handling",
+    "init_distributed_if_needed",
     "build_accelerator",
     "gathered_parameters",
     "get_rank",

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .distributed import log_rank_zero, process_group_timeout
+from .distributed import enable_nccl_error_handling, log_rank_zero, process_group_timeout
 from .zero3 import unregister_transformers_zero3
 
 if TYPE_CHECKING:
@@ -80,6 +80,10 @@ def build_accelerator(*, timeout_s: float | None = None, **accelerator_kwargs: A
     * The collective timeout is ``timeout_s`` (default: ``DIFFUSERS_ZERO3_PG_TIMEOUT``
       seconds, else 1800) for the default group *and* for the groups DeepSpeed creates, so a
       rank that dies or stops makes the others fail instead of waiting forever.
+    * Under NCCL, a collective that outlives that timeout ends the ranks' processes (they are
+      killed, SIGABRT, not a Python exception): ``enable_nccl_error_handling`` sets
+      ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` (and on CUDA hosts the monitoring that ends the
+      ranks not inside the collective) before the process group exists, unless already set.
     * torch's deprecation warnings for the collectives DeepSpeed calls are filtered.
     * transformers' ZeRO-3 registration is dropped (``unregister_transformers_zero3``), so a
       ``from_pretrained`` on a subset of ranks (rank 0 loading a pipeline to look at a
@@ -108,6 +112,7 @@ def build_accelerator(*, timeout_s: float | None = None, **accelerator_kwargs: A
         handlers.append(InitProcessGroupKwargs(backend=backend, timeout=timeout))
     if timeout is not None:
         set_default_collective_timeout(timeout)
+    enable_nccl_error_handling()  # NCCL reads it when the process group is built, below
     if needs_gloo_backend():
         # DeepSpeed falls back to its CPU accelerator when it finds no GPU; saying so
         # explicitly silences its warning and keeps a half-visible GPU from being picked.

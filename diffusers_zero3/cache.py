@@ -295,19 +295,22 @@ def _encode_share(
                 pixels = torch.stack([p for p, _ in crops]).to(vae.device, vae.dtype)
                 out["latent_params"] = vae.encode(pixels).latent_dist.parameters.cpu()
                 if family.uses_time_ids:
+                    # CPU: written to the cache file beside the other outputs, all moved to the CPU
                     out["original_size"] = torch.tensor([c.original_size for _, c in crops])
+                    # CPU: as original_size
                     out["crop_top_left"] = torch.tensor([c.crop_top_left for _, c in crops])
                 if random_flip:
                     out["latent_params_flipped"] = vae.encode(pixels.flip(-1)).latent_dist.parameters.cpu()
                 if random_flip and family.uses_time_ids:
                     # the same crop seen in the flipped image, as live training records it
+                    # CPU: written to the cache file, as original_size
                     out["crop_top_left_flipped"] = torch.tensor(
                         [c.mirrored(resolution).crop_top_left for _, c in crops]
                     )
         return out
 
     results = lockstep_map(encode, chunks, name="frozen models (cache)")
-    tensors = {"index": torch.tensor(mine, dtype=torch.long)}
+    tensors = {"index": torch.tensor(mine, dtype=torch.long)}  # CPU: safetensors saves CPU tensors
     for name in results[0] if results else []:
         tensors[name] = torch.cat([r[name] for r in results]).contiguous()
     from safetensors.torch import save_file

@@ -267,8 +267,9 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
                 row[self.image_column], self.resolution, self.center_crop, self.random_flip, rng
             )
             item["pixel_values"] = pixels
+            # CPU: data-loader side, like the pixels; accelerate's prepared loader moves the batch
             item["original_size"] = torch.tensor(crop.original_size)
-            item["crop_top_left"] = torch.tensor(crop.crop_top_left)
+            item["crop_top_left"] = torch.tensor(crop.crop_top_left)  # CPU: as original_size
         return item
 
 
@@ -279,5 +280,5 @@ def collate(examples: list[dict]) -> dict:
         if torch.is_tensor(value):
             batch[key] = torch.stack([e[key] for e in examples]).contiguous()
         else:
-            batch[key] = torch.tensor([e[key] for e in examples])
+            batch[key] = torch.tensor([e[key] for e in examples])  # CPU: collate, on the loader's side
     return batch

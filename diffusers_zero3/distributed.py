@@ -133,3 +133,68 @@ def exit_after_teardown(code: int = 0) -> None:
 def process_group_timeout(default_s: float = 1800.0) -> timedelta:
     """The collective timeout: ``DIFFUSERS_ZERO3_PG_TIMEOUT`` seconds if set, else ``default_s``."""
     return timedelta(seconds=float(os.environ.get("DIFFUSERS_ZERO3_PG_TIMEOUT", default_s)))
+
+
+def enable_nccl_error_handling() -> dict[str, str]:
+    """Make a timed-out NCCL collective end every rank's process instead of leaving it hanging;
+    returns the variables this call set. Call before any process group is created: NCCL reads
+    them when a group is built. A variable already in the environment is left as it is.
+
+    * ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` (an older ``NCCL_ASYNC_ERROR_HANDLING`` is kept),
+      the value torchrun gives its workers: when a collective outlives the process group's
+      timeout, NCCL's watchdog thread logs it, aborts the NCCL communicators and takes the
+      process down (an uncaught C++ exception in that thread: SIGABRT, no Python traceback,
+      no ``finally``). torch's own default (3) takes it down without the communicator abort;
+      0 turns the handling off (the watchdog only logs, and the ranks stay blocked).
+    * On a CUDA host, ``TORCH_NCCL_ENABLE_MONITORING=1`` and ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``
+      (torch's current defaults, set for the versions that differ): the first rank to time out
+      raises a flag in the rendezvous store; every other rank's monitor thread sees it, dumps
+      its collective trace and ends its process too (after ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC``,
+      8 minutes by default, unless the launcher has stopped it first). A rank that is not
+      inside a collective (the one that stopped) is ended this way.
+
+    ``TORCH_NCCL_BLOCKING_WAIT`` is not set: it would turn the timeout into a Python error, but
+    only on the ranks waiting, without any watchdog thread, and with every wait blocking the
+    CPU (ZeRO-3 overlaps its gathers with compute).
+
+    Example:
+        >>> enable_nccl_error_handling()  # before accelerate or DeepSpeed create the process group
+        {'TORCH_NCCL_ASYNC_ERROR_HANDLING': '1'}
+    """
+    # each setting: the names torch reads for it (new name first; any one present wins), value
+    settings = [(("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"), "1")]
+    if torch.cuda.is_available():
+        settings += [(("TORCH_NCCL_ENABLE_MONITORING",), "1"), (("TORCH_NCCL_DUMP_ON_TIMEOUT",), "1")]
+    set_now = {}
+    for names, value in settings:
+        if not any(n in os.environ for n in names):
+            os.environ[names[0]] = set_now[names[0]] = value
+    return set_now
+
+
+def init_distributed_if_needed() -> None:
+    """Start DeepSpeed's communication backend (and ``torch.distributed``) unless it runs
+    already. Collective: call on every rank.
+
+    Outside ``accelerate`` (a custom script under ``torchrun`` or the ``deepspeed`` launcher),
+    ``deepspeed.init_distributed()`` alone leaves every rank on ``cuda:0``, and NCCL would run
+    all the ranks' collectives on one GPU. On a CUDA host this first selects the rank's GPU
+    (``LOCAL_RANK``; device 0 where each process sees a single GPU) and sets NCCL's error
+    handling (``enable_nccl_error_handling``). On a CPU host it only does the latter, which
+    NCCL-less backends ignore. With the backend already started it does nothing.
+
+    Example:
+        >>> init_distributed_if_needed()  # under `torchrun --nproc_per_node 2 script.py`
+        >>> torch.cuda.current_device() == int(os.environ["LOCAL_RANK"])  # on a 2-GPU host
+        True
+    """
+    import deepspeed
+
+    if deepspeed.comm.is_initialized():
+        return
+    if torch.cuda.is_available():
+        device = int(os.environ.get("LOCAL_RANK", 0)) if torch.cuda.device_count() > 1 else 0
+        if torch.cuda.current_device() != device:
+            torch.cuda.set_device(device)
+    enable_nccl_error_handling()
+    deepspeed.init_distributed(timeout=process_group_timeout())

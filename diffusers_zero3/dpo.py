@@ -137,8 +137,9 @@ class PreferencePairs(torch.utils.data.Dataset):
         item.update(
             index=index,
             pixel_values=torch.stack(pixels),
+            # CPU: data-loader side, like the pixels; accelerate's prepared loader moves the batch
             original_size=torch.tensor(sizes),
-            crop_top_left=torch.tensor(crops),
+            crop_top_left=torch.tensor(crops),  # CPU: as original_size
         )
         return item
 
@@ -151,7 +152,7 @@ def collate_pairs(examples: list[dict]) -> dict:
         if key in ("pixel_values", "original_size", "crop_top_left"):
             batch[key] = torch.cat([torch.stack([e[key][k] for e in examples]) for k in (0, 1)])
         elif key == "index":
-            batch[key] = torch.tensor([e[key] for e in examples])
+            batch[key] = torch.tensor([e[key] for e in examples])  # CPU: collate, on the loader's side
         else:
             batch[key] = torch.stack([e[key] for e in examples])
     return batch

@@ -170,7 +170,7 @@ def frozen_engine_config(
     for key in [k for k, v in zero.items() if v == "auto"]:
         del zero[key]
     if offload:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        zero["offload_param"] = offload_param_section()
     return {
         "train_micro_batch_size_per_gpu": int(micro_batch_size),
         "gradient_accumulation_steps": 1,
@@ -191,8 +191,19 @@ def base_config(ds_config: dict | None, accelerator: Accelerator | None) -> dict
     return plugin.deepspeed_config if plugin is not None else {}
 
 
-def zero_init_config(ds_config: dict | None, accelerator) -> dict:
-    """The part of a (training) DeepSpeed config that ``zero.Init`` needs, ``"auto"`` resolved."""
+def offload_param_section() -> dict:
+    """ZeRO-3's ``offload_param`` that keeps partitions in host memory (pinned on CUDA hosts)."""
+    return {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+
+
+def zero_init_config(ds_config: dict | None, accelerator, offload: bool | None = None) -> dict:
+    """The part of a (training) DeepSpeed config that ``zero.Init`` needs, ``"auto"`` resolved.
+
+    ``offload`` says where the partitions go, whatever the config's ``offload_param``: True
+    into host memory, False into accelerator memory; None follows the config (the trained
+    model). A frozen model asks for its own placement's: partitions are not moved by the
+    config of the engine built on them later.
+    """
     if ds_config is None and accelerator is not None:
         plugin = accelerator.state.deepspeed_plugin
         ds_config = plugin.deepspeed_config if plugin is not None else None
@@ -200,9 +211,15 @@ def zero_init_config(ds_config: dict | None, accelerator) -> dict:
         return {}
     zero = ds_config.get("zero_optimization", {})
     init_zero = {"stage": zero.get("stage")}
-    offload = zero.get("offload_param")
-    if isinstance(offload, dict) and offload.get("device") not in (None, "none", "auto"):
-        init_zero["offload_param"] = offload
+    configured = zero.get("offload_param")
+    if (
+        offload is None
+        and isinstance(configured, dict)
+        and configured.get("device") not in (None, "none", "auto")
+    ):
+        init_zero["offload_param"] = configured
+    elif offload:
+        init_zero["offload_param"] = offload_param_section()
     dtype = resolve_dtype(None, ds_config, accelerator)
     return {
         "train_micro_batch_size_per_gpu": 1,

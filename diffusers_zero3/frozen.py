@@ -136,7 +136,7 @@ def placement_bytes_per_rank(
     """
     from .ds_config import zero3_bucket_sizes
 
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = torch.empty((), dtype=dtype).element_size()  # CPU: a dtype probe, never meets data
     numels = [p.ds_numel if is_zero3_param(p) else p.numel() for p in model.parameters()]
     if placement == "replicate":
         return sum(numels) * itemsize
@@ -160,13 +160,27 @@ def _freeze(model: torch.nn.Module) -> None:
     model.eval()
 
 
-def _move(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """``model.to(device, dtype)``, casting only when the dtype differs: diffusers warns on
-    every dtype cast of a model with ``_keep_in_fp32_modules`` (the VAE), even a no-op one."""
-    model.to(device=device)
+def _cast(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)`` where it is not already: diffusers warns on every dtype cast of a
+    model with ``_keep_in_fp32_modules`` (the VAE), even a no-op one."""
     first = next(iter(model.parameters()), None)
     if first is not None and first.dtype != dtype:
         model.to(dtype=dtype)
+
+
+def _move(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """``model.to(device, dtype)``, cast where it lies first: a T5-XXL loaded in fp32 and moved
+    before its cast to bf16 would hold 19 GB on the GPU for a moment instead of 9.5 GB."""
+    _cast(model, dtype)
+    model.to(device=device)
+
+
+def _buffers_to(model: torch.nn.Module, device: torch.device) -> None:
+    """Move ``model``'s buffers (not its parameters) to ``device``."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
 
 
 def _default_device(accelerator: Accelerator | None) -> torch.device:
@@ -240,12 +254,16 @@ def prepare_frozen(
     return _shard(model, placement, accelerator, ds_config, micro_batch_size, dtype, name)
 
 
-def _shard(model, placement, accelerator, ds_config, micro_batch_size, dtype, name) -> FrozenModel:
+def check_placement_supported(placement: str, name: str) -> None:
+    """Raise ``RuntimeError`` for a placement this host cannot give: ``shard``/``offload``
+    without DeepSpeed, ``offload`` on DeepSpeed's CPU accelerator (the weights already live in
+    host memory there)."""
+    if placement not in ("shard", "offload"):
+        return
     from .zero3 import is_deepspeed_available
 
     if not is_deepspeed_available():
         raise RuntimeError(f"placement {placement!r} for {name} needs DeepSpeed: pip install deepspeed")
-    import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     if placement == "offload" and get_accelerator().device_name() == "cpu":
@@ -254,8 +272,16 @@ def _shard(model, placement, accelerator, ds_config, micro_batch_size, dtype, na
             " but DeepSpeed runs on its CPU accelerator here: the weights already live in CPU memory."
             " Use 'shard' on this host."
         )
-    if not deepspeed.comm.is_initialized():
-        deepspeed.init_distributed()
+
+
+def _shard(model, placement, accelerator, ds_config, micro_batch_size, dtype, name) -> FrozenModel:
+    check_placement_supported(placement, name)
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    from .distributed import init_distributed_if_needed
+
+    init_distributed_if_needed()  # this rank's GPU first, then the process group
     base = base_config(ds_config, accelerator)
     resolved = resolve_dtype(dtype, base, accelerator)
     if resolved == torch.float16 and get_accelerator().device_name() == "cpu":
@@ -264,6 +290,15 @@ def _shard(model, placement, accelerator, ds_config, micro_batch_size, dtype, na
     cfg = frozen_engine_config(
         model, base, micro_batch_size=micro_batch_size or 1, dtype=resolved, offload=placement == "offload"
     )
+    if not any(is_zero3_param(p) for p in model.parameters()):
+        # A model loaded whole: cast it where it lies and partition it parameter by parameter
+        # (each goes to the device alone, then its partition to where the placement says).
+        # DeepSpeed's engine would move the whole module to the device first.
+        _cast(model, resolved)
+        deepspeed.zero.Init(module=model, config_dict_or_path=cfg, mem_efficient_linear=False)
+        # zero.Init builds a new model's buffers on the device; a converted one keeps them
+        # where they were, and DeepSpeed's engine does not move a partitioned model.
+        _buffers_to(model, torch.device(get_accelerator().current_device_name()))
     engine, *_ = deepspeed.initialize(model=model, config=cfg)
     _register_zero3_engine()
     engine.eval()

@@ -64,6 +64,7 @@ class FrozenInputs:
         and SDXL's ``time_ids`` (None for families without them)."""
         cached: dict[str, torch.Tensor] = {}
         if self.cache is not None:
+            # CPU: the flip picks rows of the cache, which is read on the CPU
             flip = torch.rand(len(batch["index"])) < 0.5 if self.random_flip else None
             cached = self.cache.get(batch["index"].cpu(), flip=flip)
         vae = self.models["vae"]
@@ -81,10 +82,10 @@ class FrozenInputs:
         if any(encoder is not None for encoder in live.values()):
             fault_point("frozen_forward")
             outputs.update(self.family.encode_texts(live, batch))
-        cond = {k: v.to(device, self.dtype) for k, v in self.family.conditioning(outputs).items()}
+        cond = conditioning_on(self.family, outputs, device, self.dtype)
         ids = None
         if self.family.uses_time_ids:
-            ids = time_ids(sizes, crops, self.resolution).to(device, self.dtype)
+            ids = time_ids(sizes.to(device), crops.to(device), self.resolution).to(self.dtype)
         return latents, cond, ids
 
     @contextlib.contextmanager
@@ -115,6 +116,19 @@ class FrozenInputs:
         finally:
             for frozen in reloaded:
                 frozen.release()
+
+
+def conditioning_on(
+    family: Family, outputs: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """``family.conditioning(outputs)`` on ``device`` in ``dtype``.
+
+    Cached outputs come from safetensors on the CPU while live encoders' outputs are on their
+    device (the GPU), and a family concatenates them (SDXL's two encoders, SD3's CLIPs and
+    T5): every output is moved to ``device`` before they meet.
+    """
+    moved = {k: v.to(device) for k, v in outputs.items()}
+    return {k: v.to(device, dtype) for k, v in family.conditioning(moved).items()}
 
 
 def cache_placement() -> str:

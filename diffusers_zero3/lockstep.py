@@ -97,14 +97,23 @@ def lockstep_check(module: torch.nn.Module, name: str | None = None) -> Iterator
 
 
 def _shared_dummy(items: Sequence[Any], counts: list[int]) -> Any:
-    """An item from the first rank that has one, for ranks with none (collective)."""
+    """An item from the first rank that has one, for ranks with none (collective).
+
+    A tensor travels through the CPU (a pickled CUDA tensor would land on the sender's GPU
+    index) with its device type, and lands on this rank's device of that type: a model held
+    on the CPU on a GPU host gets a CPU dummy, a CUDA one a tensor on the current GPU.
+    """
     first = next(r for r, c in enumerate(counts) if c > 0)
     item = items[0] if get_rank() == first else None
+    device_type = None
     if torch.is_tensor(item):
-        item = item.detach().cpu()  # a tensor in an autograd graph cannot be pickled
-    dummy = all_gather_object(item)[first]
-    if torch.is_tensor(dummy) and torch.cuda.is_available():
-        dummy = dummy.to(torch.device("cuda", torch.cuda.current_device()))
+        device_type = item.device.type
+        item = item.detach()  # a tensor in an autograd graph cannot be pickled
+        if device_type != "meta":  # a meta tensor has no data to copy, and pickles as it is
+            item = item.cpu()
+    dummy, device_type = all_gather_object((item, device_type))[first]
+    if torch.is_tensor(dummy):
+        dummy = dummy.to(torch.device(device_type))  # "cuda": the current GPU
     return dummy
 
 

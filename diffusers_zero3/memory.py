@@ -2,8 +2,9 @@
 
 ``MemoryLog`` records the resident set size (now, and the peak so far) at named phases of a
 run (after loading, after ``prepare``, after the first forward, backward and optimizer
-step, ...); ``model_state_bytes`` counts the bytes of parameters, gradients, optimizer
-state and EMA a rank holds in tensors, for a ZeRO-3 engine or a plain module alike. The
+step, ...), and on a CUDA host the GPU memory of torch's allocator too;
+``model_state_bytes`` counts the bytes of parameters, gradients, optimizer state and EMA a
+rank holds in tensors (on whichever device), for a ZeRO-3 engine or a plain module alike. The
 text-to-image trainer logs both; the benchmarks read them; the planner
 (``diffusers_zero3.plan``) predicts the second.
 """
@@ -60,19 +61,34 @@ def return_large_frees_to_os(threshold_bytes: int = MIB) -> bool:
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes)))
 
 
+def device_memory_bytes() -> tuple[int, int, int]:
+    """This rank's GPU memory in torch's CUDA allocator, in bytes: ``(allocated now, peak
+    allocated so far, peak reserved so far)`` on the current device; zeros without CUDA (and
+    before CUDA is first used: reading the numbers does not initialise it)."""
+    if not torch.cuda.is_available():
+        return 0, 0, 0
+    return torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+
+
 @dataclass
 class PhaseMemory:
     """RSS at the end of a phase and the peak RSS of the process up to then, in bytes, and
-    when the phase ended (``time.monotonic()``)."""
+    when the phase ended (``time.monotonic()``). On a CUDA host also the GPU bytes of torch's
+    allocator: allocated at the end of the phase, and the peaks so far of allocated and
+    reserved (the allocator's cache included) bytes; 0 without CUDA."""
 
     phase: str
     rss: int
     peak: int
     time: float = field(default_factory=time.monotonic)
+    device_allocated: int = 0
+    device_peak_allocated: int = 0
+    device_peak_reserved: int = 0
 
 
 class MemoryLog:
-    """Per-phase RSS of this rank: ``mark("after prepare")`` after each phase.
+    """Per-phase RSS (and GPU memory, on a CUDA host) of this rank: ``mark("after prepare")``
+    after each phase.
 
     Not a collective, except ``gathered`` (every rank calls it the same number of times).
     """
@@ -81,9 +97,13 @@ class MemoryLog:
         self.phases: list[PhaseMemory] = []
 
     def mark(self, phase: str) -> PhaseMemory:
-        """Record the RSS now and the peak so far under ``phase``; returns the record."""
+        """Record the RSS now and the peak so far under ``phase`` (and the GPU bytes, see
+        ``device_memory_bytes``); returns the record."""
         rss = current_rss_bytes()
         record = PhaseMemory(phase, rss, max(rss, peak_rss_bytes()))  # the kernel's peak can lag
+        record.device_allocated, record.device_peak_allocated, record.device_peak_reserved = (
+            device_memory_bytes()
+        )
         self.phases.append(record)
         return record
 
@@ -96,22 +116,37 @@ class MemoryLog:
         with the same phases marked; without a process group it returns the local ones."""
         from .distributed import max_over_ranks
 
-        flat = max_over_ranks([x for p in self.phases for x in (p.rss, p.peak, p.time)])
-        return [
-            PhaseMemory(p.phase, int(flat[3 * i]), int(flat[3 * i + 1]), flat[3 * i + 2])
-            for i, p in enumerate(self.phases)
-        ]
+        keys = ("rss", "peak", "time", "device_allocated", "device_peak_allocated", "device_peak_reserved")
+        flat = max_over_ranks([getattr(p, k) for p in self.phases for k in keys])  # the one collective
+        records = []
+        for i, p in enumerate(self.phases):
+            values = dict(zip(keys, flat[len(keys) * i : len(keys) * (i + 1)]))
+            records.append(
+                PhaseMemory(p.phase, **{k: v if k == "time" else int(v) for k, v in values.items()})
+            )
+        return records
 
     @staticmethod
     def format(records: list[PhaseMemory]) -> str:
         """One line per phase: RSS, peak so far, the peak's growth in that phase (MiB) and the
-        phase's seconds."""
+        phase's seconds. When GPU memory was recorded, each line ends with
+        ``device peak X MiB (reserved Y MiB)``: the peaks so far of allocated and reserved GPU
+        bytes; without it the lines are exactly the CPU ones."""
+        on_device = any(
+            p.device_allocated or p.device_peak_allocated or p.device_peak_reserved for p in records
+        )
         lines, last_peak, last_time = [], 0, records[0].time if records else 0.0
         for p in records:
-            lines.append(
+            line = (
                 f"  {p.phase:<22} RSS {p.rss / MIB:8.1f} MiB  peak {p.peak / MIB:8.1f} MiB "
                 f"(+{max(0, p.peak - last_peak) / MIB:6.1f})  {p.time - last_time:7.2f} s"
             )
+            if on_device:
+                line += (
+                    f"  device peak {p.device_peak_allocated / MIB:8.1f} MiB "
+                    f"(reserved {p.device_peak_reserved / MIB:8.1f} MiB)"
+                )
+            lines.append(line)
             last_peak, last_time = p.peak, p.time
         return "\n".join(lines)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -23,6 +24,7 @@ def generate_validation_images(
     resolution: int,
     num_inference_steps: int = 20,
     seed: int = 0,
+    dtype: torch.dtype | None = None,
     **pipeline_kwargs,
 ) -> list:
     """One image per prompt from a pipeline around the current weights. Collective: call on
@@ -34,6 +36,12 @@ def generate_validation_images(
     same number of times on every rank; all ranks get the same images, and one of them writes.
     ``pipeline_kwargs`` go to the pipeline call (a family's ``validation_kwargs``, e.g.
     Flux's ``max_sequence_length`` and ``guidance_scale``).
+
+    ``dtype`` is the training's weight dtype: bf16 or fp16 run the pipeline under
+    ``torch.autocast``, as diffusers' own training scripts validate. Without it the models'
+    dtypes meet in the pipeline and a convolution refuses the mix: SDXL's VAE stays fp32 while
+    the bf16 denoiser hands it bf16 latents, and without DeepSpeed accelerate's autocast
+    wrapper returns fp32 latents to a bf16 VAE.
     """
     denoiser = pipeline.unet if hasattr(pipeline, "unet") else pipeline.transformer
     was_training = denoiser.training
@@ -41,17 +49,19 @@ def generate_validation_images(
     pipeline.set_progress_bar_config(disable=True)
     device = next(denoiser.parameters()).device
     images = []
-    for i, prompt in enumerate(prompts):
-        generator = torch.Generator(device=device).manual_seed(seed + i)
-        out = pipeline(
-            prompt,
-            num_inference_steps=num_inference_steps,
-            generator=generator,
-            height=resolution,
-            width=resolution,
-            **pipeline_kwargs,
-        )
-        images.append(out.images[0])
+    lower = dtype in (torch.bfloat16, torch.float16)
+    with torch.autocast(device.type, dtype=dtype, enabled=lower) if lower else contextlib.nullcontext():
+        for i, prompt in enumerate(prompts):
+            generator = torch.Generator(device=device).manual_seed(seed + i)
+            out = pipeline(
+                prompt,
+                num_inference_steps=num_inference_steps,
+                generator=generator,
+                height=resolution,
+                width=resolution,
+                **pipeline_kwargs,
+            )
+            images.append(out.images[0])
     denoiser.train(was_training)
     return images
 

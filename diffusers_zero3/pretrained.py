@@ -80,7 +80,7 @@ def _numel(shape) -> int:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return torch.empty((), dtype=dtype).element_size()  # CPU: a dtype probe, never meets data
 
 
 def _read_flat_range(
@@ -107,6 +107,7 @@ def _read_flat_range(
                 raise CheckpointError(f"{path} is truncated")
     if direct:
         return out
+    # CPU: file bytes, as frombuffer's; copy_ below moves them to out's device
     values = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
     if out is not None:
         out.copy_(values)
@@ -193,6 +194,7 @@ def load_pretrained_zero3(
     variant: str | None = None,
     revision: str | None = None,
     cache_dir: str | None = None,
+    offload_param: bool | None = None,
 ):
     """Load a pretrained model straight into ZeRO-3 partitions; call on every rank.
 
@@ -209,6 +211,8 @@ def load_pretrained_zero3(
         subfolder: e.g. ``"unet"`` inside a pipeline folder.
         ds_config: the DeepSpeed config (default: the accelerator's active plugin's).
         torch_dtype: dtype of the partitions (default fp32, or the config's bf16/fp16).
+        offload_param: partitions in host memory (True) or accelerator memory (False),
+            whatever the config's ``offload_param`` says; None follows the config.
 
     Raises:
         CheckpointError: a missing folder or weights file, a missing tensor, or a shape that
@@ -218,7 +222,7 @@ def load_pretrained_zero3(
         >>> unet = load_pretrained_zero3(UNet2DConditionModel, "path/to/sd", "unet", accelerator=accelerator)
         >>> unet, optimizer = accelerator.prepare(unet, torch.optim.AdamW(unet.parameters()))
     """
-    cfg = zero_init_config(ds_config, accelerator)
+    cfg = zero_init_config(ds_config, accelerator, offload=offload_param)
     folder = resolve_model_folder(pretrained_model_name_or_path, subfolder, revision, cache_dir)
     if cfg.get("zero_optimization", {}).get("stage") != 3:
         with zero3_init_disabled():
@@ -228,8 +232,9 @@ def load_pretrained_zero3(
 
     files = weight_files(folder, variant)
     build = _build_model(model_cls, folder)
-    if not deepspeed.comm.is_initialized():
-        deepspeed.init_distributed()
+    from .distributed import init_distributed_if_needed
+
+    init_distributed_if_needed()  # this rank's GPU first, then the process group
     with deepspeed.zero.Init(config_dict_or_path=cfg, dtype=torch_dtype):
         model = build()
     _register_zero3_engine()

@@ -19,7 +19,7 @@ from .args import ArgumentError
 from .data import DataError
 from .distributed import exit_after_teardown, log_rank_zero
 from .ds_config import fill_auto_bucket_sizes, weight_dtype
-from .frozen import prepare_frozen
+from .frozen import check_placement_supported, prepare_frozen
 from .pretrained import CheckpointError, load_pretrained_zero3
 from .zero3 import is_zero3_enabled, zero3_init_disabled
 
@@ -125,11 +125,23 @@ def load_frozen_component(
     """Load ``source/name`` and place it (``"cache"`` loads a replica, to be cached and freed;
     ``frozen_inputs.place_frozen_models`` passes ``"shard"`` instead under ZeRO-3).
 
-    ``"shard"``/``"offload"`` models are read straight into partitions, never whole. ``dtype``
-    is the dtype it runs in (default: the accelerator's mixed precision). Call on every rank.
+    ``"shard"``/``"offload"`` models are read straight into partitions, never whole, in their
+    own dtype and into the memory their placement names (``offload``: host memory, ``shard``:
+    the accelerator's), whatever the training config's ``offload_param`` says. ``dtype`` is
+    the dtype it runs in (default: the accelerator's mixed precision). Call on every rank.
     """
+    dtype = dtype or weight_dtype(accelerator)
     if placement in ("shard", "offload"):
-        model = load_pretrained_zero3(model_cls, source, name, accelerator=accelerator, variant=variant)
+        check_placement_supported(placement, name)
+        model = load_pretrained_zero3(
+            model_cls,
+            source,
+            name,
+            accelerator=accelerator,
+            variant=variant,
+            torch_dtype=dtype,
+            offload_param=placement == "offload",
+        )
     else:
         with zero3_init_disabled():
             model = model_cls.from_pretrained(source, subfolder=name, variant=variant)
@@ -137,7 +149,7 @@ def load_frozen_component(
         model,
         "replicate" if placement == "cache" else placement,
         accelerator=accelerator,
-        dtype=dtype or weight_dtype(accelerator),
+        dtype=dtype,
         name=name,
     )
 

@@ -163,15 +163,18 @@ def save_training_checkpoint(
     return final
 
 
-def _files_needed(path: Path, rank: int, ema: bool) -> list[Path]:
-    need = [path / STATE_FILE, path / f"random_states_{rank}.pkl"]
+def _files_needed(path: Path, rank: int, ema: bool) -> list[tuple[Path, ...]]:
+    """The files this rank needs to resume from ``path``, each as the names it may have."""
+    need = [(path / STATE_FILE,), (path / f"random_states_{rank}.pkl",)]
     if ema:
-        need.append(path / f"ema_rank{rank}.pt")
+        need.append((path / f"ema_rank{rank}.pt",))
     model_dir = path / "pytorch_model"
     if model_dir.is_dir() or (path / "latest").exists():  # a DeepSpeed engine's checkpoint
+        optim = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
         need += [
-            model_dir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",
-            model_dir / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+            (model_dir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",),
+            # under bf16 DeepSpeed prefixes the optimizer states' name (_get_zero_ckpt_prefix)
+            (model_dir / optim, model_dir / f"bf16_{optim}"),
         ]
     return need
 
@@ -186,7 +189,11 @@ def check_resumable(path: str | os.PathLike, *, ema: bool = False) -> dict:
     """
     path = Path(path)
     rank, world = get_rank(), get_world_size()
-    missing = [str(p.relative_to(path)) for p in _files_needed(path, rank, ema) if not p.exists()]
+    missing = [
+        str(names[0].relative_to(path))
+        for names in _files_needed(path, rank, ema)
+        if not any(p.exists() for p in names)
+    ]
     state = None
     if not missing:
         try:

@@ -88,6 +88,9 @@ class ParallelReward:
             )
         self.model = reward_model_or_fn if isinstance(reward_model_or_fn, FrozenModel) else None
         self.fn = None if self.model is not None else reward_model_or_fn
+        # Where scores land when the images are not tensors (a list of PIL images): the
+        # accelerator's device, so that a following ``accelerator.gather`` (NCCL) takes them.
+        self.device = accelerator.device if accelerator is not None else torch.device("cpu")
         if mode == "main_process" and self.model is not None and self.model.is_sharded:
             raise ValueError(
                 f"mode='main_process' cannot score with the sharded reward model '{name}': its forward all-gathers"
@@ -103,6 +106,20 @@ class ParallelReward:
     def _inputs(self, images, prompts):
         return self.preprocess(images, prompts) if self.preprocess is not None else images
 
+    def _scores_device(self, images) -> torch.device:
+        """The device of the images when they are a tensor, else the accelerator's."""
+        return images.device if torch.is_tensor(images) else self.device
+
+    def _model_input(self, batch: torch.Tensor) -> torch.Tensor:
+        """``batch`` on the reward model's device, floating point cast to its dtype: the model
+        is cast to the training dtype (bf16), the decoded images are fp32, and a convolution
+        refuses the mix; rank 0 of ``main_process`` mode gets every rank's images on the CPU."""
+        param = next(iter(self.model.module.parameters()), None)
+        if param is None:
+            return batch
+        dtype = param.dtype if batch.is_floating_point() else batch.dtype
+        return batch.to(param.device, dtype)
+
     def _score_local(self, images, prompts, lockstep: bool = True) -> torch.Tensor:
         """Scores of this rank's samples.
 
@@ -111,20 +128,22 @@ class ParallelReward:
         micro-batch, with no collective at all.
         """
         inputs = self._inputs(images, prompts)
+        device = self._scores_device(images)
         if self.model is None:
-            return torch.as_tensor(self.fn(inputs, prompts), dtype=torch.float32).reshape(-1)
+            scores = torch.as_tensor(self.fn(inputs, prompts), dtype=torch.float32, device=device)
+            return scores.reshape(-1)
         chunks = list(torch.split(inputs, self.micro_batch_size)) if len(inputs) else []
 
         def score(batch: torch.Tensor) -> torch.Tensor:
-            return self.model(batch).reshape(-1).float()
+            return self.model(self._model_input(batch)).reshape(-1).float().to(device)
 
         if not lockstep:
             with torch.no_grad():
-                return torch.cat([score(c) for c in chunks]) if chunks else torch.zeros(0)
+                return torch.cat([score(c) for c in chunks]) if chunks else torch.zeros(0, device=device)
         if not self.differentiable:
             with torch.no_grad():
                 outs = lockstep_map(score, chunks, name=self.name)
-            return torch.cat(outs) if outs else torch.zeros(0, device=inputs.device)
+            return torch.cat(outs) if outs else torch.zeros(0, device=device)
 
         # Backward through a ZeRO-3 module gathers its parameters again, so every rank must
         # also make the same number of *backward* passes: every call (dummy ones included)
@@ -134,7 +153,7 @@ class ParallelReward:
 
         dummies: list[torch.Tensor] = []
         outs = lockstep_map(score_with_graph, chunks, name=self.name, dummy_results=dummies)
-        result = torch.cat(outs) if outs else torch.zeros(0, device=inputs.device)
+        result = torch.cat(outs) if outs else torch.zeros(0, device=device)
         for d in dummies:
             result = result + 0.0 * d.sum()
         if not outs and torch.is_tensor(images) and images.requires_grad:
@@ -168,13 +187,14 @@ class ParallelReward:
         else:
             mine = pieces[0]
         assert len(mine) == local_n
-        return mine.to(images.device if torch.is_tensor(images) else "cpu")
+        return mine.to(self._scores_device(images))
 
     # ------------------------------------------------------------------ normalisation
 
     @staticmethod
     def _global_moments(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         v = values.detach().double()
+        # CPU: three numbers, moved to the collective's device below and back for the result
         stats = torch.stack(
             [torch.tensor(float(v.numel()), dtype=torch.float64), v.sum().cpu(), (v * v).sum().cpu()]
         )
@@ -184,7 +204,7 @@ class ParallelReward:
         n, s, ss = stats.cpu().tolist()
         mean = s / max(n, 1.0)
         var = max(ss / max(n, 1.0) - mean * mean, 0.0)
-        return torch.tensor(mean), torch.tensor(var**0.5)
+        return torch.tensor(mean), torch.tensor(var**0.5)  # CPU: the caller moves them with .to(rewards)
 
     def _per_prompt(self, rewards: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         if prompts is None or len(prompts) != len(rewards):
@@ -196,7 +216,7 @@ class ParallelReward:
                 groups.setdefault(p, []).append(r)
         stats = {}
         for p, rs in groups.items():
-            t = torch.tensor(rs, dtype=torch.float64)
+            t = torch.tensor(rs, dtype=torch.float64)  # CPU: statistics of gathered Python floats
             stats[p] = (t.mean().item(), t.std(correction=0).item())
         mean = torch.tensor([stats[p][0] for p in prompts], dtype=rewards.dtype, device=rewards.device)
         std = torch.tensor([stats[p][1] for p in prompts], dtype=rewards.dtype, device=rewards.device)

@@ -275,7 +275,7 @@ class TextToImageTrainer:
             collate_fn=self.collate_fn,
             batch_size=args.train_batch_size,
             num_workers=args.dataloader_num_workers,
-            generator=torch.Generator().manual_seed(args.seed or 0),
+            generator=torch.Generator().manual_seed(args.seed or 0),  # CPU: the sampler shuffles there
         )
         if args.max_train_steps is None:
             steps = updates_per_epoch(
@@ -450,6 +450,15 @@ class TextToImageTrainer:
             + ", ".join(f"{k} {v / MIB:.1f} MiB" for k, v in states.items())
             + f" (total {sum(states.values()) / MIB:.1f} MiB)"
         )
+        # On a GPU the states live in device memory: what torch's allocator held right after
+        # the first optimizer step (marked just before the states above were counted) is the
+        # device-side number to compare the planner's with (it also holds frozen models on the GPU).
+        step = next((r for r in records if r.phase == "first optimizer step"), None)
+        if step is not None and step.device_allocated:
+            log_rank_zero(
+                f"device memory per rank after the first optimizer step: {step.device_allocated / MIB:.1f} MiB"
+                " allocated (model states above, plus frozen models and buffers on the device)"
+            )
         self.model_states = states
 
     def _checkpoint(self, epoch: int, done_in_epoch: int) -> None:
@@ -486,6 +495,7 @@ class TextToImageTrainer:
                 resolution=args.resolution,
                 num_inference_steps=args.num_validation_inference_steps,
                 seed=args.seed or 0,
+                dtype=self.frozen.dtype,
                 **self.family.validation_kwargs(args.max_sequence_length, args.guidance_scale),
             )
         if acc.is_main_process:

@@ -54,6 +54,7 @@ def timestep_bias_weights(
         )
     if multiplier <= 0:
         raise ValueError(f"the timestep bias multiplier must be positive, got {multiplier}")
+    # CPU: sample_timesteps draws from these weights here and moves the draws to the batch's device
     weights = torch.ones(num_timesteps)
     count = int(portion * num_timesteps)
     if strategy == "earlier":

@@ -103,6 +103,7 @@ def load_reward_model(args, accelerator) -> ParallelReward:
     frozen = load_frozen_component(accelerator, folder.parent, folder.name, args.reward_placement, cls)
     return ParallelReward(
         frozen,
+        accelerator=accelerator,
         micro_batch_size=args.reward_micro_batch_size,
         normalize=args.reward_normalize,
         differentiable=True,

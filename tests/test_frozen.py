@@ -27,6 +27,20 @@ def _full_bytes(module):
     return sum((p.ds_numel if hasattr(p, "ds_numel") else p.numel()) * 4 for p in module.parameters())
 
 
+def _record_moves(module: torch.nn.Module) -> list[bool]:
+    """Record, at each ``module.to(...)`` call, whether all its parameters were partitioned."""
+    from diffusers_zero3 import is_zero3_param
+
+    moves, original_to = [], module.to
+
+    def to(*args, **kwargs):
+        moves.append(all(is_zero3_param(p) for p in module.parameters()))
+        return original_to(*args, **kwargs)
+
+    module.to = to
+    return moves
+
+
 def worker_placements(pipe_dir: str, ref_path: str):
     from transformers import CLIPTextModel
 
@@ -42,7 +56,11 @@ def worker_placements(pipe_dir: str, ref_path: str):
     for placement in ("replicate", "shard"):
         te, vae = _load_whole(pipe_dir)
         full = _full_bytes(te) + _full_bytes(vae)
+        # A model loaded whole is partitioned before anything moves it: DeepSpeed's engine
+        # moved the whole module to the device first (all of a T5-XXL on every GPU at once).
+        moves = _record_moves(te)  # per .to() call: were all parameters partitioned?
         te = prepare_frozen(te, placement, accelerator=accelerator, name="text_encoder")
+        assert all(moves) if placement == "shard" else moves, (placement, moves)
         vae = prepare_frozen(vae, placement, accelerator=accelerator, name="vae")
         assert not any(p.requires_grad for p in te.parameters()) and not te.training
         held = te.local_parameter_bytes() + vae.local_parameter_bytes()

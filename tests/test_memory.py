@@ -65,3 +65,100 @@ def test_model_state_bytes_of_a_plain_module_and_optimizer():
     states = model_state_bytes(model, optimizer)
     n = 100 * 100 + 100
     assert states == {"parameters": 4 * n, "gradients": 4 * n, "optimizer": 8 * n, "ema": 0, "buffers": 0}
+
+
+def _fake_cuda(monkeypatch, allocated: int, peak: int, reserved: int) -> None:
+    """A stand-in for a CUDA host (none exists here): torch's allocator numbers, in bytes."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peak)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: reserved)
+
+
+def test_memory_log_records_device_memory_on_cuda(monkeypatch):
+    import re
+
+    from diffusers_zero3.memory import MIB, MemoryLog
+
+    log = MemoryLog()
+    _fake_cuda(monkeypatch, 100 * MIB, 300 * MIB, 512 * MIB)
+    first = log.mark("first optimizer step")
+    _fake_cuda(monkeypatch, 120 * MIB, 700 * MIB, 1024 * MIB)
+    log.mark("training done")
+    assert (first.device_allocated, first.device_peak_allocated, first.device_peak_reserved) == (
+        100 * MIB,
+        300 * MIB,
+        512 * MIB,
+    )
+    import diffusers_zero3.distributed as distributed
+
+    calls = []
+    real = distributed.max_over_ranks
+    monkeypatch.setattr(
+        distributed, "max_over_ranks", lambda values: calls.append(len(values)) or real(values)
+    )
+    records = log.gathered()  # no process group: the local numbers
+    assert calls == [2 * 6]  # one collective, every number of every phase in it, on every rank
+    assert [r.device_peak_allocated for r in records] == [300 * MIB, 700 * MIB]
+    assert [r.device_allocated for r in records] == [100 * MIB, 120 * MIB]
+    assert all(r.rss == p.rss and r.peak == p.peak for r, p in zip(records, log.phases))
+    text = MemoryLog.format(records)
+    lines = text.splitlines()
+    assert len(lines) == 2 and all("device peak" in line for line in lines), text
+    parsed = [re.search(r"device peak\s+([\d.]+) MiB \(reserved\s+([\d.]+) MiB\)$", line) for line in lines]
+    assert [(float(m[1]), float(m[2])) for m in parsed] == [(300.0, 512.0), (700.0, 1024.0)], text
+
+
+def test_memory_log_format_is_unchanged_on_cpu(monkeypatch):
+    import re
+
+    import torch
+
+    from diffusers_zero3.memory import MemoryLog
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    log = MemoryLog()
+    log.mark("start")
+    log.mark("done")
+    assert all(
+        p.device_allocated == p.device_peak_allocated == p.device_peak_reserved == 0 for p in log.phases
+    )
+    text = MemoryLog.format(log.gathered())
+    assert "device" not in text
+    # the line the benchmarks parse (benchmarks/bench_end_to_end.py, _PHASE)
+    phase = re.compile(r"^\s+(.+?)\s+RSS\s+([\d.]+) MiB\s+peak\s+([\d.]+) MiB \(\+\s*[\d.]+\)\s+([\d.]+) s$")
+    assert [phase.match(line)[1] for line in text.splitlines()] == ["start", "done"], text
+
+
+def test_trainer_logs_device_bytes_beside_the_model_states(monkeypatch, caplog):
+    import logging
+    import re
+    from types import SimpleNamespace
+
+    import torch
+
+    from diffusers_zero3.memory import MIB, MemoryLog
+    from diffusers_zero3.text_to_image import TextToImageTrainer
+
+    def log_of_a_run(cuda: bool) -> str:
+        if cuda:
+            _fake_cuda(monkeypatch, 40 * MIB, 90 * MIB, 128 * MIB)
+        else:
+            monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        trainer = SimpleNamespace(
+            memory=MemoryLog(), model_states={"parameters": 10 * MIB, "optimizer": 20 * MIB}
+        )
+        trainer.memory.mark("first optimizer step")
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="diffusers_zero3"):
+            TextToImageTrainer._log_memory(trainer)
+        return caplog.text
+
+    text = log_of_a_run(cuda=True)
+    assert "model states per rank: parameters 10.0 MiB, optimizer 20.0 MiB (total 30.0 MiB)" in text
+    assert "device memory per rank after the first optimizer step: 40.0 MiB allocated" in text
+    assert re.search(r"device peak\s+90\.0 MiB \(reserved\s+128\.0 MiB\)", text), text
+    text = log_of_a_run(cuda=False)  # control: a CPU run logs no device line
+    assert "model states per rank" in text and "device" not in text

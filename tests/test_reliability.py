@@ -86,6 +86,26 @@ def test_resume_with_another_world_size_names_both_numbers(tmp_path):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("prefix", ["", "bf16_"])
+def test_a_deepspeed_checkpoint_is_resumable_in_fp32_and_bf16(tmp_path, prefix):
+    """Under bf16 DeepSpeed names the optimizer states ``bf16_zero_pp_rank_*``: every bf16
+    run was refused at resume ("incomplete ... missing ..._optim_states.pt")."""
+    from diffusers_zero3.pretrained import CheckpointError
+    from diffusers_zero3.resume import check_resumable
+
+    path = _fake_checkpoint(tmp_path, 2)
+    model = path / "pytorch_model"
+    model.mkdir()
+    (model / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"")
+    with pytest.raises(
+        CheckpointError, match=r"missing pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states"
+    ):
+        check_resumable(path)  # the control: no optimizer states at all
+    (model / f"{prefix}zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    assert check_resumable(path)["global_step"] == 2
+
+
+@pytest.mark.unit
 def test_ema_shards_are_not_unpickled(tmp_path):
     """A pickle that runs code is refused (weights_only=True); plain tensors load."""
     from diffusers_zero3.pretrained import CheckpointError

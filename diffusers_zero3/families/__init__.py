@@ -123,6 +123,7 @@ class Family:
             tok = tokenizers[spec.name]
             length = self.sequence_length(spec, tok, max_sequence_length)
             if not captions:  # a rank with no samples still calls the encoders (lockstep)
+                # CPU: like the tokenizer's ids; encode_texts moves ids to each encoder's device
                 out[spec.input_key] = torch.zeros(0, length, dtype=torch.long)
                 continue
             out[spec.input_key] = tok(
@@ -199,10 +200,12 @@ def time_ids(
     original_size: torch.Tensor, crop_top_left: torch.Tensor, resolution: int | tuple[int, int]
 ) -> torch.Tensor:
     """SDXL's micro-conditioning, one row per image: original (h, w), crop top-left (y, x)
-    and target (h, w), as diffusers' SDXL training script and pipeline build it."""
+    and target (h, w), as diffusers' SDXL training script and pipeline build it; on the device
+    of ``original_size`` (a prepared data loader's batch is on the accelerator's device)."""
     target = (resolution, resolution) if isinstance(resolution, int) else tuple(resolution)
-    target_t = torch.tensor(target, dtype=torch.float32).expand(original_size.shape[0], 2)
-    return torch.cat([original_size.float(), crop_top_left.float(), target_t], dim=1)
+    target_t = torch.tensor(target, dtype=torch.float32, device=original_size.device)
+    target_t = target_t.expand(original_size.shape[0], 2)
+    return torch.cat([original_size.float(), crop_top_left.to(original_size.device).float(), target_t], dim=1)
 
 
 class StableDiffusion(Family):
@@ -344,10 +347,10 @@ def unpack_latents(packed: torch.Tensor, height: int, width: int) -> torch.Tenso
 
 def latent_image_ids(height: int, width: int, device=None, dtype=None) -> torch.Tensor:
     """Flux's rotary position ids of the packed latents, (H/2 * W/2, 3): (0, row, column)."""
-    ids = torch.zeros(height // 2, width // 2, 3)
-    ids[..., 1] = torch.arange(height // 2)[:, None]
-    ids[..., 2] = torch.arange(width // 2)[None, :]
-    return ids.reshape(-1, 3).to(device=device, dtype=dtype)
+    ids = torch.zeros(height // 2, width // 2, 3, device=device)
+    ids[..., 1] = torch.arange(height // 2, device=device)[:, None]
+    ids[..., 2] = torch.arange(width // 2, device=device)[None, :]
+    return ids.reshape(-1, 3).to(dtype=dtype)
 
 
 class Flux(Family):
