@@ -4,7 +4,7 @@ PYTHON ?= python3
 # constraints.txt pins the versions the suite was run with (torch is not pinned there).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test test-unit train train-reward train-dpo bench style quality clean
+.PHONY: install test test-unit test-gpu train train-reward train-dpo smoke-gpu bench style quality clean
 
 install:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH_SPEC)"
@@ -17,7 +17,14 @@ test:
 test-unit:
 	$(PYTHON) -m pytest tests -q -m unit
 
-# make train MODEL=sdxl|flux|sd3 trains the SDXL, Flux.1 or SD3-architecture default instead
+# GPU hosts: the gpu tier alone (bf16 ZeRO-3 end to end on every GPU, NCCL); skipped without CUDA.
+# `make test` runs it too; the other tiers keep their ranks on the CPU there.
+test-gpu:
+	$(PYTHON) -m pytest tests -q -m gpu
+
+# make train MODEL=sdxl|flux|sd3 trains the SDXL, Flux.1 or SD3-architecture default instead.
+# The default runs take one process per GPU on a CUDA host, else 2 CPU ranks (diffusers_zero3/launch.py);
+# NUM_PROCESSES=N overrides.
 MODEL ?= sd
 train:
 	PYTHON=$(PYTHON) MODEL=$(MODEL) bash scripts/train_default.sh
@@ -27,6 +34,12 @@ train-reward:
 
 train-dpo:
 	PYTHON=$(PYTHON) bash scripts/train_dpo_default.sh
+
+# GPU hosts: each training script for a few steps on every GPU (families, placements, bf16, reward,
+# DPO, offload), each under a timeout; a table to outputs/smoke-gpu/table.md. SMOKE_CASES=a,b runs a
+# subset (python scripts/smoke_gpu.py --list). Exits 2 on a host without CUDA.
+smoke-gpu:
+	@$(PYTHON) scripts/smoke_gpu.py
 
 bench:
 	$(PYTHON) -m benchmarks.run

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make train`: the embedded default. A tiny pipeline and a captioned shapes dataset are
 # generated locally (once), then the UNet is fine-tuned under DeepSpeed ZeRO-3 on 2 CPU
-# processes (gloo) with EMA, sharded frozen models, checkpoints and validation images.
+# processes (gloo; one process per GPU on a CUDA host) with EMA, sharded frozen models,
+# checkpoints and validation images.
 # No network is used.
 #   MODEL=sd   (default) Stable Diffusion architecture, text encoder sharded.
 #   MODEL=sdxl SDXL architecture (two text encoders, text_encoder_2 sharded, the VAE cached),
@@ -15,7 +16,10 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-outputs/default}
 MODEL=${MODEL:-sd}
-export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
+# NUM_PROCESSES: one per GPU on a CUDA host, else 2 CPU ranks with DS_ACCELERATOR=cpu
+# (diffusers_zero3/launch.py; NUM_PROCESSES=N overrides).
+SETTINGS=$($PYTHON -m diffusers_zero3.launch)
+eval "$SETTINGS"
 $PYTHON -m diffusers_zero3.demo "$OUT" --model "$MODEL"
 case "$MODEL" in
   sd) PIPE="$OUT/tiny-sd"; DATA="$OUT/shapes"; RUN="$OUT/run"
@@ -30,7 +34,7 @@ case "$MODEL" in
                   --text_encoder_3_placement cache --vae_placement cache --max_sequence_length 32) ;;
   *) echo "error: MODEL must be sd, sdxl, flux or sd3, got '$MODEL'" >&2; exit 2 ;;
 esac
-$PYTHON -m accelerate.commands.launch --config_file configs/accelerate_zero3.yaml --num_processes 2 \
+$PYTHON -m accelerate.commands.launch --config_file configs/accelerate_zero3.yaml --num_processes "$NUM_PROCESSES" \
   scripts/train_text_to_image.py \
   --pretrained_model_name_or_path "$PIPE" \
   --train_data_dir "$DATA" \

@@ -3,16 +3,20 @@
 # preference dataset (each caption paired with a matching image and one of the wrong colour;
 # a few ties, which are dropped) are written locally (once). The tiny pipeline's weights are
 # random, so it is first fine-tuned on the shapes for 150 steps (text-to-image, once: DPO
-# needs a model that denoises), then trained with DPO on 2 CPU processes under ZeRO-3 (LoRA
-# rank 8; the reference is the fine-tuned base with the adapters disabled). Implicit
-# accuracy is logged per step; its curve is drawn to RUN/implicit_accuracy.png.
+# needs a model that denoises), then trained with DPO on 2 CPU processes (one per GPU on a
+# CUDA host) under ZeRO-3 (LoRA rank 8; the reference is the fine-tuned base with the
+# adapters disabled). Implicit accuracy is logged per step; its curve is drawn to
+# RUN/implicit_accuracy.png.
 # `--rank 0 --reference_placement shard` trains the whole UNet beside a sharded reference.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-outputs/default}
-export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
-LAUNCH=($PYTHON -m accelerate.commands.launch --config_file configs/accelerate_zero3.yaml --num_processes 2)
+# NUM_PROCESSES: one per GPU on a CUDA host, else 2 CPU ranks with DS_ACCELERATOR=cpu
+# (diffusers_zero3/launch.py; NUM_PROCESSES=N overrides).
+SETTINGS=$($PYTHON -m diffusers_zero3.launch)
+eval "$SETTINGS"
+LAUNCH=($PYTHON -m accelerate.commands.launch --config_file configs/accelerate_zero3.yaml --num_processes "$NUM_PROCESSES")
 $PYTHON -m diffusers_zero3.demo "$OUT" --model sd --preferences
 if [ ! -f "$OUT/run-sft/model_index.json" ]; then
   "${LAUNCH[@]}" scripts/train_text_to_image.py --pretrained_model_name_or_path "$OUT/tiny-sd" \

@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # `make train-reward`: reward fine-tuning on the embedded default. The tiny pipeline and a
 # reward model that scores how red an image is are generated locally (once); the UNet is
-# trained under DeepSpeed ZeRO-3 on 2 CPU processes with the reward model sharded as a
-# ZeRO-3 inference engine. The mean reward per step is printed and plotted to rewards.png.
+# trained under DeepSpeed ZeRO-3 on 2 CPU processes (one per GPU on a CUDA host) with the
+# reward model sharded as a ZeRO-3 inference engine. The mean reward per step is printed and
+# plotted to rewards.png.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-outputs/default}
-export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
+# NUM_PROCESSES: one per GPU on a CUDA host, else 2 CPU ranks with DS_ACCELERATOR=cpu
+# (diffusers_zero3/launch.py; NUM_PROCESSES=N overrides).
+SETTINGS=$($PYTHON -m diffusers_zero3.launch)
+eval "$SETTINGS"
 $PYTHON -m diffusers_zero3.demo "$OUT"
-$PYTHON -m accelerate.commands.launch --config_file configs/accelerate_zero3.yaml --num_processes 2 \
+$PYTHON -m accelerate.commands.launch --config_file configs/accelerate_zero3.yaml --num_processes "$NUM_PROCESSES" \
   scripts/train_reward.py \
   --pretrained_model_name_or_path "$OUT/tiny-sd" \
   --reward_model_name_or_path "$OUT/redness-reward" \

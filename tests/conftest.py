@@ -2,7 +2,8 @@
 
 Tiers (pytest markers): ``unit`` (single process, seconds: ``pytest -m unit`` is the fast
 tier), ``multirank`` (2 real ranks through the harness), ``e2e`` (a training script end to
-end under ``accelerate launch``). Unmarked tests get their module's tier below.
+end under ``accelerate launch``), ``gpu`` (CUDA ranks, NCCL; skipped without CUDA:
+``pytest -m gpu``). Unmarked tests get their module's tier below.
 """
 
 import pytest
@@ -16,8 +17,9 @@ MODULE_TIERS = {
     "test_examples": "e2e",
     "test_faults_and_machines": "e2e",
     "test_bad_input": "unit",
+    "test_gpu": "gpu",
 }
-TIERS = ("unit", "multirank", "e2e")
+TIERS = ("unit", "multirank", "e2e", "gpu")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -25,6 +25,9 @@ def _test_env(extra: dict[str, str] | None) -> dict[str, str]:
         # A hung collective fails on its own too, well before the harness timeout.
         "DIFFUSERS_ZERO3_PG_TIMEOUT": os.environ.get("DIFFUSERS_ZERO3_PG_TIMEOUT", "120"),
         "DS_ACCELERATOR": "cpu",
+        # CPU ranks on a GPU host too: accelerate would pick NCCL beside DeepSpeed's CPU
+        # accelerator. The gpu tests pass their own CUDA_VISIBLE_DEVICES and DS_ACCELERATOR.
+        "CUDA_VISIBLE_DEVICES": "",
     }
     env.update(extra or {})
     return env
