@@ -28,6 +28,7 @@ from .zero3 import (
     gathered_parameters,
     is_zero3_enabled,
     is_zero3_param,
+    set_moe_leaf_modules,
     share_fp32_master_weights,
     zero3_init_disabled,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "log_rank_zero",
     "zero3_init_disabled",
     "share_fp32_master_weights",
+    "set_moe_leaf_modules",
     "MemoryLog",
     "model_state_bytes",
     "return_large_frees_to_os",

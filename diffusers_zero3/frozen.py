@@ -21,7 +21,7 @@ import torch
 
 from .ds_config import base_config, frozen_engine_config, resolve_dtype
 from .lockstep import lockstep_check
-from .zero3 import _register_zero3_engine, is_zero3_param
+from .zero3 import _register_zero3_engine, is_zero3_param, set_moe_leaf_modules
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -290,6 +290,7 @@ def _shard(model, placement, accelerator, ds_config, micro_batch_size, dtype, na
     cfg = frozen_engine_config(
         model, base, micro_batch_size=micro_batch_size or 1, dtype=resolved, offload=placement == "offload"
     )
+    set_moe_leaf_modules(model)  # experts gathered together: eval-mode MoE routes by data
     if not any(is_zero3_param(p) for p in model.parameters()):
         # A model loaded whole: cast it where it lies and partition it parameter by parameter
         # (each goes to the device alone, then its partition to where the placement says).

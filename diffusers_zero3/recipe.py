@@ -21,7 +21,7 @@ from .distributed import exit_after_teardown, log_rank_zero
 from .ds_config import fill_auto_bucket_sizes, weight_dtype
 from .frozen import check_placement_supported, prepare_frozen
 from .pretrained import CheckpointError, load_pretrained_zero3
-from .zero3 import is_zero3_enabled, zero3_init_disabled
+from .zero3 import is_zero3_enabled, set_moe_leaf_modules, zero3_init_disabled
 
 GRAD_ACC_ENV = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
 USER_ERRORS = (ArgumentError, DataError, CheckpointError)
@@ -103,6 +103,7 @@ def load_trainable_denoiser(accelerator, source: str | Path, family=None, varian
     cls = family.denoiser_cls()
     if is_zero3_enabled():
         model = load_pretrained_zero3(cls, source, family.denoiser, accelerator=accelerator, variant=variant)
+        set_moe_leaf_modules(model)  # validation runs it in eval mode, where MoE routes by data
         plugin = accelerator.state.deepspeed_plugin
         if plugin is not None:
             fill_auto_bucket_sizes(plugin.deepspeed_config, model)

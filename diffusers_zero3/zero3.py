@@ -240,3 +240,38 @@ def share_fp32_master_weights(optimizer: Any) -> int:
         freed += master.numel() * master.element_size()
         master.data = low.data
     return freed
+
+
+def mixture_of_experts_blocks(model: torch.nn.Module) -> list[type]:
+    """The classes of ``model``'s mixture-of-experts blocks: modules that hold their experts in
+    a ``ModuleList`` named ``experts`` (HiDream's ``MOEFeedForwardSwiGLU``, Mixtral's and
+    Qwen-MoE's sparse blocks, ...)."""
+    found: list[type] = []
+    for module in model.modules():
+        if isinstance(getattr(module, "experts", None), torch.nn.ModuleList) and type(module) not in found:
+            found.append(type(module))
+    return found
+
+
+def set_moe_leaf_modules(model: torch.nn.Module) -> list[str]:
+    """Make every mixture-of-experts block of ``model`` a ZeRO-3 leaf module (gathered whole at
+    its forward); returns the class names. Call before the model's engine is built.
+
+    ZeRO-3 gathers a module's parameters when the module is called, in lockstep across ranks.
+    An MoE block in eval mode calls only the experts that receive tokens (HiDream's
+    ``moe_infer``), so two ranks with different data gather different experts; as the experts
+    have equal shapes, the all-gathers pair up across experts and the outputs are silently
+    wrong (no error, no hang). A leaf block gathers all its experts at once on every rank.
+    DeepSpeed's own defaults (``zero_optimization.leaf_module``) list only Mixtral's and
+    Qwen-MoE's blocks. Not a collective.
+
+    Example:
+        >>> set_moe_leaf_modules(transformer)            # a HiDream transformer
+        ['MOEFeedForwardSwiGLU']
+    """
+    classes = mixture_of_experts_blocks(model)
+    if classes:
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, classes)
+    return [c.__name__ for c in classes]
