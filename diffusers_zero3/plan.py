@@ -65,6 +65,8 @@ class Component:
     class_name: str
     config: dict
     trainable: bool = False
+    # a text encoder's tokenizer_config.json model_max_length, where the pipeline has one
+    tokenizer_max_length: int | None = None
     _module: torch.nn.Module | None = field(default=None, repr=False)
     # elements of its cached outputs per image, by (resolution, sequence length): replanning
     # at other process counts (what_would_fit) reuses them instead of running the model again
@@ -110,6 +112,7 @@ def pipeline_components(pipeline: str | os.PathLike) -> tuple[str, dict[str, Com
     from .families import FAMILIES
 
     key = str(pipeline)
+    folder = None
     if key in KNOWN_PIPELINES and not Path(key).is_dir():
         known = KNOWN_PIPELINES[key]
         class_name = known["_class_name"]
@@ -136,7 +139,30 @@ def pipeline_components(pipeline: str | os.PathLike) -> tuple[str, dict[str, Com
         if name != family.denoiser and name not in family.frozen_components:
             del components[name]  # e.g. a safety checker: not part of training
     components[family.denoiser].trainable = True
+    for spec in family.text_encoders if folder is not None else ():
+        tokenizer_config = folder / spec.tokenizer / "tokenizer_config.json"
+        if spec.name in components and tokenizer_config.is_file():
+            length = _read_json(tokenizer_config).get("model_max_length")
+            if isinstance(length, (int, float)) and length > 0:  # the training tokenizer's length
+                components[spec.name].tokenizer_max_length = int(length)
     return class_name, components
+
+
+def text_sequence_length(comp: Component, spec, family, max_sequence_length: int | None = None) -> int:
+    """Tokens per caption the training script feeds a text encoder (``Family.sequence_length``):
+    ``--max_sequence_length`` or the family's default for T5; otherwise the tokenizer's
+    ``model_max_length`` (its ``tokenizer_config.json``), or, for a config without tokenizer
+    files (carried, published), the encoder's ``max_position_embeddings`` up to 77 (CLIP's),
+    never more than the encoder's ``max_position_embeddings``."""
+    from types import SimpleNamespace
+
+    positions = None
+    if not spec.uses_max_sequence_length:
+        positions = getattr(comp.meta_module().config, "max_position_embeddings", None)
+    length = comp.tokenizer_max_length or min(positions or 77, 77)
+    if positions:
+        length = min(length, positions)
+    return family.sequence_length(spec, SimpleNamespace(model_max_length=length), max_sequence_length)
 
 
 def _config_folder(pipeline: str) -> Path:
@@ -337,9 +363,9 @@ def _plan(components: dict[str, Component], family, options: PlanOptions) -> dic
             )
         else:
             spec = next((e for e in family.text_encoders if e.name == name), None)
-            seq = 77
-            if spec is not None and spec.uses_max_sequence_length:
-                seq = options.max_sequence_length or family.default_max_sequence_length
+            seq = 0  # the VAE takes no tokens
+            if spec is not None:
+                seq = text_sequence_length(comp, spec, family, options.max_sequence_length)
             placements = frozen_placements(comp, family, n, options.mixed_precision, options.resolution, seq)
         out["components"][name] = {
             "class": comp.class_name,

@@ -225,3 +225,81 @@ def test_engine_model_states_match_the_plan_and_sharing_fp32_weights_changes_not
 
     outputs = run_on_ranks(worker_engine_states_match_the_plan, pipe_dir=str(tiny_pipeline))
     assert all("CALIBRATED" in out for out in outputs)
+
+
+def _sd_with_short_clip(folder, positions: int):
+    """The tiny SD pipeline, with a CLIP text encoder of ``positions`` position embeddings and
+    its tokenizer's ``model_max_length`` set to match (a pipeline the training script runs)."""
+    import shutil
+
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    from diffusers_zero3.demo import save_tiny_pipeline, tiny_component_configs
+
+    save_tiny_pipeline(folder)
+    cfg = dict(tiny_component_configs()["text_encoder"], max_position_embeddings=positions)
+    torch.manual_seed(0)
+    shutil.rmtree(folder / "text_encoder")
+    CLIPTextModel(CLIPTextConfig(**cfg)).save_pretrained(folder / "text_encoder")
+    tokenizer = CLIPTokenizer.from_pretrained(folder / "tokenizer", model_max_length=positions)
+    tokenizer.save_pretrained(folder / "tokenizer")
+    return folder
+
+
+def test_text_encoder_sequence_length_comes_from_the_tokenizer_as_in_training(tmp_path):
+    """Issue 22: a CLIP of 32 positions (tokenizer ``model_max_length`` 32) planned at 77 tokens
+    failed with "Sequence length must be less than max_position_embeddings"; the planner sizes
+    the cache with the tokens the training script feeds the encoder (``Family.sequence_length``)."""
+    from transformers import CLIPTextModel
+
+    from diffusers_zero3.families import SD
+
+    folder = _sd_with_short_clip(tmp_path / "short-clip", 32)
+    tokenizers = SD.load_tokenizers(folder)
+    spec = SD.text_encoders[0]
+    length = SD.sequence_length(spec, tokenizers["text_encoder"])
+    assert length == 32
+    plan = make_plan(str(folder), PlanOptions(num_processes=2))
+    cached = plan["components"]["text_encoder"]["placements"]["cache"]["cache_bytes_per_image"]
+    encoder = CLIPTextModel.from_pretrained(folder, subfolder="text_encoder")
+    assert cached == encoder.config.hidden_size * 32 * 4  # hidden size x 32 tokens x fp32
+    # what training stores per caption: the encoder's outputs for one tokenized caption
+    ids = SD.tokenize(tokenizers, ["a red square"])
+    with torch.no_grad():
+        stored = SD.encode_text("text_encoder", encoder, ids[spec.input_key])
+    assert cached == sum(t.numel() * t.element_size() for t in stored.values())
+    assert main([str(folder), "--num_processes", "2", "--mixed_precision", "bf16", "--json"]) == 0
+    import shutil
+
+    shutil.rmtree(folder / "tokenizer")  # configs only: the encoder's 32 positions
+    plan = make_plan(str(folder), PlanOptions(num_processes=2))
+    assert plan["components"]["text_encoder"]["placements"]["cache"]["cache_bytes_per_image"] == cached
+
+
+def test_sequence_length_rules_without_tokenizer_files():
+    """Configs without tokenizer files (carried, or a folder of configs only): a CLIP's
+    ``max_position_embeddings`` up to 77; a tokenizer length never past the positions; T5
+    takes ``--max_sequence_length`` or the family's default."""
+    from diffusers_zero3.demo import tiny_component_configs
+    from diffusers_zero3.families import FLUX, SD
+    from diffusers_zero3.plan import Component, text_sequence_length
+
+    clip = tiny_component_configs()["text_encoder"]
+
+    def length(positions, tokenizer_max_length=None, family=SD, index=0, config=None, max_len=None):
+        config = config or dict(clip, max_position_embeddings=positions)
+        spec = family.text_encoders[index]
+        comp = Component(spec.name, "transformers", spec.model_class, config, False, tokenizer_max_length)
+        return text_sequence_length(comp, spec, family, max_len)
+
+    assert length(32) == 32 and length(77) == 77 and length(128) == 77
+    assert length(77, tokenizer_max_length=16) == 16
+    assert length(32, tokenizer_max_length=10**30) == 32  # transformers' "no limit" sentinel
+    t5 = dict(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, is_encoder_decoder=False)
+    assert length(None, family=FLUX, index=1, config=t5) == FLUX.default_max_sequence_length == 512
+    assert length(None, family=FLUX, index=1, config=t5, max_len=100) == 100
+    assert length(None, 16, family=FLUX, index=1, config=t5, max_len=100) == 100
+    # the carried SD 1.5 config: CLIP-L's 77 tokens x 768, bf16
+    plan = make_plan(SD15, PlanOptions(num_processes=8, mixed_precision="bf16"))
+    cache = plan["components"]["text_encoder"]["placements"]["cache"]["cache_bytes_per_image"]
+    assert cache == 768 * 77 * 2
