@@ -209,7 +209,7 @@ class RewardTrainer:
     def train(self) -> None:
         args, acc = self.args, self.accelerator
         while self.global_step < args.max_train_steps:
-            pick = torch.randint(0, len(args.prompts), (args.train_batch_size,))
+            pick = torch.randint(0, len(args.prompts), (args.train_batch_size,))  # CPU: indexes a list
             prompts = [args.prompts[i] for i in pick]
             images = self._sample_images(prompts)
             rewards = self.reward(images, prompts)
