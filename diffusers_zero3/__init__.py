@@ -23,6 +23,7 @@ from .frozen import (
 from .lockstep import LockstepError, lockstep_check, lockstep_map
 from .memory import MemoryLog, model_state_bytes, return_large_frees_to_os
 from .pretrained import CheckpointError, load_pretrained_zero3, publish_folder, save_pretrained_zero3
+from .resume import load_training_checkpoint, resume_training, save_training_checkpoint
 from .rewards import ParallelReward
 from .zero3 import (
     gathered_parameters,
@@ -42,6 +43,9 @@ __all__ = [
     "load_pretrained_zero3",
     "publish_folder",
     "save_pretrained_zero3",
+    "load_training_checkpoint",
+    "resume_training",
+    "save_training_checkpoint",
     "CachedOutputs",
     "precompute_frozen_outputs",
     "PLACEMENTS",

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from .distributed import comm_device, get_world_size
+from .distributed import comm_device, get_rank, get_world_size
 from .zero3 import is_zero3_param
 
 
@@ -204,6 +204,33 @@ class ShardedEMA:
             shadow.copy_(saved)
         self.optimization_step = int(state["optimization_step"])
         self.decay, self.min_decay = state["decay"], state["min_decay"]
+
+    def load_resharded(self, states: list[dict]) -> None:
+        """Load the ``state_dict`` of every rank of a run with another number of processes
+        (``states[r]`` from its rank ``r``): each average is put back together from the saved
+        partitions and this rank's partition of it cut out, as ZeRO-3 partitions it here
+        (``ceil(numel / world)`` elements per rank, the last one padded). Not a collective."""
+        names = [n for n, _ in self._named]
+        if any(state["names"] != names for state in states):
+            raise ValueError("EMA state was saved for a different set of trainable parameters")
+        rank, world = get_rank(), get_world_size()
+        for i, (_, p) in enumerate(self._named):
+            full = torch.cat([state["shadow"][i].reshape(-1) for state in states])
+            if not is_zero3_param(p):  # a plain module's average is whole on every rank
+                self.shadow[i].copy_(states[0]["shadow"][i])
+                continue
+            numel = p.ds_numel
+            size = -(-numel // world)
+            mine = torch.zeros(size, dtype=full.dtype)  # CPU: copied into the shadow's device below
+            piece = full[:numel][rank * size : (rank + 1) * size]
+            mine[: piece.numel()] = piece
+            if self.shadow[i].numel() != size:
+                raise ValueError(
+                    f"EMA partition of {names[i]} holds {self.shadow[i].numel()} elements, not {size}"
+                )
+            self.shadow[i].copy_(mine.view_as(self.shadow[i]))
+        self.optimization_step = int(states[0]["optimization_step"])
+        self.decay, self.min_decay = states[0]["decay"], states[0]["min_decay"]
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
         """Write the averaged model as a diffusers model folder. Collective: every rank.

@@ -13,9 +13,13 @@ A training run writes ``OUTPUT_DIR/checkpoint-<step>`` folders. The rules, in on
   delete), so ``latest`` never resolves to them and rotation never counts them.
 * **One answer for every rank.** ``latest`` is resolved on global rank 0 and broadcast, so no
   two ranks can load different steps.
-* **Same world size.** A checkpoint records how many processes wrote it. DeepSpeed's ZeRO-3
-  optimizer partitions are per rank, so resuming with a different number of processes is an
-  error that names both numbers (consolidate with ``zero_to_fp32.py`` to change it).
+* **Any world size.** A checkpoint records how many processes wrote it. Resumed with another
+  number, global rank 0 converts each DeepSpeed engine's checkpoint once into DeepSpeed's
+  universal form (``ds_to_universal``: one folder per parameter with its fp32 master weights
+  and Adam moments) inside the checkpoint (``universal/``), and every rank loads its new
+  partitions from it; the EMA partitions are re-cut from every rank's file, the learning-rate
+  schedule is moved to the new process count, and each rank takes the RNG state of rank
+  ``rank % saved processes``. The original files are never changed.
 * **Shared filesystem.** Every rank checks that it sees the files it needs (its own
   partitions, RNG state, EMA shard, and rank 0's files); a checkpoint on node-local disks
   fails with one clear error on every rank instead of a hang or a half-loaded state.
@@ -26,6 +30,7 @@ checkpoints you trust. The EMA shards are read with ``torch.load(weights_only=Tr
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -39,6 +44,7 @@ from .folders import CheckpointError, collective_publish, fsync_dir, replace_fol
 CHECKPOINT_PREFIX = "checkpoint-"
 ABANDONED_PREFIX = "abandoned-"
 STATE_FILE = "training_state.json"
+UNIVERSAL_DIR = "universal"
 
 
 def checkpoint_step(path: str | os.PathLike) -> int | None:
@@ -163,19 +169,23 @@ def save_training_checkpoint(
     return final
 
 
-def _files_needed(path: Path, rank: int, ema: bool) -> list[tuple[Path, ...]]:
-    """The files this rank needs to resume from ``path``, each as the names it may have."""
-    need = [(path / STATE_FILE,), (path / f"random_states_{rank}.pkl",)]
-    if ema:
-        need.append((path / f"ema_rank{rank}.pt",))
+def _files_needed(path: Path, ranks: list[int], ema: bool) -> list[tuple[Path, ...]]:
+    """The files of the saved ``ranks`` this rank needs to resume from ``path`` (its own when
+    the world size is unchanged, every saved rank's otherwise), each as the names it may have."""
+    need = [(path / STATE_FILE,)]
     model_dir = path / "pytorch_model"
-    if model_dir.is_dir() or (path / "latest").exists():  # a DeepSpeed engine's checkpoint
-        optim = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-        need += [
-            (model_dir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",),
-            # under bf16 DeepSpeed prefixes the optimizer states' name (_get_zero_ckpt_prefix)
-            (model_dir / optim, model_dir / f"bf16_{optim}"),
-        ]
+    engine = model_dir.is_dir() or (path / "latest").exists()  # a DeepSpeed engine's checkpoint
+    for rank in ranks:
+        need.append((path / f"random_states_{rank}.pkl",))
+        if ema:
+            need.append((path / f"ema_rank{rank}.pt",))
+        if engine:
+            optim = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+            need += [
+                (model_dir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",),
+                # under bf16 DeepSpeed prefixes the optimizer states' name (_get_zero_ckpt_prefix)
+                (model_dir / optim, model_dir / f"bf16_{optim}"),
+            ]
     return need
 
 
@@ -183,23 +193,28 @@ def check_resumable(path: str | os.PathLike, *, ema: bool = False) -> dict:
     """Check on every rank that ``path`` can be resumed here; return its training state.
 
     Collective: call on every rank. Raises ``CheckpointError`` on every rank when a rank
-    does not see the files it needs (node-local disks: checkpoints need a filesystem that
-    every machine shares), when the checkpoint was written by a different number of
-    processes, or when ``ema`` is asked for and it has no EMA state.
+    does not see the files it needs (its own, or every saved rank's when the number of
+    processes changed; node-local disks: checkpoints need a filesystem that every machine
+    shares), or when ``ema`` is asked for and it has no EMA state. The state's
+    ``world_size`` is the number of processes that wrote it.
     """
     path = Path(path)
     rank, world = get_rank(), get_world_size()
-    missing = [
-        str(names[0].relative_to(path))
-        for names in _files_needed(path, rank, ema)
-        if not any(p.exists() for p in names)
-    ]
-    state = None
-    if not missing:
-        try:
-            state = json.loads((path / STATE_FILE).read_text())
-        except (OSError, ValueError) as e:
-            missing = [f"{STATE_FILE} ({type(e).__name__})"]
+    state, missing = None, []
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError) as e:
+        missing = [f"{STATE_FILE} ({type(e).__name__})"]
+    if state is not None:
+        if state.get("world_size") is None:  # written before the world size was recorded
+            state["world_size"] = len(list(path.glob("random_states_*.pkl")))
+        saved = int(state["world_size"])
+        ranks = [rank] if saved == world else list(range(saved))
+        missing = [
+            str(names[0].relative_to(path))
+            for names in _files_needed(path, ranks, ema)
+            if not any(p.exists() for p in names)
+        ]
     reports = all_gather_object((missing, state))
     problems = [(r, m) for r, (m, _) in enumerate(reports) if m]
     if problems:
@@ -210,16 +225,7 @@ def check_resumable(path: str | os.PathLike, *, ema: bool = False) -> dict:
             f"checkpoint {path} is incomplete as seen from rank {r} (missing {', '.join(m[:3])}); "
             "checkpoints must be on a filesystem that every machine shares"
         )
-    state = reports[0][1]
-    saved_world = state.get("world_size")
-    if saved_world is None:  # written before the world size was recorded
-        saved_world = len(list(path.glob("random_states_*.pkl")))
-    if saved_world != world:
-        raise CheckpointError(
-            f"checkpoint {path} was written by {saved_world} processes, but this run has {world}; "
-            f"resume with {saved_world} processes (ZeRO-3 optimizer partitions are per rank)"
-        )
-    return state
+    return reports[0][1]
 
 
 def load_ema_shard(path: str | os.PathLike) -> dict:
@@ -236,20 +242,130 @@ def load_ema_shard(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"{path} is not a plain tensor file; refusing to unpickle it ({e})") from e
 
 
-def load_training_checkpoint(accelerator, path: str | os.PathLike, *, ema=None) -> dict:
+def load_training_checkpoint(accelerator, path: str | os.PathLike, *, ema=None, check=None) -> dict:
     """Restore what ``save_training_checkpoint`` wrote; return its training state.
 
-    Collective: call on every rank. Checks the checkpoint first (``check_resumable``).
+    Collective: call on every rank. Checks the checkpoint first (``check_resumable``, then
+    ``check(state)`` if given, which may raise before anything is loaded or written). With
+    the number of processes that wrote it, accelerate's ``load_state`` restores everything
+    as it was; with another number, ``load_resharded`` does.
     """
     path = Path(path)
     state = check_resumable(path, ema=ema is not None)
+    if check is not None:
+        check(state)
+    if int(state["world_size"]) != get_world_size():
+        load_resharded(accelerator, path, int(state["world_size"]), ema=ema)
+        return state
     accelerator.load_state(str(path))
     if ema is not None:
         ema.load_state_dict(load_ema_shard(path / f"ema_rank{get_rank()}.pt"))
     return state
 
 
-def resume_training(accelerator, output_dir: str | os.PathLike, value: str | None, *, ema=None):
+def engine_checkpoint_names(accelerator) -> list[str]:
+    """The folder names accelerate gives each prepared model's DeepSpeed checkpoint, in
+    order: ``pytorch_model``, ``pytorch_model_1``, ..."""
+    return ["pytorch_model" if i == 0 else f"pytorch_model_{i}" for i in range(len(accelerator._models))]
+
+
+def convert_to_universal(path: str | os.PathLike, names: list[str]) -> Path:
+    """Convert the DeepSpeed checkpoints ``path/<name>`` into DeepSpeed's universal form in
+    ``path/universal/<name>``, once; return ``path/universal``. Collective: call on every rank.
+
+    Global rank 0 converts (``deepspeed.checkpoint.ds_to_universal``, in process) into a
+    temporary folder that is renamed when complete; the others wait. A folder converted
+    before is reused. The saved files are only read.
+    """
+    path = Path(path)
+    final = path / UNIVERSAL_DIR
+    if all((final / name).is_dir() for name in names):
+        barrier()
+        return final
+    with collective_publish(final) as tmp:
+        if is_main_process():
+            from deepspeed.checkpoint import ds_to_universal
+
+            for name in names:
+                ds_to_universal.main(
+                    argparse.Namespace(
+                        input_folder=str(path / name),
+                        output_folder=str(tmp / name),
+                        num_extract_workers=1,  # in process: no fork of a rank that holds a GPU
+                        num_merge_workers=1,
+                        keep_temp_folder=False,
+                        strict=True,
+                        inject_missing_state=False,
+                    )
+                )
+    return final
+
+
+def load_resharded(accelerator, path: str | os.PathLike, saved_world: int, *, ema=None) -> None:
+    """Load a checkpoint written by ``saved_world`` processes into this run's (another number).
+    Collective: call on every rank, after ``accelerator.prepare``.
+
+    * DeepSpeed engines: from the universal form (``convert_to_universal``), each rank takes
+      the partitions of its new rank: fp32 master weights, Adam moments and step.
+    * The learning-rate schedulers: their saved state, with the step count moved to this
+      world size (accelerate steps a scheduler once per process at every optimizer step).
+    * The EMA: its partitions re-cut from every saved rank's file (``ShardedEMA.load_resharded``).
+    * RNG: rank ``r`` takes the states of saved rank ``r % saved_world``.
+    """
+    import warnings
+
+    path = Path(path)
+    world = get_world_size()
+    names = engine_checkpoint_names(accelerator)
+    engines = [m for m in accelerator._models if hasattr(m, "load_checkpoint")]
+    if engines:
+        universal = convert_to_universal(path, names)
+        for name, engine in zip(names, engines):
+            engine._config.load_universal_checkpoint = True
+            try:
+                engine.load_checkpoint(str(universal), tag=name, load_lr_scheduler_states=False)
+            finally:
+                engine._config.load_universal_checkpoint = False
+        for i, scheduler in enumerate(accelerator._schedulers):
+            saved = torch.load(
+                path / ("scheduler.bin" if i == 0 else f"scheduler_{i}.bin"), weights_only=False
+            )
+            getattr(scheduler, "scheduler", scheduler).load_state_dict(saved)
+    else:  # whole models (DDP): only the schedule and the RNG depend on the number of processes
+        accelerator.load_state(str(path))
+    for scheduler in accelerator._schedulers:
+        inner = getattr(scheduler, "scheduler", scheduler)
+        # accelerate steps the wrapped scheduler num_processes times per optimizer step
+        inner.last_epoch = inner.last_epoch // saved_world * world
+        inner._step_count = inner.last_epoch + 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            lrs = inner.get_lr()
+        for group, lr in zip(inner.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        inner._last_lr = list(lrs)
+    _load_rng_states(accelerator, path / f"random_states_{get_rank() % saved_world}.pkl")
+    if ema is not None:
+        ema.load_resharded([load_ema_shard(path / f"ema_rank{r}.pt") for r in range(saved_world)])
+
+
+def _load_rng_states(accelerator, file: Path) -> None:
+    """The RNG states accelerate's ``save_state`` wrote to ``file`` (Python, NumPy, torch, CUDA)."""
+    import random
+
+    import numpy as np
+
+    states = torch.load(file, weights_only=False)  # accelerate's own pickle, as its load_state reads it
+    random.setstate(states["random_state"])
+    np.random.set_state(states["numpy_random_seed"])
+    torch.set_rng_state(states["torch_manual_seed"])
+    if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
+        torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
+    if "step" in states:
+        accelerator.step = states["step"]
+
+
+def resume_training(accelerator, output_dir: str | os.PathLike, value: str | None, *, ema=None, check=None):
     """Resume as ``--resume_from_checkpoint value`` asks; return ``(path, state)`` or None.
 
     Collective: call on every rank, after ``accelerator.prepare``. ``latest`` with no
@@ -259,7 +375,7 @@ def resume_training(accelerator, output_dir: str | os.PathLike, value: str | Non
     path = resolve_resume_checkpoint(output_dir, value)
     if path is None:
         return None
-    state = load_training_checkpoint(accelerator, path, ema=ema)
+    state = load_training_checkpoint(accelerator, path, ema=ema, check=check)
     if is_main_process():
         abandon_newer_checkpoints(output_dir, int(state["global_step"]))
     barrier()

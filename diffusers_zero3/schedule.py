@@ -37,6 +37,38 @@ def resume_position(epoch: int, batches_done: int, batches_per_epoch: int) -> di
     return {"epoch": epoch, "batches_in_epoch": batches_done}
 
 
+def batches_to_skip(state: dict, world_size: int, train_batch_size: int) -> int:
+    """Micro-batches per rank of the checkpoint's epoch that this run skips, with
+    ``world_size`` processes of ``train_batch_size`` samples each.
+
+    ``state`` is a checkpoint's training state (``resume_position``'s ``batches_in_epoch``,
+    with the ``world_size`` and ``train_batch_size`` that wrote it). The sampler's order of an
+    epoch does not depend on the number of processes (one seeded permutation, dealt out batch
+    by batch to the ranks in turn), so the samples consumed are ``batches x processes x
+    batch``, and the run resumes at the first sample no rank has seen. Raises ``ValueError``
+    when those samples do not fill whole steps of this run (keep processes x batch the same,
+    or a multiple that divides them), or when the checkpoint does not record its batch size.
+    """
+    done, saved_world = int(state["batches_in_epoch"]), int(state["world_size"])
+    saved_batch = state.get("train_batch_size")
+    if saved_world == world_size and saved_batch in (None, train_batch_size):
+        return done
+    if saved_batch is None:
+        raise ValueError(
+            "the checkpoint does not record its per-process batch size (an older layout): "
+            f"resume it with {saved_world} processes and the same --train_batch_size"
+        )
+    samples = done * saved_world * int(saved_batch)
+    per_round = world_size * train_batch_size
+    if samples % per_round:
+        raise ValueError(
+            f"the checkpoint's epoch is {samples} samples in ({done} batches x {saved_world} processes x "
+            f"{saved_batch}), which is not a whole number of batches of {world_size} processes x "
+            f"{train_batch_size}; keep processes x --train_batch_size at {saved_world * int(saved_batch)}"
+        )
+    return samples // per_round
+
+
 def epoch_batches(accelerator, loader, epoch: int, skip: int = 0) -> Iterable:
     """The batches of ``epoch``: the sampler's order for that epoch, with the first ``skip``
     (already trained before a resume) skipped. Each rank calls it with the same arguments."""

@@ -49,10 +49,11 @@ from .pipeline_io import (
     save_final_pipeline,
 )
 from .plan import resolve_auto_placements
-from .pretrained import resolve_model_folder
+from .pretrained import CheckpointError, resolve_model_folder
 from .recipe import accelerator_from_args, finish_trackers, load_trainable_denoiser
 from .resume import resume_training, save_training_checkpoint
 from .schedule import (
+    batches_to_skip,
     epoch_batches,
     epochs_for,
     first_last_means,
@@ -309,8 +310,20 @@ class TextToImageTrainer:
         self._maybe_resume()
 
     def _maybe_resume(self) -> None:
+        processes, batch = self.accelerator.num_processes, self.args.train_batch_size
+
+        def check(state: dict) -> None:  # before anything is loaded: where would the data resume?
+            try:
+                batches_to_skip(state, processes, batch)
+            except ValueError as e:
+                raise CheckpointError(f"cannot resume from step {state['global_step']}: {e}") from e
+
         resumed = resume_training(
-            self.accelerator, self.args.output_dir, self.args.resume_from_checkpoint, ema=self.ema
+            self.accelerator,
+            self.args.output_dir,
+            self.args.resume_from_checkpoint,
+            ema=self.ema,
+            check=check,
         )
         if resumed is None:
             if self.args.resume_from_checkpoint:
@@ -319,7 +332,12 @@ class TextToImageTrainer:
         path, state = resumed
         self.global_step = state["global_step"]
         self.first_epoch = state["epoch"]
-        self.resume_batches = state["batches_in_epoch"]
+        self.resume_batches = batches_to_skip(state, processes, batch)
+        if int(state["world_size"]) != processes:
+            log_rank_zero(
+                f"{path} was written by {state['world_size']} processes; resharded for {processes} "
+                f"(batch {self.resume_batches} of epoch {self.first_epoch} next)"
+            )
         log_rank_zero(f"resumed from {path} at step {self.global_step}")
 
     # ------------------------------------------------------------------ training
@@ -464,6 +482,7 @@ class TextToImageTrainer:
     def _checkpoint(self, epoch: int, done_in_epoch: int) -> None:
         fault_point("checkpoint")
         state = resume_position(epoch, done_in_epoch, len(self.loader))
+        state["train_batch_size"] = self.args.train_batch_size
         path = save_training_checkpoint(
             self.accelerator,
             self.args.output_dir,

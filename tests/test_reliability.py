@@ -75,12 +75,16 @@ def test_rollback_abandons_newer_checkpoints_so_latest_and_rotation_ignore_them(
 
 
 @pytest.mark.unit
-def test_resume_with_another_world_size_names_both_numbers(tmp_path):
+def test_resume_with_another_world_size_needs_every_saved_ranks_files(tmp_path):
+    """A checkpoint of 2 processes resumed by 1: this rank re-cuts every saved rank's state,
+    so it must see all of them (the control: one file missing is one error naming it)."""
     from diffusers_zero3.pretrained import CheckpointError
     from diffusers_zero3.resume import check_resumable
 
     path = _fake_checkpoint(tmp_path, 4, world_size=2)
-    with pytest.raises(CheckpointError, match="written by 2 processes, but this run has 1"):
+    assert check_resumable(path)["world_size"] == 2
+    (path / "random_states_1.pkl").unlink()
+    with pytest.raises(CheckpointError, match=r"incomplete as seen from rank 0 \(missing random_states_1.pkl"):
         check_resumable(path)
     assert check_resumable(_fake_checkpoint(tmp_path, 6, world_size=1))["global_step"] == 6
 

@@ -50,3 +50,15 @@ def test_reward_fine_tuning_end_to_end_and_resume(tmp_path):
     assert sorted(again) == [3, 4], log2[-3000:]
     for step in (3, 4):
         assert again[step] == pytest.approx(rewards[step], abs=2e-6)
+
+    # On 1 process (the same 4 samples per step) from the final checkpoint: the same output.
+    one = tmp_path / "one"
+    one.mkdir()
+    shutil.copytree(out / "checkpoint-4", one / "checkpoint-4")
+    batch = common.index("--train_batch_size") + 1
+    single = [*accelerate_launch("scripts/train_reward.py", num_processes=1), *common[:batch], "4",
+              *common[batch + 1 :], "--output_dir", str(one), "--resume_from_checkpoint", "latest"]  # fmt: skip
+    _, log1 = run_launcher(single, timeout=400)
+    assert "resumed from" in log1 and not _rewards(log1), log1[-3000:]
+    unet = "unet/diffusion_pytorch_model.safetensors"
+    assert (one / unet).read_bytes() == (out / unet).read_bytes()
