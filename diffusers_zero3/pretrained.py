@@ -235,7 +235,13 @@ def load_pretrained_zero3(
     from .distributed import init_distributed_if_needed
 
     init_distributed_if_needed()  # this rank's GPU first, then the process group
-    with deepspeed.zero.Init(config_dict_or_path=cfg, dtype=torch_dtype):
+    if torch_dtype is not None:
+        # The dtype goes through the config, not zero.Init(dtype=...): DeepSpeed 0.19 reads
+        # `dtype or torch.float16 if <fp16 supported> else ...`, so on an accelerator without
+        # fp16 (its CPU one) an explicit dtype is ignored and every partition comes out bf16.
+        cfg = {**cfg, "bf16": {"enabled": torch_dtype == torch.bfloat16}}
+        cfg["fp16"] = {"enabled": torch_dtype == torch.float16}
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
         model = build()
     _register_zero3_engine()
     _load_partitions(model, files)

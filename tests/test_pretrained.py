@@ -165,6 +165,20 @@ def worker_load_and_save(pipe_dir: str, work: str):
         load_pretrained_zero3(UNet2DConditionModel, f"{work}/missing", ds_config=cfg)
     with pytest.raises(CheckpointError, match=r"tensor 'conv_in.weight': checkpoint shape \(32, 4, 3, 3\)"):
         load_pretrained_zero3(UNet2DConditionModel, f"{work}/shape", ds_config=cfg)
+
+    # The partitions' dtype is the one asked for, whatever the config's: DeepSpeed's
+    # zero.Init(dtype=...) ignores an explicit dtype on an accelerator without fp16 (its CPU
+    # one) and made every partition bf16 (an fp32 SDXL VAE under bf16 training, or an fp32
+    # frozen encoder, came out bf16).
+    bf16_cfg = {**cfg, "bf16": {"enabled": True}}
+    for config, asked in ((cfg, torch.bfloat16), (bf16_cfg, torch.float32), (cfg, None)):
+        te = load_pretrained_zero3(
+            CLIPTextModel, pipe_dir, "text_encoder", ds_config=config, torch_dtype=asked
+        )
+        assert {p.ds_tensor.dtype for p in te.parameters()} == {asked or torch.float32}, (
+            asked,
+            config["bf16"],
+        )
     print("OK load-save")
 
 
