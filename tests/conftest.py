@@ -3,34 +3,42 @@
 Tiers (pytest markers): ``unit`` (single process, seconds: ``pytest -m unit`` is the fast
 tier), ``multirank`` (2 real ranks through the harness), ``e2e`` (a training script end to
 end under ``accelerate launch``), ``gpu`` (CUDA ranks, NCCL; skipped without CUDA:
-``pytest -m gpu``). Unmarked tests get their module's tier below.
+``pytest -m gpu``). Every test declares exactly one tier: ``pytestmark = pytest.mark.<tier>``
+where a whole module is one tier, else a decorator on the test. Collection fails otherwise,
+naming the test: a test without a tier would silently drop out of every ``-m`` run.
 """
+
+import inspect
 
 import pytest
 
-MODULE_TIERS = {
-    "test_train_text_to_image": "e2e",
-    "test_train_reward": "e2e",
-    "test_train_sdxl": "e2e",
-    "test_train_flux_sd3": "e2e",
-    "test_train_dpo": "e2e",
-    "test_examples": "e2e",
-    "test_faults_and_machines": "e2e",
-    "test_bad_input": "unit",
-    "test_gpu": "gpu",
-}
 TIERS = ("unit", "multirank", "e2e", "gpu")
 
 
+# tryfirst: before `-m` deselects, so that every collected test is checked whatever the run selects.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    """Fail collection for a test without exactly one tier marker, and for a tier marker on a
+    function that is not a test (a helper), where it does nothing."""
+    problems = []
     for item in items:
-        if any(item.get_closest_marker(t) for t in TIERS):
-            continue
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        source = getattr(item.function, "__code__", None)
-        names = source.co_names if source is not None else ()
-        tier = MODULE_TIERS.get(module) or ("multirank" if "run_on_ranks" in names else "unit")
-        item.add_marker(getattr(pytest.mark, tier))
+        tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
+        if len(tiers) != 1:
+            problems.append(f"{item.nodeid}: {'tiers ' + ', '.join(tiers) if tiers else 'no tier marker'}")
+    for module in {getattr(item, "module", None) for item in items} - {None}:
+        for name, obj in vars(module).items():
+            if inspect.isfunction(obj) and obj.__module__ == module.__name__ and not name.startswith("test"):
+                marked = [m.name for m in getattr(obj, "pytestmark", []) if m.name in TIERS]
+                if marked:
+                    problems.append(
+                        f"{module.__name__}.{name}: a tier marker ({marked[0]}) on a non-test function"
+                    )
+    if problems:
+        raise pytest.UsageError(
+            f"each test needs exactly one tier marker ({', '.join(TIERS)}): a module's "
+            "`pytestmark = pytest.mark.<tier>` or `@pytest.mark.<tier>` on the test\n  "
+            + "\n  ".join(sorted(problems))
+        )
 
 
 @pytest.fixture(scope="session")

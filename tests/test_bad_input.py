@@ -19,6 +19,8 @@ import pytest
 
 from tests.distributed_harness import REPO_ROOT, run_launcher
 
+pytestmark = pytest.mark.unit
+
 _SCRIPTS: dict[str, object] = {}
 
 

@@ -9,6 +9,8 @@ import torch
 
 from tests.distributed_harness import run_on_ranks
 
+pytestmark = pytest.mark.multirank
+
 
 def worker_cache(pipe_dir: str, data_dir: str, cache_dir: str):
     import datasets

@@ -3,7 +3,11 @@
 import subprocess
 import sys
 
+import pytest
+
 from tests.distributed_harness import REPO_ROOT
+
+pytestmark = pytest.mark.unit
 
 
 def test_demo_cli_writes_pipeline_dataset_and_reward_model(tmp_path):

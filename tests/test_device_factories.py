@@ -159,7 +159,9 @@ def test_every_package_tensor_factory_names_its_device():
     """The package, and the scripts and examples that users run or copy."""
     files = sorted(PACKAGE.rglob("*.py"))
     assert len(files) > 10, f"no package source found under {PACKAGE}"
-    files += sorted((PACKAGE.parent / "scripts").glob("*.py")) + sorted((PACKAGE.parent / "examples").glob("*.py"))
+    files += sorted((PACKAGE.parent / "scripts").glob("*.py")) + sorted(
+        (PACKAGE.parent / "examples").glob("*.py")
+    )
     offenders = []
     for path in files:
         rel = path.relative_to(PACKAGE.parent).as_posix()

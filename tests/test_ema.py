@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 
 from diffusers_zero3.testing import count_collectives
 from tests.distributed_harness import run_on_ranks
 
 
+@pytest.mark.unit
 def test_get_decay_matches_diffusers_grid():
     from diffusers.training_utils import EMAModel
 
@@ -31,6 +33,7 @@ def test_get_decay_matches_diffusers_grid():
             assert ours.get_decay(step) == theirs.get_decay(step), (kw, step)
 
 
+@pytest.mark.unit
 def test_plain_module_ema_matches_diffusers():
     from diffusers.training_utils import EMAModel
 
@@ -165,6 +168,7 @@ def worker_ema(pipe_dir: str, work: str):
     print("OK ema")
 
 
+@pytest.mark.multirank
 def test_sharded_ema_matches_emamodel_and_resumes(tiny_pipeline, tmp_path):
     outs = run_on_ranks(worker_ema, pipe_dir=tiny_pipeline, work=str(tmp_path))
     assert all("OK ema" in o for o in outs)

@@ -20,6 +20,7 @@ def test_readme_holds_the_example_verbatim(path):
     assert (REPO_ROOT / path).read_text() in blocks, f"README.md does not include {path} as it is"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("family", ["sd", "sdxl"])
 def test_custom_training_loop_runs_on_two_ranks(default_data, tiny_sdxl, tmp_path, family):
     pipe, data = (default_data[0], default_data[1]) if family == "sd" else tiny_sdxl
@@ -29,6 +30,7 @@ def test_custom_training_loop_runs_on_two_ranks(default_data, tiny_sdxl, tmp_pat
     assert (out / "model_index.json").exists() and (out / "sample.png").exists()
 
 
+@pytest.mark.e2e
 def test_custom_reward_loop_runs_with_uneven_and_zero_samples(default_data):
     pipe, _, reward = default_data
     _, log = run_launcher([*accelerate_launch(EXAMPLES[1]), pipe, reward], timeout=400)

@@ -96,6 +96,7 @@ def worker_placements(pipe_dir: str, ref_path: str):
     print("OK placements")
 
 
+@pytest.mark.multirank
 def test_placements_match_unsharded_outputs(tiny_pipeline, tmp_path):
     ref_path = tmp_path / "ref.pt"
     torch.save(reference_outputs(tiny_pipeline), ref_path)
@@ -137,6 +138,7 @@ def worker_train_beside_frozen_engines(pipe_dir: str, save_dir: str):
     print("OK train", losses)
 
 
+@pytest.mark.multirank
 def test_training_beside_frozen_engines_prepared_before_and_after(tiny_pipeline, tmp_path):
     outs = run_on_ranks(
         worker_train_beside_frozen_engines, pipe_dir=tiny_pipeline, save_dir=str(tmp_path / "state")
@@ -174,6 +176,7 @@ def worker_lockstep(pipe_dir: str, ref_path: str):
     print("OK lockstep")
 
 
+@pytest.mark.multirank
 def test_lockstep_uneven_counts_and_mismatch_check(tiny_pipeline, tmp_path):
     ref_path = tmp_path / "ref.pt"
     torch.save(reference_outputs(tiny_pipeline), ref_path)

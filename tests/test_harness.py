@@ -4,6 +4,8 @@ import pytest
 
 from diffusers_zero3.testing import RanksFailed, run_function_on_ranks
 
+pytestmark = pytest.mark.multirank  # each test starts 2 real ranks (one waits out a 20 s hang)
+
 
 def worker_rank1_hangs():
     import torch.distributed as dist

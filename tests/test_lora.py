@@ -79,6 +79,7 @@ def worker_lora_save(pipe_dir: str, out: str):
     print("OK lora")
 
 
+@pytest.mark.multirank
 def test_lora_on_a_partitioned_unet_saves_gathered_adapters_that_load(tiny_pipeline, tmp_path):
     outs = run_on_ranks(worker_lora_save, pipe_dir=tiny_pipeline, out=str(tmp_path / "out"))
     assert all("OK lora" in o for o in outs)

@@ -27,6 +27,7 @@ PUBLISHED = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("pipeline", sorted({p for p, _ in PUBLISHED}))
 def test_carried_configs_give_the_published_parameter_counts(pipeline):
     plan = make_plan(pipeline, PlanOptions(num_processes=8, mixed_precision="bf16"))
@@ -47,6 +48,7 @@ def _loaded(folder, name, cls_name):
     raise AssertionError(cls_name)
 
 
+@pytest.mark.unit
 def test_plan_of_a_local_folder_counts_and_sizes_exactly(tiny_sd3):
     folder = tiny_sd3[0]
     plan = make_plan(folder, PlanOptions(num_processes=2, use_ema=True))
@@ -83,6 +85,7 @@ def test_plan_of_a_local_folder_counts_and_sizes_exactly(tiny_sd3):
     )
 
 
+@pytest.mark.unit
 def test_the_vae_cache_holds_the_latent_distribution_per_image(tiny_pipeline):
     plan = make_plan(str(tiny_pipeline), PlanOptions(num_processes=2, resolution=32))
     # 4 latent channels, mean and log-variance, 32 px / 2 (two VAE blocks), fp32
@@ -92,6 +95,7 @@ def test_the_vae_cache_holds_the_latent_distribution_per_image(tiny_pipeline):
 SD15 = "runwayml/stable-diffusion-v1-5"
 
 
+@pytest.mark.unit
 def test_recommendation_replicates_where_it_fits_and_shards_where_it_must():
     roomy = make_plan(SD15, PlanOptions(num_processes=8, device_memory=80 * GIB, mixed_precision="bf16"))
     assert roomy["fits"] and roomy["recommended"] == {
@@ -112,6 +116,7 @@ def test_recommendation_replicates_where_it_fits_and_shards_where_it_must():
     assert make_plan(SD15, tight)["recommended"]["text_encoder"] == "cache"
 
 
+@pytest.mark.unit
 def test_when_nothing_fits_it_says_what_would():
     plan = make_plan(
         "black-forest-labs/FLUX.1-dev",
@@ -133,6 +138,7 @@ def test_when_nothing_fits_it_says_what_would():
     assert bigger["fits"] and not smaller["fits"]
 
 
+@pytest.mark.unit
 def test_lora_counts_the_adapters_peft_adds(tiny_pipeline):
     from diffusers import UNet2DConditionModel
 
@@ -146,6 +152,7 @@ def test_lora_counts_the_adapters_peft_adds(tiny_pipeline):
     assert predicted == sum(p.numel() for p in adapters) > 0
 
 
+@pytest.mark.unit
 def test_command_line_json_and_bad_input(capsys, tiny_pipeline, tmp_path):
     assert main([str(tiny_pipeline), "--num_processes", "2", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
@@ -165,6 +172,7 @@ def test_command_line_json_and_bad_input(capsys, tiny_pipeline, tmp_path):
         assert len(err) == 1 and err[0].startswith("error:") and words in err[0], err
 
 
+@pytest.mark.unit
 def test_memory_sizes_parse():
     from diffusers_zero3.plan import parse_bytes
 
@@ -246,6 +254,7 @@ def _sd_with_short_clip(folder, positions: int):
     return folder
 
 
+@pytest.mark.unit
 def test_text_encoder_sequence_length_comes_from_the_tokenizer_as_in_training(tmp_path):
     """Issue 22: a CLIP of 32 positions (tokenizer ``model_max_length`` 32) planned at 77 tokens
     failed with "Sequence length must be less than max_position_embeddings"; the planner sizes
@@ -276,6 +285,7 @@ def test_text_encoder_sequence_length_comes_from_the_tokenizer_as_in_training(tm
     assert plan["components"]["text_encoder"]["placements"]["cache"]["cache_bytes_per_image"] == cached
 
 
+@pytest.mark.unit
 def test_sequence_length_rules_without_tokenizer_files():
     """Configs without tokenizer files (carried, or a folder of configs only): a CLIP's
     ``max_position_embeddings`` up to 77; a tokenizer length never past the positions; T5

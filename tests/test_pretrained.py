@@ -21,6 +21,7 @@ def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module):
 # --------------------------------------------------------------------------- single process
 
 
+@pytest.mark.unit
 def test_save_plain_module_round_trips_sharded_and_not(tiny_pipeline, tmp_path):
     from diffusers import UNet2DConditionModel
 
@@ -44,6 +45,7 @@ def test_save_plain_module_round_trips_sharded_and_not(tiny_pipeline, tmp_path):
     assert loaded.dtype == torch.bfloat16
 
 
+@pytest.mark.unit
 def test_interrupted_save_leaves_previous_folder_and_no_temp(tiny_pipeline, tmp_path, monkeypatch):
     from diffusers import UNet2DConditionModel
 
@@ -74,6 +76,7 @@ def test_interrupted_save_leaves_previous_folder_and_no_temp(tiny_pipeline, tmp_
     assert not (tmp_path / "fresh").exists()
 
 
+@pytest.mark.unit
 def test_missing_model_folder_is_a_clear_error(tmp_path):
     from diffusers import UNet2DConditionModel
 
@@ -182,6 +185,7 @@ def worker_load_and_save(pipe_dir: str, work: str):
     print("OK load-save")
 
 
+@pytest.mark.multirank
 def test_partitioned_load_and_streamed_save(tiny_pipeline, tmp_path):
     outs = run_on_ranks(worker_load_and_save, pipe_dir=tiny_pipeline, work=str(tmp_path))
     assert all("OK load-save" in o for o in outs)

@@ -84,7 +84,9 @@ def test_resume_with_another_world_size_needs_every_saved_ranks_files(tmp_path):
     path = _fake_checkpoint(tmp_path, 4, world_size=2)
     assert check_resumable(path)["world_size"] == 2
     (path / "random_states_1.pkl").unlink()
-    with pytest.raises(CheckpointError, match=r"incomplete as seen from rank 0 \(missing random_states_1.pkl"):
+    with pytest.raises(
+        CheckpointError, match=r"incomplete as seen from rank 0 \(missing random_states_1.pkl"
+    ):
         check_resumable(path)
     assert check_resumable(_fake_checkpoint(tmp_path, 6, world_size=1))["global_step"] == 6
 
@@ -302,7 +304,6 @@ def test_a_from_pretrained_on_rank_zero_alone_does_not_hang(tiny_pipeline):
     assert "OK rank-0 load" in outs[0]
 
 
-@pytest.mark.unit
 def _ranks_leave_no_shared_memory():
     import glob
 
@@ -322,6 +323,7 @@ def test_zero3_ranks_leave_no_shared_memory_behind():
     run_on_ranks(_ranks_leave_no_shared_memory)
 
 
+@pytest.mark.unit
 def test_a_launched_rank_leaves_without_interpreter_teardown_even_without_a_process_group():
     """A finished run whose process group is gone (accelerate's end_training destroys it)
     still leaves with os._exit: the interpreter's teardown of a gloo run aborted now and
@@ -339,6 +341,7 @@ def test_a_launched_rank_leaves_without_interpreter_teardown_even_without_a_proc
         assert out.returncode == rc and ("interpreter teardown ran" in out.stdout) == teardown, out
 
 
+@pytest.mark.unit
 def test_log_rank_zero_prints_without_logging_configuration():
     import subprocess
     import sys

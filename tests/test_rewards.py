@@ -8,6 +8,8 @@ import torch
 
 from tests.distributed_harness import run_on_ranks
 
+pytestmark = pytest.mark.multirank
+
 PROMPTS = ["a red circle", "a blue square", "a red circle", "a green circle"]
 
 

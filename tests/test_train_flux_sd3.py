@@ -10,6 +10,8 @@ import torch
 
 from tests.distributed_harness import accelerate_launch, resume_in_fresh_folder, run_launcher, step_values
 
+pytestmark = pytest.mark.e2e
+
 LAUNCH = accelerate_launch("scripts/train_text_to_image.py")
 
 

@@ -9,6 +9,8 @@ import pytest
 
 from tests.distributed_harness import accelerate_launch, run_launcher
 
+pytestmark = pytest.mark.e2e
+
 LAUNCH = accelerate_launch("scripts/train_reward.py")
 
 

@@ -11,6 +11,8 @@ import torch
 
 from tests.distributed_harness import accelerate_launch, run_launcher, step_values
 
+pytestmark = pytest.mark.e2e
+
 LAUNCH = accelerate_launch("scripts/train_text_to_image.py")
 
 

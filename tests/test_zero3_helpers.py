@@ -13,6 +13,7 @@ from tests.distributed_harness import REPO_ROOT, run_on_ranks
 # --------------------------------------------------------------------------- single process
 
 
+@pytest.mark.unit
 def test_import_does_not_pull_deepspeed_or_transformers():
     code = (
         "import sys, diffusers_zero3 as d;"
@@ -24,12 +25,14 @@ def test_import_does_not_pull_deepspeed_or_transformers():
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+@pytest.mark.unit
 def test_plain_process_is_not_zero3():
     from diffusers_zero3 import is_zero3_enabled
 
     assert is_zero3_enabled() is False
 
 
+@pytest.mark.unit
 def test_gathered_parameters_is_nullcontext_without_zero_params():
     import contextlib
 
@@ -41,6 +44,7 @@ def test_gathered_parameters_is_nullcontext_without_zero_params():
     assert isinstance(gathered_parameters(lin, enabled=False), contextlib.nullcontext)
 
 
+@pytest.mark.unit
 def test_zero3_init_disabled_restores_transformers_ref_on_exception():
     """Without deepspeed in the process: the weakref is hidden inside and restored after a raise."""
     import transformers.integrations.deepspeed as hf_ds
@@ -119,6 +123,7 @@ def worker_upstream_bug_and_fix(pipe_dir: str, ref_path: str):
     print("OK upstream-bug-and-fix")
 
 
+@pytest.mark.multirank
 def test_zero3_init_disabled_fixes_upstream_text_encoder_bug(tiny_pipeline, tmp_path):
     ref_path = tmp_path / "ref.pt"
     torch.save(reference_outputs(tiny_pipeline), ref_path)
@@ -178,19 +183,31 @@ def worker_helpers_under_explicit_zero_init():
     print("OK helpers")
 
 
+@pytest.mark.multirank
 def test_helpers_under_explicit_zero_init():
     outs = run_on_ranks(worker_helpers_under_explicit_zero_init)
     assert all("OK helpers" in o for o in outs)
 
 
-def test_gloo_only_for_multi_process_cpu_launches(monkeypatch):
+def worker_gloo_for_a_cpu_launch():
+    from diffusers_zero3.accelerator import needs_gloo_backend
+    from tests.common import accelerator_with_zero3
+
+    # What the gloo decision is for: on a CPU host accelerate picks no backend by itself, sees
+    # one process, and DeepSpeed's batch-size check fails against its world of 2.
+    accelerator = accelerator_with_zero3()
+    assert accelerator.num_processes == 2, accelerator.num_processes
+    assert torch.distributed.get_backend() == "gloo", torch.distributed.get_backend()
+    assert needs_gloo_backend()  # the launcher's environment: 2 processes, no CUDA
+    print("OK gloo")
+
+
+@pytest.mark.multirank
+def test_gloo_only_for_multi_process_cpu_launches():
+    """A 2-rank launch on a CPU host asks for gloo and gets a 2-process ZeRO-3 accelerator;
+    this single pytest process (no launcher) asks for nothing."""
     from diffusers_zero3.accelerator import needs_gloo_backend
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert needs_gloo_backend()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host keeps NCCL
     assert not needs_gloo_backend()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    assert not needs_gloo_backend()
+    outs = run_on_ranks(worker_gloo_for_a_cpu_launch)
+    assert all("OK gloo" in o for o in outs)
