@@ -196,13 +196,19 @@ def offload_param_section() -> dict:
     return {"device": "cpu", "pin_memory": torch.cuda.is_available()}
 
 
-def zero_init_config(ds_config: dict | None, accelerator, offload: bool | None = None) -> dict:
+def zero_init_config(
+    ds_config: dict | None, accelerator, offload: bool | None = None, dtype: torch.dtype | None = None
+) -> dict:
     """The part of a (training) DeepSpeed config that ``zero.Init`` needs, ``"auto"`` resolved.
 
     ``offload`` says where the partitions go, whatever the config's ``offload_param``: True
     into host memory, False into accelerator memory; None follows the config (the trained
     model). A frozen model asks for its own placement's: partitions are not moved by the
-    config of the engine built on them later.
+    config of the engine built on them later. ``dtype`` is the partitions' dtype (default:
+    the config's); it goes into the config's bf16/fp16 sections, which is how ``zero.Init``
+    must be told: DeepSpeed 0.19 reads ``zero.Init(dtype=...)`` as ``dtype or torch.float16
+    if <fp16 supported> else ...``, so on an accelerator without fp16 (its CPU one) an
+    explicit dtype is ignored and every partition comes out bf16.
     """
     if ds_config is None and accelerator is not None:
         plugin = accelerator.state.deepspeed_plugin
@@ -220,7 +226,7 @@ def zero_init_config(ds_config: dict | None, accelerator, offload: bool | None =
         init_zero["offload_param"] = configured
     elif offload:
         init_zero["offload_param"] = offload_param_section()
-    dtype = resolve_dtype(None, ds_config, accelerator)
+    dtype = resolve_dtype(dtype, ds_config, accelerator)
     return {
         "train_micro_batch_size_per_gpu": 1,
         "train_batch_size": get_world_size(),

@@ -215,10 +215,10 @@ class ShardedEMA:
             raise ValueError("EMA state was saved for a different set of trainable parameters")
         rank, world = get_rank(), get_world_size()
         for i, (_, p) in enumerate(self._named):
-            full = torch.cat([state["shadow"][i].reshape(-1) for state in states])
             if not is_zero3_param(p):  # a plain module's average is whole on every rank
                 self.shadow[i].copy_(states[0]["shadow"][i])
                 continue
+            full = torch.cat([state["shadow"][i].reshape(-1) for state in states])
             numel = p.ds_numel
             size = -(-numel // world)
             mine = torch.zeros(size, dtype=full.dtype)  # CPU: copied into the shadow's device below

@@ -136,7 +136,7 @@ def placement_bytes_per_rank(
     """
     from .ds_config import zero3_bucket_sizes
 
-    itemsize = torch.empty((), dtype=dtype).element_size()  # CPU: a dtype probe, never meets data
+    itemsize = dtype.itemsize
     numels = [p.ds_numel if is_zero3_param(p) else p.numel() for p in model.parameters()]
     if placement == "replicate":
         return sum(numels) * itemsize

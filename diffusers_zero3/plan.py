@@ -187,7 +187,7 @@ def _config_folder(pipeline: str) -> Path:
 
 
 def _bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()  # CPU: a dtype probe, never meets data
+    return dtype.itemsize
 
 
 def lora_parameters(module: torch.nn.Module, rank: int, target_modules: tuple[str, ...] | list[str]) -> int:

@@ -80,7 +80,7 @@ def _numel(shape) -> int:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()  # CPU: a dtype probe, never meets data
+    return dtype.itemsize
 
 
 def _read_flat_range(
@@ -222,7 +222,7 @@ def load_pretrained_zero3(
         >>> unet = load_pretrained_zero3(UNet2DConditionModel, "path/to/sd", "unet", accelerator=accelerator)
         >>> unet, optimizer = accelerator.prepare(unet, torch.optim.AdamW(unet.parameters()))
     """
-    cfg = zero_init_config(ds_config, accelerator, offload=offload_param)
+    cfg = zero_init_config(ds_config, accelerator, offload=offload_param, dtype=torch_dtype)
     folder = resolve_model_folder(pretrained_model_name_or_path, subfolder, revision, cache_dir)
     if cfg.get("zero_optimization", {}).get("stage") != 3:
         with zero3_init_disabled():
@@ -235,13 +235,7 @@ def load_pretrained_zero3(
     from .distributed import init_distributed_if_needed
 
     init_distributed_if_needed()  # this rank's GPU first, then the process group
-    if torch_dtype is not None:
-        # The dtype goes through the config, not zero.Init(dtype=...): DeepSpeed 0.19 reads
-        # `dtype or torch.float16 if <fp16 supported> else ...`, so on an accelerator without
-        # fp16 (its CPU one) an explicit dtype is ignored and every partition comes out bf16.
-        cfg = {**cfg, "bf16": {"enabled": torch_dtype == torch.bfloat16}}
-        cfg["fp16"] = {"enabled": torch_dtype == torch.float16}
-    with deepspeed.zero.Init(config_dict_or_path=cfg):
+    with deepspeed.zero.Init(config_dict_or_path=cfg):  # the dtype is the config's (zero_init_config)
         model = build()
     _register_zero3_engine()
     _load_partitions(model, files)
