@@ -69,22 +69,62 @@ def add_placement_args(
     )
 
 
+def frozen_placement_help() -> dict[str, str]:
+    """``{frozen component: help}`` for every frozen model folder of any family (each gets a
+    ``--<name>_placement`` flag; a family without that component refuses the flag)."""
+    from .families import ALL_FAMILIES, FROZEN_COMPONENTS
+
+    helps = {}
+    for name in FROZEN_COMPONENTS:
+        owners = [
+            f"{f.title}: {f.component_library(name)[1]}" for f in ALL_FAMILIES if name in f.frozen_components
+        ]
+        helps[name] = f"Where {name} lives ({'; '.join(owners)})."
+    return helps
+
+
+def add_component_arg(parser: argparse.ArgumentParser) -> None:
+    """``--component NAME=PATH`` (repeatable): a pipeline component from another folder."""
+    parser.add_argument(
+        "--component",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="Load the pipeline component NAME (e.g. text_encoder_4, tokenizer_4, vae, transformer) from "
+        "PATH, a folder or hub id that holds it, instead of the pipeline's own folder; repeatable. A text "
+        "encoder's folder also gives its tokenizer when the pipeline has none. The output pipeline holds it.",
+    )
+
+
+def component_overrides(args: argparse.Namespace) -> dict[str, str]:
+    """``{component: path}`` from ``--component NAME=PATH`` (and
+    ``--pretrained_vae_model_name_or_path``, the same as ``--component vae=PATH``); raises
+    ``ArgumentError`` for a value without ``=``, a name that is not a plain folder name, or a
+    component given twice."""
+    overrides: dict[str, str] = {}
+    pairs = list(getattr(args, "component", None) or [])
+    if getattr(args, "pretrained_vae_model_name_or_path", None):
+        pairs.append(f"vae={args.pretrained_vae_model_name_or_path}")
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise ArgumentError(f"--component takes NAME=PATH, got {pair!r}")
+        if name in (".", "..") or "/" in name or "\\" in name:
+            raise ArgumentError(f"--component {pair}: {name!r} is not a component folder name")
+        if name in overrides:
+            raise ArgumentError(f"--component {name} is given twice ({overrides[name]!r} and {path!r})")
+        overrides[name] = path
+    return overrides
+
+
 def text_to_image_parser() -> argparse.ArgumentParser:
     """The argument parser: diffusers' text-to-image flags and this package's own."""
     p = argparse.ArgumentParser(description="Fine-tune a Stable Diffusion UNet under DeepSpeed ZeRO-3.")
     add_optimizer_args(p)
     add_tracking_args(p, "text2image-fine-tune")
     add_checkpoint_args(p)
-    add_placement_args(
-        p,
-        {
-            "text_encoder": "Where the text encoder lives.",
-            "text_encoder_2": "Where the second text encoder lives (SDXL's CLIP-G, Flux's T5; default replicate).",
-            "text_encoder_3": "Where SD3's T5 encoder lives (default replicate; SD3 pipelines only).",
-            "vae": "Where the VAE lives.",
-        },
-        choices=(*PLACEMENT_CHOICES, "auto"),
-    )
+    add_placement_args(p, frozen_placement_help(), choices=(*PLACEMENT_CHOICES, "auto"))
     a = p.add_argument
     # --- diffusers' flags (same names, defaults and meanings)
     a(
@@ -150,7 +190,8 @@ def text_to_image_parser() -> argparse.ArgumentParser:
         "--pretrained_vae_model_name_or_path",
         type=str,
         default=None,
-        help="A VAE folder (or hub id) to use instead of the pipeline's, e.g. an fp16-safe SDXL VAE.",
+        help="A VAE folder (or hub id) to use instead of the pipeline's, e.g. an fp16-safe SDXL VAE "
+        "(the same as --component vae=PATH).",
     )
     a(
         "--proportion_empty_prompts",
@@ -219,6 +260,7 @@ def text_to_image_parser() -> argparse.ArgumentParser:
         help="Comma-separated modules to adapt (default: the family's, as diffusers' LoRA scripts).",
     )
     # --- this package's flags
+    add_component_arg(p)
     a(
         "--frozen_cache_dir",
         type=str,
@@ -351,6 +393,13 @@ def validate_args(args: argparse.Namespace) -> None:
 def validate_family(args: argparse.Namespace, family) -> None:
     """Raise ``ArgumentError`` for a flag that does not apply to the pipeline's family."""
     components = set(family.frozen_components)
+    known = {family.denoiser, *components, *family.tokenizer_folders}
+    for name in component_overrides(args):
+        if name not in known:
+            raise ArgumentError(
+                f"--component {name}=...: a {family.pipeline_class} has no component {name} "
+                f"(its components: {', '.join(sorted(known))})"
+            )
     for flag, placement in placement_flags(args).items():
         component = flag[: -len("_placement")]
         if component not in components and component not in ("reward", "reference"):
@@ -379,11 +428,9 @@ def validate_family(args: argparse.Namespace, family) -> None:
 
 def check_resolution(resolution: int, family, vae_folder: str | os.PathLike) -> None:
     """Raise ``ArgumentError`` unless ``--resolution`` is a multiple of what the family's VAE
-    (and Flux's latent packing) needs; reads only the VAE's config."""
-    from diffusers import AutoencoderKL
-
+    (and its latent packing) needs; reads only the VAE's config."""
     try:
-        vae_config = AutoencoderKL.load_config(vae_folder)
+        vae_config = family.component_class("vae").load_config(vae_folder)
     except (OSError, ValueError) as e:
         raise ArgumentError(f"cannot read the VAE's config in {vae_folder}: {e}") from e
     multiple = family.latent_multiple(vae_config)

@@ -152,7 +152,7 @@ class CachedOutputs:
                 out["crop_top_left"] = self._rows("crop_top_left", indices)
             if flip is not None and self.meta["random_flip"]:
                 flipped = self._rows("latent_params_flipped", indices)
-                params = torch.where(flip.view(-1, 1, 1, 1), flipped, params)
+                params = torch.where(flip.view(-1, *[1] * (params.ndim - 1)), flipped, params)
                 if crops:
                     crop_flipped = self._rows("crop_top_left_flipped", indices)
                     out["crop_top_left"] = torch.where(flip.view(-1, 1), crop_flipped, out["crop_top_left"])
@@ -293,14 +293,15 @@ def _encode_share(
                     for i, r in zip(indices, rows)
                 ]
                 pixels = torch.stack([p for p, _ in crops]).to(vae.device, vae.dtype)
-                out["latent_params"] = vae.encode(pixels).latent_dist.parameters.cpu()
+                out["latent_params"] = family.latent_distribution(vae, pixels).parameters.cpu()
                 if family.uses_time_ids:
                     # CPU: written to the cache file beside the other outputs, all moved to the CPU
                     out["original_size"] = torch.tensor([c.original_size for _, c in crops])
                     # CPU: as original_size
                     out["crop_top_left"] = torch.tensor([c.crop_top_left for _, c in crops])
                 if random_flip:
-                    out["latent_params_flipped"] = vae.encode(pixels.flip(-1)).latent_dist.parameters.cpu()
+                    flipped = family.latent_distribution(vae, pixels.flip(-1)).parameters
+                    out["latent_params_flipped"] = flipped.cpu()
                 if random_flip and family.uses_time_ids:
                     # the same crop seen in the flipped image, as live training records it
                     # CPU: written to the cache file, as original_size

@@ -20,7 +20,9 @@ import torch
 
 from .cache import CachedOutputs, precompute_frozen_outputs
 from .distributed import log_rank_zero
-from .families import Family, time_ids
+from .families import Family
+from .families.sdxl import time_ids
+from .pretrained import CheckpointError
 from .recipe import load_frozen_component, weight_dtype
 from .testing import fault_point
 from .zero3 import is_zero3_enabled
@@ -39,7 +41,7 @@ class FrozenInputs:
         models: dict[str, Any],
         cache: CachedOutputs | None,
         *,
-        vae_config: dict,
+        normalize_latents,
         dtype: torch.dtype,
         resolution: int,
         random_flip: bool,
@@ -49,8 +51,7 @@ class FrozenInputs:
         self.family = family
         self.models = models  # name -> FrozenModel, or None when cached
         self.cache = cache
-        self.scaling_factor = vae_config["scaling_factor"]
-        self.shift_factor = vae_config.get("shift_factor")
+        self.normalize_latents = normalize_latents  # the family's, built from the VAE
         self.dtype = dtype
         self.resolution = resolution
         self.random_flip = random_flip
@@ -59,9 +60,10 @@ class FrozenInputs:
 
     @torch.no_grad()
     def __call__(self, batch: dict, device: torch.device) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
-        """``(latents, conditioning, time_ids)`` of a batch: latents scaled by the VAE's
-        factors, the family's conditioning (``encoder_hidden_states``, SDXL's ``text_embeds``),
-        and SDXL's ``time_ids`` (None for families without them)."""
+        """``(latents, conditioning, time_ids)`` of a batch: latents normalised as the family
+        says (scale and shift, per-channel statistics), the family's conditioning
+        (``encoder_hidden_states``, pooled embeddings, masks; SDXL's ``time_ids`` too), and
+        SDXL's ``time_ids`` alone (None for families without them)."""
         cached: dict[str, torch.Tensor] = {}
         if self.cache is not None:
             # CPU: the flip picks rows of the cache, which is read on the CPU
@@ -72,11 +74,10 @@ class FrozenInputs:
             latents = cached["latents"].to(device)
             sizes, crops = cached.get("original_size"), cached.get("crop_top_left")
         else:
-            latents = vae.encode(batch["pixel_values"].to(device, vae.dtype)).latent_dist.sample()
+            pixels = batch["pixel_values"].to(device, vae.dtype)
+            latents = self.family.latent_distribution(vae, pixels).sample()
             sizes, crops = batch.get("original_size"), batch.get("crop_top_left")
-        if self.shift_factor is not None:
-            latents = latents - self.shift_factor
-        latents = (latents * self.scaling_factor).to(self.dtype)
+        latents = self.normalize_latents(latents).to(self.dtype)
         outputs = {k: v for k, v in cached.items() if k not in ("latents", "original_size", "crop_top_left")}
         live = {spec.name: self.models[spec.name] for spec in self.family.text_encoders}
         if any(encoder is not None for encoder in live.values()):
@@ -86,6 +87,7 @@ class FrozenInputs:
         ids = None
         if self.family.uses_time_ids:
             ids = time_ids(sizes.to(device), crops.to(device), self.resolution).to(self.dtype)
+            cond["time_ids"] = ids
         return latents, cond, ids
 
     @contextlib.contextmanager
@@ -128,7 +130,11 @@ def conditioning_on(
     T5): every output is moved to ``device`` before they meet.
     """
     moved = {k: v.to(device) for k, v in outputs.items()}
-    return {k: v.to(device, dtype) for k, v in family.conditioning(moved).items()}
+    # Masks and ids keep their integer dtypes; embeddings take the training dtype.
+    return {
+        k: v.to(device, dtype) if v.is_floating_point() else v.to(device)
+        for k, v in family.conditioning(moved).items()
+    }
 
 
 def cache_placement() -> str:
@@ -155,7 +161,7 @@ def place_frozen_models(
     seed: int = 0,
     batch_size: int = 8,
     variant: str | None = None,
-    vae_source: str | os.PathLike | None = None,
+    component_sources: dict[str, str | os.PathLike] | None = None,
     max_sequence_length: int | None = None,
 ) -> FrozenInputs:
     """Load and place a family's frozen models, one placement each. Collective: every rank.
@@ -166,7 +172,8 @@ def place_frozen_models(
     with ``tokenizers`` and ``max_sequence_length`` T5 tokens, into ``cache_dir``) and are then
     freed; under ZeRO-3 they are loaded partitioned and run sharded for this (a T5-XXL is never
     whole on every rank), otherwise as replicas. The VAE runs in fp32 where the family says
-    so; ``vae_source`` is a VAE folder to use instead of ``source/vae``.
+    so. ``component_sources`` maps a component to a folder that holds it instead of
+    ``source/<name>`` (``--component NAME=PATH``, e.g. a separately supplied text encoder).
 
     Example:
         >>> family = detect_family(source)
@@ -177,9 +184,9 @@ def place_frozen_models(
     source = Path(source)
     dtype = weight_dtype(accelerator)
     sources = {name: (source, name) for name in family.frozen_components}
-    if vae_source is not None:
-        vae_folder = Path(vae_source)
-        sources["vae"] = (vae_folder.parent, vae_folder.name)
+    for name, folder in (component_sources or {}).items():
+        if name in sources:
+            sources[name] = (Path(folder).parent, Path(folder).name)
     live = {}
     for name in family.frozen_components:
         placement = placements.get(name) or "replicate"
@@ -195,6 +202,11 @@ def place_frozen_models(
         )
         note = f" (to encode the cache as {live[name].placement})" if placement == "cache" else ""
         log_rank_zero(live[name].describe() + note)
+    vae_folder, vae_sub = sources["vae"]
+    # Built from the live VAE before a cached one is freed (a family's statistics may be weights).
+    normalize_latents = family.latent_normalizer(
+        family.component_class("vae").load_config(vae_folder / vae_sub), live["vae"].module
+    )
     cached = [n for n in family.frozen_components if placements.get(n) == "cache"]
     cache = None
     if cached:
@@ -218,17 +230,47 @@ def place_frozen_models(
         for name in cached:  # training holds none of their weights
             live[name].release()
             live[name] = None
-    from diffusers import AutoencoderKL
-
-    vae_folder, vae_sub = sources["vae"]
     return FrozenInputs(
         family,
         live,
         cache,
-        vae_config=AutoencoderKL.load_config(vae_folder / vae_sub),
+        normalize_latents=normalize_latents,
         dtype=dtype,
         resolution=resolution,
         random_flip=random_flip,
         sources=sources,
         variant=variant,
     )
+
+
+def resolve_component_sources(
+    family: Family,
+    source: str | os.PathLike,
+    overrides: dict[str, str],
+    revision: str | None = None,
+    cache_dir: str | None = None,
+) -> dict[str, Path]:
+    """The local folder of every overridden component (``--component NAME=PATH``: a folder or
+    hub id that holds that component itself), checked so that each component the family needs
+    is found before anything loads.
+
+    A text encoder given from elsewhere brings its tokenizer along when the pipeline folder
+    has none (HiDream's Llama: one folder holds both). Raises ``CheckpointError`` naming a
+    component that is in neither place.
+    """
+    from .pretrained import resolve_model_folder
+
+    sources = {
+        name: resolve_model_folder(path, None, revision, cache_dir) for name, path in overrides.items()
+    }
+    source = Path(source)
+    for spec in family.text_encoders:
+        if spec.name in sources and spec.tokenizer not in sources and not (source / spec.tokenizer).is_dir():
+            if (sources[spec.name] / "tokenizer_config.json").is_file():
+                sources[spec.tokenizer] = sources[spec.name]
+    for name in (family.denoiser, *family.frozen_components, *family.tokenizer_folders):
+        if name not in sources and not (source / name).is_dir():
+            raise CheckpointError(
+                f"{source} has no {name} folder: give it with --component {name}=PATH (a folder or hub id)"
+            )
+    return sources

@@ -212,14 +212,18 @@ def save_final_pipeline(
     readme: str = "",
     denoiser_name: str = "unet",
     component_sources: dict[str, str | os.PathLike] | None = None,
+    index_entries: dict[str, list] | None = None,
 ) -> None:
     """Write the trained pipeline into ``output_dir``. Collective: call on every rank.
 
     The denoiser (``unet``; the EMA average when ``ema`` is given) is streamed from its
     partitions by ``save_pretrained_zero3``: no rank builds the whole model. Every other
     component of the source pipeline (text encoders, VAE, tokenizers, scheduler, ...) is
-    unchanged and copied from ``source_folder``, or from ``component_sources[name]`` (e.g.
-    a VAE given with ``--pretrained_vae_model_name_or_path``).
+    unchanged and copied from ``source_folder``, or from ``component_sources[name]`` (a folder
+    that holds that component: ``--component NAME=PATH``). ``index_entries`` set
+    ``model_index.json`` entries (``[library, class]``) for components the source's index
+    leaves empty (HiDream's separately supplied Llama encoder and tokenizer), so that the
+    output loads with ``from_pretrained`` alone.
 
     Everything is first written into a staging folder ``output_dir/.tmp-pipeline-*``; a
     failure there (on any rank) leaves a previous output in ``output_dir`` exactly as it was
@@ -231,6 +235,9 @@ def save_final_pipeline(
     source = Path(source_folder)
     check_output_dir(out, source)
     components = pipeline_components(source)
+    index = json.loads((source / "model_index.json").read_text())
+    for name, entry in (index_entries or {}).items():
+        components[name] = index[name] = list(entry)
     sources = {name: source / name for name in components}
     sources.update({k: Path(v) for k, v in (component_sources or {}).items()})
     # Staged in OUTPUT_DIR/.tmp-pipeline-*, then swapped into OUTPUT_DIR by rank 0.
@@ -245,7 +252,10 @@ def save_final_pipeline(
                     shutil.copytree(sources[name], staging / name)
             if readme:
                 (staging / "README.md").write_text(readme)
-            (staging / "model_index.json").write_text((source / "model_index.json").read_text())
+            text = (source / "model_index.json").read_text()  # as it was, unless entries were set
+            if index_entries:
+                text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+            (staging / "model_index.json").write_text(text)
 
 
 def _swap_into(staging: Path, out: Path) -> None:

@@ -93,8 +93,8 @@ def build_on_meta(library: str, class_name: str, config: dict) -> torch.nn.Modul
         if library == "transformers":
             config_cls = cls.config_class
             known = {k: v for k, v in config.items() if not k.startswith("_")}
-            if "text_config" in known and hasattr(config_cls, "sub_configs"):
-                known = known["text_config"]  # a CLIP config saved whole
+            if "text_config" in known and "text_config" not in getattr(config_cls, "sub_configs", {}):
+                known = known["text_config"]  # a whole CLIP config saved for a CLIP text model
             return cls(config_cls(**known))
         return cls.from_config(config)
 
@@ -273,8 +273,8 @@ def cache_bytes_per_image(
         module = comp.meta_module()
         with torch.no_grad():
             if comp.name == "vae":
-                pixels = torch.zeros(1, module.config.in_channels, resolution, resolution, device="meta")
-                outputs = {"latent_params": module.encode(pixels).latent_dist.parameters}
+                pixels = torch.zeros(1, 3, resolution, resolution, device="meta")
+                outputs = {"latent_params": family.latent_distribution(module, pixels).parameters}
             else:
                 ids = torch.zeros(1, sequence_length, dtype=torch.long, device="meta")
                 outputs = family.encode_text(comp.name, module, ids)

@@ -93,23 +93,33 @@ def accelerator_from_args(args):
     )
 
 
-def load_trainable_denoiser(accelerator, source: str | Path, family=None, variant: str | None = None):
-    """The denoiser to train (the family's ``unet``): straight into ZeRO-3 partitions under
-    ZeRO-3 (with bucket sizes filled in from its shapes), else a whole ``from_pretrained``.
-    Call on every rank."""
+def load_trainable_denoiser(
+    accelerator,
+    source: str | Path,
+    family=None,
+    variant: str | None = None,
+    folder: str | Path | None = None,
+):
+    """The denoiser to train (the family's ``unet`` or ``transformer``, from ``folder`` when
+    given, else ``source/<denoiser>``): straight into ZeRO-3 partitions under ZeRO-3 (with
+    bucket sizes filled in from its shapes, mixture-of-experts blocks as leaf modules), else a
+    whole ``from_pretrained``. Call on every rank."""
     from .families import SD
 
     family = family or SD
     cls = family.denoiser_cls()
+    parent, sub = (
+        (Path(folder).parent, Path(folder).name) if folder is not None else (source, family.denoiser)
+    )
     if is_zero3_enabled():
-        model = load_pretrained_zero3(cls, source, family.denoiser, accelerator=accelerator, variant=variant)
+        model = load_pretrained_zero3(cls, parent, sub, accelerator=accelerator, variant=variant)
         set_moe_leaf_modules(model)  # validation runs it in eval mode, where MoE routes by data
         plugin = accelerator.state.deepspeed_plugin
         if plugin is not None:
             fill_auto_bucket_sizes(plugin.deepspeed_config, model)
     else:
         with zero3_init_disabled():
-            model = cls.from_pretrained(source, subfolder=family.denoiser, variant=variant)
+            model = cls.from_pretrained(parent, subfolder=sub, variant=variant)
     model.train()
     return model
 

@@ -20,6 +20,7 @@ import torch
 from .args import (
     ArgumentError,
     check_resolution,
+    component_overrides,
     validate_args,
     validate_family,
     validate_launch,
@@ -37,7 +38,7 @@ from .ds_config import fill_auto_bucket_sizes
 from .ema import ShardedEMA
 from .families import detect_family
 from .folders import remove_interrupted_writes
-from .frozen_inputs import place_frozen_models
+from .frozen_inputs import place_frozen_models, resolve_component_sources
 from .lora import LORA_WEIGHT_NAME, add_lora_adapters, save_lora_zero3
 from .memory import MIB, MemoryLog, model_state_bytes, return_large_frees_to_os
 from .pipeline_io import (
@@ -62,13 +63,7 @@ from .schedule import (
     updates_per_epoch,
 )
 from .testing import fault_point
-from .training import (
-    diffusion_loss,
-    flow_matching_loss,
-    sample_noise,
-    sample_timesteps,
-    timestep_bias_weights,
-)
+from .training import ObjectiveSettings, timestep_bias_weights
 from .zero3 import share_fp32_master_weights
 
 logger = logging.getLogger("diffusers_zero3.text_to_image")
@@ -116,12 +111,12 @@ class TextToImageTrainer:
         pipeline_components(self.source)  # a readable model_index.json with plain component names
         self.family = detect_family(self.source)
         validate_family(args, self.family)
-        self.vae_source = None
-        if args.pretrained_vae_model_name_or_path is not None:
-            self.vae_source = resolve_model_folder(
-                args.pretrained_vae_model_name_or_path, None, args.revision, args.cache_dir
-            )
-        check_resolution(args.resolution, self.family, self.vae_source or Path(self.source) / "vae")
+        self.component_sources = resolve_component_sources(
+            self.family, self.source, component_overrides(args), args.revision, args.cache_dir
+        )
+        check_resolution(
+            args.resolution, self.family, self.component_sources.get("vae", Path(self.source) / "vae")
+        )
         self.accelerator = acc = accelerator_from_args(args)
         try:
             self.plan = resolve_auto_placements(args, self.source, acc, fixed_data=self.cacheable_data)
@@ -168,8 +163,22 @@ class TextToImageTrainer:
                 args.timestep_bias_portion,
             )
         )
-        self.tokenizers = self.family.load_tokenizers(src)
-        self.denoiser = load_trainable_denoiser(self.accelerator, src, self.family, args.variant)
+        self.objective_settings = ObjectiveSettings(
+            snr_gamma=args.snr_gamma,
+            noise_offset=args.noise_offset,
+            input_perturbation=args.input_perturbation,
+            dream_detail_preservation=args.dream_detail_preservation if args.dream_training else None,
+            timestep_weights=self.timestep_weights,
+            weighting_scheme=self.weighting_scheme,
+            logit_mean=args.logit_mean,
+            logit_std=args.logit_std,
+            mode_scale=args.mode_scale,
+            guidance_scale=args.guidance_scale,
+        )
+        self.tokenizers = self.family.load_tokenizers(src, self.component_sources)
+        self.denoiser = load_trainable_denoiser(
+            self.accelerator, src, self.family, args.variant, self.component_sources.get(self.family.denoiser)
+        )
         if args.rank is not None:
             targets = args.lora_layers.split(",") if args.lora_layers else self.family.lora_target_modules
             adapters = add_lora_adapters(
@@ -245,7 +254,7 @@ class TextToImageTrainer:
             seed=args.seed or 0,
             batch_size=args.train_batch_size,
             variant=args.variant,
-            vae_source=self.vae_source,
+            component_sources=self.component_sources,
             max_sequence_length=args.max_sequence_length,
         )
         if self.frozen.cache is not None:
@@ -343,38 +352,8 @@ class TextToImageTrainer:
     # ------------------------------------------------------------------ training
 
     def _loss(self, batch: dict) -> torch.Tensor:
-        args = self.args
-        latents, cond, time_ids = self.frozen(batch, self.accelerator.device)
-        if self.family.flow_matching:
-            return flow_matching_loss(
-                lambda noisy, t: self.family.predict(
-                    self.denoiser, noisy, t, cond, guidance_scale=args.guidance_scale
-                ),
-                self.noise_scheduler,
-                latents,
-                torch.randn_like(latents),
-                weighting_scheme=self.weighting_scheme,
-                logit_mean=args.logit_mean,
-                logit_std=args.logit_std,
-                mode_scale=args.mode_scale,
-            )
-        noise = sample_noise(latents, args.noise_offset)
-        perturbation = torch.randn_like(noise) if args.input_perturbation else None
-        n_steps = self.noise_scheduler.config.num_train_timesteps
-        timesteps = sample_timesteps(latents.shape[0], n_steps, latents.device, self.timestep_weights)
-        return diffusion_loss(
-            self.denoiser,
-            self.noise_scheduler,
-            latents,
-            cond["encoder_hidden_states"],
-            noise,
-            timesteps,
-            snr_gamma=args.snr_gamma,
-            input_perturbation=args.input_perturbation,
-            perturbation=perturbation,
-            dream_detail_preservation=args.dream_detail_preservation if args.dream_training else None,
-            denoiser_kwargs=self.family.denoiser_kwargs(cond, time_ids),
-        )
+        latents, cond, _ = self.frozen(batch, self.accelerator.device)
+        return self.family.loss(self.denoiser, self.noise_scheduler, latents, cond, self.objective_settings)
 
     def train(self) -> list[float]:
         """The training loop; returns the logged per-step losses (all ranks call it)."""
@@ -525,6 +504,22 @@ class TextToImageTrainer:
             self._log_images(images)
             log_rank_zero(f"validation images: {path}")
 
+    def _index_entries(self) -> dict[str, list]:
+        """``model_index.json`` entries for components given with ``--component`` that the
+        source's index leaves empty (``[null, null]``), so the output loads on its own."""
+        index = pipeline_components(self.source)
+        entries = {}
+        tokenizer_of = {spec.tokenizer: spec.name for spec in self.family.text_encoders}
+        for name in self.component_sources:
+            if index.get(name, [None])[0] is not None:
+                continue
+            if name in tokenizer_of:
+                tokenizer = self.tokenizers[tokenizer_of[name]]
+                entries[name] = [type(tokenizer).__module__.split(".")[0], type(tokenizer).__name__]
+            else:
+                entries[name] = list(self.family.component_library(name))
+        return entries
+
     def _log_images(self, images) -> None:
         import numpy as np
 
@@ -568,7 +563,8 @@ class TextToImageTrainer:
             ema=self.ema,
             readme=card,
             denoiser_name=self.family.denoiser,
-            component_sources={"vae": self.vae_source} if self.vae_source is not None else None,
+            component_sources=self.component_sources,
+            index_entries=self._index_entries(),
         )
         finish_trackers(self.accelerator)
         log_rank_zero(

@@ -1,10 +1,17 @@
-"""The text-to-image training objectives: DDPM noise prediction (UNets) and flow matching (SD3, Flux).
+"""The training objectives: DDPM noise prediction (the UNets) and flow matching (the transformers).
 
-Same maths as diffusers' ``examples/text_to_image/train_text_to_image.py``: noise offset,
-input perturbation, epsilon / v-prediction targets, and Min-SNR-gamma loss weighting.
+Same maths as diffusers' ``examples/text_to_image/train_text_to_image.py`` (noise offset,
+input perturbation, epsilon / v-prediction targets, Min-SNR-gamma loss weighting, DREAM) and
+its SD3 / Flux scripts (timestep densities and loss weightings). Both objectives have one
+signature, ``objective.loss(predict, latents)``, where ``predict(noisy, timesteps)`` is the
+family's denoiser call; a family picks its objective (``Family.objective``) and the trainer
+calls ``family.loss(...)`` whatever the family.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -91,10 +98,9 @@ def diffusion_target(
 
 
 def diffusion_loss(
-    unet,
+    predict,
     noise_scheduler,
     latents: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
     noise: torch.Tensor,
     timesteps: torch.Tensor,
     *,
@@ -103,16 +109,15 @@ def diffusion_loss(
     input_perturbation: float = 0.0,
     perturbation: torch.Tensor | None = None,
     dream_detail_preservation: float | None = None,
-    denoiser_kwargs: dict | None = None,
 ) -> torch.Tensor:
     """The denoising loss of one batch (mean over the batch).
 
-    ``latents`` are already scaled by the VAE's ``scaling_factor``. ``perturbation`` is the
-    extra noise of ``--input_perturbation`` (drawn by the caller, so that runs are
-    reproducible). ``dream_detail_preservation`` turns on DREAM (arXiv:2312.00210): one
-    extra no-grad UNet forward (every rank makes it, so ZeRO-3 stays in lockstep).
-    ``denoiser_kwargs`` go to the UNet call (a family's extra conditioning, e.g. SDXL's
-    ``added_cond_kwargs``).
+    ``predict(noisy_latents, timesteps)`` calls the denoiser (a family's ``predict``) and
+    returns its prediction in the latents' shape. ``latents`` are already normalised (the
+    VAE's ``scaling_factor``). ``perturbation`` is the extra noise of ``--input_perturbation``
+    (drawn by the caller, so that runs are reproducible). ``dream_detail_preservation`` turns
+    on DREAM (arXiv:2312.00210) through diffusers' own helper: one extra no-grad denoiser
+    forward (every rank makes it, so ZeRO-3 stays in lockstep).
     """
     if prediction_type is not None:
         noise_scheduler.register_to_config(prediction_type=prediction_type)
@@ -124,19 +129,15 @@ def diffusion_loss(
     if dream_detail_preservation is not None:
         from diffusers.training_utils import compute_dream_and_update_latents
 
+        # diffusers' helper calls ``unet(noisy, timesteps, states).sample``: the family's call
+        # stands in for it, with its own conditioning already bound.
+        def unet(noisy, t, _states):
+            return SimpleNamespace(sample=predict(noisy, t))
+
         noisy_latents, target = compute_dream_and_update_latents(
-            unet,
-            noise_scheduler,
-            timesteps,
-            noise,
-            noisy_latents,
-            target,
-            encoder_hidden_states,
-            dream_detail_preservation,
+            unet, noise_scheduler, timesteps, noise, noisy_latents, target, None, dream_detail_preservation
         )
-    model_pred = unet(
-        noisy_latents, timesteps, encoder_hidden_states, return_dict=False, **(denoiser_kwargs or {})
-    )[0]
+    model_pred = predict(noisy_latents, timesteps)
     if snr_gamma is None:
         return F.mse_loss(model_pred.float(), target.float(), reduction="mean")
     snr = compute_snr(noise_scheduler, timesteps)
@@ -193,3 +194,69 @@ def flow_matching_loss(
     target = noise - latents
     error = (weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(n, -1)
     return error.mean(dim=1).mean()
+
+
+@dataclass(frozen=True)
+class ObjectiveSettings:
+    """The objective's flags (diffusers' names): the DDPM ones apply to the UNet families, the
+    flow-matching ones to the transformers; ``guidance_scale`` is the guidance input of a
+    guidance-distilled transformer."""
+
+    snr_gamma: float | None = None
+    noise_offset: float = 0.0
+    input_perturbation: float = 0.0
+    dream_detail_preservation: float | None = None  # None: no DREAM
+    timestep_weights: torch.Tensor | None = None  # --timestep_bias_*: timestep_bias_weights
+    weighting_scheme: str = "none"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    guidance_scale: float | None = None
+
+
+class DDPMObjective:
+    """Noise (or velocity) prediction at uniform (or biased) DDPM timesteps."""
+
+    def __init__(self, noise_scheduler, settings: ObjectiveSettings):
+        self.noise_scheduler = noise_scheduler
+        self.settings = settings
+
+    def loss(self, predict, latents: torch.Tensor) -> torch.Tensor:
+        """Draw noise, its perturbation and timesteps (this rank's RNG), then ``diffusion_loss``."""
+        s = self.settings
+        noise = sample_noise(latents, s.noise_offset)
+        perturbation = torch.randn_like(noise) if s.input_perturbation else None
+        n_steps = self.noise_scheduler.config.num_train_timesteps
+        timesteps = sample_timesteps(latents.shape[0], n_steps, latents.device, s.timestep_weights)
+        return diffusion_loss(
+            predict,
+            self.noise_scheduler,
+            latents,
+            noise,
+            timesteps,
+            snr_gamma=s.snr_gamma,
+            input_perturbation=s.input_perturbation,
+            perturbation=perturbation,
+            dream_detail_preservation=s.dream_detail_preservation,
+        )
+
+
+class FlowMatchingObjective:
+    """Rectified flow at the scheduler's sigmas (``flow_matching_loss``)."""
+
+    def __init__(self, noise_scheduler, settings: ObjectiveSettings):
+        self.noise_scheduler = noise_scheduler
+        self.settings = settings
+
+    def loss(self, predict, latents: torch.Tensor) -> torch.Tensor:
+        s = self.settings
+        return flow_matching_loss(
+            predict,
+            self.noise_scheduler,
+            latents,
+            torch.randn_like(latents),
+            weighting_scheme=s.weighting_scheme,
+            logit_mean=s.logit_mean,
+            logit_std=s.logit_std,
+            mode_scale=s.mode_scale,
+        )

@@ -1,5 +1,5 @@
-"""A complete custom ZeRO-3 fine-tuning loop (SD or SDXL): load, place, prepare, train, EMA,
-save, sample. Run on N ranks:
+"""A complete custom ZeRO-3 fine-tuning loop (any family: SD, SDXL, SD3, Flux, ...): load,
+place, prepare, train, EMA, save, sample. Run on N ranks:
 
     accelerate launch --config_file configs/accelerate_zero3.yaml --num_processes 2 \\
         examples/custom_training_loop.py PIPELINE_FOLDER IMAGEFOLDER OUTPUT_DIR
@@ -8,7 +8,7 @@ save, sample. Run on N ranks:
 import sys
 
 import torch
-from diffusers import DDPMScheduler, DiffusionPipeline
+from diffusers import DiffusionPipeline
 
 from diffusers_zero3 import ShardedEMA, build_accelerator, is_main_process, log_rank_zero
 from diffusers_zero3.data import ImageCaptionDataset, collate, load_image_caption_dataset
@@ -17,14 +17,14 @@ from diffusers_zero3.families import detect_family
 from diffusers_zero3.frozen_inputs import place_frozen_models
 from diffusers_zero3.pipeline_io import save_final_pipeline
 from diffusers_zero3.recipe import load_trainable_denoiser
-from diffusers_zero3.training import diffusion_loss, sample_noise, sample_timesteps
+from diffusers_zero3.training import ObjectiveSettings
 
 
 def main(source: str, data_dir: str, output_dir: str, steps: int = 4) -> None:
     accelerator = build_accelerator()  # every rank; CPU (gloo) or GPU
-    family = detect_family(source)  # SD or SDXL, from model_index.json
+    family = detect_family(source)  # from model_index.json
     tokenizers = family.load_tokenizers(source)
-    scheduler = DDPMScheduler.from_pretrained(source, subfolder="scheduler")
+    scheduler = family.noise_scheduler_class().from_pretrained(source, subfolder="scheduler")
     unet = load_trainable_denoiser(accelerator, source, family)  # straight into ZeRO-3 partitions
 
     dataset = load_image_caption_dataset(train_data_dir=data_dir)
@@ -45,11 +45,9 @@ def main(source: str, data_dir: str, output_dir: str, steps: int = 4) -> None:
     step = 0
     while step < steps:
         for batch in loader:
-            latents, cond, time_ids = frozen(batch, accelerator.device)  # every rank, every batch
-            noise = sample_noise(latents)
-            t = sample_timesteps(len(latents), scheduler.config.num_train_timesteps, latents.device)
-            loss = diffusion_loss(unet, scheduler, latents, cond["encoder_hidden_states"], noise, t,
-                                  denoiser_kwargs=family.denoiser_kwargs(cond, time_ids))  # fmt: skip
+            latents, cond, _ = frozen(batch, accelerator.device)  # every rank, every batch
+            # The family's objective (DDPM or flow matching) and denoiser call, one signature.
+            loss = family.loss(unet, scheduler, latents, cond, ObjectiveSettings())
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()

@@ -1,16 +1,12 @@
 #!/usr/bin/env bash
 # `make train`: the embedded default. A tiny pipeline and a captioned shapes dataset are
-# generated locally (once), then the UNet is fine-tuned under DeepSpeed ZeRO-3 on 2 CPU
-# processes (gloo; one process per GPU on a CUDA host) with EMA, sharded frozen models,
-# checkpoints and validation images.
-# No network is used.
-#   MODEL=sd   (default) Stable Diffusion architecture, text encoder sharded.
-#   MODEL=sdxl SDXL architecture (two text encoders, text_encoder_2 sharded, the VAE cached),
-#              on images of varied sizes (SDXL's size and crop conditioning).
-#   MODEL=flux Flux.1 architecture (flow matching, packed latents, guidance embedding): the T5
-#              encoder (text_encoder_2) sharded, CLIP replicated, 32 T5 tokens.
-#   MODEL=sd3  SD3 architecture (two CLIPs and a T5): the T5 (text_encoder_3) cached, encoded
-#              sharded and freed; the VAE cached too.
+# generated locally (once), then the denoiser is fine-tuned under DeepSpeed ZeRO-3 on 2 CPU
+# processes (gloo; one process per GPU on a CUDA host) with EMA, placed frozen models,
+# checkpoints and validation images. No network is used.
+#   MODEL=sd (default), sdxl, sd3, flux, ...: a family's short name (diffusers_zero3.families);
+#   each family's module says which placements its default run uses (default_run_args), e.g.
+#   SD's text encoder sharded, SDXL's text_encoder_2 sharded and VAE cached (on images of
+#   varied sizes), Flux's T5 sharded, SD3's T5 and VAE cached.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -20,20 +16,11 @@ MODEL=${MODEL:-sd}
 # (diffusers_zero3/launch.py; NUM_PROCESSES=N overrides).
 SETTINGS=$($PYTHON -m diffusers_zero3.launch)
 eval "$SETTINGS"
-$PYTHON -m diffusers_zero3.demo "$OUT" --model "$MODEL"
-case "$MODEL" in
-  sd) PIPE="$OUT/tiny-sd"; DATA="$OUT/shapes"; RUN="$OUT/run"
-      PLACEMENTS=(--text_encoder_placement shard --vae_placement replicate) ;;
-  sdxl) PIPE="$OUT/tiny-sdxl"; DATA="$OUT/shapes-varied"; RUN="$OUT/run-sdxl"
-      PLACEMENTS=(--text_encoder_placement replicate --text_encoder_2_placement shard --vae_placement cache) ;;
-  flux) PIPE="$OUT/tiny-flux"; DATA="$OUT/shapes"; RUN="$OUT/run-flux"
-      PLACEMENTS=(--text_encoder_placement replicate --text_encoder_2_placement shard --vae_placement replicate
-                  --max_sequence_length 32) ;;
-  sd3) PIPE="$OUT/tiny-sd3"; DATA="$OUT/shapes"; RUN="$OUT/run-sd3"
-      PLACEMENTS=(--text_encoder_placement replicate --text_encoder_2_placement replicate
-                  --text_encoder_3_placement cache --vae_placement cache --max_sequence_length 32) ;;
-  *) echo "error: MODEL must be sd, sdxl, flux or sd3, got '$MODEL'" >&2; exit 2 ;;
-esac
+# PIPE, DATA and RUN_ARGS (the family's placements); an unknown MODEL is one error line.
+DEFAULT=$($PYTHON -m diffusers_zero3.demo "$OUT" --model "$MODEL" --shell) || exit 2
+eval "$DEFAULT"
+RUN="$OUT/run-$MODEL"
+[ "$MODEL" = sd ] && RUN="$OUT/run"
 $PYTHON -m accelerate.commands.launch --config_file configs/accelerate_zero3.yaml --num_processes "$NUM_PROCESSES" \
   scripts/train_text_to_image.py \
   --pretrained_model_name_or_path "$PIPE" \
@@ -42,7 +29,7 @@ $PYTHON -m accelerate.commands.launch --config_file configs/accelerate_zero3.yam
   --resolution 32 --center_crop --random_flip \
   --train_batch_size 8 --max_train_steps 120 \
   --learning_rate 1e-3 --lr_scheduler constant --lr_warmup_steps 0 \
-  --use_ema "${PLACEMENTS[@]}" \
+  --use_ema "${RUN_ARGS[@]}" \
   --checkpointing_steps 60 --checkpoints_total_limit 2 \
   --validation_prompts "a red circle" "a blue square" "a green circle" "a yellow square" \
   --validation_epochs 15 --num_validation_inference_steps 20 \

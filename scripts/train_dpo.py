@@ -167,21 +167,20 @@ class DPOTrainer(TextToImageTrainer):
 
     def _loss(self, batch: dict) -> torch.Tensor:
         args = self.args
-        latents, cond, time_ids = self.frozen(batch, self.accelerator.device)  # 2B latents, B conditions
-        cond = {k: torch.cat([v, v]) for k, v in cond.items()}
+        latents, cond, _ = self.frozen(batch, self.accelerator.device)  # 2B latents, B conditions
+        # Each caption conditions both images of its pair; SDXL's time_ids are per image already.
+        cond = {k: v if k == "time_ids" else torch.cat([v, v]) for k, v in cond.items()}
         pairs = latents.shape[0] // 2
         noise = sample_noise(latents[:pairs], args.noise_offset).repeat(2, 1, 1, 1)  # the same for both
         n_steps = self.noise_scheduler.config.num_train_timesteps
         timesteps = sample_timesteps(pairs, n_steps, latents.device, self.timestep_weights).repeat(2)
         noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
         target = diffusion_target(self.noise_scheduler, latents, noise, timesteps)
-        kwargs = self.family.denoiser_kwargs(cond, time_ids)
-        states = cond["encoder_hidden_states"]
         with torch.no_grad(), self._reference_context():  # every rank, once per micro-batch
             reference = self.reference if self.reference is not None else self.denoiser
-            ref_pred = reference(noisy, timesteps, states, return_dict=False, **kwargs)[0]
+            ref_pred = self.family.predict(reference, noisy, timesteps, cond)
             ref_losses = (ref_pred.float() - target.float()).pow(2).mean(dim=[1, 2, 3])
-        pred = self.denoiser(noisy, timesteps, states, return_dict=False, **kwargs)[0]
+        pred = self.family.predict(self.denoiser, noisy, timesteps, cond)
         model_losses = (pred.float() - target.float()).pow(2).mean(dim=[1, 2, 3])
         loss, self.batch_metrics = dpo_loss(model_losses, ref_losses, args.beta_dpo, args.loss_type)
         return loss

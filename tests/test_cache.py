@@ -60,9 +60,15 @@ def worker_cache(pipe_dir: str, data_dir: str, cache_dir: str):
     noise = torch.randn(live_latents.shape, generator=torch.Generator().manual_seed(1))
     t = torch.tensor([1, 100, 300, 600, 999])
     with torch.no_grad():
-        live = diffusion_loss(unet, scheduler, live_latents, live_states, noise, t)
+        live = diffusion_loss(
+            lambda x, ts: unet(x, ts, live_states).sample, scheduler, live_latents, noise, t
+        )
         from_cache = diffusion_loss(
-            unet, scheduler, cached["latents"] * sf, cached["encoder_hidden_states"], noise, t
+            lambda x, ts: unet(x, ts, cached["encoder_hidden_states"]).sample,
+            scheduler,
+            cached["latents"] * sf,
+            noise,
+            t,
         )
     torch.testing.assert_close(from_cache, live)
 

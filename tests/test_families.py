@@ -249,14 +249,15 @@ def test_objective_matches_diffusers_training_utils(tiny_pipeline, prediction_ty
                 alphas.sqrt().view(-1, 1, 1, 1) * noise - (1 - alphas).sqrt().view(-1, 1, 1, 1) * latents
             )
             torch.testing.assert_close(target, manual_v)
-        plain = diffusion_loss(unet, scheduler, latents, states, noise, t)
+        predict = lambda x, ts: unet(x, ts, states).sample  # noqa: E731
+        plain = diffusion_loss(predict, scheduler, latents, noise, t)
         torch.testing.assert_close(plain, F.mse_loss(pred, target))
 
         snr = compute_snr(scheduler, t)
         weights = torch.minimum(snr, torch.full_like(snr, 5.0))
         weights = weights / snr if prediction_type == "epsilon" else weights / (snr + 1)
         per_sample = F.mse_loss(pred, target, reduction="none").mean(dim=(1, 2, 3))
-        ours = diffusion_loss(unet, scheduler, latents, states, noise, t, snr_gamma=5.0)
+        ours = diffusion_loss(predict, scheduler, latents, noise, t, snr_gamma=5.0)
         torch.testing.assert_close(ours, (per_sample * weights).mean())
         assert not torch.allclose(ours, plain)
 
@@ -280,8 +281,9 @@ def test_noise_offset_input_perturbation_and_dream_match_diffusers(tiny_pipeline
         perturbation = torch.randn_like(noise)
         noisy = scheduler.add_noise(latents, noise + 0.1 * perturbation, t)
         expected = F.mse_loss(unet(noisy, t, states).sample, noise)
+        predict = lambda x, ts: unet(x, ts, states).sample  # noqa: E731
         got = diffusion_loss(
-            unet, scheduler, latents, states, noise, t, input_perturbation=0.1, perturbation=perturbation
+            predict, scheduler, latents, noise, t, input_perturbation=0.1, perturbation=perturbation
         )
         torch.testing.assert_close(got, expected)
 
@@ -291,7 +293,7 @@ def test_noise_offset_input_perturbation_and_dream_match_diffusers(tiny_pipeline
             unet, scheduler, t, noise, noisy, noise, states, 1.0
         )
         expected = F.mse_loss(unet(dream_latents, t, states).sample, dream_target)
-        got = diffusion_loss(unet, scheduler, latents, states, noise, t, dream_detail_preservation=1.0)
+        got = diffusion_loss(predict, scheduler, latents, noise, t, dream_detail_preservation=1.0)
         torch.testing.assert_close(got, expected)
 
 

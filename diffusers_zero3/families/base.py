@@ -1,0 +1,367 @@
+"""What every family answers, and the answers most families share.
+
+A ``Family`` is everything that differs between kinds of pipeline, in one object: its
+components (the trained denoiser, each frozen text encoder with its tokenizer, the VAE, by
+library and class), how captions become token ids and attention masks (templates included),
+what each encoder's outputs are called and how they combine into the denoiser's conditioning,
+how images become normalised latents (scale and shift, per-channel mean and std, or the
+VAE's own statistics), the objective (DDPM noise prediction or flow matching) behind one
+signature, the denoiser call (packing, position ids, guidance), what its modules need under
+ZeRO-3, its pipeline class, a tiny pipeline built from configs and its published configs.
+
+Each family lives in a module of its own (``sd.py``, ``sdxl.py``, ...) as a subclass that
+overrides only what differs from the defaults here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# -------------------------------------------------------------------------------- components
+
+
+@dataclass(frozen=True)
+class TextEncoderSpec:
+    """A frozen text encoder of a family: its folder, class and tokenizer folder."""
+
+    name: str  # folder in the pipeline, e.g. "text_encoder_2"
+    model_class: str  # class name in ``library``
+    tokenizer: str  # tokenizer folder, e.g. "tokenizer_2"
+    input_key: str  # the batch key of its token ids, e.g. "input_ids_2"
+    uses_max_sequence_length: bool = False  # T5, LLMs: --max_sequence_length tokens, else the tokenizer's
+    library: str = "transformers"
+
+    @property
+    def mask_key(self) -> str:
+        """The batch key of its attention mask, e.g. ``attention_mask_2``."""
+        return self.input_key.replace("input_ids", "attention_mask")
+
+
+@dataclass(frozen=True)
+class PublishedConfig:
+    """A published pipeline's shapes, for the planner where there is no hub.
+
+    ``components`` maps each component folder to ``(library, class, config keys)``: the keys
+    that set parameter shapes (the others keep their library defaults, which equal the
+    published ones for shapes). ``note`` is said beside the plan (e.g. that a VLM encoder is
+    counted whole although only its text path runs).
+    """
+
+    hub_id: str
+    title: str
+    pipeline_class: str
+    components: dict[str, tuple[str, str, dict]]
+    note: str = ""
+
+
+# -------------------------------------------------------------------------------- latents
+
+
+class ScaleShift:
+    """Latent normalisation ``(latents - shift_factor) * scaling_factor`` (SD, SDXL, SD3, Flux)."""
+
+    def __init__(self, vae_config: dict):
+        self.scaling_factor = vae_config["scaling_factor"]
+        self.shift_factor = vae_config.get("shift_factor")
+
+    def __call__(self, latents: torch.Tensor) -> torch.Tensor:
+        if self.shift_factor is not None:
+            latents = latents - self.shift_factor
+        return latents * self.scaling_factor
+
+
+class ChannelMeanStd:
+    """Per-channel latent normalisation ``(latents - mean[c]) / std[c]`` (Wan's and Qwen-Image's
+    VAEs: ``latents_mean`` / ``latents_std`` in the config), over dimension 1 of latents of
+    any rank."""
+
+    def __init__(self, vae_config: dict):
+        self.mean = torch.tensor(vae_config["latents_mean"], dtype=torch.float32)  # CPU: moved per call
+        self.std = torch.tensor(vae_config["latents_std"], dtype=torch.float32)  # CPU: moved per call
+
+    def __call__(self, latents: torch.Tensor) -> torch.Tensor:
+        shape = (1, -1, *([1] * (latents.ndim - 2)))
+        mean = self.mean.to(latents.device, latents.dtype).view(shape)
+        std = self.std.to(latents.device, latents.dtype).view(shape)
+        return (latents - mean) / std
+
+
+# -------------------------------------------------------------------------------- families
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a training script needs to know about one kind of pipeline (see the module doc).
+
+    Subclasses override the methods whose rule differs; the fields say the rest.
+    """
+
+    name: str  # the short name: make train MODEL=<name>
+    pipeline_class: str
+    text_encoders: tuple[TextEncoderSpec, ...]
+    denoiser: str = "unet"
+    denoiser_class: str = "UNet2DConditionModel"
+    vae_class: str = "AutoencoderKL"
+    vae_in_fp32: bool = False  # SDXL's VAE overflows in fp16
+    uses_time_ids: bool = False
+    supports_dream: bool = True
+    flow_matching: bool = False  # flow matching with FlowMatchEulerDiscreteScheduler's sigmas
+    default_max_sequence_length: int = 77  # tokens of --max_sequence_length encoders, as diffusers' scripts
+    default_weighting_scheme: str = "none"  # flow matching's timestep density and loss weighting
+    # LoRA targets of diffusers' LoRA scripts for this family (--lora_layers overrides them)
+    lora_target_modules: tuple[str, ...] = ("to_k", "to_q", "to_v", "to_out.0")
+    title: str = ""  # e.g. "SD 1.x / 2.x", for tables
+    pipeline_kwargs: tuple[tuple[str, Any], ...] = ()  # constant extra arguments of the pipeline class
+    # `make train MODEL=<name>`: the placements (and family flags) of its default run
+    default_run_args: tuple[str, ...] = ()
+
+    # ------------------------------------------------------------------ components
+
+    @property
+    def frozen_components(self) -> tuple[str, ...]:
+        """Folders of the frozen models, each placed on its own: text encoders, then VAE."""
+        return (*(e.name for e in self.text_encoders), "vae")
+
+    @property
+    def tokenizer_folders(self) -> tuple[str, ...]:
+        return tuple(e.tokenizer for e in self.text_encoders)
+
+    def denoiser_cls(self):
+        import diffusers
+
+        return getattr(diffusers, self.denoiser_class)
+
+    def component_library(self, name: str) -> tuple[str, str]:
+        """``(library, class name)`` of a model folder of the family (denoiser, encoder, VAE)."""
+        if name == self.denoiser:
+            return "diffusers", self.denoiser_class
+        if name == "vae":
+            return "diffusers", self.vae_class
+        spec = self.text_encoder(name)
+        return spec.library, spec.model_class
+
+    def component_class(self, name: str):
+        """The class of a model folder of the family (``vae``, a text encoder, the denoiser)."""
+        import importlib
+
+        library, class_name = self.component_library(name)
+        return getattr(importlib.import_module(library), class_name)
+
+    def text_encoder(self, name: str) -> TextEncoderSpec:
+        for spec in self.text_encoders:
+            if spec.name == name:
+                return spec
+        raise KeyError(f"{self.name} has no text encoder {name!r}")
+
+    def component_dtype(self, name: str, weight_dtype: torch.dtype) -> torch.dtype:
+        """The dtype a frozen component runs in: the training dtype, except a VAE the family
+        keeps in fp32."""
+        return torch.float32 if name == "vae" and self.vae_in_fp32 else weight_dtype
+
+    def load_tokenizers(
+        self, source: str | os.PathLike, sources: dict[str, str | os.PathLike] | None = None
+    ) -> dict[str, Any]:
+        """``{encoder name: tokenizer}``: each from ``sources[tokenizer folder]`` when given (a
+        folder holding the tokenizer itself), else ``source/<tokenizer folder>``."""
+        sources = sources or {}
+        return {
+            e.name: self.load_tokenizer(
+                Path(sources[e.tokenizer]) if e.tokenizer in sources else Path(source) / e.tokenizer
+            )
+            for e in self.text_encoders
+        }
+
+    def load_tokenizer(self, folder: Path):
+        """One tokenizer folder (a family whose folder holds a processor loads its text part)."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(folder)
+
+    # ------------------------------------------------------------------ prompts
+
+    def sequence_length(
+        self, spec: TextEncoderSpec, tokenizer, max_sequence_length: int | None = None
+    ) -> int:
+        """Tokens per caption fed to one encoder: ``max_sequence_length`` (default: the
+        family's) for the encoders that take it (T5, LLMs), the tokenizer's own length (77 for
+        CLIP) otherwise."""
+        if spec.uses_max_sequence_length:
+            return max_sequence_length or self.default_max_sequence_length
+        return tokenizer.model_max_length
+
+    def tokenize(
+        self, tokenizers: dict[str, Any], captions: list[str], max_sequence_length: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Token ids and attention masks of ``captions`` for every encoder of ``tokenizers`` (any
+        subset of the family's, by encoder folder name), each padded to a fixed length (an
+        empty batch of that width for no captions), under ``spec.input_key`` and
+        ``spec.mask_key``. Fixed lengths let every row be cached alone; ``conditioning`` trims
+        what a family's pipeline would not have padded."""
+        out = {}
+        for spec in self.text_encoders:
+            if spec.name not in tokenizers:
+                continue
+            tok = tokenizers[spec.name]
+            length = self.token_length(spec, tok, max_sequence_length)
+            if not captions:  # a rank with no samples still calls the encoders (lockstep)
+                # CPU: like the tokenizer's ids; encode_texts moves ids to each encoder's device
+                out[spec.input_key] = torch.zeros(0, length, dtype=torch.long)
+                out[spec.mask_key] = torch.zeros(0, length, dtype=torch.long)  # CPU: as the ids
+                continue
+            encoded = tok(
+                [self.prompt_text(spec, c) for c in captions],
+                max_length=length,
+                padding="max_length",
+                truncation=True,
+                return_tensors="pt",
+            )
+            out[spec.input_key] = encoded.input_ids
+            out[spec.mask_key] = encoded.attention_mask
+        return out
+
+    def token_length(self, spec: TextEncoderSpec, tokenizer, max_sequence_length: int | None = None) -> int:
+        """Tokens fed to the encoder: ``sequence_length`` plus any template tokens the family
+        drops from the encoder's output."""
+        return self.sequence_length(spec, tokenizer, max_sequence_length)
+
+    def prompt_text(self, spec: TextEncoderSpec, caption: str) -> str:
+        """The text an encoder reads for a caption (a family with a prompt template fills it)."""
+        return caption
+
+    def encode_text(
+        self, name: str, encoder, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        """One encoder's outputs, named for the cache. Collective when ``encoder`` is sharded."""
+        raise NotImplementedError
+
+    def encode_texts(self, encoders: dict[str, Any], ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The named outputs of the given encoders (any subset of the family's, by folder
+        name) for a batch of token ids and masks (``tokenize``'s dict), each on its encoder's
+        device. Collective when an encoder is sharded."""
+        outputs = {}
+        for spec in self.text_encoders:
+            if encoders.get(spec.name) is not None:
+                encoder = encoders[spec.name]
+                mask = ids.get(spec.mask_key)
+                outputs.update(
+                    self.encode_text(
+                        spec.name,
+                        encoder,
+                        ids[spec.input_key].to(encoder.device),
+                        None if mask is None else mask.to(encoder.device),
+                    )
+                )
+        return outputs
+
+    def conditioning(self, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Combine the encoders' named outputs into what the denoiser is called with
+        (``encoder_hidden_states`` and the family's pooled embeddings or masks)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ latents
+
+    def latent_normalizer(self, vae_config: dict, vae=None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The map from the VAE's sampled latents to the denoiser's (scale and shift here).
+        ``vae`` is the loaded VAE, for a family whose statistics live in its weights; it is
+        built before a cached VAE is freed."""
+        return ScaleShift(vae_config)
+
+    def latent_distribution(self, vae, pixels: torch.Tensor):
+        """The VAE's latent distribution of images ``(N, 3, H, W)`` (its ``parameters`` are
+        cached, and training samples from it). Collective when the VAE is sharded."""
+        return vae.encode(pixels).latent_dist
+
+    def latent_multiple(self, vae_config: dict) -> int:
+        """Image sides must be a multiple of this: the VAE's downsampling (x2 for families
+        that pack 2x2 latent patches)."""
+        return 2 ** (len(vae_config["block_out_channels"]) - 1)
+
+    # ------------------------------------------------------------------ objective and denoiser call
+
+    def noise_scheduler_class(self):
+        """The scheduler class of training (and validation) for this family."""
+        import diffusers
+
+        return diffusers.FlowMatchEulerDiscreteScheduler if self.flow_matching else diffusers.DDPMScheduler
+
+    def objective(self, noise_scheduler, settings):
+        """The family's training objective (``training.DDPMObjective`` or
+        ``training.FlowMatchingObjective``) with ``settings`` (``training.ObjectiveSettings``)."""
+        from .. import training
+
+        cls = training.FlowMatchingObjective if self.flow_matching else training.DDPMObjective
+        return cls(noise_scheduler, settings)
+
+    def loss(self, denoiser, noise_scheduler, latents: torch.Tensor, cond: dict, settings) -> torch.Tensor:
+        """The training loss of one micro-batch (a mean over it), for every family alike:
+        noise and timesteps drawn by the family's objective, the denoiser called as the
+        family's pipeline calls it (``predict``). Collective when the denoiser is sharded."""
+        objective = self.objective(noise_scheduler, settings)
+        return objective.loss(
+            lambda noisy, t: self.predict(denoiser, noisy, t, cond, guidance_scale=settings.guidance_scale),
+            latents,
+        )
+
+    def predict(
+        self,
+        denoiser,
+        noisy_latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        cond: dict[str, torch.Tensor],
+        *,
+        guidance_scale: float | None = None,
+    ) -> torch.Tensor:
+        """The denoiser's prediction for ``noisy_latents`` in the latents' shape, called as the
+        family's pipeline calls it. ``timesteps`` are the scheduler's (for flow matching,
+        sigma x 1000), and the prediction follows the objective's convention (noise, velocity
+        ``v`` by the scheduler's prediction type, or the flow ``noise - latents``)."""
+        raise NotImplementedError
+
+    def validation_kwargs(
+        self, max_sequence_length: int | None, guidance_scale: float | None
+    ) -> dict[str, Any]:
+        """Extra keyword arguments of the family's pipeline call for validation images."""
+        return {}
+
+    # ------------------------------------------------------------------ ZeRO-3
+
+    def prepare_zero3(self, model: torch.nn.Module, name: str) -> list[str]:
+        """What a module of this family needs before its ZeRO-3 engine is built (trained or
+        frozen): mixture-of-experts blocks become leaf modules (``zero3.set_moe_leaf_modules``).
+        Returns the leaf classes. Not a collective."""
+        from ..zero3 import set_moe_leaf_modules
+
+        return set_moe_leaf_modules(model)
+
+    # ------------------------------------------------------------------ pipelines
+
+    def pipeline(self, denoiser, vae, text_encoders: dict[str, Any], tokenizers: dict[str, Any], scheduler):
+        """The family's diffusers pipeline around these (already placed) modules."""
+        import diffusers
+
+        kwargs = {self.denoiser: denoiser, "vae": vae, "scheduler": scheduler, **dict(self.pipeline_kwargs)}
+        for spec in self.text_encoders:
+            kwargs[spec.name] = text_encoders[spec.name]
+            kwargs[spec.tokenizer] = tokenizers[spec.name]
+        return getattr(diffusers, self.pipeline_class)(**kwargs)
+
+    def save_tiny_pipeline(self, folder: str | os.PathLike, seed: int = 0) -> Path:
+        """Save a tiny pipeline of this family (fp32 safetensors, tokenizers written locally)
+        and return its folder. Not a collective: call on one rank and share the folder."""
+        raise NotImplementedError(f"{self.name} has no tiny pipeline")
+
+    def published(self) -> tuple[PublishedConfig, ...]:
+        """The published pipelines of this family that the planner carries."""
+        return ()
+
+
+def save_pipeline(pipeline, folder: str | os.PathLike) -> Path:
+    """``pipeline.save_pretrained(folder)`` in fp32 safetensors; returns the folder."""
+    pipeline.save_pretrained(folder, safe_serialization=True)
+    return Path(folder)

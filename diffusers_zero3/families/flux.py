@@ -1,0 +1,201 @@
+"""Flux.1 (``FluxPipeline``): CLIP-L's pooled output as ``pooled_projections``, T5's hidden
+states as ``encoder_hidden_states``; 2x2-packed latents with ``img_ids``/``txt_ids``, the
+timestep as sigma, and a guidance value when the transformer has ``guidance_embeds``; flow
+matching; latents shifted and scaled by the VAE's factors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .base import Family, PublishedConfig, TextEncoderSpec
+from .published import CLIP_L, T5_XXL, VAE_16
+from .tiny import local_clip_tokenizer, local_t5_tokenizer, tiny_clip_config, tiny_flow_vae, tiny_t5_encoder
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """Flux's 2x2 patches: (N, C, H, W) -> (N, H/2 * W/2, 4C), as ``FluxPipeline`` packs."""
+    n, c, h, w = latents.shape
+    return (
+        latents.view(n, c, h // 2, 2, w // 2, 2)
+        .permute(0, 2, 4, 1, 3, 5)
+        .reshape(n, (h // 2) * (w // 2), c * 4)
+    )
+
+
+def unpack_latents(packed: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The inverse of ``pack_latents`` for latents of ``height`` x ``width``."""
+    n, _, c4 = packed.shape
+    c = c4 // 4
+    return (
+        packed.view(n, height // 2, width // 2, c, 2, 2)
+        .permute(0, 3, 1, 4, 2, 5)
+        .reshape(n, c, height, width)
+    )
+
+
+def latent_image_ids(height: int, width: int, device=None, dtype=None) -> torch.Tensor:
+    """Flux's rotary position ids of the packed latents, (H/2 * W/2, 3): (0, row, column)."""
+    ids = torch.zeros(height // 2, width // 2, 3, device=device)
+    ids[..., 1] = torch.arange(height // 2, device=device)[:, None]
+    ids[..., 2] = torch.arange(width // 2, device=device)[None, :]
+    return ids.reshape(-1, 3).to(dtype=dtype)
+
+
+def guidance_values(denoiser, n: int, guidance_scale: float | None, device) -> torch.Tensor | None:
+    """The guidance input of a guidance-distilled transformer (``config.guidance_embeds``): the
+    scale for every sample (1.0 when none is given); None for a transformer without it."""
+    config = getattr(denoiser, "module", denoiser).config
+    if not config.guidance_embeds:
+        return None
+    return torch.full((n,), float(guidance_scale or 1.0), device=device)
+
+
+class Flux(Family):
+    """Flux.1: CLIP's pooled output and T5's states; packed latents with position ids."""
+
+    def encode_text(self, name, encoder, input_ids, attention_mask=None):
+        if name == "text_encoder_2":
+            return {"encoder_hidden_states": encoder(input_ids, return_dict=False)[0]}
+        return {"pooled_projections": encoder(input_ids, output_hidden_states=False, return_dict=False)[1]}
+
+    def conditioning(self, outputs):
+        return {
+            "encoder_hidden_states": outputs["encoder_hidden_states"],
+            "pooled_projections": outputs["pooled_projections"],
+        }
+
+    def latent_multiple(self, vae_config):
+        return 2 * super().latent_multiple(vae_config)
+
+    def predict(self, denoiser, noisy_latents, timesteps, cond, *, guidance_scale=None):
+        n, _, h, w = noisy_latents.shape
+        states = cond["encoder_hidden_states"]
+        packed = denoiser(
+            hidden_states=pack_latents(noisy_latents),
+            timestep=timesteps / 1000,
+            guidance=guidance_values(denoiser, n, guidance_scale, noisy_latents.device),
+            pooled_projections=cond["pooled_projections"],
+            encoder_hidden_states=states,
+            txt_ids=torch.zeros(states.shape[1], 3, device=states.device, dtype=states.dtype),
+            img_ids=latent_image_ids(h, w, noisy_latents.device, noisy_latents.dtype),
+            return_dict=False,
+        )[0]
+        return unpack_latents(packed, h, w)
+
+    def validation_kwargs(self, max_sequence_length, guidance_scale):
+        kwargs = {"max_sequence_length": max_sequence_length or self.default_max_sequence_length}
+        if guidance_scale is not None:
+            kwargs["guidance_scale"] = guidance_scale
+        return kwargs
+
+    def save_tiny_pipeline(self, folder, seed=0):
+        return save_tiny_flux_pipeline(folder, seed)
+
+    def published(self):
+        transformer = dict(
+            patch_size=1,
+            in_channels=64,
+            num_layers=19,
+            num_single_layers=38,
+            attention_head_dim=128,
+            num_attention_heads=24,
+            joint_attention_dim=4096,
+            pooled_projection_dim=768,
+            guidance_embeds=True,
+            axes_dims_rope=[16, 56, 56],
+        )
+        return (
+            PublishedConfig(
+                "black-forest-labs/FLUX.1-dev",
+                "FLUX.1 [dev]",
+                self.pipeline_class,
+                {
+                    "transformer": ("diffusers", "FluxTransformer2DModel", transformer),
+                    "text_encoder": ("transformers", "CLIPTextModel", CLIP_L),
+                    "text_encoder_2": ("transformers", "T5EncoderModel", T5_XXL),
+                    "vae": ("diffusers", "AutoencoderKL", VAE_16),
+                },
+            ),
+        )
+
+
+FLUX_LORA_TARGETS = (  # train_dreambooth_lora_flux.py
+    "attn.to_k",
+    "attn.to_q",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_k_proj",
+    "attn.add_q_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
+)
+FLUX = Flux(
+    name="flux",
+    title="Flux.1",
+    default_run_args=("--text_encoder_placement", "replicate", "--text_encoder_2_placement", "shard", "--vae_placement", "replicate", "--max_sequence_length", "32"),
+    pipeline_class="FluxPipeline",
+    text_encoders=(
+        TextEncoderSpec("text_encoder", "CLIPTextModel", "tokenizer", "input_ids"),
+        TextEncoderSpec(
+            "text_encoder_2", "T5EncoderModel", "tokenizer_2", "input_ids_2", uses_max_sequence_length=True
+        ),
+    ),
+    denoiser="transformer",
+    denoiser_class="FluxTransformer2DModel",
+    supports_dream=False,
+    flow_matching=True,
+    default_max_sequence_length=512,  # diffusers' train_dreambooth_flux.py
+    default_weighting_scheme="none",
+    lora_target_modules=FLUX_LORA_TARGETS,
+)
+
+
+def save_tiny_flux_pipeline(folder: str | os.PathLike, seed: int = 0, guidance_embeds: bool = True) -> Path:
+    """Save a tiny ``FluxPipeline`` folder (fp32 safetensors) and return its path.
+
+    Flux.1's layout with small shapes: a ``FluxTransformer2DModel`` (double- and single-stream
+    blocks, 2x2-packed latents, rotary ``img_ids``/``txt_ids``, guidance embedding when
+    ``guidance_embeds``) conditioned on CLIP's pooled output and a T5 encoder's hidden states
+    (``text_encoder_2``, with a locally written unigram tokenizer), a 16-channel-latent VAE
+    with ``shift_factor`` and a flow-matching Euler scheduler. Not a collective.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from ..zero3 import zero3_init_disabled
+
+    folder = Path(folder)
+    t5_tokenizer = local_t5_tokenizer(folder)
+    with zero3_init_disabled():
+        torch.manual_seed(seed)
+        transformer = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=16 * 4,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            pooled_projection_dim=32,
+            guidance_embeds=guidance_embeds,
+            axes_dims_rope=(4, 4, 8),
+        )
+        text_encoder = CLIPTextModel(CLIPTextConfig(**tiny_clip_config()))
+        text_encoder_2 = tiny_t5_encoder(32, len(t5_tokenizer))
+        vae = tiny_flow_vae(16)
+    pipe = FLUX.pipeline(
+        transformer,
+        vae,
+        {"text_encoder": text_encoder, "text_encoder_2": text_encoder_2},
+        {"text_encoder": local_clip_tokenizer(folder), "text_encoder_2": t5_tokenizer},
+        FlowMatchEulerDiscreteScheduler(shift=3.0),
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder

@@ -1,0 +1,163 @@
+"""SD3 (``StableDiffusion3Pipeline``): the penultimate hidden states of CLIP-L and CLIP-G,
+concatenated and zero-padded to T5's width, then T5's states appended along the sequence;
+pooled = both CLIPs' projected outputs, concatenated; an MMDiT transformer trained with flow
+matching (logit-normal timesteps by default, as diffusers' SD3 scripts)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .base import Family, PublishedConfig, TextEncoderSpec
+from .published import CLIP_BIGG, CLIP_L, T5_XXL, VAE_16
+from .tiny import local_clip_tokenizer, local_t5_tokenizer, tiny_clip_config, tiny_flow_vae, tiny_t5_encoder
+
+
+def clip_hidden_and_pooled(encoder, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A CLIP encoder with projection: (penultimate hidden states, projected pooled output)."""
+    out = encoder(input_ids, output_hidden_states=True, return_dict=False)
+    return out[-1][-2], out[0]
+
+
+class StableDiffusion3(Family):
+    """SD3: CLIP-L and CLIP-G states padded to T5's width, T5's appended; pooled CLIPs."""
+
+    def encode_text(self, name, encoder, input_ids, attention_mask=None):
+        if name == "text_encoder_3":
+            return {"t5_embeds": encoder(input_ids, return_dict=False)[0]}
+        hidden, pooled = clip_hidden_and_pooled(encoder, input_ids)
+        k = 1 if name == "text_encoder" else 2
+        return {f"prompt_embeds_{k}": hidden, f"pooled_{k}": pooled}
+
+    def conditioning(self, outputs):
+        clip = torch.cat([outputs["prompt_embeds_1"], outputs["prompt_embeds_2"]], dim=-1)
+        t5 = outputs["t5_embeds"]
+        clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+        return {
+            "encoder_hidden_states": torch.cat([clip, t5.to(clip.dtype)], dim=-2),
+            "pooled_projections": torch.cat([outputs["pooled_1"], outputs["pooled_2"]], dim=-1),
+        }
+
+    def predict(self, denoiser, noisy_latents, timesteps, cond, *, guidance_scale=None):
+        return denoiser(
+            hidden_states=noisy_latents,
+            timestep=timesteps,
+            encoder_hidden_states=cond["encoder_hidden_states"],
+            pooled_projections=cond["pooled_projections"],
+            return_dict=False,
+        )[0]
+
+    def validation_kwargs(self, max_sequence_length, guidance_scale):
+        return {"max_sequence_length": max_sequence_length or self.default_max_sequence_length}
+
+    def save_tiny_pipeline(self, folder, seed=0):
+        return save_tiny_sd3_pipeline(folder, seed)
+
+    def published(self):
+        transformer = dict(
+            sample_size=128,
+            patch_size=2,
+            in_channels=16,
+            num_layers=24,
+            attention_head_dim=64,
+            num_attention_heads=24,
+            joint_attention_dim=4096,
+            caption_projection_dim=1536,
+            pooled_projection_dim=2048,
+            out_channels=16,
+            pos_embed_max_size=192,
+        )
+        return (
+            PublishedConfig(
+                "stabilityai/stable-diffusion-3-medium-diffusers",
+                "SD3 medium",
+                self.pipeline_class,
+                {
+                    "transformer": ("diffusers", "SD3Transformer2DModel", transformer),
+                    "text_encoder": ("transformers", "CLIPTextModelWithProjection", CLIP_L),
+                    "text_encoder_2": ("transformers", "CLIPTextModelWithProjection", CLIP_BIGG),
+                    "text_encoder_3": ("transformers", "T5EncoderModel", T5_XXL),
+                    "vae": ("diffusers", "AutoencoderKL", VAE_16),
+                },
+            ),
+        )
+
+
+SD3 = StableDiffusion3(
+    name="sd3",
+    title="SD3",
+    default_run_args=("--text_encoder_placement", "replicate", "--text_encoder_2_placement", "replicate", "--text_encoder_3_placement", "cache", "--vae_placement", "cache", "--max_sequence_length", "32"),
+    pipeline_class="StableDiffusion3Pipeline",
+    text_encoders=(
+        TextEncoderSpec("text_encoder", "CLIPTextModelWithProjection", "tokenizer", "input_ids"),
+        TextEncoderSpec("text_encoder_2", "CLIPTextModelWithProjection", "tokenizer_2", "input_ids_2"),
+        TextEncoderSpec(
+            "text_encoder_3", "T5EncoderModel", "tokenizer_3", "input_ids_3", uses_max_sequence_length=True
+        ),
+    ),
+    denoiser="transformer",
+    denoiser_class="SD3Transformer2DModel",
+    supports_dream=False,
+    flow_matching=True,
+    default_max_sequence_length=77,  # diffusers' train_dreambooth_sd3.py
+    default_weighting_scheme="logit_normal",
+    lora_target_modules=(  # train_dreambooth_lora_sd3.py
+        "attn.add_k_proj",
+        "attn.add_q_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+        "attn.to_k",
+        "attn.to_out.0",
+        "attn.to_q",
+        "attn.to_v",
+    ),  # fmt: skip
+)
+
+
+def save_tiny_sd3_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
+    """Save a tiny ``StableDiffusion3Pipeline`` folder (fp32 safetensors) and return its path.
+
+    SD3's layout with small shapes: an ``SD3Transformer2DModel`` conditioned on two CLIP
+    encoders with projections (pooled outputs concatenated) and a T5 encoder
+    (``text_encoder_3``, whose width the CLIP states are padded to), a VAE with
+    ``shift_factor`` and a flow-matching Euler scheduler. Not a collective.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    from ..zero3 import zero3_init_disabled
+
+    folder = Path(folder)
+    t5_width = 64  # >= the two CLIP widths together (32 + 32), as in SD3 (2048 <= 4096)
+    t5_tokenizer = local_t5_tokenizer(folder)
+    with zero3_init_disabled():
+        torch.manual_seed(seed)
+        transformer = SD3Transformer2DModel(
+            sample_size=16,
+            patch_size=1,
+            in_channels=4,
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            caption_projection_dim=32,
+            joint_attention_dim=t5_width,
+            pooled_projection_dim=64,
+            pos_embed_max_size=32,
+        )
+        text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**tiny_clip_config()))
+        text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**tiny_clip_config()))
+        text_encoder_3 = tiny_t5_encoder(t5_width, len(t5_tokenizer))
+        vae = tiny_flow_vae(4)
+    clip_tokenizer = local_clip_tokenizer(folder)
+    pipe = SD3.pipeline(
+        transformer,
+        vae,
+        {"text_encoder": text_encoder, "text_encoder_2": text_encoder_2, "text_encoder_3": text_encoder_3},
+        {"text_encoder": clip_tokenizer, "text_encoder_2": clip_tokenizer, "text_encoder_3": t5_tokenizer},
+        FlowMatchEulerDiscreteScheduler(shift=3.0),
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder

@@ -1,0 +1,156 @@
+"""SDXL (``StableDiffusionXLPipeline``): the penultimate hidden states of CLIP-L and OpenCLIP
+bigG, concatenated; the second encoder's pooled (projected) output as ``text_embeds``;
+``time_ids`` per image (original size, crop corner, target size); the VAE in fp32."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .base import PublishedConfig, TextEncoderSpec
+from .published import CLIP_BIGG, CLIP_L, VAE_SD
+from .sd import StableDiffusion
+from .tiny import local_clip_tokenizer, tiny_clip_config, tiny_vae_config
+
+
+def time_ids(
+    original_size: torch.Tensor, crop_top_left: torch.Tensor, resolution: int | tuple[int, int]
+) -> torch.Tensor:
+    """SDXL's micro-conditioning, one row per image: original (h, w), crop top-left (y, x)
+    and target (h, w), as diffusers' SDXL training script and pipeline build it; on the device
+    of ``original_size`` (a prepared data loader's batch is on the accelerator's device)."""
+    target = (resolution, resolution) if isinstance(resolution, int) else tuple(resolution)
+    target_t = torch.tensor(target, dtype=torch.float32, device=original_size.device)
+    target_t = target_t.expand(original_size.shape[0], 2)
+    return torch.cat([original_size.float(), crop_top_left.to(original_size.device).float(), target_t], dim=1)
+
+
+class StableDiffusionXL(StableDiffusion):
+    """SDXL: the penultimate hidden states of CLIP-L and OpenCLIP-bigG, concatenated; the
+    second encoder's pooled (projected) output as ``text_embeds``; ``time_ids`` per image."""
+
+    def encode_text(self, name, encoder, input_ids, attention_mask=None):
+        out = encoder(input_ids, output_hidden_states=True, return_dict=False)
+        hidden = out[-1][-2]  # hidden_states, penultimate layer
+        if name == "text_encoder_2":
+            return {"prompt_embeds_2": hidden, "text_embeds": out[0]}
+        return {"prompt_embeds_1": hidden}
+
+    def conditioning(self, outputs):
+        return {
+            "encoder_hidden_states": torch.cat(
+                [outputs["prompt_embeds_1"], outputs["prompt_embeds_2"]], dim=-1
+            ),
+            "text_embeds": outputs["text_embeds"],
+        }
+
+    def unet_kwargs(self, cond):
+        return {"added_cond_kwargs": {"text_embeds": cond["text_embeds"], "time_ids": cond["time_ids"]}}
+
+    def save_tiny_pipeline(self, folder, seed=0):
+        return save_tiny_sdxl_pipeline(folder, seed)
+
+    def published(self):
+        unet = dict(
+            sample_size=128,
+            in_channels=4,
+            out_channels=4,
+            layers_per_block=2,
+            block_out_channels=[320, 640, 1280],
+            down_block_types=["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+            up_block_types=["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+            cross_attention_dim=2048,
+            attention_head_dim=[5, 10, 20],
+            transformer_layers_per_block=[1, 2, 10],
+            use_linear_projection=True,
+            addition_embed_type="text_time",
+            addition_time_embed_dim=256,
+            projection_class_embeddings_input_dim=2816,
+        )
+        return (
+            PublishedConfig(
+                "stabilityai/stable-diffusion-xl-base-1.0",
+                "SDXL base 1.0",
+                self.pipeline_class,
+                {
+                    "unet": ("diffusers", "UNet2DConditionModel", unet),
+                    "text_encoder": ("transformers", "CLIPTextModel", CLIP_L),
+                    "text_encoder_2": ("transformers", "CLIPTextModelWithProjection", CLIP_BIGG),
+                    "vae": ("diffusers", "AutoencoderKL", VAE_SD),
+                },
+            ),
+        )
+
+
+SDXL = StableDiffusionXL(
+    name="sdxl",
+    title="SDXL",
+    default_run_args=("--text_encoder_placement", "replicate", "--text_encoder_2_placement", "shard", "--vae_placement", "cache"),
+    pipeline_class="StableDiffusionXLPipeline",
+    text_encoders=(
+        TextEncoderSpec("text_encoder", "CLIPTextModel", "tokenizer", "input_ids"),
+        TextEncoderSpec("text_encoder_2", "CLIPTextModelWithProjection", "tokenizer_2", "input_ids_2"),
+    ),
+    vae_in_fp32=True,
+    uses_time_ids=True,
+    supports_dream=False,  # diffusers' SDXL script has no DREAM
+    pipeline_kwargs=(("add_watermarker", False),),
+)
+
+
+def save_tiny_sdxl_pipeline(folder: str | os.PathLike, seed: int = 0, width: int = 32) -> Path:
+    """Save a tiny ``StableDiffusionXLPipeline`` folder (fp32 safetensors) and return its path.
+
+    The real SDXL layout: a ``text_time`` UNet conditioned on two CLIP encoders (the second
+    with a projection, whose pooled output is ``text_embeds``), two tokenizers, a VAE and an
+    Euler scheduler, with the shapes of diffusers' own SDXL pipeline tests. Not a collective.
+    """
+    from diffusers import AutoencoderKL, EulerDiscreteScheduler, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    from ..zero3 import zero3_init_disabled
+
+    folder = Path(folder)
+    text_cfg = tiny_clip_config()
+    time_dim, proj_dim = 8, text_cfg["projection_dim"]
+    with zero3_init_disabled():
+        torch.manual_seed(seed)
+        unet = UNet2DConditionModel(
+            sample_size=16,
+            in_channels=4,
+            out_channels=4,
+            layers_per_block=1,
+            block_out_channels=(width, width * 2),
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            attention_head_dim=(2, 4),
+            use_linear_projection=True,
+            addition_embed_type="text_time",
+            addition_time_embed_dim=time_dim,
+            transformer_layers_per_block=(1, 2),
+            projection_class_embeddings_input_dim=6 * time_dim + proj_dim,
+            cross_attention_dim=2 * text_cfg["hidden_size"],
+            norm_num_groups=min(32, width // 2),
+        )
+        vae = AutoencoderKL(**tiny_vae_config(width))
+        text_encoder = CLIPTextModel(CLIPTextConfig(**text_cfg))
+        text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**text_cfg))
+    tokenizer = local_clip_tokenizer(folder)
+    scheduler = EulerDiscreteScheduler(
+        beta_schedule="scaled_linear",
+        beta_start=0.00085,
+        beta_end=0.012,
+        steps_offset=1,
+        timestep_spacing="leading",
+    )
+    pipe = SDXL.pipeline(
+        unet,
+        vae,
+        {"text_encoder": text_encoder, "text_encoder_2": text_encoder_2},
+        {"text_encoder": tokenizer, "text_encoder_2": tokenizer},
+        scheduler,
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
