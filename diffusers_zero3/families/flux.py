@@ -139,7 +139,16 @@ FLUX_LORA_TARGETS = (  # train_dreambooth_lora_flux.py
 FLUX = Flux(
     name="flux",
     title="Flux.1",
-    default_run_args=("--text_encoder_placement", "replicate", "--text_encoder_2_placement", "shard", "--vae_placement", "replicate", "--max_sequence_length", "32"),
+    default_run_args=(
+        "--text_encoder_placement",
+        "replicate",
+        "--text_encoder_2_placement",
+        "shard",
+        "--vae_placement",
+        "replicate",
+        "--max_sequence_length",
+        "32",
+    ),
     pipeline_class="FluxPipeline",
     text_encoders=(
         TextEncoderSpec("text_encoder", "CLIPTextModel", "tokenizer", "input_ids"),

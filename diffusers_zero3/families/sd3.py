@@ -88,7 +88,18 @@ class StableDiffusion3(Family):
 SD3 = StableDiffusion3(
     name="sd3",
     title="SD3",
-    default_run_args=("--text_encoder_placement", "replicate", "--text_encoder_2_placement", "replicate", "--text_encoder_3_placement", "cache", "--vae_placement", "cache", "--max_sequence_length", "32"),
+    default_run_args=(
+        "--text_encoder_placement",
+        "replicate",
+        "--text_encoder_2_placement",
+        "replicate",
+        "--text_encoder_3_placement",
+        "cache",
+        "--vae_placement",
+        "cache",
+        "--max_sequence_length",
+        "32",
+    ),
     pipeline_class="StableDiffusion3Pipeline",
     text_encoders=(
         TextEncoderSpec("text_encoder", "CLIPTextModelWithProjection", "tokenizer", "input_ids"),

@@ -87,7 +87,14 @@ class StableDiffusionXL(StableDiffusion):
 SDXL = StableDiffusionXL(
     name="sdxl",
     title="SDXL",
-    default_run_args=("--text_encoder_placement", "replicate", "--text_encoder_2_placement", "shard", "--vae_placement", "cache"),
+    default_run_args=(
+        "--text_encoder_placement",
+        "replicate",
+        "--text_encoder_2_placement",
+        "shard",
+        "--vae_placement",
+        "cache",
+    ),
     pipeline_class="StableDiffusionXLPipeline",
     text_encoders=(
         TextEncoderSpec("text_encoder", "CLIPTextModel", "tokenizer", "input_ids"),
