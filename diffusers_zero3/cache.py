@@ -131,9 +131,14 @@ class CachedOutputs:
         return torch.cat(rows)
 
     def get(
-        self, indices, flip: torch.Tensor | None = None, generator: torch.Generator | None = None
+        self,
+        indices,
+        flip: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+        sample: bool = True,
     ) -> dict:
-        """Cached outputs for dataset rows ``indices`` (``flip``: per-row bool, flipped latents).
+        """Cached outputs for dataset rows ``indices`` (``flip``: per-row bool, flipped latents;
+        ``sample=False``: the latent distribution's mode instead of a sample).
 
         Returns each cached text encoder output under its family's name (SD:
         ``encoder_hidden_states``; SDXL: ``prompt_embeds_1``, ``prompt_embeds_2``,
@@ -156,7 +161,8 @@ class CachedOutputs:
                 if crops:
                     crop_flipped = self._rows("crop_top_left_flipped", indices)
                     out["crop_top_left"] = torch.where(flip.view(-1, 1), crop_flipped, out["crop_top_left"])
-            out["latents"] = DiagonalGaussianDistribution(params).sample(generator=generator)
+            distribution = DiagonalGaussianDistribution(params)
+            out["latents"] = distribution.sample(generator=generator) if sample else distribution.mode()
         return out
 
 

@@ -21,7 +21,7 @@ import torch
 
 from .ds_config import base_config, frozen_engine_config, resolve_dtype
 from .lockstep import lockstep_check
-from .zero3 import _register_zero3_engine, is_zero3_param, set_moe_leaf_modules
+from .zero3 import _register_zero3_engine, is_zero3_param, restore_rotary_buffers, set_moe_leaf_modules
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -173,6 +173,7 @@ def _move(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> N
     before its cast to bf16 would hold 19 GB on the GPU for a moment instead of 9.5 GB."""
     _cast(model, dtype)
     model.to(device=device)
+    restore_rotary_buffers(model)
 
 
 def _buffers_to(model: torch.nn.Module, device: torch.device) -> None:
@@ -296,6 +297,7 @@ def _shard(model, placement, accelerator, ds_config, micro_batch_size, dtype, na
         # (each goes to the device alone, then its partition to where the placement says).
         # DeepSpeed's engine would move the whole module to the device first.
         _cast(model, resolved)
+        restore_rotary_buffers(model)
         deepspeed.zero.Init(module=model, config_dict_or_path=cfg, mem_efficient_linear=False)
         # zero.Init builds a new model's buffers on the device; a converted one keeps them
         # where they were, and DeepSpeed's engine does not move a partitioned model.

@@ -68,14 +68,14 @@ class FrozenInputs:
         if self.cache is not None:
             # CPU: the flip picks rows of the cache, which is read on the CPU
             flip = torch.rand(len(batch["index"])) < 0.5 if self.random_flip else None
-            cached = self.cache.get(batch["index"].cpu(), flip=flip)
+            cached = self.cache.get(batch["index"].cpu(), flip=flip, sample=self.family.sample_latents)
         vae = self.models["vae"]
         if vae is None:
             latents = cached["latents"].to(device)
             sizes, crops = cached.get("original_size"), cached.get("crop_top_left")
         else:
             pixels = batch["pixel_values"].to(device, vae.dtype)
-            latents = self.family.latent_distribution(vae, pixels).sample()
+            latents = self.family.latents_of(self.family.latent_distribution(vae, pixels))
             sizes, crops = batch.get("original_size"), batch.get("crop_top_left")
         latents = self.normalize_latents(latents).to(self.dtype)
         outputs = {k: v for k, v in cached.items() if k not in ("latents", "original_size", "crop_top_left")}

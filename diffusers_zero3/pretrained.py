@@ -25,7 +25,7 @@ import torch.distributed as dist
 from .distributed import all_gather_object, barrier, comm_device, get_rank, get_world_size, is_main_process
 from .ds_config import zero_init_config
 from .folders import CheckpointError, publish_folder
-from .zero3 import _register_zero3_engine, is_zero3_param, zero3_init_disabled
+from .zero3 import _register_zero3_engine, is_zero3_param, restore_rotary_buffers, zero3_init_disabled
 
 _ST_DTYPES = {
     torch.float32: "F32",
@@ -238,21 +238,59 @@ def load_pretrained_zero3(
     with deepspeed.zero.Init(config_dict_or_path=cfg):  # the dtype is the config's (zero_init_config)
         model = build()
     _register_zero3_engine()
-    _load_partitions(model, files)
+    _load_partitions(model, checkpoint_names(model, files))
+    restore_rotary_buffers(model)  # zero.Init rounded them to the partitions' dtype
     return model
 
 
-def _load_partitions(model: torch.nn.Module, files: dict[str, Path]) -> None:
+def checkpoint_names(model: torch.nn.Module, files: dict[str, Path]) -> dict[str, tuple[Path, str]]:
+    """``{model tensor name: (file, checkpoint tensor name)}`` of a weights map.
+
+    transformers 5 saves some models under older names than their modules have (a VLM's
+    ``model.language_model.*`` is written as ``model.*``, its ``model.visual.*`` as
+    ``visual.*``) and renames them as it loads; this applies the same renamings, from
+    transformers' own conversion mapping of the model. A checkpoint that needs more than a
+    renaming (tensors fused or split) raises ``CheckpointError``.
+    """
+    names = {name: (path, name) for name, path in files.items()}
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return names
+    if not isinstance(model, PreTrainedModel):
+        return names
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    if not transforms:
+        return names
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    expected = model.state_dict(keep_vars=True)
+    renamed = {}
+    for name, path in files.items():
+        target, converted = rename_source_key(name, renamings, converters, model.base_model_prefix, expected)
+        if converted is not None:
+            raise CheckpointError(
+                f"tensor {name!r} of {type(model).__name__} needs transformers' conversion {converted!r}, "
+                "which a partitioned load does not do"
+            )
+        renamed[target] = (path, name)
+    return renamed
+
+
+def _load_partitions(model: torch.nn.Module, files: dict[str, tuple[Path, str]]) -> None:
     headers: dict[Path, tuple[dict, int]] = {}
 
     def info_of(name: str, expected_shape) -> tuple[Path, dict, int]:
         if name not in files:
             raise CheckpointError(f"tensor {name!r} of {type(model).__name__} is missing from the checkpoint")
-        path = files[name]
+        path, stored = files[name]
         if path not in headers:
             headers[path] = read_safetensors_header(path)
         header, start = headers[path]
-        info = header[name]
+        info = header[stored]
         if list(info["shape"]) != list(expected_shape):
             raise CheckpointError(
                 f"tensor {name!r}: checkpoint shape {tuple(info['shape'])} does not fit the model's {tuple(expected_shape)}"

@@ -10,7 +10,8 @@ modules), its pipeline class, a tiny pipeline built from configs, and its publis
 for the planner. Everything else in the package (placements, the cache, EMA, checkpoints,
 load/save, lockstep, the loop) is written once and asks the family.
 
-One module per family: ``sd`` (SD 1.x/2.x), ``sdxl``, ``sd3``, ``flux`` (Flux.1).
+One module per family: ``sd`` (SD 1.x/2.x), ``sdxl``, ``sd3``, ``flux`` (Flux.1),
+``qwenimage`` (Qwen-Image).
 
 ``detect_family(folder)`` picks the family from the pipeline's ``model_index.json``
 (``_class_name``); an unsupported pipeline gets one ``CheckpointError`` listing the supported
@@ -26,11 +27,12 @@ from pathlib import Path
 from ..pretrained import CheckpointError
 from .base import Family, PublishedConfig, TextEncoderSpec
 from .flux import FLUX, latent_image_ids, pack_latents, unpack_latents
+from .qwenimage import QWENIMAGE
 from .sd import SD
 from .sd3 import SD3
 from .sdxl import SDXL, time_ids
 
-ALL_FAMILIES: tuple[Family, ...] = (SD, SDXL, SD3, FLUX)
+ALL_FAMILIES: tuple[Family, ...] = (SD, SDXL, SD3, FLUX, QWENIMAGE)
 FAMILIES: dict[str, Family] = {f.pipeline_class: f for f in ALL_FAMILIES}
 FAMILY_NAMES: dict[str, Family] = {f.name: f for f in ALL_FAMILIES}
 # Every frozen model folder of any family: each gets its --<name>_placement flag.
@@ -72,6 +74,7 @@ __all__ = [
     "FROZEN_COMPONENTS",
     "Family",
     "PublishedConfig",
+    "QWENIMAGE",
     "SD",
     "SD3",
     "SDXL",

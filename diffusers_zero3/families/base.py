@@ -109,6 +109,7 @@ class Family:
     denoiser_class: str = "UNet2DConditionModel"
     vae_class: str = "AutoencoderKL"
     vae_in_fp32: bool = False  # SDXL's VAE overflows in fp16
+    sample_latents: bool = True  # False: the latent distribution's mode, as Z-Image's script trains
     uses_time_ids: bool = False
     supports_dream: bool = True
     flow_matching: bool = False  # flow matching with FlowMatchEulerDiscreteScheduler's sigmas
@@ -274,8 +275,13 @@ class Family:
 
     def latent_distribution(self, vae, pixels: torch.Tensor):
         """The VAE's latent distribution of images ``(N, 3, H, W)`` (its ``parameters`` are
-        cached, and training samples from it). Collective when the VAE is sharded."""
+        cached, and training samples from it, or takes its mode: ``sample_latents``).
+        Collective when the VAE is sharded."""
         return vae.encode(pixels).latent_dist
+
+    def latents_of(self, distribution) -> torch.Tensor:
+        """Training latents of a latent distribution: a sample, or its mode (``sample_latents``)."""
+        return distribution.sample() if self.sample_latents else distribution.mode()
 
     def latent_multiple(self, vae_config: dict) -> int:
         """Image sides must be a multiple of this: the VAE's downsampling (x2 for families

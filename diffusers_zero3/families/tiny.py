@@ -162,3 +162,76 @@ def tiny_flow_vae(latent_channels: int, width: int = 32):
         shift_factor=0.0609,
         scaling_factor=1.5035,
     )
+
+
+def qwen_pretokenizer():
+    """The byte-level pre-tokenizer of Qwen2's tokenizer (its split regex), as the LLM
+    tokenizers of Qwen2/2.5/3, Llama 3 and Mistral split text."""
+    from transformers import Qwen2Tokenizer
+
+    return Qwen2Tokenizer(vocab={"<|endoftext|>": 0}, merges=[])._tokenizer.pre_tokenizer
+
+
+def byte_bpe_vocab(texts: list[str], words: tuple[str, ...] = CAPTION_WORDS) -> tuple[dict[str, int], list]:
+    """A byte-level BPE vocabulary and merges learnt here on ``texts`` and ``words`` (each word
+    with and without a leading space), so that each of them encodes as one token as in a real
+    LLM vocabulary; any other text falls back to the 256 byte symbols, which come first."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    trainer_tok = Tokenizer(models.BPE())
+    trainer_tok.pre_tokenizer = qwen_pretokenizer()
+    trainer = trainers.BpeTrainer(
+        vocab_size=100_000,  # never reached: training stops when every word is one token
+        min_frequency=1,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
+    trainer_tok.train_from_iterator([*texts, *(w for word in words for w in (word, " " + word))], trainer=trainer)
+    state = json.loads(trainer_tok.to_str())["model"]
+    vocab: dict[str, int] = {}
+    for ch in bytes_to_unicode().values():  # byte symbols first, in a fixed order
+        vocab.setdefault(ch, len(vocab))
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in state["merges"]]
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    return vocab, merges
+
+
+def write_qwen2_tokenizer(
+    folder: str | os.PathLike,
+    special_tokens: tuple[str, ...],
+    *,
+    texts: tuple[str, ...] = (),
+    chat_template: str | None = None,
+    eos_token: str = "<|im_end|>",
+    pad_token: str = "<|endoftext|>",
+) -> Path:
+    """Write a small byte-level ``Qwen2Tokenizer`` (the tokenizer class of Qwen2.5 and Qwen3) to
+    ``folder``: the merges of ``byte_bpe_vocab(texts)`` (a prompt template's words become one
+    token each, as in the real vocabulary, so that a template's fixed token counts hold), the
+    ``special_tokens`` after them, and ``chat_template`` when the pipeline renders one."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+
+    vocab, merges = byte_bpe_vocab(list(texts))
+    for special in special_tokens:
+        vocab.setdefault(special, len(vocab))
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,
+        bos_token=None,
+        eos_token=eos_token,
+        pad_token=pad_token,
+        model_max_length=131072,
+        padding_side="right",
+    )
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens], special_tokens=True)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    folder = Path(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

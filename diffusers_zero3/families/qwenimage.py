@@ -1,0 +1,308 @@
+"""Qwen-Image (``QwenImagePipeline``): a 20 B MMDiT conditioned on the last hidden states of a
+frozen Qwen2.5-VL 7 B (text path only) after a prompt template whose first 34 tokens are
+dropped; a causal video VAE (``AutoencoderKLQwenImage``, 5-D latents with one frame) with
+per-channel latent mean and std; 2x2-packed latents; flow matching as diffusers'
+``train_dreambooth_lora_qwen_image.py`` (uniform timesteps by default)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .base import ChannelMeanStd, Family, PublishedConfig, TextEncoderSpec
+from .tiny import read_back, write_qwen2_tokenizer
+
+PROMPT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+DROPPED_TEMPLATE_TOKENS = 34  # QwenImagePipeline.prompt_template_encode_start_idx
+QWEN_VL_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """Qwen-Image's 2x2 patches of one-frame latents: (N, C, 1, H, W) -> (N, H/2 * W/2, 4C), as
+    ``QwenImagePipeline._pack_latents``."""
+    n, c, _, h, w = latents.shape
+    x = latents.view(n, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(n, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(packed: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The inverse of ``pack_latents`` for latents of ``height`` x ``width`` (latent sides)."""
+    n, _, d = packed.shape
+    x = packed.view(n, height // 2, width // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(n, d // 4, 1, height, width)
+
+
+class QwenImage(Family):
+    """Qwen-Image: templated Qwen2.5-VL states with their mask; one-frame packed latents."""
+
+    def token_length(self, spec, tokenizer, max_sequence_length=None):
+        # the pipeline tokenizes template + caption to max_length + the dropped template tokens
+        return DROPPED_TEMPLATE_TOKENS + self.sequence_length(spec, tokenizer, max_sequence_length)
+
+    def prompt_text(self, spec, caption):
+        return PROMPT_TEMPLATE.format(caption)
+
+    def encode_text(self, name, encoder, input_ids, attention_mask=None):
+        """The last hidden states (the decoder's final norm) after the dropped template tokens,
+        zero where the caption is padded, with their mask. The whole model is called (under
+        ZeRO-3 its root forward ends each trace), with logits for one position only."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        out = encoder(
+            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1
+        )
+        hidden = out.hidden_states[-1][:, DROPPED_TEMPLATE_TOKENS:]
+        mask = attention_mask[:, DROPPED_TEMPLATE_TOKENS:].long()
+        return {"prompt_embeds": hidden * mask[..., None].to(hidden.dtype), "prompt_embeds_mask": mask}
+
+    def conditioning(self, outputs):
+        """Trimmed to the batch's longest caption, as the pipeline pads a batch."""
+        mask = outputs["prompt_embeds_mask"]
+        length = max(1, int(mask.sum(dim=1).max())) if mask.numel() else mask.shape[1]
+        return {
+            "encoder_hidden_states": outputs["prompt_embeds"][:, :length],
+            "encoder_hidden_states_mask": mask[:, :length],
+        }
+
+    def latent_normalizer(self, vae_config, vae=None):
+        return ChannelMeanStd(vae_config)
+
+    def latent_distribution(self, vae, pixels):
+        return vae.encode(pixels.unsqueeze(2)).latent_dist  # a video VAE: one frame
+
+    def latent_multiple(self, vae_config):
+        return 2 * 2 ** len(vae_config["temperal_downsample"])  # spatial downsampling, then 2x2 packing
+
+    def predict(self, denoiser, noisy_latents, timesteps, cond, *, guidance_scale=None):
+        n, _, _, h, w = noisy_latents.shape
+        packed = denoiser(
+            hidden_states=pack_latents(noisy_latents),
+            timestep=(timesteps / 1000).to(noisy_latents.dtype),
+            guidance=None,  # Qwen-Image is not guidance-distilled
+            encoder_hidden_states=cond["encoder_hidden_states"],
+            encoder_hidden_states_mask=cond["encoder_hidden_states_mask"],
+            img_shapes=[[(1, h // 2, w // 2)]] * n,
+            return_dict=False,
+        )[0]
+        return unpack_latents(packed, h, w)
+
+    def validation_kwargs(self, max_sequence_length, guidance_scale):
+        return {"max_sequence_length": max_sequence_length or self.default_max_sequence_length}
+
+    def save_tiny_pipeline(self, folder, seed=0):
+        return save_tiny_qwenimage_pipeline(folder, seed)
+
+    def published(self):
+        return (
+            PublishedConfig(
+                "Qwen/Qwen-Image",
+                "Qwen-Image",
+                self.pipeline_class,
+                {
+                    "transformer": ("diffusers", "QwenImageTransformer2DModel", PUBLISHED_TRANSFORMER),
+                    "text_encoder": ("transformers", "Qwen2_5_VLForConditionalGeneration", PUBLISHED_TEXT_ENCODER),
+                    "vae": ("diffusers", "AutoencoderKLQwenImage", PUBLISHED_VAE),
+                },
+                note="text_encoder is the whole Qwen2.5-VL 7B as loaded (its vision tower, 677 M, and lm_head, "
+                "545 M, are counted but never run: only the text path encodes prompts)",
+            ),
+        )
+
+
+QWENIMAGE = QwenImage(
+    name="qwenimage",
+    title="Qwen-Image",
+    pipeline_class="QwenImagePipeline",
+    text_encoders=(
+        TextEncoderSpec(
+            "text_encoder",
+            "Qwen2_5_VLForConditionalGeneration",
+            "tokenizer",
+            "input_ids",
+            uses_max_sequence_length=True,
+        ),
+    ),
+    denoiser="transformer",
+    denoiser_class="QwenImageTransformer2DModel",
+    vae_class="AutoencoderKLQwenImage",
+    supports_dream=False,
+    flow_matching=True,
+    default_max_sequence_length=512,  # the pipeline's and train_dreambooth_lora_qwen_image.py's
+    default_weighting_scheme="none",
+    lora_target_modules=("to_k", "to_q", "to_v", "to_out.0"),  # train_dreambooth_lora_qwen_image.py
+    default_run_args=("--text_encoder_placement", "shard", "--vae_placement", "replicate", "--max_sequence_length", "32"),
+)
+
+# Qwen/Qwen-Image's configs: the keys that set parameter shapes.
+PUBLISHED_TRANSFORMER = dict(
+    patch_size=2,
+    in_channels=64,
+    out_channels=16,
+    num_layers=60,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=3584,
+    guidance_embeds=False,
+    axes_dims_rope=(16, 56, 56),
+)
+PUBLISHED_VAE = dict(
+    base_dim=96,
+    z_dim=16,
+    dim_mult=[1, 2, 4, 4],
+    num_res_blocks=2,
+    attn_scales=[],
+    temperal_downsample=[False, True, True],
+    dropout=0.0,
+)
+PUBLISHED_TEXT_ENCODER = dict(  # Qwen2.5-VL-7B-Instruct
+    text_config=dict(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=128000,
+        rope_scaling={"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"},
+        rope_theta=1000000.0,
+    ),
+    vision_config=dict(
+        depth=32,
+        hidden_size=1280,
+        intermediate_size=3420,
+        num_heads=16,
+        out_hidden_size=3584,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=112,
+        fullatt_block_indexes=[7, 15, 23, 31],
+        in_channels=3,
+        hidden_act="silu",
+    ),
+    tie_word_embeddings=False,
+)
+
+# The published Qwen/Qwen-Image scheduler (dynamic shifting: training's sigmas stay linear).
+QWEN_IMAGE_SCHEDULER = dict(
+    base_image_seq_len=256,
+    base_shift=0.5,
+    invert_sigmas=False,
+    max_image_seq_len=8192,
+    max_shift=0.9,
+    num_train_timesteps=1000,
+    shift=1.0,
+    shift_terminal=0.02,
+    stochastic_sampling=False,
+    time_shift_type="exponential",
+    use_beta_sigmas=False,
+    use_dynamic_shifting=True,
+    use_exponential_sigmas=False,
+    use_karras_sigmas=False,
+)
+
+
+def write_qwenimage_tokenizer(folder: str | os.PathLike) -> Path:
+    """A small byte-level ``Qwen2Tokenizer`` with Qwen2.5-VL's special tokens whose learnt merges
+    make every word of the prompt template one token, as in the real vocabulary: the template's
+    prefix is then exactly the 34 tokens that the pipeline drops (checked here)."""
+    folder = write_qwen2_tokenizer(folder, QWEN_VL_SPECIAL_TOKENS, texts=(PROMPT_TEMPLATE.replace("{}", " "),))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prefix = PROMPT_TEMPLATE.split("{}")[0]
+    if len(tokenizer(prefix).input_ids) != DROPPED_TEMPLATE_TOKENS:
+        raise AssertionError(f"the template prefix is not {DROPPED_TEMPLATE_TOKENS} tokens")
+    return folder
+
+
+def save_tiny_qwenimage_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
+    """Save a tiny ``QwenImagePipeline`` folder (fp32 safetensors) and return its path.
+
+    The shapes of diffusers' Qwen-Image pipeline tests (a 2-block transformer, a 2-layer
+    Qwen2.5-VL with a 2-block vision tower), a smaller 4x-downsampling VAE with per-channel
+    statistics that are not 0 and 1 (so that a missing normalisation shows), the published
+    scheduler, and a locally written tokenizer. Not a collective.
+    """
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from ..zero3 import zero3_init_disabled
+
+    folder = Path(folder)
+    tokenizer = read_back(write_qwenimage_tokenizer, folder)
+    tid = tokenizer.convert_tokens_to_ids
+    with zero3_init_disabled():
+        torch.manual_seed(seed)
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=16,
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=3,
+            joint_attention_dim=16,
+            guidance_embeds=False,
+            axes_dims_rope=(8, 4, 4),
+        )
+        vae = AutoencoderKLQwenImage(
+            base_dim=8,
+            z_dim=4,
+            dim_mult=[1, 2, 2],
+            num_res_blocks=1,
+            temperal_downsample=[False, True],
+            latents_mean=[-0.25, 0.1, 0.4, -0.05],
+            latents_std=[1.5, 0.75, 1.25, 2.0],
+        )
+        config = Qwen2_5_VLConfig(
+            text_config=dict(
+                vocab_size=len(tokenizer),
+                hidden_size=16,
+                intermediate_size=16,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                max_position_embeddings=2048,
+                rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
+                rope_theta=1000000.0,
+                bos_token_id=tid("<|endoftext|>"),
+                eos_token_id=tid("<|im_end|>"),
+            ),
+            vision_config=dict(
+                depth=2, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16, fullatt_block_indexes=[1]
+            ),
+            image_token_id=tid("<|image_pad|>"),
+            video_token_id=tid("<|video_pad|>"),
+            vision_start_token_id=tid("<|vision_start|>"),
+            vision_end_token_id=tid("<|vision_end|>"),
+            tie_word_embeddings=False,
+        )
+        text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+    pipe = QWENIMAGE.pipeline(
+        transformer,
+        vae,
+        {"text_encoder": text_encoder},
+        {"text_encoder": tokenizer},
+        FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
