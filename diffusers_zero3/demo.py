@@ -211,7 +211,9 @@ if __name__ == "__main__":
     if cli.shell:
         import shlex
 
-        run_args = " ".join(shlex.quote(a) for a in family_named(cli.model).default_run_args)
+        run_args = " ".join(
+            shlex.quote(a.format(pipeline=p)) for a in family_named(cli.model).default_run_args
+        )
         print(f"PIPE={shlex.quote(str(p))}; DATA={shlex.quote(str(d))}; RUN_ARGS=({run_args})")
     else:
         print(f"pipeline: {p}\ndataset: {d}")

@@ -203,9 +203,8 @@ def place_frozen_models(
         note = f" (to encode the cache as {live[name].placement})" if placement == "cache" else ""
         log_rank_zero(live[name].describe() + note)
     vae_folder, vae_sub = sources["vae"]
-    # Built from the live VAE before a cached one is freed (a family's statistics may be weights).
     normalize_latents = family.latent_normalizer(
-        family.component_class("vae").load_config(vae_folder / vae_sub), live["vae"].module
+        family.component_class("vae").load_config(vae_folder / vae_sub), vae_folder / vae_sub
     )
     cached = [n for n in family.frozen_components if placements.get(n) == "cache"]
     cache = None

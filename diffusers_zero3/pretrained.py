@@ -180,7 +180,18 @@ def _build_model(model_cls, folder: Path):
         )
     with zero3_init_disabled():
         config = config_class.from_pretrained(folder)
-    return lambda: model_cls(config)
+
+    def build():
+        # Every weight is read from the checkpoint next, so transformers' own initialisation is
+        # skipped: it runs once the top module is built, when zero.Init has already partitioned
+        # the submodules, and writes into them (an embedding's padding row raises IndexError on
+        # an empty partition: any config with a pad_token_id, e.g. Mistral's).
+        from transformers.initialization import no_init_weights
+
+        with no_init_weights():
+            return model_cls(config)
+
+    return build
 
 
 def load_pretrained_zero3(

@@ -293,15 +293,25 @@ def restore_rotary_buffers(model: torch.nn.Module) -> list[str]:
         config = getattr(module, "config", None)
         if inv_freq is None or config is None or inv_freq.dtype == torch.float32 or inv_freq.is_meta:
             continue
-        rope_type = getattr(module, "rope_type", "default")
-        init = getattr(module, "compute_default_rope_parameters", None) if rope_type == "default" else None
+        init = rope_init_function(module)
         if init is None:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            init = ROPE_INIT_FUNCTIONS[rope_type]
+            continue
         fresh, _ = init(config, device=inv_freq.device)
         module._buffers["inv_freq"] = fresh.to(inv_freq.device, torch.float32)
         if "original_inv_freq" in module._buffers:
             module._buffers["original_inv_freq"] = module._buffers["inv_freq"].clone()
         restored.append(name)
     return restored
+
+
+def rope_init_function(module: torch.nn.Module):
+    """The function a transformers rotary module computed its ``inv_freq`` with: its own
+    ``compute_<rope_type>_rope_parameters`` (``default``, a vision tower's ``axial``), else
+    transformers' table for that rope type; None when neither exists."""
+    rope_type = getattr(module, "rope_type", "default")
+    own = getattr(module, f"compute_{rope_type}_rope_parameters", None)
+    if own is not None:
+        return own
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ROPE_INIT_FUNCTIONS.get(rope_type)

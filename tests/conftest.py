@@ -94,3 +94,12 @@ def preferences(tmp_path_factory):
     return str(
         write_preference_dataset(tmp_path_factory.mktemp("prefs") / "preferences", num_pairs=12, ties=2)
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwenimage(tmp_path_factory):
+    """A tiny Qwen-Image pipeline (Qwen2.5-VL text encoder) and an 8-image dataset: ``(pipeline, dataset)``."""
+    from diffusers_zero3.demo import prepare_default
+
+    pipe, data = prepare_default(tmp_path_factory.mktemp("qwenimage"), num_images=8, model="qwenimage")
+    return str(pipe), str(data)

@@ -119,7 +119,8 @@ class Family:
     lora_target_modules: tuple[str, ...] = ("to_k", "to_q", "to_v", "to_out.0")
     title: str = ""  # e.g. "SD 1.x / 2.x", for tables
     pipeline_kwargs: tuple[tuple[str, Any], ...] = ()  # constant extra arguments of the pipeline class
-    # `make train MODEL=<name>`: the placements (and family flags) of its default run
+    # `make train MODEL=<name>`: the placements (and family flags) of its default run;
+    # "{pipeline}" stands for the tiny pipeline's folder
     default_run_args: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ components
@@ -267,10 +268,12 @@ class Family:
 
     # ------------------------------------------------------------------ latents
 
-    def latent_normalizer(self, vae_config: dict, vae=None) -> Callable[[torch.Tensor], torch.Tensor]:
+    def latent_normalizer(
+        self, vae_config: dict, vae_folder: str | os.PathLike | None = None
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
         """The map from the VAE's sampled latents to the denoiser's (scale and shift here).
-        ``vae`` is the loaded VAE, for a family whose statistics live in its weights; it is
-        built before a cached VAE is freed."""
+        ``vae_folder`` holds the VAE, for a family whose statistics are weights (read from the
+        files in fp32, whatever dtype the placed VAE runs in)."""
         return ScaleShift(vae_config)
 
     def latent_distribution(self, vae, pixels: torch.Tensor):

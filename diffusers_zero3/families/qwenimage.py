@@ -79,7 +79,7 @@ class QwenImage(Family):
             "encoder_hidden_states_mask": mask[:, :length],
         }
 
-    def latent_normalizer(self, vae_config, vae=None):
+    def latent_normalizer(self, vae_config, vae_folder=None):
         return ChannelMeanStd(vae_config)
 
     def latent_distribution(self, vae, pixels):
@@ -115,7 +115,11 @@ class QwenImage(Family):
                 self.pipeline_class,
                 {
                     "transformer": ("diffusers", "QwenImageTransformer2DModel", PUBLISHED_TRANSFORMER),
-                    "text_encoder": ("transformers", "Qwen2_5_VLForConditionalGeneration", PUBLISHED_TEXT_ENCODER),
+                    "text_encoder": (
+                        "transformers",
+                        "Qwen2_5_VLForConditionalGeneration",
+                        PUBLISHED_TEXT_ENCODER,
+                    ),
                     "vae": ("diffusers", "AutoencoderKLQwenImage", PUBLISHED_VAE),
                 },
                 note="text_encoder is the whole Qwen2.5-VL 7B as loaded (its vision tower, 677 M, and lm_head, "
@@ -145,7 +149,14 @@ QWENIMAGE = QwenImage(
     default_max_sequence_length=512,  # the pipeline's and train_dreambooth_lora_qwen_image.py's
     default_weighting_scheme="none",
     lora_target_modules=("to_k", "to_q", "to_v", "to_out.0"),  # train_dreambooth_lora_qwen_image.py
-    default_run_args=("--text_encoder_placement", "shard", "--vae_placement", "replicate", "--max_sequence_length", "32"),
+    default_run_args=(
+        "--text_encoder_placement",
+        "shard",
+        "--vae_placement",
+        "replicate",
+        "--max_sequence_length",
+        "32",
+    ),
 )
 
 # Qwen/Qwen-Image's configs: the keys that set parameter shapes.
@@ -221,7 +232,9 @@ def write_qwenimage_tokenizer(folder: str | os.PathLike) -> Path:
     """A small byte-level ``Qwen2Tokenizer`` with Qwen2.5-VL's special tokens whose learnt merges
     make every word of the prompt template one token, as in the real vocabulary: the template's
     prefix is then exactly the 34 tokens that the pipeline drops (checked here)."""
-    folder = write_qwen2_tokenizer(folder, QWEN_VL_SPECIAL_TOKENS, texts=(PROMPT_TEMPLATE.replace("{}", " "),))
+    folder = write_qwen2_tokenizer(
+        folder, QWEN_VL_SPECIAL_TOKENS, texts=(PROMPT_TEMPLATE.replace("{}", " "),)
+    )
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -288,7 +301,12 @@ def save_tiny_qwenimage_pipeline(folder: str | os.PathLike, seed: int = 0) -> Pa
                 eos_token_id=tid("<|im_end|>"),
             ),
             vision_config=dict(
-                depth=2, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16, fullatt_block_indexes=[1]
+                depth=2,
+                hidden_size=16,
+                intermediate_size=16,
+                num_heads=2,
+                out_hidden_size=16,
+                fullatt_block_indexes=[1],
             ),
             image_token_id=tid("<|image_pad|>"),
             video_token_id=tid("<|video_pad|>"),

@@ -189,7 +189,9 @@ def byte_bpe_vocab(texts: list[str], words: tuple[str, ...] = CAPTION_WORDS) -> 
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
     )
-    trainer_tok.train_from_iterator([*texts, *(w for word in words for w in (word, " " + word))], trainer=trainer)
+    trainer_tok.train_from_iterator(
+        [*texts, *(w for word in words for w in (word, " " + word))], trainer=trainer
+    )
     state = json.loads(trainer_tok.to_str())["model"]
     vocab: dict[str, int] = {}
     for ch in bytes_to_unicode().values():  # byte symbols first, in a fixed order
@@ -229,7 +231,9 @@ def write_qwen2_tokenizer(
         model_max_length=131072,
         padding_side="right",
     )
-    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens], special_tokens=True)
+    tokenizer.add_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in special_tokens], special_tokens=True
+    )
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     folder = Path(folder)

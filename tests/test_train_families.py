@@ -1,0 +1,129 @@
+"""scripts/train_text_to_image.py on the families with LLM text encoders, 2 ZeRO-3 ranks each:
+the LLM encoder sharded with EMA, a checkpoint and an exact resume, and an output pipeline that
+``DiffusionPipeline.from_pretrained`` loads and that generates; then the encoder cached with
+LoRA at the family's default targets, loadable with the pipeline's ``load_lora_weights``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed_harness import accelerate_launch, resume_in_fresh_folder, run_launcher, step_values
+
+pytestmark = pytest.mark.e2e
+
+LAUNCH = accelerate_launch("scripts/train_text_to_image.py")
+
+# family: (its LLM encoder folders, the other frozen models' placements, extra flags)
+CASES = {
+    "qwenimage": (["text_encoder"], [], []),
+}
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def _common(pipe: str, data: str, steps: int, extra: list[str]) -> list[str]:
+    return ["--pretrained_model_name_or_path", pipe, "--train_data_dir", data, "--resolution", "32",
+            "--center_crop", "--random_flip", "--train_batch_size", "2", "--max_train_steps", str(steps),
+            "--learning_rate", "1e-3", "--lr_warmup_steps", "0", "--seed", "3", "--report_to", "none",
+            "--max_sequence_length", "16", *extra]  # fmt: skip
+
+
+def _generate(pipeline, family) -> None:
+    image = pipeline(
+        "a red circle", num_inference_steps=2, height=32, width=32, **family.validation_kwargs(16, None)
+    ).images[0]
+    assert image.size == (32, 32)
+
+
+def _family(name: str, request):
+    from diffusers_zero3.families import family_named
+
+    pipe, data = request.getfixturevalue(f"tiny_{name}")
+    return family_named(name), pipe, data
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_llm_encoder_sharded_ema_checkpoint_exact_resume_and_output(name, request, tmp_path):
+    from diffusers import DiffusionPipeline
+    from safetensors.torch import load_file
+
+    family, pipe, data = _family(name, request)
+    llm, others, extra = CASES[name]
+    placements = [a for e in llm for a in (f"--{e}_placement", "shard")] + others
+    common = [*_common(pipe, data, 4, extra), "--use_ema", "--checkpointing_steps", "2", *placements]
+    out = tmp_path / "run"
+    validation = ["--validation_prompts", "a red circle", "--validation_steps", "4",
+                  "--num_validation_inference_steps", "2"]  # fmt: skip
+    _, log = run_launcher([*LAUNCH, *common, *validation, "--output_dir", str(out)], timeout=400)
+    losses = step_values(log)
+    assert sorted(losses) == [1, 2, 3, 4], log[-3000:]
+    for encoder in llm:
+        assert f"{encoder}: shard" in log
+    assert f"{family.pipeline_class}.from_pretrained" in log
+    assert (out / "validation" / "step-000004.png").exists()
+
+    # The output loads and generates; the (EMA) denoiser changed; frozen components are the source's.
+    pipeline = DiffusionPipeline.from_pretrained(out)
+    assert type(pipeline).__name__ == family.pipeline_class
+    _generate(pipeline, family)
+    weights = "diffusion_pytorch_model.safetensors"
+    before, after = (
+        load_file(str(Path(pipe) / family.denoiser / weights)),
+        load_file(str(out / family.denoiser / weights)),
+    )
+    assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
+    for component in (*family.frozen_components, *family.tokenizer_folders):
+        source = Path(pipe) / component
+        if source.is_dir():
+            assert _files(out / component) == _files(source), component
+
+    # Resumed from checkpoint-2 in a fresh folder: steps 3-4 and the final EMA weights repeat.
+    resumed = tmp_path / "resumed"
+    log2 = resume_in_fresh_folder([*LAUNCH, *common], out, resumed)
+    again = step_values(log2)
+    assert sorted(again) == [3, 4], log2[-3000:]
+    for step in again:
+        assert again[step] == pytest.approx(losses[step], abs=2e-6), (step, again, losses)
+    final = load_file(str(resumed / family.denoiser / weights))
+    for k in after:
+        torch.testing.assert_close(final[k], after[k], rtol=0, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_llm_encoder_cached_and_lora_adapters_load_in_the_pipeline(name, request, tmp_path):
+    from diffusers import DiffusionPipeline
+
+    family, pipe, data = _family(name, request)
+    llm, others, extra = CASES[name]
+    placements = [a for e in llm for a in (f"--{e}_placement", "cache")] + others
+    out = tmp_path / "lora"
+    argv = [*LAUNCH, *_common(pipe, data, 2, extra), *placements, "--rank", "4", "--output_dir", str(out),
+            "--validation_prompts", "a blue square", "--validation_steps", "2",
+            "--num_validation_inference_steps", "2"]  # fmt: skip
+    _, log = run_launcher(argv, timeout=400)
+    assert sorted(step_values(log)) == [1, 2], log[-3000:]
+    for encoder in llm:
+        assert f"{encoder}: shard" in log and "(to encode the cache as shard)" in log
+    assert "encoding 8 rows with the frozen models" in log
+    assert (out / "validation" / "step-000002.png").exists()  # the cached encoder reloaded for it
+    pipeline = DiffusionPipeline.from_pretrained(pipe, **_supplied(family, pipe))
+    base = pipeline(
+        "a red circle", num_inference_steps=2, height=32, width=32, output_type="latent",
+        generator=torch.Generator().manual_seed(0), **family.validation_kwargs(16, None),
+    ).images  # fmt: skip
+    pipeline.load_lora_weights(out)
+    adapted = pipeline(
+        "a red circle", num_inference_steps=2, height=32, width=32, output_type="latent",
+        generator=torch.Generator().manual_seed(0), **family.validation_kwargs(16, None),
+    ).images  # fmt: skip
+    assert not torch.allclose(base, adapted)  # the trained adapters reach the denoiser
+
+
+def _supplied(family, pipe: str) -> dict:
+    """Components a family's tiny pipeline folder lacks, loaded from beside it."""
+    return {}
