@@ -149,7 +149,8 @@ def pipeline_components(pipeline: str | os.PathLike) -> tuple[str, dict[str, Com
 
 
 def text_sequence_length(comp: Component, spec, family, max_sequence_length: int | None = None) -> int:
-    """Tokens per caption the training script feeds a text encoder (``Family.sequence_length``):
+    """Tokens per caption the training script feeds a text encoder (``Family.token_length``:
+    a family's template tokens included):
     ``--max_sequence_length`` or the family's default for T5; otherwise the tokenizer's
     ``model_max_length`` (its ``tokenizer_config.json``), or, for a config without tokenizer
     files (carried, published), the encoder's ``max_position_embeddings`` up to 77 (CLIP's),
@@ -162,7 +163,7 @@ def text_sequence_length(comp: Component, spec, family, max_sequence_length: int
     length = comp.tokenizer_max_length or min(positions or 77, 77)
     if positions:
         length = min(length, positions)
-    return family.sequence_length(spec, SimpleNamespace(model_max_length=length), max_sequence_length)
+    return family.token_length(spec, SimpleNamespace(model_max_length=length), max_sequence_length)
 
 
 def _config_folder(pipeline: str) -> Path:
@@ -346,10 +347,36 @@ def make_plan(pipeline: str | os.PathLike, options: PlanOptions) -> dict:
         "pipeline": str(pipeline),
         "pipeline_class": class_name,
         **_plan(components, FAMILIES[class_name], options),
+        "notes": plan_notes(str(pipeline), components),
     }
     if not plan["fits"]:
         plan["advice"] = what_would_fit(components, FAMILIES[class_name], options)
     return plan
+
+
+VISION_PARTS = ("visual.", "vision_tower.", "multi_modal_projector.")
+
+
+def plan_notes(pipeline: str, components: dict[str, Component]) -> list[str]:
+    """What the counts include that a reader would not expect: a carried config's note, and
+    each vision-language text encoder's vision tower (loaded and counted, never run)."""
+    notes = []
+    known = KNOWN_PIPELINES.get(pipeline)
+    if known and known.get("note") and not Path(pipeline).is_dir():
+        notes.append(known["note"])
+    for name, comp in components.items():
+        if comp.trainable or not hasattr(comp.meta_module().config, "vision_config"):
+            continue
+        vision = sum(
+            p.numel()
+            for n, p in comp.meta_module().named_parameters()
+            if any(part in n for part in VISION_PARTS)
+        )
+        notes.append(
+            f"{name} ({comp.class_name}) is counted whole as it loads: {vision:,} of its {comp.parameters:,} "
+            "parameters are its vision tower, which never runs (only the text path encodes prompts)"
+        )
+    return notes
 
 
 def _plan(components: dict[str, Component], family, options: PlanOptions) -> dict:
@@ -527,7 +554,7 @@ def format_table(plan: dict) -> str:
     """The plan as a text table: one row per component and placement (MiB per rank), the
     recommended rows marked, then the totals."""
     head = (
-        f"{'component':<16} {'class':<30} {'params':>14} {'placement':<10} {'params MiB':>11} "
+        f"{'component':<16} {'class':<36} {'params':>14} {'placement':<10} {'params MiB':>11} "
         f"{'grads MiB':>10} {'optim MiB':>10} {'EMA MiB':>9} {'buffers':>9} {'total MiB':>11} "
         f"{'host MiB':>10} {'cache/img':>10}"
     )
@@ -541,7 +568,7 @@ def format_table(plan: dict) -> str:
             mark = "*" if plan["recommended"].get(name) == placement else " "
             cache = row.get("cache_bytes_per_image")
             lines.append(
-                f"{name:<16} {comp['class']:<30} {comp['parameters']:>14,} {mark}{placement:<9} "
+                f"{name:<16} {comp['class']:<36} {comp['parameters']:>14,} {mark}{placement:<9} "
                 f"{row.get('parameters', 0) / MIB:>11.1f} {row.get('gradients', 0) / MIB:>10.1f} "
                 f"{row.get('optimizer', 0) / MIB:>10.1f} {row.get('ema', 0) / MIB:>9.1f} "
                 f"{row.get('buffers', 0) / MIB:>9.1f} {row['bytes_per_rank'] / MIB:>11.1f} "
@@ -555,6 +582,7 @@ def format_table(plan: dict) -> str:
         total += f" of {plan['budget_bytes_per_rank'] / GIB:.2f} GiB usable"
         total += " (fits)" if plan["fits"] else " (does NOT fit)"
     lines.append(total + "; activations not included")
+    lines.extend(f"note: {n}" for n in plan.get("notes", []))
     lines.extend(plan.get("advice", []))
     return "\n".join(lines)
 

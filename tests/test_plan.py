@@ -24,6 +24,10 @@ PUBLISHED = {
     ("stabilityai/stable-diffusion-3-medium-diffusers", "transformer"): 2_028_328_000,
     ("stabilityai/stable-diffusion-3-medium-diffusers", "text_encoder_3"): 4_762_310_656,
     ("black-forest-labs/FLUX.1-dev", "transformer"): 11_901_408_320,
+    # Qwen/Qwen-Image: the transformer ("20B"; the hub's safetensors metadata) and
+    # Qwen2.5-VL-7B-Instruct (its model card's 8.29B, vision tower and lm_head included)
+    ("Qwen/Qwen-Image", "transformer"): 20_430_401_088,
+    ("Qwen/Qwen-Image", "text_encoder"): 8_292_166_656,
 }
 
 
@@ -313,3 +317,22 @@ def test_sequence_length_rules_without_tokenizer_files():
     plan = make_plan(SD15, PlanOptions(num_processes=8, mixed_precision="bf16"))
     cache = plan["components"]["text_encoder"]["placements"]["cache"]["cache_bytes_per_image"]
     assert cache == 768 * 77 * 2
+
+
+@pytest.mark.unit
+def test_a_vision_language_encoder_is_counted_whole_and_the_plan_says_so(tiny_qwenimage):
+    """Qwen2.5-VL runs its text path only, but loads (and is placed) whole: the counts include
+    its vision tower, and a note says how much of it never runs; a CLIP gets no such note."""
+    plan = make_plan("Qwen/Qwen-Image", PlanOptions(num_processes=8, mixed_precision="bf16"))
+    assert plan["components"]["text_encoder"]["parameters"] == 8_292_166_656
+    assert plan["notes"] == [
+        "text_encoder (Qwen2_5_VLForConditionalGeneration) is counted whole as it loads: 676,550,144 of its "
+        "8,292,166,656 parameters are its vision tower, which never runs (only the text path encodes prompts)"
+    ]
+    # The cache of a templated encoder: 512 caption tokens of 3584 bf16 values (the 34 template tokens
+    # it drops are fed, not stored), plus their mask.
+    cache = plan["components"]["text_encoder"]["placements"]["cache"]["cache_bytes_per_image"]
+    assert cache == (512 * 3584 + 512) * 2
+    local = make_plan(tiny_qwenimage[0], PlanOptions(num_processes=2))
+    assert len(local["notes"]) == 1 and "vision tower" in local["notes"][0]
+    assert make_plan("runwayml/stable-diffusion-v1-5", PlanOptions())["notes"] == []

@@ -61,11 +61,11 @@ class QwenImage(Family):
         """The last hidden states (the decoder's final norm) after the dropped template tokens,
         zero where the caption is padded, with their mask. The whole model is called (under
         ZeRO-3 its root forward ends each trace), with logits for one position only."""
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
         out = encoder(
             input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1
         )
+        if attention_mask is None:  # every token valid (the planner sizes outputs so, on the meta device)
+            attention_mask = torch.ones_like(input_ids)
         hidden = out.hidden_states[-1][:, DROPPED_TEMPLATE_TOKENS:]
         mask = attention_mask[:, DROPPED_TEMPLATE_TOKENS:].long()
         return {"prompt_embeds": hidden * mask[..., None].to(hidden.dtype), "prompt_embeds_mask": mask}
@@ -122,8 +122,6 @@ class QwenImage(Family):
                     ),
                     "vae": ("diffusers", "AutoencoderKLQwenImage", PUBLISHED_VAE),
                 },
-                note="text_encoder is the whole Qwen2.5-VL 7B as loaded (its vision tower, 677 M, and lm_head, "
-                "545 M, are counted but never run: only the text path encodes prompts)",
             ),
         )
 
