@@ -54,7 +54,7 @@ def generate_validation_images(
         for i, prompt in enumerate(prompts):
             generator = torch.Generator(device=device).manual_seed(seed + i)
             out = pipeline(
-                prompt,
+                prompt=prompt,  # by name: Flux.2's first positional argument is an image
                 num_inference_steps=num_inference_steps,
                 generator=generator,
                 height=resolution,

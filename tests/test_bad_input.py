@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from diffusers_zero3.families import FAMILIES
 from tests.distributed_harness import REPO_ROOT, run_launcher
 
 pytestmark = pytest.mark.unit
@@ -135,7 +136,17 @@ T2I_CASES = COMMON_CASES + [
     ),
     (
         ["--pretrained_model_name_or_path", "{unknown}"],
-        "pipeline; supported pipelines: FluxPipeline, StableDiffusion3Pipeline, StableDiffusionPipeline",
+        "pipeline; supported pipelines: " + ", ".join(sorted(FAMILIES)),
+    ),
+    (["--component", "text_encoder_2"], "--component takes NAME=PATH, got 'text_encoder_2'"),
+    (
+        ["--component", "text_encoder_2=/tmp"],
+        "--component text_encoder_2=...: a StableDiffusionPipeline has no component text_encoder_2",
+    ),
+    (["--component", "vae=/nonexistent/vae"], "model folder '/nonexistent/vae' does not exist"),
+    (
+        ["--component", "vae={pipe}/vae", "--pretrained_vae_model_name_or_path", "{pipe}/vae"],
+        "--component vae is given twice",
     ),
     (
         ["--pretrained_model_name_or_path", "{sdxl}", "--dream_training"],
