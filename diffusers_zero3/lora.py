@@ -128,10 +128,12 @@ def save_lora_zero3(denoiser, family, output_dir: str | os.PathLike) -> Path:
         staging.mkdir(parents=True)
         try:
             pipeline_class = getattr(diffusers, family.pipeline_class)
+            # diffusers' UNet LoRA scripts convert peft's keys to its own format; its transformer
+            # scripts save peft's keys as they are, and their pipelines load only those: a
+            # converted SD3 or Flux.2 file loaded without its attention adapters, silently.
+            layers = convert_state_dict_to_diffusers(state) if family.denoiser == "unet" else state
             pipeline_class.save_lora_weights(
-                staging,
-                **{f"{family.denoiser}_lora_layers": convert_state_dict_to_diffusers(state)},
-                weight_name=LORA_WEIGHT_NAME,
+                staging, **{f"{family.denoiser}_lora_layers": layers}, weight_name=LORA_WEIGHT_NAME
             )
             fsync_tree(staging)
             os.replace(staging / LORA_WEIGHT_NAME, final)
