@@ -197,7 +197,7 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description="Generate the embedded default's pipeline and data.")
     parser.add_argument("folder", nargs="?", default="outputs/default")
-    parser.add_argument("--model", default="sd", choices=MODELS)
+    parser.add_argument("--model", default="sd", help=f"a family's short name: {', '.join(MODELS)}")
     parser.add_argument(
         "--preferences", action="store_true", help="also a preference dataset (make train-dpo)"
     )
@@ -207,6 +207,11 @@ if __name__ == "__main__":
         help="print PIPE, DATA and RUN_ARGS (the family's default placements) as shell assignments",
     )
     cli = parser.parse_args()
+    if cli.model not in MODELS:
+        import sys
+
+        print(f"error: MODEL must be one of {', '.join(MODELS)}, got {cli.model!r}", file=sys.stderr)
+        sys.exit(2)
     p, d = prepare_default(cli.folder, model=cli.model)
     if cli.shell:
         import shlex

@@ -110,6 +110,7 @@ class FrozenInputs:
                     self.family.component_class(name),
                     self.variant,
                     dtype=self.family.component_dtype(name, self.dtype),
+                    label=name,
                 )
                 reloaded.append(frozen)
             modules[name] = frozen.module
@@ -199,6 +200,7 @@ def place_frozen_models(
             family.component_class(name),
             variant,
             dtype=family.component_dtype(name, dtype),
+            label=name,
         )
         note = f" (to encode the cache as {live[name].placement})" if placement == "cache" else ""
         log_rank_zero(live[name].describe() + note)

@@ -189,7 +189,9 @@ def _build_model(model_cls, folder: Path):
         from transformers.initialization import no_init_weights
 
         with no_init_weights():
-            return model_cls(config)
+            model = model_cls(config)
+        model.tie_weights()  # init_weights ties them, and no_init_weights skips it (T5's shared embedding)
+        return model
 
     return build
 

@@ -132,6 +132,7 @@ def load_frozen_component(
     model_cls,
     variant: str | None = None,
     dtype: torch.dtype | None = None,
+    label: str | None = None,
 ):
     """Load ``source/name`` and place it (``"cache"`` loads a replica, to be cached and freed;
     ``frozen_inputs.place_frozen_models`` passes ``"shard"`` instead under ZeRO-3).
@@ -139,11 +140,13 @@ def load_frozen_component(
     ``"shard"``/``"offload"`` models are read straight into partitions, never whole, in their
     own dtype and into the memory their placement names (``offload``: host memory, ``shard``:
     the accelerator's), whatever the training config's ``offload_param`` says. ``dtype`` is
-    the dtype it runs in (default: the accelerator's mixed precision). Call on every rank.
+    the dtype it runs in (default: the accelerator's mixed precision); ``label`` names it in
+    logs and errors (default ``name``: a component from another folder keeps its own name).
+    Call on every rank.
     """
     dtype = dtype or weight_dtype(accelerator)
     if placement in ("shard", "offload"):
-        check_placement_supported(placement, name)
+        check_placement_supported(placement, label or name)
         model = load_pretrained_zero3(
             model_cls,
             source,
@@ -161,7 +164,7 @@ def load_frozen_component(
         "replicate" if placement == "cache" else placement,
         accelerator=accelerator,
         dtype=dtype,
-        name=name,
+        name=label or name,
     )
 
 

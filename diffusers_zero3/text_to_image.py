@@ -143,7 +143,7 @@ class TextToImageTrainer:
 
     def _load_models(self) -> None:
         args, src = self.args, self.source
-        self.noise_scheduler = self.family.noise_scheduler_class().from_pretrained(src, subfolder="scheduler")
+        self.noise_scheduler = self.family.load_noise_scheduler(src)
         self.weighting_scheme = args.weighting_scheme or self.family.default_weighting_scheme
         if args.prediction_type is not None:
             self.noise_scheduler.register_to_config(prediction_type=args.prediction_type)
@@ -487,6 +487,7 @@ class TextToImageTrainer:
                 self.tokenizers,
                 self.family.noise_scheduler_class().from_config(self.noise_scheduler.config),
             )
+            pipeline = self.family.prepare_validation_pipeline(pipeline, args.resolution)
             images = generate_validation_images(
                 pipeline,
                 args.validation_prompts,

@@ -103,3 +103,40 @@ def tiny_qwenimage(tmp_path_factory):
 
     pipe, data = prepare_default(tmp_path_factory.mktemp("qwenimage"), num_images=8, model="qwenimage")
     return str(pipe), str(data)
+
+
+@pytest.fixture(scope="session")
+def tiny_zimage(tmp_path_factory):
+    """A tiny Z-Image pipeline (Qwen3 text encoder) and an 8-image dataset: ``(pipeline, dataset)``."""
+    from diffusers_zero3.demo import prepare_default
+
+    pipe, data = prepare_default(tmp_path_factory.mktemp("zimage"), num_images=8, model="zimage")
+    return str(pipe), str(data)
+
+
+@pytest.fixture(scope="session")
+def tiny_hidream(tmp_path_factory):
+    """A tiny HiDream-I1 pipeline without its Llama encoder (saved beside it, ``<pipeline>-llama``,
+    as it is supplied separately) and an 8-image dataset: ``(pipeline, dataset)``."""
+    from diffusers_zero3.demo import prepare_default
+
+    pipe, data = prepare_default(tmp_path_factory.mktemp("hidream"), num_images=8, model="hidream")
+    return str(pipe), str(data)
+
+
+@pytest.fixture(scope="session")
+def tiny_flux2(tmp_path_factory):
+    """A tiny Flux.2 [dev] pipeline (Mistral 3 VLM text encoder) and an 8-image dataset."""
+    from diffusers_zero3.demo import prepare_default
+
+    pipe, data = prepare_default(tmp_path_factory.mktemp("flux2"), num_images=8, model="flux2")
+    return str(pipe), str(data)
+
+
+@pytest.fixture(scope="session")
+def tiny_flux2_klein(tmp_path_factory):
+    """A tiny Flux.2 [klein] pipeline (Qwen3 text encoder) and an 8-image dataset."""
+    from diffusers_zero3.demo import prepare_default
+
+    pipe, data = prepare_default(tmp_path_factory.mktemp("flux2-klein"), num_images=8, model="flux2-klein")
+    return str(pipe), str(data)

@@ -28,3 +28,43 @@ def test_demo_cli_writes_pipeline_dataset_and_reward_model(tmp_path):
     ids = tok("a red circle").input_ids
     assert ids[0] == tok.bos_token_id and ids[-1] == tok.eos_token_id and len(ids) > 5
     assert tok.decode(ids, skip_special_tokens=True) == "a red circle"
+
+
+def test_every_familys_default_run_flags_are_valid_for_its_pipeline():
+    """`make train MODEL=<name>` passes the family's ``default_run_args`` to the training script:
+    each set parses and applies to its family (a flag naming a component the family lacks, or a
+    flag of the other objective, would fail the run after the pipeline was generated)."""
+    from diffusers_zero3.args import component_overrides, parse_args, validate_args, validate_family
+    from diffusers_zero3.families import ALL_FAMILIES
+
+    for family in ALL_FAMILIES:
+        run_args = [a.format(pipeline="/tmp/tiny") for a in family.default_run_args]
+        args = parse_args(["--pretrained_model_name_or_path", "p", "--train_data_dir", "d", *run_args])
+        validate_args(args)
+        validate_family(args, family)
+        placed = {k[: -len("_placement")] for k, v in vars(args).items() if k.endswith("_placement") and v}
+        assert placed <= set(family.frozen_components), (family.name, placed)
+        assert set(component_overrides(args)) <= {*family.frozen_components, *family.tokenizer_folders}
+
+
+def test_the_default_run_script_refuses_an_unknown_model_in_one_line():
+    from diffusers_zero3.families import FAMILY_NAMES
+
+    res = subprocess.run(
+        ["bash", "scripts/train_default.sh"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "MODEL": "kandinsky",
+            "PYTHON": sys.executable,
+            "OUT": "/tmp/dz3-unused",
+        },
+    )
+    assert res.returncode == 2, res.stdout + res.stderr
+    errors = [line for line in res.stderr.splitlines() if "error" in line.lower()]
+    assert errors == ["error: MODEL must be one of " + ", ".join(FAMILY_NAMES) + ", got 'kandinsky'"], (
+        res.stderr
+    )
+    assert not res.stdout

@@ -28,6 +28,17 @@ PUBLISHED = {
     # Qwen2.5-VL-7B-Instruct (its model card's 8.29B, vision tower and lm_head included)
     ("Qwen/Qwen-Image", "transformer"): 20_430_401_088,
     ("Qwen/Qwen-Image", "text_encoder"): 8_292_166_656,
+    # Tongyi-MAI/Z-Image-Turbo: the transformer ("6B") and Qwen3-4B ("4.02B")
+    ("Tongyi-MAI/Z-Image-Turbo", "transformer"): 6_154_908_736,
+    ("Tongyi-MAI/Z-Image-Turbo", "text_encoder"): 4_022_468_096,
+    # HiDream-ai/HiDream-I1-Full: the sparse MoE transformer ("17B", all experts) and the
+    # separately supplied Llama-3.1-8B-Instruct ("8.03B")
+    ("HiDream-ai/HiDream-I1-Full", "transformer"): 17_105_733_184,
+    ("HiDream-ai/HiDream-I1-Full", "text_encoder_3"): 4_762_310_656,
+    ("HiDream-ai/HiDream-I1-Full", "text_encoder_4"): 8_030_261_248,
+    # black-forest-labs/FLUX.2-dev ("32B") with Mistral-Small-3.x-24B ("24B", the whole VLM)
+    ("black-forest-labs/FLUX.2-dev", "transformer"): 32_223_281_152,
+    ("black-forest-labs/FLUX.2-dev", "text_encoder"): 24_011_361_280,
 }
 
 

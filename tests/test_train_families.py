@@ -19,6 +19,11 @@ LAUNCH = accelerate_launch("scripts/train_text_to_image.py")
 # family: (its LLM encoder folders, the other frozen models' placements, extra flags)
 CASES = {
     "qwenimage": (["text_encoder"], [], []),
+    "zimage": (["text_encoder"], [], []),
+    "flux2": (["text_encoder"], [], ["--guidance_scale", "2.5"]),  # dev is guidance-distilled
+    "flux2-klein": (["text_encoder"], [], []),
+    # the Llama (text_encoder_4, with its tokenizer) supplied from its own folder, as in real use
+    "hidream": (["text_encoder_3", "text_encoder_4"], [], ["--component", "text_encoder_4={pipeline}-llama"]),
 }
 
 
@@ -30,20 +35,22 @@ def _common(pipe: str, data: str, steps: int, extra: list[str]) -> list[str]:
     return ["--pretrained_model_name_or_path", pipe, "--train_data_dir", data, "--resolution", "32",
             "--center_crop", "--random_flip", "--train_batch_size", "2", "--max_train_steps", str(steps),
             "--learning_rate", "1e-3", "--lr_warmup_steps", "0", "--seed", "3", "--report_to", "none",
-            "--max_sequence_length", "16", *extra]  # fmt: skip
+            "--max_sequence_length", "16", *(a.format(pipeline=pipe) for a in extra)]  # fmt: skip
 
 
-def _generate(pipeline, family) -> None:
-    image = pipeline(
-        "a red circle", num_inference_steps=2, height=32, width=32, **family.validation_kwargs(16, None)
-    ).images[0]
-    assert image.size == (32, 32)
+def _generate(pipeline, family, **kwargs):
+    pipeline = family.prepare_validation_pipeline(pipeline, 32)
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline(
+        prompt="a red circle", num_inference_steps=2, height=32, width=32, **family.validation_kwargs(16, None),
+        **kwargs,
+    ).images  # fmt: skip
 
 
 def _family(name: str, request):
     from diffusers_zero3.families import family_named
 
-    pipe, data = request.getfixturevalue(f"tiny_{name}")
+    pipe, data = request.getfixturevalue(f"tiny_{name.replace('-', '_')}")
     return family_named(name), pipe, data
 
 
@@ -70,7 +77,7 @@ def test_llm_encoder_sharded_ema_checkpoint_exact_resume_and_output(name, reques
     # The output loads and generates; the (EMA) denoiser changed; frozen components are the source's.
     pipeline = DiffusionPipeline.from_pretrained(out)
     assert type(pipeline).__name__ == family.pipeline_class
-    _generate(pipeline, family)
+    assert _generate(pipeline, family)[0].size == (32, 32)
     weights = "diffusion_pytorch_model.safetensors"
     before, after = (
         load_file(str(Path(pipe) / family.denoiser / weights)),
@@ -112,18 +119,20 @@ def test_llm_encoder_cached_and_lora_adapters_load_in_the_pipeline(name, request
     assert "encoding 8 rows with the frozen models" in log
     assert (out / "validation" / "step-000002.png").exists()  # the cached encoder reloaded for it
     pipeline = DiffusionPipeline.from_pretrained(pipe, **_supplied(family, pipe))
-    base = pipeline(
-        "a red circle", num_inference_steps=2, height=32, width=32, output_type="latent",
-        generator=torch.Generator().manual_seed(0), **family.validation_kwargs(16, None),
-    ).images  # fmt: skip
+    base = _generate(pipeline, family, output_type="latent", generator=torch.Generator().manual_seed(0))
     pipeline.load_lora_weights(out)
-    adapted = pipeline(
-        "a red circle", num_inference_steps=2, height=32, width=32, output_type="latent",
-        generator=torch.Generator().manual_seed(0), **family.validation_kwargs(16, None),
-    ).images  # fmt: skip
+    adapted = _generate(pipeline, family, output_type="latent", generator=torch.Generator().manual_seed(0))
     assert not torch.allclose(base, adapted)  # the trained adapters reach the denoiser
 
 
 def _supplied(family, pipe: str) -> dict:
-    """Components a family's tiny pipeline folder lacks, loaded from beside it."""
-    return {}
+    """Components a family's tiny pipeline folder lacks, loaded from beside it (HiDream's Llama)."""
+    if family.name != "hidream":
+        return {}
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    llama = f"{pipe}-llama"
+    return {
+        "text_encoder_4": LlamaForCausalLM.from_pretrained(llama),
+        "tokenizer_4": AutoTokenizer.from_pretrained(llama),
+    }

@@ -11,7 +11,8 @@ for the planner. Everything else in the package (placements, the cache, EMA, che
 load/save, lockstep, the loop) is written once and asks the family.
 
 One module per family: ``sd`` (SD 1.x/2.x), ``sdxl``, ``sd3``, ``flux`` (Flux.1),
-``qwenimage`` (Qwen-Image).
+``qwenimage`` (Qwen-Image), ``zimage`` (Z-Image), ``hidream`` (HiDream-I1), ``flux2`` (Flux.2
+[dev] and [klein]).
 
 ``detect_family(folder)`` picks the family from the pipeline's ``model_index.json``
 (``_class_name``); an unsupported pipeline gets one ``CheckpointError`` listing the supported
@@ -27,12 +28,15 @@ from pathlib import Path
 from ..pretrained import CheckpointError
 from .base import Family, PublishedConfig, TextEncoderSpec
 from .flux import FLUX, latent_image_ids, pack_latents, unpack_latents
+from .flux2 import FLUX2, FLUX2_KLEIN
+from .hidream import HIDREAM
 from .qwenimage import QWENIMAGE
 from .sd import SD
 from .sd3 import SD3
 from .sdxl import SDXL, time_ids
+from .zimage import ZIMAGE
 
-ALL_FAMILIES: tuple[Family, ...] = (SD, SDXL, SD3, FLUX, QWENIMAGE)
+ALL_FAMILIES: tuple[Family, ...] = (SD, SDXL, SD3, FLUX, QWENIMAGE, ZIMAGE, HIDREAM, FLUX2, FLUX2_KLEIN)
 FAMILIES: dict[str, Family] = {f.pipeline_class: f for f in ALL_FAMILIES}
 FAMILY_NAMES: dict[str, Family] = {f.name: f for f in ALL_FAMILIES}
 # Every frozen model folder of any family: each gets its --<name>_placement flag.
@@ -71,14 +75,18 @@ __all__ = [
     "FAMILIES",
     "FAMILY_NAMES",
     "FLUX",
+    "FLUX2",
+    "FLUX2_KLEIN",
     "FROZEN_COMPONENTS",
     "Family",
+    "HIDREAM",
     "PublishedConfig",
     "QWENIMAGE",
     "SD",
     "SD3",
     "SDXL",
     "TextEncoderSpec",
+    "ZIMAGE",
     "detect_family",
     "family_named",
     "latent_image_ids",

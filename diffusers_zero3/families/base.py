@@ -217,7 +217,7 @@ class Family:
                 out[spec.mask_key] = torch.zeros(0, length, dtype=torch.long)  # CPU: as the ids
                 continue
             encoded = tok(
-                [self.prompt_text(spec, c) for c in captions],
+                [self.prompt_text(spec, c, tok) for c in captions],
                 max_length=length,
                 padding="max_length",
                 truncation=True,
@@ -232,8 +232,9 @@ class Family:
         drops from the encoder's output."""
         return self.sequence_length(spec, tokenizer, max_sequence_length)
 
-    def prompt_text(self, spec: TextEncoderSpec, caption: str) -> str:
-        """The text an encoder reads for a caption (a family with a prompt template fills it)."""
+    def prompt_text(self, spec: TextEncoderSpec, caption: str, tokenizer=None) -> str:
+        """The text an encoder reads for a caption (a family with a prompt template, or the
+        tokenizer's chat template, fills it)."""
         return caption
 
     def encode_text(
@@ -299,6 +300,11 @@ class Family:
 
         return diffusers.FlowMatchEulerDiscreteScheduler if self.flow_matching else diffusers.DDPMScheduler
 
+    def load_noise_scheduler(self, source: str | os.PathLike):
+        """The training scheduler, from the pipeline folder's ``scheduler`` config (a family whose
+        training script builds another one overrides this)."""
+        return self.noise_scheduler_class().from_pretrained(source, subfolder="scheduler")
+
     def objective(self, noise_scheduler, settings):
         """The family's training objective (``training.DDPMObjective`` or
         ``training.FlowMatchingObjective``) with ``settings`` (``training.ObjectiveSettings``)."""
@@ -338,15 +344,10 @@ class Family:
         """Extra keyword arguments of the family's pipeline call for validation images."""
         return {}
 
-    # ------------------------------------------------------------------ ZeRO-3
-
-    def prepare_zero3(self, model: torch.nn.Module, name: str) -> list[str]:
-        """What a module of this family needs before its ZeRO-3 engine is built (trained or
-        frozen): mixture-of-experts blocks become leaf modules (``zero3.set_moe_leaf_modules``).
-        Returns the leaf classes. Not a collective."""
-        from ..zero3 import set_moe_leaf_modules
-
-        return set_moe_leaf_modules(model)
+    def prepare_validation_pipeline(self, pipeline, resolution: int):
+        """The family's pipeline set up to generate ``resolution`` x ``resolution`` images
+        (a pipeline that rescales every request to its own default area changes that here)."""
+        return pipeline
 
     # ------------------------------------------------------------------ pipelines
 

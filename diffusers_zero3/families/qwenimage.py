@@ -54,7 +54,7 @@ class QwenImage(Family):
         # the pipeline tokenizes template + caption to max_length + the dropped template tokens
         return DROPPED_TEMPLATE_TOKENS + self.sequence_length(spec, tokenizer, max_sequence_length)
 
-    def prompt_text(self, spec, caption):
+    def prompt_text(self, spec, caption, tokenizer=None):
         return PROMPT_TEMPLATE.format(caption)
 
     def encode_text(self, name, encoder, input_ids, attention_mask=None):

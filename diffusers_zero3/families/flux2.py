@@ -1,0 +1,780 @@
+"""Flux.2 [dev] (``Flux2Pipeline``) and Flux.2 [klein] (``Flux2KleinPipeline``): one MMDiT
+(``Flux2Transformer2DModel``: double- then single-stream blocks, 4-axis rotary ids, no text
+mask) conditioned on three stacked intermediate hidden states of a frozen LLM after its chat
+template: dev's Mistral Small 3 24B VLM (layers 10, 20, 30, text path only, left-padded, a
+system message) with an embedded guidance value, klein's Qwen3 4B/8B (layers 9, 18, 27,
+right-padded, thinking disabled) without one. ``AutoencoderKLFlux2``'s latent mode, 2x2
+patchified and batch-normalised by the VAE's stored statistics; flow matching as diffusers'
+``train_dreambooth_lora_flux2.py`` / ``..._klein.py`` (uniform timesteps by default).
+
+The DiT attends to every one of the ``max_sequence_length`` text rows, pad rows included, so
+the conditioning keeps all of them (fixed length: each row can be cached alone). Neither the
+encoders nor the transformer (it reads ``img_ids[0]``) take an empty batch: for one,
+``encode_text`` and ``predict`` run one dummy row and return none of it (lockstep kept).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .base import Family, PublishedConfig, TextEncoderSpec
+from .tiny import byte_bpe_vocab, bytes_to_unicode, qwen_pretokenizer, read_back, write_qwen2_tokenizer
+
+# diffusers' pipelines/flux2/system_messages.py SYSTEM_MESSAGE (the dev pipeline's default)
+SYSTEM_MESSAGE = (
+    "You are an AI that reasons about image descriptions. You give structured responses focusing on object "
+    "relationships, object\nattribution and actions without speculation."
+)
+DEV_LAYERS = (10, 20, 30)  # Flux2Pipeline.encode_prompt's text_encoder_out_layers
+KLEIN_LAYERS = (9, 18, 27)  # Flux2KleinPipeline.encode_prompt's (its training script defaults to 10 20 30)
+DEFAULT_GUIDANCE_SCALE = 3.5  # train_dreambooth_lora_flux2.py --guidance_scale
+# What the published templates render (used where no tokenizer is at hand).
+MISTRAL_PROMPT = "<s>[SYSTEM_PROMPT]" + SYSTEM_MESSAGE + "[/SYSTEM_PROMPT][INST]{}[/INST]"
+QWEN3_PROMPT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+# -------------------------------------------------------------------------------- latents
+
+
+def patchify_latents(latents: torch.Tensor) -> torch.Tensor:
+    """2x2 patches into channels, (N, C, H, W) -> (N, 4C, H/2, W/2), channel ``c*4 + dy*2 + dx``
+    (``Flux2Pipeline._patchify_latents``)."""
+    n, c, h, w = latents.shape
+    x = latents.view(n, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4)
+    return x.reshape(n, c * 4, h // 2, w // 2)
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """(N, C, h, w) -> (N, h*w, C) tokens in row-major order (``Flux2Pipeline._pack_latents``)."""
+    n, c, h, w = latents.shape
+    return latents.reshape(n, c, h * w).permute(0, 2, 1)
+
+
+def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The inverse of ``pack_latents`` (``_unpack_latents_with_ids`` for ``latent_ids``, without
+    its host sync)."""
+    n, _, c = tokens.shape
+    return tokens.permute(0, 2, 1).reshape(n, c, height, width)
+
+
+def latent_ids(n: int, height: int, width: int, device=None) -> torch.Tensor:
+    """Rotary ids ``(t, y, x, l) = (0, y, x, 0)`` of packed latents, (N, h*w, 4) int64
+    (``Flux2Pipeline._prepare_latent_ids``)."""
+    t, ll = torch.arange(1, device=device), torch.arange(1, device=device)
+    ids = torch.cartesian_prod(t, torch.arange(height, device=device), torch.arange(width, device=device), ll)
+    return ids.unsqueeze(0).expand(n, -1, -1)
+
+
+def text_ids(n: int, length: int, device=None) -> torch.Tensor:
+    """Rotary ids ``(0, 0, 0, l)`` of ``length`` text rows, (N, L, 4) int64
+    (``Flux2Pipeline._prepare_text_ids``)."""
+    zero = torch.arange(1, device=device)
+    ids = torch.cartesian_prod(zero, zero, zero, torch.arange(length, device=device))
+    return ids.unsqueeze(0).expand(n, -1, -1)
+
+
+def read_vae_tensors(folder: str | os.PathLike, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Tensors ``names`` of the VAE weights in ``folder`` (safetensors, sharded or not, any
+    variant; else a ``.bin``), in fp32 and on the CPU, whatever dtype a placed VAE runs in."""
+    from safetensors import safe_open
+
+    from ..folders import CheckpointError
+
+    folder = Path(folder)
+    files = sorted(
+        folder.glob("*.safetensors"), key=lambda p: (p.name != "diffusion_pytorch_model.safetensors", p.name)
+    )
+    found: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in set(names) & set(f.keys()) - set(found):
+                found[name] = f.get_tensor(name).to(torch.float32)
+        if len(found) == len(names):
+            return found
+    if not files:
+        for path in sorted(folder.glob("*.bin")):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            found.update({k: state[k].to(torch.float32) for k in names if k in state and k not in found})
+        if len(found) == len(names):
+            return found
+    missing = ", ".join(sorted(set(names) - set(found)))
+    raise CheckpointError(f"the VAE weights in {folder} have no {missing} (Flux.2's latent statistics)")
+
+
+class BatchNormLatents:
+    """Flux.2's latent normalisation: the VAE's latents 2x2 patchified, then
+    ``(z - running_mean[c]) / sqrt(running_var[c] + batch_norm_eps)`` with the statistics of
+    ``AutoencoderKLFlux2.bn`` (a module no forward calls), in fp32 (fp32 latents out, as the
+    scripts' fp32 statistics promote them)."""
+
+    def __init__(self, running_mean: torch.Tensor, running_var: torch.Tensor, eps: float):
+        self.mean = running_mean.to(torch.float32)  # CPU: moved per call
+        self.std = torch.sqrt(running_var.to(torch.float32) + eps)  # CPU: moved per call
+
+    @classmethod
+    def from_folder(cls, vae_config: dict, vae_folder: str | os.PathLike) -> BatchNormLatents:
+        stats = read_vae_tensors(vae_folder, ("bn.running_mean", "bn.running_var"))
+        return cls(stats["bn.running_mean"], stats["bn.running_var"], vae_config.get("batch_norm_eps", 1e-4))
+
+    def __call__(self, latents: torch.Tensor) -> torch.Tensor:
+        z = patchify_latents(latents).to(torch.float32)
+        mean = self.mean.to(z.device).view(1, -1, 1, 1)
+        std = self.std.to(z.device).view(1, -1, 1, 1)
+        return (z - mean) / std
+
+
+# -------------------------------------------------------------------------------- families
+
+
+def load_flux2_tokenizer(folder: str | os.PathLike):
+    """The text tokenizer of a Flux.2 ``tokenizer`` folder, without torchvision: FLUX.2-dev's
+    folder holds a ``PixtralProcessor`` (which transformers only builds with torchvision), so
+    its tokenizer is loaded alone and the chat template taken from the processor's files
+    (``chat_template.jinja``, ``chat_template.json``, ``processor_config.json``) when the
+    tokenizer has none. A klein folder holds a plain ``Qwen2Tokenizer``."""
+    from transformers import AutoTokenizer
+
+    folder = Path(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if not getattr(tokenizer, "chat_template", None):
+        template = None
+        if (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        else:
+            for name in ("chat_template.json", "processor_config.json"):
+                path = folder / name
+                if path.is_file():
+                    data = json.loads(path.read_text(encoding="utf-8"))
+                    if isinstance(data.get("chat_template"), str):
+                        template = data["chat_template"]
+                        break
+        if template is None:
+            raise ValueError(f"no chat template in {folder} (a Flux.2 tokenizer renders one)")
+        tokenizer.chat_template = template
+    return tokenizer
+
+
+def guidance_values(denoiser, n: int, guidance_scale: float | None, device) -> torch.Tensor | None:
+    """The guidance input of a guidance-distilled transformer (``config.guidance_embeds``, dev):
+    the scale for every sample, in fp32 (``DEFAULT_GUIDANCE_SCALE`` when none is given); None
+    for one without (klein), as the training scripts."""
+    config = getattr(denoiser, "module", denoiser).config
+    if not config.guidance_embeds:
+        return None
+    scale = DEFAULT_GUIDANCE_SCALE if guidance_scale is None else float(guidance_scale)
+    return torch.full((n,), scale, dtype=torch.float32, device=device)
+
+
+class Flux2(Family):
+    """Flux.2 [dev]: Mistral 3's stacked states with a system message; guidance embedded."""
+
+    hidden_layers = DEV_LAYERS
+
+    def load_tokenizer(self, folder):
+        return load_flux2_tokenizer(folder)
+
+    # ------------------------------------------------------------------ prompts
+
+    def prompt_text(self, spec, caption, tokenizer=None):
+        """The conversation ``Flux2Pipeline`` renders (``format_input``: the system message, then
+        the caption with ``[IMG]`` removed; no generation prompt), with ``tokenizer``'s chat
+        template; without a tokenizer, what Mistral Small 3.1's template renders."""
+        caption = caption.replace("[IMG]", "")
+        if tokenizer is None:
+            return MISTRAL_PROMPT.format(caption)
+        messages = [
+            {"role": "system", "content": [{"type": "text", "text": SYSTEM_MESSAGE}]},
+            {"role": "user", "content": [{"type": "text", "text": caption}]},
+        ]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+
+    def add_special_tokens(self, tokenizer, texts: list[str]) -> bool:
+        """Whether the rendered texts are tokenized with special tokens: not when they start with
+        the BOS the template wrote (the processor's rule, transformers processing_utils.py)."""
+        bos = tokenizer.bos_token
+        return not (bos is not None and texts[0].startswith(bos))
+
+    def tokenize(self, tokenizers, captions, max_sequence_length=None):
+        """The rendered template of every caption, padded to ``max_sequence_length`` on the
+        tokenizer's side (dev's left, klein's right) and truncated on the right, as the pipeline."""
+        spec = self.text_encoders[0]
+        if spec.name not in tokenizers or not captions:
+            return super().tokenize(tokenizers, captions, max_sequence_length)  # nothing to render
+        tokenizer = tokenizers[spec.name]
+        texts = [self.prompt_text(spec, c, tokenizer) for c in captions]
+        encoded = tokenizer(
+            texts,
+            max_length=self.token_length(spec, tokenizer, max_sequence_length),
+            padding="max_length",
+            truncation=True,
+            return_tensors="pt",
+            add_special_tokens=self.add_special_tokens(tokenizer, texts),
+        )
+        return {spec.input_key: encoded.input_ids, spec.mask_key: encoded.attention_mask}
+
+    def encode_text(self, name, encoder, input_ids, attention_mask=None):
+        """``hidden_states[k]`` for the family's three layers, stacked as ``[h_a | h_b | h_c]``
+        per token: (B, L, 3H), every row (the DiT sees the pad rows too). The whole model is
+        called (under ZeRO-3 its root forward ends each trace), with logits for one position."""
+        n = input_ids.shape[0]
+        if n == 0:  # an LLM cannot take an empty batch: one dummy row keeps a sharded encoder in lockstep
+            input_ids, attention_mask = input_ids.new_zeros(1, input_ids.shape[1]), None
+        # On the meta device (the planner counts the outputs) transformers cannot inspect a mask,
+        # and only its cache path skips that; elsewhere no cache, as the pipelines.
+        meta = input_ids.is_meta
+        out = encoder(
+            input_ids=input_ids,
+            attention_mask=None if meta else attention_mask,
+            output_hidden_states=True,
+            use_cache=meta,
+            logits_to_keep=1,
+        )
+        stacked = torch.stack([out.hidden_states[k] for k in self.hidden_layers], dim=2)  # (B, L, 3, H)
+        return {"prompt_embeds": stacked.reshape(*stacked.shape[:2], -1)[:n]}
+
+    def conditioning(self, outputs):
+        """All the rows (no mask, no trimming) and their rotary ``txt_ids`` (never cached)."""
+        states = outputs["prompt_embeds"]
+        return {
+            "encoder_hidden_states": states,
+            "txt_ids": text_ids(states.shape[0], states.shape[1], states.device),
+        }
+
+    # ------------------------------------------------------------------ latents
+
+    def latent_normalizer(self, vae_config, vae_folder=None):
+        if vae_folder is None:
+            raise ValueError(f"{self.title}'s latent statistics are VAE weights: the VAE folder is needed")
+        return BatchNormLatents.from_folder(vae_config, vae_folder)
+
+    def latent_multiple(self, vae_config):
+        return 2 * super().latent_multiple(vae_config)  # 2x2 patches
+
+    # ------------------------------------------------------------------ denoiser
+
+    def predict(self, denoiser, noisy_latents, timesteps, cond, *, guidance_scale=None):
+        """As the training scripts call the transformer: the patchified latents packed into
+        tokens with their ids, ``timestep = t / 1000`` (sigma), the guidance value (dev),
+        all the text rows with their ids; the output's image tokens unpacked."""
+        n, _, h, w = noisy_latents.shape
+        device = noisy_latents.device
+        states = cond["encoder_hidden_states"]
+        txt = cond.get("txt_ids")
+        if txt is None:
+            txt = text_ids(n, states.shape[1], states.device)
+        hidden, t = pack_latents(noisy_latents), timesteps.expand(n)
+        if n == 0:  # the transformer reads img_ids[0]: one dummy row, then none of it
+            hidden = hidden.new_zeros(1, *hidden.shape[1:])
+            states = states.new_zeros(1, *states.shape[1:])
+            txt, t = text_ids(1, states.shape[1], states.device), t.new_ones(1)
+        rows = hidden.shape[0]
+        out = denoiser(
+            hidden_states=hidden,
+            timestep=t / 1000,
+            guidance=guidance_values(denoiser, rows, guidance_scale, device),
+            encoder_hidden_states=states,
+            txt_ids=txt,
+            img_ids=latent_ids(rows, h, w, device),
+            return_dict=False,
+        )[0]
+        return unpack_latents(out[:n, : h * w], h, w)
+
+    def validation_kwargs(self, max_sequence_length, guidance_scale):
+        kwargs = {"max_sequence_length": max_sequence_length or self.default_max_sequence_length}
+        if guidance_scale is not None:
+            kwargs["guidance_scale"] = guidance_scale  # dev's embedded guidance, as in training
+        return kwargs
+
+    # ------------------------------------------------------------------ pipelines
+
+    def save_tiny_pipeline(self, folder, seed=0):
+        return save_tiny_flux2_pipeline(folder, seed)
+
+    def published(self):
+        return (
+            PublishedConfig(
+                "black-forest-labs/FLUX.2-dev",
+                "FLUX.2 [dev]",
+                self.pipeline_class,
+                {
+                    "transformer": ("diffusers", "Flux2Transformer2DModel", PUBLISHED_TRANSFORMER_DEV),
+                    "text_encoder": ("transformers", "Mistral3ForConditionalGeneration", MISTRAL_SMALL_3_24B),
+                    "vae": ("diffusers", "AutoencoderKLFlux2", PUBLISHED_VAE),
+                },
+                note="text_encoder is the whole Mistral Small 3 24B VLM as loaded, counted whole while only its "
+                "text path runs: its Pixtral vision tower and projector (439 M) never run, and as prompts take "
+                "layers 10, 20 and 30 of 40, its last 10 layers run for nothing and lm_head (671 M) for one position",
+            ),
+        )
+
+
+class Flux2Klein(Flux2):
+    """Flux.2 [klein]: Qwen3's stacked states after its chat template (thinking disabled); no
+    guidance embedding (CFG at inference for the base models)."""
+
+    hidden_layers = KLEIN_LAYERS
+
+    def prompt_text(self, spec, caption, tokenizer=None):
+        """The user turn and generation prompt ``Flux2KleinPipeline`` renders with
+        ``enable_thinking=False`` (an empty think block); without a tokenizer, what Qwen3's
+        template renders."""
+        if tokenizer is None:
+            return QWEN3_PROMPT.format(caption)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": caption}],
+            tokenize=False,
+            add_generation_prompt=True,
+            enable_thinking=False,
+        )
+
+    def add_special_tokens(self, tokenizer, texts):
+        return True  # the pipeline's tokenizer(text) call (Qwen adds no BOS either way)
+
+    def validation_kwargs(self, max_sequence_length, guidance_scale):
+        # --guidance_scale is dev's embedded guidance: klein validates at the pipeline's CFG, as its script
+        return {"max_sequence_length": max_sequence_length or self.default_max_sequence_length}
+
+    def save_tiny_pipeline(self, folder, seed=0):
+        return save_tiny_flux2_klein_pipeline(folder, seed)
+
+    def published(self):
+        note = (
+            "text_encoder is {} as loaded (Qwen3ForCausalLM{}): prompts take layers 9, 18 and 27 of 36, so "
+            "the last 9 layers and lm_head (one position) run for nothing"
+        )
+        vae = ("diffusers", "AutoencoderKLFlux2", PUBLISHED_VAE)
+        return (
+            PublishedConfig(
+                "black-forest-labs/FLUX.2-klein-4B",
+                "FLUX.2 [klein] 4B",
+                self.pipeline_class,
+                {
+                    "transformer": ("diffusers", "Flux2Transformer2DModel", PUBLISHED_TRANSFORMER_KLEIN_4B),
+                    "text_encoder": ("transformers", "Qwen3ForCausalLM", QWEN3_4B),
+                    "vae": vae,
+                },
+                note=note.format("Qwen3-4B", ", lm_head tied to the embeddings"),
+            ),
+            PublishedConfig(
+                "black-forest-labs/FLUX.2-klein-9B",
+                "FLUX.2 [klein] 9B",
+                self.pipeline_class,
+                {
+                    "transformer": ("diffusers", "Flux2Transformer2DModel", PUBLISHED_TRANSFORMER_KLEIN_9B),
+                    "text_encoder": ("transformers", "Qwen3ForCausalLM", QWEN3_8B),
+                    "vae": vae,
+                },
+                note=note.format("Qwen3-8B", ""),
+            ),
+        )
+
+
+def _flux2_lora_targets(num_single_layers: int) -> tuple[str, ...]:
+    """train_dreambooth_lora_flux2(_klein).py's default targets: the double blocks' image-stream
+    attention, the single blocks' fused projection and output."""
+    singles = tuple(f"single_transformer_blocks.{i}.attn.to_out" for i in range(num_single_layers))
+    return ("to_k", "to_q", "to_v", "to_out.0", "to_qkv_mlp_proj", *singles)
+
+
+_COMMON = dict(
+    denoiser="transformer",
+    denoiser_class="Flux2Transformer2DModel",
+    vae_class="AutoencoderKLFlux2",
+    sample_latents=False,  # the scripts encode with latent_dist.mode()
+    supports_dream=False,
+    flow_matching=True,
+    default_max_sequence_length=512,  # the pipelines' and the scripts' --max_sequence_length
+    default_weighting_scheme="none",
+)
+FLUX2 = Flux2(
+    name="flux2",
+    title="Flux.2 [dev]",
+    pipeline_class="Flux2Pipeline",
+    text_encoders=(
+        TextEncoderSpec(
+            "text_encoder",
+            "Mistral3ForConditionalGeneration",
+            "tokenizer",
+            "input_ids",
+            uses_max_sequence_length=True,
+        ),
+    ),
+    lora_target_modules=_flux2_lora_targets(48),  # train_dreambooth_lora_flux2.py
+    # 64 tokens: the system message alone takes about 40
+    default_run_args=(
+        "--text_encoder_placement",
+        "shard",
+        "--vae_placement",
+        "replicate",
+        "--max_sequence_length",
+        "64",
+    ),  # fmt: skip
+    **_COMMON,
+)
+FLUX2_KLEIN = Flux2Klein(
+    name="flux2-klein",
+    title="Flux.2 [klein]",
+    pipeline_class="Flux2KleinPipeline",
+    text_encoders=(
+        TextEncoderSpec(
+            "text_encoder", "Qwen3ForCausalLM", "tokenizer", "input_ids", uses_max_sequence_length=True
+        ),
+    ),
+    lora_target_modules=_flux2_lora_targets(24),  # train_dreambooth_lora_flux2_klein.py
+    default_run_args=(
+        "--text_encoder_placement",
+        "shard",
+        "--vae_placement",
+        "replicate",
+        "--max_sequence_length",
+        "32",
+    ),  # fmt: skip
+    **_COMMON,
+)
+
+# -------------------------------------------------------------------------------- published configs
+
+# diffusers scripts/convert_flux2_to_diffusers.py (get_flux2_transformer_config): the shape keys.
+_TRANSFORMER = dict(
+    patch_size=1,
+    in_channels=128,
+    attention_head_dim=128,
+    timestep_guidance_channels=256,
+    mlp_ratio=3.0,
+    axes_dims_rope=(32, 32, 32, 32),
+)
+PUBLISHED_TRANSFORMER_DEV = dict(
+    _TRANSFORMER,
+    num_layers=8,
+    num_single_layers=48,
+    num_attention_heads=48,
+    joint_attention_dim=15360,
+    guidance_embeds=True,
+)
+PUBLISHED_TRANSFORMER_KLEIN_4B = dict(
+    _TRANSFORMER,
+    num_layers=5,
+    num_single_layers=20,
+    num_attention_heads=24,
+    joint_attention_dim=7680,
+    guidance_embeds=False,
+)
+PUBLISHED_TRANSFORMER_KLEIN_9B = dict(
+    _TRANSFORMER,
+    num_layers=8,
+    num_single_layers=24,
+    num_attention_heads=32,
+    joint_attention_dim=12288,
+    guidance_embeds=False,
+)
+PUBLISHED_VAE = dict(  # AutoencoderKLFlux2's defaults, which the converter builds
+    block_out_channels=(128, 256, 512, 512),
+    latent_channels=32,
+    layers_per_block=2,
+    norm_num_groups=32,
+    use_quant_conv=True,
+    use_post_quant_conv=True,
+    patch_size=(2, 2),
+)
+MISTRAL_SMALL_3_24B = dict(  # Mistral-Small-3.2-24B-Instruct-2506 (3.1's shapes)
+    image_token_index=10,
+    multimodal_projector_bias=False,
+    projector_hidden_act="gelu",
+    spatial_merge_size=2,
+    vision_feature_layer=-1,
+    # an untied lm_head, as the checkpoint holds (Mistral3Config's top-level default would tie it)
+    tie_word_embeddings=False,
+    text_config=dict(
+        model_type="mistral",
+        vocab_size=131072,
+        hidden_size=5120,
+        intermediate_size=32768,
+        num_hidden_layers=40,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-05,
+        rope_theta=1000000000.0,
+        sliding_window=None,
+        tie_word_embeddings=False,
+    ),
+    vision_config=dict(
+        model_type="pixtral",
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        head_dim=64,
+        image_size=1540,
+        patch_size=14,
+        num_channels=3,
+        rope_theta=10000.0,
+    ),
+)
+_QWEN3 = dict(
+    vocab_size=151936,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-06,
+    rope_theta=1000000,
+    attention_bias=False,
+)
+QWEN3_4B = dict(_QWEN3, hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True)
+QWEN3_8B = dict(_QWEN3, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False)
+
+# FLUX.1-dev's scheduler, which convert_flux2_to_diffusers.py gives FLUX.2 (dynamic shifting:
+# training's sigmas stay linear).
+FLUX2_SCHEDULER = dict(
+    num_train_timesteps=1000,
+    shift=3.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=1.15,
+    base_image_seq_len=256,
+    max_image_seq_len=4096,
+)
+
+# -------------------------------------------------------------------------------- tiny pipelines
+
+# Mistral Small 3.1-style: <s>[SYSTEM_PROMPT]system[/SYSTEM_PROMPT][INST]user[/INST] (text or blocks).
+MISTRAL_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{%- if messages[0]['content'] is string %}{%- set system_message = messages[0]['content'] %}"
+    "{%- else %}{%- set system_message = messages[0]['content'][0]['text'] %}{%- endif %}"
+    "{%- set loop_messages = messages[1:] %}"
+    "{%- else %}{%- set system_message = '' %}{%- set loop_messages = messages %}{%- endif %}"
+    "{{- '[SYSTEM_PROMPT]' + system_message + '[/SYSTEM_PROMPT]' }}"
+    "{%- for message in loop_messages %}"
+    "{%- if message['role'] == 'user' %}"
+    "{%- if message['content'] is string %}{{- '[INST]' + message['content'] + '[/INST]' }}"
+    "{%- else %}{{- '[INST]' }}"
+    "{%- for block in message['content'] %}"
+    "{%- if block['type'] == 'text' %}{{- block['text'] }}"
+    "{%- elif block['type'] in ['image', 'image_url'] %}{{- '[IMG]' }}"
+    "{%- endif %}{%- endfor %}{{- '[/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{%- if message['content'] is string %}{{- message['content'] + eos_token }}"
+    "{%- else %}{{- message['content'][0]['text'] + eos_token }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+)
+# Qwen3-style: with add_generation_prompt=True, enable_thinking=False renders QWEN3_PROMPT.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+MISTRAL_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
+                          "[IMG]", "[IMG_BREAK]", "[IMG_END]", "<pad>")  # fmt: skip
+QWEN3_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
+TINY_TEXT_HIDDEN = 16
+
+
+def write_mistral3_tokenizer(folder: str | os.PathLike) -> Path:
+    """Write a small byte-level BPE tokenizer with Mistral's special tokens (ids 0-10) to
+    ``folder``: merges learnt on the system message and caption words (one token each, as in
+    the real vocabulary), left padding with ``<pad>``, a Mistral Small 3.1-style chat template,
+    and a ``<s>`` prepended by a plain call, like the published tokenizer."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    bpe_vocab, merges = byte_bpe_vocab([SYSTEM_MESSAGE])
+    offset = len(MISTRAL_SPECIAL_TOKENS)
+    vocab = {t: i for i, t in enumerate(MISTRAL_SPECIAL_TOKENS)}
+    vocab.update({t: offset + i for t, i in bpe_vocab.items()})
+    assert all(ch in vocab for ch in bytes_to_unicode().values())
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=False))
+    tok.pre_tokenizer = qwen_pretokenizer()
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in MISTRAL_SPECIAL_TOKENS])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        padding_side="left",
+        truncation_side="right",
+        model_max_length=131072,
+        chat_template=MISTRAL_CHAT_TEMPLATE,
+    )
+    folder = Path(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def write_qwen3_tokenizer(folder: str | os.PathLike) -> Path:
+    """A small byte-level ``Qwen2Tokenizer`` (Qwen3's class) with Qwen3's special tokens, right
+    padding with ``<|endoftext|>`` and a Qwen3-style chat template that honours
+    ``enable_thinking``."""
+    return write_qwen2_tokenizer(folder, QWEN3_SPECIAL_TOKENS, chat_template=QWEN3_CHAT_TEMPLATE)
+
+
+def _tiny_vae(seed: int):
+    """Two blocks (2x down), 4 latent channels (16 patchified), batch-norm statistics that are
+    not 0 and 1 (so that a missing normalisation shows)."""
+    from diffusers import AutoencoderKLFlux2
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLFlux2(
+        sample_size=32,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+    )
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(0.1 * torch.randn(vae.bn.num_features, generator=generator))
+        vae.bn.running_var.copy_(0.5 + torch.rand(vae.bn.num_features, generator=generator))
+    return vae
+
+
+def _tiny_transformer(seed: int, guidance_embeds: bool):
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(seed)
+    return Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=3 * TINY_TEXT_HIDDEN,
+        timestep_guidance_channels=256,
+        mlp_ratio=3.0,
+        axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=guidance_embeds,
+    )
+
+
+def _text_config(layers: int) -> dict:
+    """Width 16 and enough layers that the default stacked layers are intermediate states
+    before the final norm, as on the published models. No pad_token_id, as published."""
+    return dict(
+        hidden_size=TINY_TEXT_HIDDEN,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=2048,
+        pad_token_id=None,
+    )
+
+
+def save_tiny_flux2_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
+    """Save a tiny ``Flux2Pipeline`` folder (fp32 safetensors) and return its path: a 1+1-block
+    guidance-embedded transformer, a 31-layer Mistral 3 VLM (a 1-layer Pixtral tower that never
+    runs) with a locally written tokenizer saved as a plain tokenizer (a ``PixtralProcessor``
+    needs torchvision), the VAE of ``_tiny_vae`` and FLUX.2's scheduler. Not a collective."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    from ..zero3 import zero3_init_disabled
+
+    folder = Path(folder)
+    tokenizer = read_back(write_mistral3_tokenizer, folder)
+    tid = tokenizer.convert_tokens_to_ids
+    with zero3_init_disabled():
+        transformer = _tiny_transformer(seed, guidance_embeds=True)
+        vae = _tiny_vae(seed)
+        config = Mistral3Config(
+            text_config=dict(
+                _text_config(31),
+                model_type="mistral",
+                vocab_size=len(tokenizer),
+                rms_norm_eps=1e-5,
+                rope_theta=1000000000.0,
+                sliding_window=None,
+                bos_token_id=tid("<s>"),
+                eos_token_id=tid("</s>"),
+                tie_word_embeddings=False,
+            ),
+            vision_config=dict(
+                model_type="pixtral",
+                hidden_size=8,
+                intermediate_size=8,
+                num_hidden_layers=1,
+                num_attention_heads=1,
+                head_dim=8,
+                image_size=16,
+                patch_size=8,
+                num_channels=3,
+                hidden_act="silu",
+            ),
+            image_token_index=tid("[IMG]"),
+            spatial_merge_size=1,
+            projector_hidden_act="gelu",
+            multimodal_projector_bias=False,
+            vision_feature_layer=-1,
+            tie_word_embeddings=False,
+            bos_token_id=tid("<s>"),
+            eos_token_id=tid("</s>"),
+            pad_token_id=None,
+        )
+        torch.manual_seed(seed)
+        text_encoder = Mistral3ForConditionalGeneration(config).eval()
+    pipe = FLUX2.pipeline(
+        transformer,
+        vae,
+        {"text_encoder": text_encoder},
+        {"text_encoder": tokenizer},
+        FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER),
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def save_tiny_flux2_klein_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
+    """Save a tiny ``Flux2KleinPipeline`` folder (fp32 safetensors, a base model: not
+    ``is_distilled``) and return its path: a 1+1-block transformer without guidance embedding,
+    a 28-layer Qwen3 (tied embeddings, as Qwen3-4B) with a locally written tokenizer, the VAE
+    of ``_tiny_vae`` and FLUX.2's scheduler. Not a collective."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from ..zero3 import zero3_init_disabled
+
+    folder = Path(folder)
+    tokenizer = read_back(write_qwen3_tokenizer, folder)
+    with zero3_init_disabled():
+        transformer = _tiny_transformer(seed, guidance_embeds=False)
+        vae = _tiny_vae(seed)
+        config = Qwen3Config(
+            **_text_config(28),
+            vocab_size=len(tokenizer),
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            bos_token_id=None,
+            eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        )
+        torch.manual_seed(seed)
+        text_encoder = Qwen3ForCausalLM(config).eval()
+    pipe = FLUX2_KLEIN.pipeline(
+        transformer,
+        vae,
+        {"text_encoder": text_encoder},
+        {"text_encoder": tokenizer},
+        FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER),
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder

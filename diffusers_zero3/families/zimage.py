@@ -1,0 +1,272 @@
+"""Z-Image (``ZImagePipeline``): a 6 B single-stream DiT conditioned on the second-to-last
+hidden states of a frozen Qwen3-4B (chat template, valid tokens only, one variable-length
+list per sample); FLUX's 16-channel VAE, shifted and scaled, training on the latents' mode;
+per-sample lists of one-frame latents patchified inside the transformer, the timestep as
+``1 - sigma`` and a negated output; flow matching as diffusers'
+``train_dreambooth_lora_z_image.py`` (uniform timesteps by default).
+
+Neither the transformer (it reads ``x[0]``) nor Qwen3 can take an empty batch: for one,
+``predict`` and ``encode_text`` call their model on one dummy row and return none of it
+(lockstep kept), so no model of the family is ever called with B=0.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .base import Family, PublishedConfig, TextEncoderSpec
+from .published import VAE_16
+from .tiny import read_back, tiny_vae_config, write_qwen2_tokenizer
+
+QWEN3_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
+# Renders [system?, user...] + generation prompt as Qwen3's chat template does for such
+# conversations (no tools, no assistant turns): ZImagePipeline passes enable_thinking=True,
+# which adds no <think> block, so a caption becomes
+# "<|im_start|>user\n{caption}<|im_end|>\n<|im_start|>assistant\n".
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+QWEN3_PROMPT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"  # what the template renders
+
+
+class ZImage(Family):
+    """Z-Image: templated Qwen3 states, trimmed per sample; list-of-latents transformer calls."""
+
+    def prompt_text(self, spec, caption, tokenizer=None):
+        """The text Qwen3 reads: ``tokenizer``'s chat template applied as
+        ``ZImagePipeline._encode_prompt`` applies it (one user message, the generation prompt,
+        ``enable_thinking=True``); without a tokenizer, what Qwen3-4B's template renders."""
+        if tokenizer is None:
+            return QWEN3_PROMPT.format(caption)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": caption}],
+            tokenize=False,
+            add_generation_prompt=True,
+            enable_thinking=True,
+        )
+
+    def encode_text(self, name, encoder, input_ids, attention_mask=None):
+        """``hidden_states[-2]`` (the second-to-last decoder layer's output, before the final
+        norm) as the pipeline takes it, zero where the caption is padded, with its mask. The
+        whole model is called (under ZeRO-3 its root forward ends each trace)."""
+        n = input_ids.shape[0]
+        if n == 0:  # Qwen3 cannot take an empty batch: one dummy row keeps a sharded encoder in lockstep
+            input_ids = input_ids.new_zeros(1, input_ids.shape[1])
+            attention_mask = (
+                None if attention_mask is None else attention_mask.new_ones(1, input_ids.shape[1])
+            )
+        hidden = encoder(
+            input_ids=input_ids,
+            attention_mask=None if attention_mask is None else attention_mask.bool(),
+            output_hidden_states=True,
+        ).hidden_states[-2][:n]
+        # no mask: every token valid (the planner sizes outputs so, on the meta device)
+        mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask)[:n].long()
+        return {"prompt_embeds": hidden * mask[..., None].to(hidden.dtype), "prompt_embeds_mask": mask}
+
+    def conditioning(self, outputs):
+        """The padded states and their mask, trimmed to the batch's longest caption; ``predict``
+        keeps each sample's valid rows (the pipeline's list)."""
+        mask = outputs["prompt_embeds_mask"]
+        length = max(1, int(mask.sum(dim=1).max())) if mask.numel() else mask.shape[1]
+        return {"cap_feats": outputs["prompt_embeds"][:, :length], "cap_mask": mask[:, :length]}
+
+    def latent_multiple(self, vae_config):
+        return 2 * super().latent_multiple(vae_config)  # the transformer's 2x2 patches
+
+    def predict(self, denoiser, noisy_latents, timesteps, cond, *, guidance_scale=None):
+        """As ``ZImagePipeline.__call__`` without CFG: one ``(C, 1, H, W)`` latent and one
+        ``(L_i, D)`` caption per sample in the transformer's dtype, the timestep ``1 - sigma``,
+        the stacked output negated (the transformer predicts ``latents - noise``)."""
+        n = noisy_latents.shape[0]
+        dtype = getattr(denoiser, "module", denoiser).dtype
+        feats, mask = cond["cap_feats"], cond["cap_mask"].bool()
+        captions = [feats[i][mask[i]].to(dtype) for i in range(n)]
+        latents = list(noisy_latents.to(dtype).unsqueeze(2).unbind(dim=0))
+        timestep = (1000 - timesteps.expand(n)) / 1000
+        if n == 0:  # the transformer reads x[0]: one dummy sample (a one-token caption), then none of it
+            latents = [noisy_latents.new_zeros(noisy_latents.shape[1:], dtype=dtype).unsqueeze(1)]
+            captions = [feats.new_zeros(1, feats.shape[-1], dtype=dtype)]
+            timestep = timesteps.new_ones(1, dtype=torch.float32)
+        out = denoiser(latents, timestep, captions, return_dict=False)[0]
+        return -torch.stack(out, dim=0).squeeze(2)[:n]
+
+    def validation_kwargs(self, max_sequence_length, guidance_scale):
+        # --guidance_scale is Flux's distilled guidance: the script validates at the pipeline's CFG
+        return {"max_sequence_length": max_sequence_length or self.default_max_sequence_length}
+
+    def save_tiny_pipeline(self, folder, seed=0):
+        return save_tiny_zimage_pipeline(folder, seed)
+
+    def published(self):
+        components = {
+            "transformer": ("diffusers", "ZImageTransformer2DModel", PUBLISHED_TRANSFORMER),
+            "text_encoder": ("transformers", "Qwen3Model", PUBLISHED_TEXT_ENCODER),
+            "vae": ("diffusers", "AutoencoderKL", VAE_16),
+        }
+        note = (
+            "text_encoder is Qwen3-4B's decoder (Qwen3Model, tied embeddings, no lm_head); prompts take its "
+            "second-to-last hidden states, so its last layer and final norm (101 M) run for nothing"
+        )
+        return (
+            PublishedConfig(
+                "Tongyi-MAI/Z-Image-Turbo", "Z-Image-Turbo", self.pipeline_class, components, note
+            ),
+            PublishedConfig("Tongyi-MAI/Z-Image", "Z-Image", self.pipeline_class, components, note),
+        )
+
+
+ZIMAGE = ZImage(
+    name="zimage",
+    title="Z-Image",
+    pipeline_class="ZImagePipeline",
+    text_encoders=(
+        TextEncoderSpec(
+            "text_encoder", "Qwen3Model", "tokenizer", "input_ids", uses_max_sequence_length=True
+        ),
+    ),
+    denoiser="transformer",
+    denoiser_class="ZImageTransformer2DModel",
+    sample_latents=False,  # train_dreambooth_lora_z_image.py encodes with latent_dist.mode()
+    supports_dream=False,
+    flow_matching=True,
+    default_max_sequence_length=512,  # the pipeline's and train_dreambooth_lora_z_image.py's
+    default_weighting_scheme="none",
+    lora_target_modules=("to_k", "to_q", "to_v", "to_out.0"),  # train_dreambooth_lora_z_image.py
+    default_run_args=(
+        "--text_encoder_placement",
+        "shard",
+        "--vae_placement",
+        "replicate",
+        "--max_sequence_length",
+        "32",
+    ),
+)
+
+# Tongyi-MAI/Z-Image-Turbo's configs (Z-Image base has the same shapes): the keys that set them.
+PUBLISHED_TRANSFORMER = dict(
+    all_patch_size=[2],
+    all_f_patch_size=[1],
+    in_channels=16,
+    dim=3840,
+    n_layers=30,
+    n_refiner_layers=2,
+    n_heads=30,
+    n_kv_heads=30,
+    norm_eps=1e-05,
+    qk_norm=True,
+    cap_feat_dim=2560,
+    rope_theta=256.0,
+    t_scale=1000.0,
+    axes_dims=[32, 48, 48],
+    axes_lens=[1536, 512, 512],
+)
+PUBLISHED_TEXT_ENCODER = dict(  # Qwen3-4B
+    vocab_size=151936,
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-06,
+    rope_theta=1000000,
+    attention_bias=False,
+    tie_word_embeddings=True,
+)
+# Tongyi-MAI/Z-Image-Turbo's scheduler (the base model's shift is 6.0).
+ZIMAGE_TURBO_SCHEDULER = dict(num_train_timesteps=1000, use_dynamic_shifting=False, shift=3.0)
+
+
+def write_zimage_tokenizer(folder: str | os.PathLike) -> Path:
+    """A small byte-level ``Qwen2Tokenizer`` (Qwen3's class) with Qwen3's special tokens, its pad
+    (``<|endoftext|>``) and eos (``<|im_end|>``), right padding and a chat template that
+    renders a user message as Qwen3-4B's does."""
+    return write_qwen2_tokenizer(
+        folder, QWEN3_SPECIAL_TOKENS, texts=("user", "assistant"), chat_template=QWEN3_CHAT_TEMPLATE
+    )
+
+
+def save_tiny_zimage_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
+    """Save a tiny ``ZImagePipeline`` folder (fp32 safetensors) and return its path.
+
+    The transformer of diffusers' Z-Image pipeline tests (2 blocks and 1 refiner block of each
+    kind, pad tokens of ones) with a caption RoPE axis long enough for 512-token prompts, a
+    3-layer ``Qwen3Model`` (so ``hidden_states[-2]`` is neither the first nor the last layer's
+    output), a 16-channel-latent VAE with Z-Image's scale and shift, Turbo's scheduler and a
+    locally written tokenizer. Not a collective.
+    """
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    from ..zero3 import zero3_init_disabled
+
+    folder = Path(folder)
+    tokenizer = read_back(write_zimage_tokenizer, folder)
+    tid = tokenizer.convert_tokens_to_ids
+    with zero3_init_disabled():
+        torch.manual_seed(seed)
+        transformer = ZImageTransformer2DModel(
+            all_patch_size=(2,),
+            all_f_patch_size=(1,),
+            in_channels=16,
+            dim=32,
+            n_layers=2,
+            n_refiner_layers=1,
+            n_heads=2,
+            n_kv_heads=2,
+            norm_eps=1e-5,
+            qk_norm=True,
+            cap_feat_dim=16,
+            rope_theta=256.0,
+            t_scale=1000.0,
+            axes_dims=[8, 4, 4],
+            axes_lens=[1024, 32, 32],  # caption positions 1..ceil32(L), then the image: L up to 512 fits
+        )
+        with torch.no_grad():  # as diffusers' test: pad tokens that are not zero
+            transformer.x_pad_token.fill_(1.0)
+            transformer.cap_pad_token.fill_(1.0)
+        vae = AutoencoderKL(
+            **tiny_vae_config(16, latent_channels=16),
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            scaling_factor=0.3611,
+            shift_factor=0.1159,
+        )
+        text_encoder = Qwen3Model(
+            Qwen3Config(
+                vocab_size=len(tokenizer),
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=3,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=8,
+                max_position_embeddings=1024,
+                rope_theta=1000000,
+                tie_word_embeddings=True,
+                bos_token_id=tid("<|endoftext|>"),
+                eos_token_id=tid("<|im_end|>"),
+            )
+        ).eval()
+    pipe = ZIMAGE.pipeline(
+        transformer,
+        vae,
+        {"text_encoder": text_encoder},
+        {"text_encoder": tokenizer},
+        FlowMatchEulerDiscreteScheduler(**ZIMAGE_TURBO_SCHEDULER),
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
