@@ -1,6 +1,7 @@
-"""The planner on the carried configs of SD 1.5, SDXL, SD3 medium and FLUX.1 [dev]: bytes per
-rank at N = 1, 8 and 64 (bf16, AdamW, no EMA), computed on the meta device, and the
-placements it recommends for 24 GiB devices. No rank is launched."""
+"""The planner on the carried published configs of every family: bytes per rank at N = 1, 8
+and 64 (bf16, AdamW, no EMA), computed on the meta device, the placements it recommends for
+24 GiB devices, and what each placement of each frozen model holds per rank at N = 8. No rank
+is launched."""
 
 from __future__ import annotations
 
@@ -44,11 +45,47 @@ def rows() -> list[dict]:
     return out
 
 
+def placement_rows(n: int = 8, resolution: int = 1024) -> list[dict]:
+    """Per published pipeline and component: parameters and the GiB per rank each placement
+    holds at ``n`` processes in bf16 (the denoiser: ZeRO-3 full fine-tuning with AdamW, and
+    LoRA rank 16), and the MiB per image a cached model stores at ``resolution``."""
+    from diffusers_zero3.known_pipelines import KNOWN_PIPELINES
+    from diffusers_zero3.plan import PlanOptions, make_plan
+
+    out = []
+    for key, known in KNOWN_PIPELINES.items():
+        options = dict(num_processes=n, mixed_precision="bf16", resolution=resolution)
+        plan = make_plan(key, PlanOptions(**options))
+        lora = make_plan(key, PlanOptions(**options, rank=16))
+        for name, comp in plan["components"].items():
+            row = {"pipeline": known["title"], "component": name, "class": comp["class"],
+                   "params": f"{comp['parameters'] / 1e9:.2f} B"}  # fmt: skip
+            places = comp["placements"]
+            if comp["trainable"]:
+                row["shard GiB"] = f"{places['shard']['bytes_per_rank'] / GIB:.2f} (trained)"
+                row["replicate GiB"] = f"{places['replicate']['bytes_per_rank'] / GIB:.1f} (DDP)"
+                row["LoRA 16 GiB"] = f"{lora['components'][name]['placements']['shard']['bytes_per_rank'] / GIB:.2f}"
+            else:
+                row["replicate GiB"] = f"{places['replicate']['bytes_per_rank'] / GIB:.2f}"
+                row["shard GiB"] = f"{places['shard']['bytes_per_rank'] / GIB:.2f}"
+                row["offload host GiB"] = f"{places['offload']['host_bytes_per_rank'] / GIB:.2f}"
+                row["cache MiB / image"] = f"{places['cache']['cache_bytes_per_image'] / 2**20:.2f}"
+            out.append(row)
+    return out
+
+
 def main() -> None:
     table = rows()
     print_section(
         "Planner: bytes per rank from the published configs (bf16, AdamW, no EMA; activations not included)",
         markdown_table(table, list(table[0])),
+    )
+    table = placement_rows()
+    columns = ["pipeline", "component", "class", "params", "replicate GiB", "shard GiB", "LoRA 16 GiB",
+               "offload host GiB", "cache MiB / image"]  # fmt: skip
+    print_section(
+        "What each placement holds per rank, N = 8, bf16 (cache: 1024 px images, the default sequence lengths)",
+        markdown_table(table, columns),
     )
 
 

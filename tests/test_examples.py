@@ -1,4 +1,4 @@
-"""The README's custom-script examples: the README holds each example file verbatim, and each
+"""The custom-script examples: docs/custom_scripts.md holds each example file verbatim, and each
 runs on 2 ZeRO-3 ranks (the training loop on SD and on SDXL), so the examples cannot rot."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ EXAMPLES = ["examples/custom_training_loop.py", "examples/custom_reward_loop.py"
 
 @pytest.mark.unit
 @pytest.mark.parametrize("path", EXAMPLES)
-def test_readme_holds_the_example_verbatim(path):
-    readme = (REPO_ROOT / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
-    assert (REPO_ROOT / path).read_text() in blocks, f"README.md does not include {path} as it is"
+def test_the_docs_hold_the_example_verbatim(path):
+    page = (REPO_ROOT / "docs" / "custom_scripts.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    assert (REPO_ROOT / path).read_text() in blocks, f"docs/custom_scripts.md does not include {path} as it is"
 
 
 @pytest.mark.e2e

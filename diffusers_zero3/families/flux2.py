@@ -639,9 +639,12 @@ def _tiny_vae(seed: int):
         latent_channels=4,
         norm_num_groups=4,
     )
-    generator = torch.Generator().manual_seed(seed + 1)
+    # Statistics that are not 0 and 1 make a missing normalisation show.
+    generator = torch.Generator().manual_seed(seed + 1)  # CPU: the tiny VAE is built there and saved
     with torch.no_grad():
+        # CPU: as the generator
         vae.bn.running_mean.copy_(0.1 * torch.randn(vae.bn.num_features, generator=generator))
+        # CPU: as the generator
         vae.bn.running_var.copy_(0.5 + torch.rand(vae.bn.num_features, generator=generator))
     return vae
 
