@@ -59,23 +59,34 @@ class FrozenInputs:
         self.variant = variant
 
     @torch.no_grad()
-    def __call__(self, batch: dict, device: torch.device) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
+    def __call__(
+        self, batch: dict, device: torch.device, generators: list[torch.Generator] | None = None
+    ) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
         """``(latents, conditioning, time_ids)`` of a batch: latents normalised as the family
         says (scale and shift, per-channel statistics), the family's conditioning
         (``encoder_hidden_states``, pooled embeddings, masks; SDXL's ``time_ids`` too), and
-        SDXL's ``time_ids`` alone (None for families without them)."""
+        SDXL's ``time_ids`` alone (None for families without them). The cache's flips and the
+        latents' samples come from this rank's RNG, or from each sample's ``generators``
+        (``training.sample_generators``), which the objective then goes on drawing from."""
         cached: dict[str, torch.Tensor] = {}
         if self.cache is not None:
-            # CPU: the flip picks rows of the cache, which is read on the CPU
-            flip = torch.rand(len(batch["index"])) < 0.5 if self.random_flip else None
-            cached = self.cache.get(batch["index"].cpu(), flip=flip, sample=self.family.sample_latents)
+            flip = None
+            if self.random_flip and generators is not None:
+                # CPU: each sample's generator is a CPU one, and the cache is read there
+                flip = torch.stack([torch.rand((), generator=g) for g in generators]) < 0.5
+            elif self.random_flip:
+                # CPU: the flip picks rows of the cache, which is read on the CPU
+                flip = torch.rand(len(batch["index"])) < 0.5
+            cached = self.cache.get(
+                batch["index"].cpu(), flip=flip, generator=generators, sample=self.family.sample_latents
+            )
         vae = self.models["vae"]
         if vae is None:
             latents = cached["latents"].to(device)
             sizes, crops = cached.get("original_size"), cached.get("crop_top_left")
         else:
             pixels = batch["pixel_values"].to(device, vae.dtype)
-            latents = self.family.latents_of(self.family.latent_distribution(vae, pixels))
+            latents = self.family.latents_of(self.family.latent_distribution(vae, pixels), generators)
             sizes, crops = batch.get("original_size"), batch.get("crop_top_left")
         latents = self.normalize_latents(latents).to(self.dtype)
         outputs = {k: v for k, v in cached.items() if k not in ("latents", "original_size", "crop_top_left")}

@@ -326,6 +326,7 @@ def load_resharded(accelerator, path: str | os.PathLike, saved_world: int, *, em
                 engine.load_checkpoint(str(universal), tag=name, load_lr_scheduler_states=False)
             finally:
                 engine._config.load_universal_checkpoint = False
+            unshare_optimizer_steps(engine)
         for i, scheduler in enumerate(accelerator._schedulers):
             saved = torch.load(
                 path / ("scheduler.bin" if i == 0 else f"scheduler_{i}.bin"), weights_only=False
@@ -347,6 +348,30 @@ def load_resharded(accelerator, path: str | os.PathLike, saved_world: int, *, em
     _load_rng_states(accelerator, path / f"random_states_{get_rank() % saved_world}.pkl")
     if ema is not None:
         ema.load_resharded([load_ema_shard(path / f"ema_rank{r}.pt") for r in range(saved_world)])
+
+
+def unshare_optimizer_steps(engine) -> int:
+    """Give each optimizer sub-group its own step counter; returns how many were shared.
+
+    DeepSpeed 0.19.8's universal-checkpoint load (``stage3.py``,
+    ``load_hp_checkpoint_state_from_checkpoint_dir_stage3``) assigns one ``step`` tensor to
+    every sub-group's state; torch's Adam increments it in place once per sub-group at each
+    step, so a run resumed on another number of processes counted ``sub-groups`` steps per
+    step (5 instead of 3 after one step with 3 sub-groups) and its bias correction, hence its
+    updates, went wrong from the first step on (the losses drifted from the uninterrupted
+    run's)."""
+    optimizer = getattr(getattr(engine, "optimizer", None), "optimizer", None)
+    if optimizer is None:
+        return 0
+    seen, shared = set(), 0
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if torch.is_tensor(step):
+            if id(step) in seen:
+                state["step"] = step.clone()
+                shared += 1
+            seen.add(id(step))
+    return shared
 
 
 def _load_rng_states(accelerator, file: Path) -> None:

@@ -63,7 +63,7 @@ from .schedule import (
     updates_per_epoch,
 )
 from .testing import fault_point
-from .training import ObjectiveSettings, timestep_bias_weights
+from .training import ObjectiveSettings, sample_generators, timestep_bias_weights
 from .zero3 import share_fp32_master_weights
 
 logger = logging.getLogger("diffusers_zero3.text_to_image")
@@ -86,6 +86,7 @@ class TextToImageTrainer:
         self.args = args
         self.global_step = 0
         self.first_epoch = 0
+        self.epoch = 0
         self.resume_batches = 0
         self.trained_steps = 0
         self.collate_fn = collate
@@ -352,8 +353,13 @@ class TextToImageTrainer:
     # ------------------------------------------------------------------ training
 
     def _loss(self, batch: dict) -> torch.Tensor:
-        latents, cond, _ = self.frozen(batch, self.accelerator.device)
-        return self.family.loss(self.denoiser, self.noise_scheduler, latents, cond, self.objective_settings)
+        # Each sample draws from its own generator (seed, epoch, dataset index): the same draws
+        # whichever rank trains it, so a run resumed on another number of processes continues.
+        generators = sample_generators(self.args.seed or 0, self.epoch, batch["index"])
+        latents, cond, _ = self.frozen(batch, self.accelerator.device, generators)
+        return self.family.loss(
+            self.denoiser, self.noise_scheduler, latents, cond, self.objective_settings, generators
+        )
 
     def train(self) -> list[float]:
         """The training loop; returns the logged per-step losses (all ranks call it)."""
@@ -368,6 +374,7 @@ class TextToImageTrainer:
             log_rank_zero(f"the run is complete at step {self.global_step}: no step to train")
             return losses
         for epoch in range(self.first_epoch, args.num_train_epochs):
+            self.epoch = epoch
             self.train_dataset.set_epoch(epoch)
             done_in_epoch = self.resume_batches if epoch == self.first_epoch else 0
             accumulated, metrics = 0.0, {}

@@ -23,10 +23,47 @@ def compute_snr(noise_scheduler, timesteps: torch.Tensor) -> torch.Tensor:
     return alphas_cumprod / (1.0 - alphas_cumprod)
 
 
+def sample_generators(seed: int, epoch: int, indices) -> list[torch.Generator]:
+    """One generator per sample, seeded from ``(seed, epoch, dataset index)``: a sample's noise,
+    timestep and latent draw are then the same whichever rank trains it, and however many
+    processes there are (a run resumed on another number of processes continues the losses
+    of the uninterrupted run, with the same global batch). CPU generators: the draws are
+    small and are moved to the batch's device."""
+    import hashlib
+
+    generators = []
+    for index in torch.as_tensor(indices).tolist():
+        digest = hashlib.sha256(f"{seed}-{epoch}-{index}".encode()).digest()
+        # CPU: per-sample draws are made there and moved (one generator per sample, any device)
+        generators.append(torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1))
+    return generators
+
+
+def _per_sample(draw, generators: list[torch.Generator], device, dtype=None) -> torch.Tensor:
+    """``draw(generator)`` for each sample's generator, stacked and moved to ``device``."""
+    return torch.stack([draw(g) for g in generators]).to(device=device, dtype=dtype)
+
+
 def sample_noise(
-    latents: torch.Tensor, noise_offset: float = 0.0, generator: torch.Generator | None = None
+    latents: torch.Tensor,
+    noise_offset: float = 0.0,
+    generator: torch.Generator | list[torch.Generator] | None = None,
 ) -> torch.Tensor:
-    """Gaussian noise like ``latents``, plus the per-channel offset of ``--noise_offset``."""
+    """Gaussian noise like ``latents``, plus the per-channel offset of ``--noise_offset``.
+    ``generator`` may be one per sample (``sample_generators``)."""
+    if isinstance(generator, list):
+        shape = latents.shape[1:]
+        # CPU: drawn with each sample's CPU generator, then moved (_per_sample)
+        noise = _per_sample(
+            lambda g: torch.randn(shape, generator=g), generator, latents.device, latents.dtype
+        )
+        if noise_offset:
+            # CPU: as the noise
+            offset = _per_sample(
+                lambda g: torch.randn(shape[0], 1, 1, generator=g), generator, latents.device
+            )
+            noise = noise + noise_offset * offset.to(latents.dtype)
+        return noise
     noise = torch.randn(latents.shape, generator=generator, dtype=latents.dtype, device=latents.device)
     if noise_offset:
         offset = torch.randn(
@@ -77,9 +114,21 @@ def timestep_bias_weights(
 
 
 def sample_timesteps(
-    batch_size: int, num_timesteps: int, device, weights: torch.Tensor | None = None
+    batch_size: int,
+    num_timesteps: int,
+    device,
+    weights: torch.Tensor | None = None,
+    generators: list[torch.Generator] | None = None,
 ) -> torch.Tensor:
-    """Training timesteps: uniform, or drawn from ``timestep_bias_weights``."""
+    """Training timesteps: uniform, or drawn from ``timestep_bias_weights``; one draw per
+    sample's generator when ``generators`` are given."""
+    if generators is not None:
+        if weights is None:
+            # CPU: drawn with each sample's CPU generator, then moved (_per_sample)
+            return _per_sample(
+                lambda g: torch.randint(0, num_timesteps, (), generator=g), generators, device
+            ).long()
+        return _per_sample(lambda g: torch.multinomial(weights, 1, generator=g)[0], generators, device).long()
     if weights is None:
         return torch.randint(0, num_timesteps, (batch_size,), device=device).long()
     return torch.multinomial(weights, batch_size, replacement=True).long().to(device)
@@ -160,6 +209,7 @@ def flow_matching_loss(
     logit_mean: float = 0.0,
     logit_std: float = 1.0,
     mode_scale: float = 1.29,
+    generators: list[torch.Generator] | None = None,
 ) -> torch.Tensor:
     """The rectified-flow loss of diffusers' SD3 and Flux training scripts (mean over the batch).
 
@@ -169,20 +219,22 @@ def flow_matching_loss(
     is ``(1 - sigma) * latents + sigma * noise``, the target ``noise - latents``, and each
     sample's squared error is weighted by ``compute_loss_weighting_for_sd3`` (``sigma_sqrt``,
     ``cosmap``, else 1). ``predict(noisy_latents, timesteps)`` calls the denoiser (a family's
-    ``predict``) and returns a prediction in the latents' shape.
+    ``predict``) and returns a prediction in the latents' shape. ``generators`` (one per sample)
+    draw each sample's timestep from its own generator, after its noise.
     """
     from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
     if weighting_scheme not in WEIGHTING_SCHEMES:
         raise ValueError(f"weighting scheme must be one of {WEIGHTING_SCHEMES}, got {weighting_scheme!r}")
     n = latents.shape[0]
-    u = compute_density_for_timestep_sampling(
-        weighting_scheme=weighting_scheme,
-        batch_size=n,
-        logit_mean=logit_mean,
-        logit_std=logit_std,
-        mode_scale=mode_scale,
+    density = dict(
+        weighting_scheme=weighting_scheme, logit_mean=logit_mean, logit_std=logit_std, mode_scale=mode_scale
     )
+    if generators is not None:
+        u = _per_sample(lambda g: compute_density_for_timestep_sampling(batch_size=1, generator=g, **density)[0],
+                        generators, "cpu")  # fmt: skip
+    else:
+        u = compute_density_for_timestep_sampling(batch_size=n, **density)
     num_steps = noise_scheduler.config.num_train_timesteps
     indices = (u * num_steps).long().clamp(max=num_steps - 1)
     timesteps = noise_scheduler.timesteps[indices].to(latents.device)
@@ -221,13 +273,20 @@ class DDPMObjective:
         self.noise_scheduler = noise_scheduler
         self.settings = settings
 
-    def loss(self, predict, latents: torch.Tensor) -> torch.Tensor:
-        """Draw noise, its perturbation and timesteps (this rank's RNG), then ``diffusion_loss``."""
+    def loss(
+        self, predict, latents: torch.Tensor, generators: list[torch.Generator] | None = None
+    ) -> torch.Tensor:
+        """Draw noise, its perturbation and timesteps (this rank's RNG, or each sample's own
+        ``generators``), then ``diffusion_loss``."""
         s = self.settings
-        noise = sample_noise(latents, s.noise_offset)
-        perturbation = torch.randn_like(noise) if s.input_perturbation else None
+        noise = sample_noise(latents, s.noise_offset, generators)
+        perturbation = None
+        if s.input_perturbation:
+            perturbation = sample_noise(latents, 0.0, generators) if generators else torch.randn_like(noise)
         n_steps = self.noise_scheduler.config.num_train_timesteps
-        timesteps = sample_timesteps(latents.shape[0], n_steps, latents.device, s.timestep_weights)
+        timesteps = sample_timesteps(
+            latents.shape[0], n_steps, latents.device, s.timestep_weights, generators
+        )
         return diffusion_loss(
             predict,
             self.noise_scheduler,
@@ -248,15 +307,19 @@ class FlowMatchingObjective:
         self.noise_scheduler = noise_scheduler
         self.settings = settings
 
-    def loss(self, predict, latents: torch.Tensor) -> torch.Tensor:
+    def loss(
+        self, predict, latents: torch.Tensor, generators: list[torch.Generator] | None = None
+    ) -> torch.Tensor:
+        """Draw noise, then timesteps (this rank's RNG, or each sample's own ``generators``)."""
         s = self.settings
         return flow_matching_loss(
             predict,
             self.noise_scheduler,
             latents,
-            torch.randn_like(latents),
+            sample_noise(latents, 0.0, generators) if generators else torch.randn_like(latents),
             weighting_scheme=s.weighting_scheme,
             logit_mean=s.logit_mean,
             logit_std=s.logit_std,
             mode_scale=s.mode_scale,
+            generators=generators,
         )

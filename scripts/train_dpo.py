@@ -49,7 +49,7 @@ from diffusers_zero3.pipeline_io import plot_curve
 from diffusers_zero3.recipe import load_frozen_component, run_trainer
 from diffusers_zero3.schedule import first_last_means
 from diffusers_zero3.text_to_image import TextToImageTrainer
-from diffusers_zero3.training import diffusion_target, sample_noise, sample_timesteps
+from diffusers_zero3.training import diffusion_target, sample_generators, sample_noise, sample_timesteps
 
 
 def dpo_parser():
@@ -167,13 +167,17 @@ class DPOTrainer(TextToImageTrainer):
 
     def _loss(self, batch: dict) -> torch.Tensor:
         args = self.args
+        # one generator per pair (seed, epoch, row): the same draws whichever rank trains it
+        generators = sample_generators(args.seed or 0, self.epoch, batch["index"])
         latents, cond, _ = self.frozen(batch, self.accelerator.device)  # 2B latents, B conditions
         # Each caption conditions both images of its pair; SDXL's time_ids are per image already.
         cond = {k: v if k == "time_ids" else torch.cat([v, v]) for k, v in cond.items()}
         pairs = latents.shape[0] // 2
-        noise = sample_noise(latents[:pairs], args.noise_offset).repeat(2, 1, 1, 1)  # the same for both
+        noise = sample_noise(latents[:pairs], args.noise_offset, generators).repeat(2, 1, 1, 1)  # both images
         n_steps = self.noise_scheduler.config.num_train_timesteps
-        timesteps = sample_timesteps(pairs, n_steps, latents.device, self.timestep_weights).repeat(2)
+        timesteps = sample_timesteps(
+            pairs, n_steps, latents.device, self.timestep_weights, generators
+        ).repeat(2)
         noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
         target = diffusion_target(self.noise_scheduler, latents, noise, timesteps)
         with torch.no_grad(), self._reference_context():  # every rank, once per micro-batch

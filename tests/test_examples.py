@@ -17,7 +17,9 @@ EXAMPLES = ["examples/custom_training_loop.py", "examples/custom_reward_loop.py"
 def test_the_docs_hold_the_example_verbatim(path):
     page = (REPO_ROOT / "docs" / "custom_scripts.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
-    assert (REPO_ROOT / path).read_text() in blocks, f"docs/custom_scripts.md does not include {path} as it is"
+    assert (REPO_ROOT / path).read_text() in blocks, (
+        f"docs/custom_scripts.md does not include {path} as it is"
+    )
 
 
 @pytest.mark.e2e

@@ -406,3 +406,52 @@ def test_sdxl_vae_runs_in_fp32_under_mixed_precision(tiny_pipeline, tiny_sdxl):
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("objective", ["ddpm", "flow"])
+def test_per_sample_generators_make_a_samples_loss_independent_of_its_batch(objective):
+    """With one generator per sample (seed, epoch, dataset index), a sample's noise, timestep
+    and perturbation are the same alone or in any batch, so a global batch split over 1, 2 or 4
+    ranks has the same loss (what resuming on another number of processes needs). The control:
+    this rank's RNG gives a sample other draws in another batch."""
+    from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler
+
+    from diffusers_zero3.training import (
+        DDPMObjective,
+        FlowMatchingObjective,
+        ObjectiveSettings,
+        sample_generators,
+    )
+
+    if objective == "ddpm":
+        settings = ObjectiveSettings(noise_offset=0.05, input_perturbation=0.1, snr_gamma=5.0)
+        obj = DDPMObjective(DDPMScheduler(num_train_timesteps=1000), settings)
+    else:
+        obj = FlowMatchingObjective(
+            FlowMatchEulerDiscreteScheduler(shift=3.0), ObjectiveSettings(weighting_scheme="logit_normal")
+        )
+    latents = torch.randn(4, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    indices = torch.tensor([11, 3, 7, 42])
+
+    def predict(noisy, t):  # per sample, deterministic
+        return 0.5 * noisy + (t.float() / 1000).view(-1, 1, 1, 1)
+
+    def loss(rows, generators=True):
+        gens = sample_generators(5, 2, indices[rows]) if generators else None
+        return obj.loss(predict, latents[rows], gens)
+
+    whole = loss([0, 1, 2, 3])
+    halves = (loss([0, 1]) + loss([2, 3])) / 2
+    quarters = sum(loss([i]) for i in range(4)) / 4
+    torch.testing.assert_close(halves, whole)
+    torch.testing.assert_close(quarters, whole)
+    assert (
+        sample_generators(5, 3, indices)[0].initial_seed()
+        != sample_generators(5, 2, indices)[0].initial_seed()
+    )
+    torch.manual_seed(0)
+    control_whole = loss([0, 1, 2, 3], generators=False)
+    torch.manual_seed(0)
+    control_halves = (loss([0, 1], generators=False) + loss([2, 3], generators=False)) / 2
+    assert not torch.allclose(control_halves, control_whole)

@@ -23,7 +23,8 @@ def _prepare(world_size: int):
     from diffusers_zero3 import ShardedEMA
     from tests.common import accelerator_with_zero3
 
-    accelerator = accelerator_with_zero3(world_size=world_size)
+    # small optimizer sub-groups: several per rank, each with its own Adam step counter
+    accelerator = accelerator_with_zero3(world_size=world_size, sub_group_size=16)
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     # accelerate steps a prepared scheduler once per process at every optimizer step
@@ -85,10 +86,13 @@ def worker_load(out: str, ranks: int):
         for kind, want, got in zip(("fp32", "exp_avg", "exp_avg_sq", "ema"), tensors, loaded[name]):
             assert torch.equal(want, got), (name, kind, (want - got).abs().max())
     assert ema.optimization_step == 2
-    # training goes on from there on the new number of ranks
+    # training goes on from there on the new number of ranks, every sub-group at Adam step 3
+    # (DeepSpeed's universal load gave them one shared step tensor, counted once per sub-group)
     loss = engine(torch.randn(1, 7)).square().mean()
     accelerator.backward(loss)
     optimizer.step()
+    steps = [int(state["step"]) for state in engine.optimizer.optimizer.state.values()]
+    assert len(steps) > 1 and steps == [3] * len(steps), steps
     print("OK resharded", ranks)
 
 

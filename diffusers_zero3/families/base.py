@@ -283,9 +283,10 @@ class Family:
         Collective when the VAE is sharded."""
         return vae.encode(pixels).latent_dist
 
-    def latents_of(self, distribution) -> torch.Tensor:
-        """Training latents of a latent distribution: a sample, or its mode (``sample_latents``)."""
-        return distribution.sample() if self.sample_latents else distribution.mode()
+    def latents_of(self, distribution, generators=None) -> torch.Tensor:
+        """Training latents of a latent distribution: a sample (from this rank's RNG, or one
+        generator per sample), or its mode (``sample_latents``)."""
+        return distribution.sample(generator=generators) if self.sample_latents else distribution.mode()
 
     def latent_multiple(self, vae_config: dict) -> int:
         """Image sides must be a multiple of this: the VAE's downsampling (x2 for families
@@ -313,14 +314,18 @@ class Family:
         cls = training.FlowMatchingObjective if self.flow_matching else training.DDPMObjective
         return cls(noise_scheduler, settings)
 
-    def loss(self, denoiser, noise_scheduler, latents: torch.Tensor, cond: dict, settings) -> torch.Tensor:
+    def loss(
+        self, denoiser, noise_scheduler, latents: torch.Tensor, cond: dict, settings, generators=None
+    ) -> torch.Tensor:
         """The training loss of one micro-batch (a mean over it), for every family alike:
-        noise and timesteps drawn by the family's objective, the denoiser called as the
-        family's pipeline calls it (``predict``). Collective when the denoiser is sharded."""
+        noise and timesteps drawn by the family's objective (from this rank's RNG, or from
+        each sample's ``generators``: ``training.sample_generators``), the denoiser called as
+        the family's pipeline calls it (``predict``). Collective when the denoiser is sharded."""
         objective = self.objective(noise_scheduler, settings)
         return objective.loss(
             lambda noisy, t: self.predict(denoiser, noisy, t, cond, guidance_scale=settings.guidance_scale),
             latents,
+            generators,
         )
 
     def predict(
