@@ -64,7 +64,9 @@ def placement_rows(n: int = 8, resolution: int = 1024) -> list[dict]:
             if comp["trainable"]:
                 row["shard GiB"] = f"{places['shard']['bytes_per_rank'] / GIB:.2f} (trained)"
                 row["replicate GiB"] = f"{places['replicate']['bytes_per_rank'] / GIB:.1f} (DDP)"
-                row["LoRA 16 GiB"] = f"{lora['components'][name]['placements']['shard']['bytes_per_rank'] / GIB:.2f}"
+                row["LoRA 16 GiB"] = (
+                    f"{lora['components'][name]['placements']['shard']['bytes_per_rank'] / GIB:.2f}"
+                )
             else:
                 row["replicate GiB"] = f"{places['replicate']['bytes_per_rank'] / GIB:.2f}"
                 row["shard GiB"] = f"{places['shard']['bytes_per_rank'] / GIB:.2f}"

@@ -76,6 +76,24 @@ def write_shapes_dataset(
     return folder
 
 
+def write_instance_images(
+    dataset: str | os.PathLike, folder: str | os.PathLike, caption: str = "a red circle", count: int = 4
+) -> Path:
+    """Copy the first ``count`` images of a shapes dataset with ``caption`` into ``folder``:
+    DreamBooth's instance images (``make train-dreambooth``)."""
+    import shutil
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [json.loads(line) for line in (Path(dataset) / "metadata.jsonl").read_text().splitlines()]
+    chosen = [r["file_name"] for r in rows if r["text"] == caption][:count]
+    if len(chosen) < count:
+        raise ValueError(f"{dataset} has {len(chosen)} images of {caption!r}, fewer than {count}")
+    for name in chosen:
+        shutil.copy(Path(dataset) / name, folder / name)
+    return folder
+
+
 VARIED_SIZES = [(32, 32), (48, 32), (32, 40), (56, 40), (40, 64)]
 MODELS = tuple(FAMILY_NAMES)
 
@@ -202,6 +220,9 @@ if __name__ == "__main__":
         "--preferences", action="store_true", help="also a preference dataset (make train-dpo)"
     )
     parser.add_argument(
+        "--instances", action="store_true", help="also DreamBooth instance images (make train-dreambooth)"
+    )
+    parser.add_argument(
         "--shell",
         action="store_true",
         help="print PIPE, DATA and RUN_ARGS (the family's default placements) as shell assignments",
@@ -222,6 +243,8 @@ if __name__ == "__main__":
         print(f"PIPE={shlex.quote(str(p))}; DATA={shlex.quote(str(d))}; RUN_ARGS=({run_args})")
     else:
         print(f"pipeline: {p}\ndataset: {d}")
+    if cli.instances and not (Path(cli.folder) / "instances").exists():
+        print(f"instances: {write_instance_images(d, Path(cli.folder) / 'instances')}")
     if cli.preferences and not (Path(cli.folder) / "preferences").exists():
         print(f"preferences: {write_preference_dataset(Path(cli.folder) / 'preferences')}")
 
@@ -238,6 +261,7 @@ __all__ = [
     "shape_image",
     "tiny_component_configs",
     "write_clip_tokenizer",
+    "write_instance_images",
     "write_preference_dataset",
     "write_shapes_dataset",
     "write_t5_tokenizer",

@@ -47,8 +47,10 @@ class FrozenInputs:
         random_flip: bool,
         sources: dict[str, tuple[Path, str]],
         variant: str | None = None,
+        trained: frozenset[str] = frozenset(),
     ):
         self.family = family
+        self.trained = trained  # text encoders the job trains: neither placed nor cached here
         self.models = models  # name -> FrozenModel, or None when cached
         self.cache = cache
         self.normalize_latents = normalize_latents  # the family's, built from the VAE
@@ -60,14 +62,20 @@ class FrozenInputs:
 
     @torch.no_grad()
     def __call__(
-        self, batch: dict, device: torch.device, generators: list[torch.Generator] | None = None
+        self,
+        batch: dict,
+        device: torch.device,
+        generators: list[torch.Generator] | None = None,
+        trained_outputs: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
         """``(latents, conditioning, time_ids)`` of a batch: latents normalised as the family
         says (scale and shift, per-channel statistics), the family's conditioning
         (``encoder_hidden_states``, pooled embeddings, masks; SDXL's ``time_ids`` too), and
         SDXL's ``time_ids`` alone (None for families without them). The cache's flips and the
         latents' samples come from this rank's RNG, or from each sample's ``generators``
-        (``training.sample_generators``), which the objective then goes on drawing from."""
+        (``training.sample_generators``), which the objective then goes on drawing from.
+        ``trained_outputs`` are the outputs of text encoders trained in the job (placement
+        ``trained``), with their graph, joined to the frozen ones' for the conditioning."""
         cached: dict[str, torch.Tensor] = {}
         if self.cache is not None:
             flip = None
@@ -90,11 +98,18 @@ class FrozenInputs:
             sizes, crops = batch.get("original_size"), batch.get("crop_top_left")
         latents = self.normalize_latents(latents).to(self.dtype)
         outputs = {k: v for k, v in cached.items() if k not in ("latents", "original_size", "crop_top_left")}
-        live = {spec.name: self.models[spec.name] for spec in self.family.text_encoders}
+        live = {spec.name: self.models.get(spec.name) for spec in self.family.text_encoders}
         if any(encoder is not None for encoder in live.values()):
             fault_point("frozen_forward")
             outputs.update(self.family.encode_texts(live, batch))
-        cond = conditioning_on(self.family, outputs, device, self.dtype)
+        if trained_outputs:
+            with torch.enable_grad():  # the trained encoders' graph goes on into the conditioning
+                both = {**outputs, **trained_outputs}
+                cond = conditioning_on(self.family, both, device, self.dtype)
+        else:
+            cond = None
+        if cond is None:
+            cond = conditioning_on(self.family, outputs, device, self.dtype)
         ids = None
         if self.family.uses_time_ids:
             ids = time_ids(sizes.to(device), crops.to(device), self.resolution).to(self.dtype)
@@ -111,6 +126,8 @@ class FrozenInputs:
         """
         modules, reloaded = {}, []
         for name, frozen in self.models.items():
+            if name in self.trained:
+                continue  # the trainer gives the pipeline the trained module
             if frozen is None:
                 folder, sub = self.sources[name]
                 frozen = load_frozen_component(
@@ -179,7 +196,8 @@ def place_frozen_models(
     """Load and place a family's frozen models, one placement each. Collective: every rank.
 
     ``placements`` maps each of ``family.frozen_components`` to ``replicate``, ``shard``,
-    ``offload`` or ``cache`` (missing ones are replicated). Sharded models are read straight
+    ``offload`` or ``cache`` (missing ones are replicated), or ``trained`` for a text encoder
+    the job trains (not loaded here: ``FrozenInputs`` takes its outputs). Sharded models are read straight
     into partitions. The ``cache`` ones encode ``dataset`` once (``precompute_frozen_outputs``,
     with ``tokenizers`` and ``max_sequence_length`` T5 tokens, into ``cache_dir``) and are then
     freed; under ZeRO-3 they are loaded partitioned and run sharded for this (a T5-XXL is never
@@ -202,6 +220,9 @@ def place_frozen_models(
     live = {}
     for name in family.frozen_components:
         placement = placements.get(name) or "replicate"
+        if placement == "trained":  # trained in the job (a part of its own), not placed here
+            live[name] = None
+            continue
         folder, sub = sources[name]
         live[name] = load_frozen_component(
             accelerator,
@@ -247,6 +268,7 @@ def place_frozen_models(
         live,
         cache,
         normalize_latents=normalize_latents,
+        trained=frozenset(n for n in family.frozen_components if placements.get(n) == "trained"),
         dtype=dtype,
         resolution=resolution,
         random_flip=random_flip,

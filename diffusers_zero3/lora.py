@@ -43,7 +43,8 @@ def add_lora_adapters(
     dropout: float = 0.0,
 ) -> list[torch.nn.Parameter]:
     """Inject peft LoRA adapters (``rank``, ``alpha`` default ``rank``, ``dropout``, gaussian
-    init as diffusers' LoRA scripts) into ``target_modules`` of ``denoiser`` and freeze the rest.
+    init as diffusers' LoRA scripts) into ``target_modules`` of ``denoiser`` (a diffusers model,
+    or a transformers text encoder) and freeze the rest.
 
     Works on a whole or a ZeRO-3-partitioned denoiser (call before ``accelerator.prepare``, on
     every rank, after seeding: the adapters' initial values come from the RNG; under ZeRO-3
@@ -61,7 +62,13 @@ def add_lora_adapters(
     )
     denoiser.requires_grad_(False)
     try:
-        denoiser.add_adapter(config)
+        if _is_transformers_model(denoiser):
+            # transformers 5's own add_adapter asks for peft >= 0.22; peft's injection is what it does
+            from peft import inject_adapter_in_model
+
+            inject_adapter_in_model(config, denoiser)
+        else:
+            denoiser.add_adapter(config)
     except ValueError as e:  # peft: "Target modules ... not found in the base model"
         raise ArgumentError(
             f"--lora_layers {','.join(target_modules)}: no such module in {type(denoiser).__name__}"
@@ -74,6 +81,14 @@ def add_lora_adapters(
             f"no module of {type(denoiser).__name__} matches the LoRA targets {', '.join(target_modules)}"
         )
     return params
+
+
+def _is_transformers_model(model: torch.nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return isinstance(model, PreTrainedModel)
 
 
 def adapter_shapes(denoiser: torch.nn.Module) -> dict[str, tuple[int, ...]]:
@@ -108,9 +123,12 @@ def gathered_lora_state_dict(denoiser: torch.nn.Module) -> dict[str, torch.Tenso
     return state
 
 
-def save_lora_zero3(denoiser, family, output_dir: str | os.PathLike) -> Path:
+def save_lora_zero3(denoiser, family, output_dir: str | os.PathLike, others: dict | None = None) -> Path:
     """Write ``output_dir/pytorch_lora_weights.safetensors`` in diffusers' LoRA format for the
     family's pipeline class, gathered from the partitions. Collective: call on every rank.
+    ``others`` maps other trained components with adapters (DreamBooth's ``text_encoder``,
+    ``text_encoder_2``) to their models or engines: saved in the same file, under the
+    pipeline's own names (``text_encoder_lora_layers``, ...).
 
     ``denoiser`` is the trained model or its engine; wrap the call in
     ``ema.averaged_weights()`` to save the EMA adapters. Every tensor's shape is checked against
@@ -122,6 +140,7 @@ def save_lora_zero3(denoiser, family, output_dir: str | os.PathLike) -> Path:
     from diffusers.utils import convert_state_dict_to_diffusers
 
     state = gathered_lora_state_dict(denoiser)
+    other_states = {name: gathered_lora_state_dict(model) for name, model in (others or {}).items()}
     final = Path(output_dir) / LORA_WEIGHT_NAME
     if is_main_process():
         staging = Path(output_dir) / f".tmp-lora-{uuid.uuid4().hex[:8]}"
@@ -131,10 +150,12 @@ def save_lora_zero3(denoiser, family, output_dir: str | os.PathLike) -> Path:
             # diffusers' UNet LoRA scripts convert peft's keys to its own format; its transformer
             # scripts save peft's keys as they are, and their pipelines load only those: a
             # converted SD3 or Flux.2 file loaded without its attention adapters, silently.
-            layers = convert_state_dict_to_diffusers(state) if family.denoiser == "unet" else state
-            pipeline_class.save_lora_weights(
-                staging, **{f"{family.denoiser}_lora_layers": layers}, weight_name=LORA_WEIGHT_NAME
-            )
+            convert = convert_state_dict_to_diffusers if family.denoiser == "unet" else (lambda sd: sd)
+            layers = {
+                f"{name}_lora_layers": convert(sd)
+                for name, sd in {family.denoiser: state, **other_states}.items()
+            }
+            pipeline_class.save_lora_weights(staging, **layers, weight_name=LORA_WEIGHT_NAME)
             fsync_tree(staging)
             os.replace(staging / LORA_WEIGHT_NAME, final)
         finally:

@@ -213,6 +213,7 @@ def save_final_pipeline(
     denoiser_name: str = "unet",
     component_sources: dict[str, str | os.PathLike] | None = None,
     index_entries: dict[str, list] | None = None,
+    trained: dict[str, tuple] | None = None,
 ) -> None:
     """Write the trained pipeline into ``output_dir``. Collective: call on every rank.
 
@@ -223,7 +224,9 @@ def save_final_pipeline(
     that holds that component: ``--component NAME=PATH``). ``index_entries`` set
     ``model_index.json`` entries (``[library, class]``) for components the source's index
     leaves empty (HiDream's separately supplied Llama encoder and tokenizer), so that the
-    output loads with ``from_pretrained`` alone.
+    output loads with ``from_pretrained`` alone. ``trained`` maps the other components the job
+    trained (DreamBooth's text encoders) to ``(model or engine, ema or None)``: they are
+    streamed from their partitions too (their EMA average when given), not copied.
 
     Everything is first written into a staging folder ``output_dir/.tmp-pipeline-*``; a
     failure there (on any rank) leaves a previous output in ``output_dir`` exactly as it was
@@ -242,13 +245,19 @@ def save_final_pipeline(
     sources.update({k: Path(v) for k, v in (component_sources or {}).items()})
     # Staged in OUTPUT_DIR/.tmp-pipeline-*, then swapped into OUTPUT_DIR by rank 0.
     with collective_publish(out / "pipeline", commit=lambda staging, _: _swap_into(staging, out)) as staging:
-        if ema is not None:
-            ema.save_pretrained(staging / denoiser_name)
-        else:
-            save_pretrained_zero3(denoiser, staging / denoiser_name)
+        for name, (model, model_ema) in {denoiser_name: (denoiser, ema), **(trained or {})}.items():
+            if model_ema is not None:
+                model_ema.save_pretrained(staging / name)
+            else:
+                save_pretrained_zero3(model, staging / name)
         if is_main_process():
             for name, value in components.items():
-                if name != denoiser_name and value[0] is not None and sources[name].is_dir():
+                if (
+                    name != denoiser_name
+                    and name not in (trained or {})
+                    and value[0] is not None
+                    and sources[name].is_dir()
+                ):
                     shutil.copytree(sources[name], staging / name)
             if readme:
                 (staging / "README.md").write_text(readme)

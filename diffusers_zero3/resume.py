@@ -140,12 +140,16 @@ def save_training_checkpoint(
     *,
     ema=None,
     total_limit: int | None = None,
+    parts=(),
 ) -> Path:
     """Save a resumable ``checkpoint-<global_step>`` folder atomically. Collective: every rank.
 
     Holds accelerate's state (the trained engine's partitions and optimizer, the scheduler,
-    every rank's RNG states and the sampler), one EMA partition file per rank, and
-    ``training_state.json`` (``training_state`` plus the step and the world size). Written
+    every rank's RNG states and the sampler), one EMA partition file per rank, the other
+    trained models of the job (``parts``: each own-engine ``parts.TrainedModel`` as
+    ``<name>/`` in DeepSpeed's layout, its schedule and its EMA shards), and
+    ``training_state.json`` (``training_state`` plus the step, the world size and the parts'
+    names). Written
     into ``.tmp-checkpoint-<step>-*``, fsynced and renamed by global rank 0
     (``collective_publish``), so a crash leaves no partial ``checkpoint-*``. Then, with ``total_limit``, the oldest checkpoints beyond the
     newest ``total_limit`` are deleted (the new one is the newest, so it always remains).
@@ -158,45 +162,68 @@ def save_training_checkpoint(
         if total_limit is not None:
             prune_checkpoints(out, total_limit)
 
+    own = [p for p in parts if p.own_engine]
     with collective_publish(final, commit=commit) as tmp:
         accelerator.save_state(str(tmp))
         if ema is not None:
             torch.save(ema.state_dict(), tmp / f"ema_rank{get_rank()}.pt")
+        for part in own:
+            part.engine.save_checkpoint(str(tmp), tag=part.name)  # collective
+            if is_main_process():
+                torch.save(part.lr_scheduler.state_dict(), tmp / f"{part.name}_lr_scheduler.pt")
+            if part.ema is not None:
+                torch.save(part.ema.state_dict(), tmp / f"ema_{part.name}_rank{get_rank()}.pt")
         barrier()
         if is_main_process():
             state = {**training_state, "global_step": global_step, "world_size": get_world_size()}
+            if own:
+                state["parts"] = [p.name for p in own]
             (tmp / STATE_FILE).write_text(json.dumps(state))
     return final
 
 
-def _files_needed(path: Path, ranks: list[int], ema: bool) -> list[tuple[Path, ...]]:
+def _engine_files(model_dir: Path, rank: int) -> list[tuple[Path, ...]]:
+    optim = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    return [
+        (model_dir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",),
+        # under bf16 DeepSpeed prefixes the optimizer states' name (_get_zero_ckpt_prefix)
+        (model_dir / optim, model_dir / f"bf16_{optim}"),
+    ]
+
+
+def _files_needed(
+    path: Path, ranks: list[int], ema: bool, parts: list[tuple[str, bool]] = ()
+) -> list[tuple[Path, ...]]:
     """The files of the saved ``ranks`` this rank needs to resume from ``path`` (its own when
-    the world size is unchanged, every saved rank's otherwise), each as the names it may have."""
+    the world size is unchanged, every saved rank's otherwise), each as the names it may have;
+    ``parts`` are the other trained models' ``(name, with EMA)``."""
     need = [(path / STATE_FILE,)]
     model_dir = path / "pytorch_model"
     engine = model_dir.is_dir() or (path / "latest").exists()  # a DeepSpeed engine's checkpoint
+    for name, _ in parts:
+        need.append((path / f"{name}_lr_scheduler.pt",))
     for rank in ranks:
         need.append((path / f"random_states_{rank}.pkl",))
         if ema:
             need.append((path / f"ema_rank{rank}.pt",))
         if engine:
-            optim = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-            need += [
-                (model_dir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",),
-                # under bf16 DeepSpeed prefixes the optimizer states' name (_get_zero_ckpt_prefix)
-                (model_dir / optim, model_dir / f"bf16_{optim}"),
-            ]
+            need += _engine_files(model_dir, rank)
+        for name, part_ema in parts:
+            need += _engine_files(path / name, rank)
+            if part_ema:
+                need.append((path / f"ema_{name}_rank{rank}.pt",))
     return need
 
 
-def check_resumable(path: str | os.PathLike, *, ema: bool = False) -> dict:
+def check_resumable(path: str | os.PathLike, *, ema: bool = False, parts=()) -> dict:
     """Check on every rank that ``path`` can be resumed here; return its training state.
 
     Collective: call on every rank. Raises ``CheckpointError`` on every rank when a rank
     does not see the files it needs (its own, or every saved rank's when the number of
     processes changed; node-local disks: checkpoints need a filesystem that every machine
-    shares), or when ``ema`` is asked for and it has no EMA state. The state's
-    ``world_size`` is the number of processes that wrote it.
+    shares), or when ``ema`` is asked for and it has no EMA state, or when the job's other
+    trained models (``parts``) are not the checkpoint's. The state's ``world_size`` is the
+    number of processes that wrote it.
     """
     path = Path(path)
     rank, world = get_rank(), get_world_size()
@@ -205,14 +232,20 @@ def check_resumable(path: str | os.PathLike, *, ema: bool = False) -> dict:
         state = json.loads((path / STATE_FILE).read_text())
     except (OSError, ValueError) as e:
         missing = [f"{STATE_FILE} ({type(e).__name__})"]
+    own = [(p.name, p.ema is not None) for p in parts if p.own_engine]
     if state is not None:
         if state.get("world_size") is None:  # written before the world size was recorded
             state["world_size"] = len(list(path.glob("random_states_*.pkl")))
+        if sorted(state.get("parts", [])) != sorted(n for n, _ in own):
+            raise CheckpointError(
+                f"{path} holds the trained models {', '.join(['denoiser', *state.get('parts', [])])}; this run trains "
+                f"{', '.join(['denoiser', *(n for n, _ in own)])} (e.g. --train_text_encoder given in one run only)"
+            )
         saved = int(state["world_size"])
         ranks = [rank] if saved == world else list(range(saved))
         missing = [
             str(names[0].relative_to(path))
-            for names in _files_needed(path, ranks, ema)
+            for names in _files_needed(path, ranks, ema, own)
             if not any(p.exists() for p in names)
         ]
     reports = all_gather_object((missing, state))
@@ -242,25 +275,45 @@ def load_ema_shard(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"{path} is not a plain tensor file; refusing to unpickle it ({e})") from e
 
 
-def load_training_checkpoint(accelerator, path: str | os.PathLike, *, ema=None, check=None) -> dict:
+def load_training_checkpoint(accelerator, path: str | os.PathLike, *, ema=None, check=None, parts=()) -> dict:
     """Restore what ``save_training_checkpoint`` wrote; return its training state.
 
     Collective: call on every rank. Checks the checkpoint first (``check_resumable``, then
     ``check(state)`` if given, which may raise before anything is loaded or written). With
     the number of processes that wrote it, accelerate's ``load_state`` restores everything
-    as it was; with another number, ``load_resharded`` does.
+    as it was; with another number, ``load_resharded`` does. The other trained models
+    (``parts``) are restored either way.
     """
     path = Path(path)
-    state = check_resumable(path, ema=ema is not None)
+    state = check_resumable(path, ema=ema is not None, parts=parts)
     if check is not None:
         check(state)
-    if int(state["world_size"]) != get_world_size():
-        load_resharded(accelerator, path, int(state["world_size"]), ema=ema)
+    own = [p for p in parts if p.own_engine]
+    saved_world = int(state["world_size"])
+    if saved_world != get_world_size():
+        load_resharded(accelerator, path, saved_world, ema=ema, parts=own)
         return state
     accelerator.load_state(str(path))
     if ema is not None:
         ema.load_state_dict(load_ema_shard(path / f"ema_rank{get_rank()}.pt"))
+    for part in own:
+        part.engine.load_checkpoint(str(path), tag=part.name)
+        _load_part_state(part, path, saved_world)
     return state
+
+
+def _load_part_state(part, path: Path, saved_world: int) -> None:
+    """A part's schedule (stepped once per update by its engine: the same at any number of
+    processes) and EMA (its own shard, or re-cut from every saved rank's)."""
+    part.lr_scheduler.load_state_dict(torch.load(path / f"{part.name}_lr_scheduler.pt", weights_only=False))
+    if part.ema is None:
+        return
+    if saved_world == get_world_size():
+        part.ema.load_state_dict(load_ema_shard(path / f"ema_{part.name}_rank{get_rank()}.pt"))
+    else:
+        part.ema.load_resharded(
+            [load_ema_shard(path / f"ema_{part.name}_rank{r}.pt") for r in range(saved_world)]
+        )
 
 
 def engine_checkpoint_names(accelerator) -> list[str]:
@@ -301,7 +354,7 @@ def convert_to_universal(path: str | os.PathLike, names: list[str]) -> Path:
     return final
 
 
-def load_resharded(accelerator, path: str | os.PathLike, saved_world: int, *, ema=None) -> None:
+def load_resharded(accelerator, path: str | os.PathLike, saved_world: int, *, ema=None, parts=()) -> None:
     """Load a checkpoint written by ``saved_world`` processes into this run's (another number).
     Collective: call on every rank, after ``accelerator.prepare``.
 
@@ -311,6 +364,7 @@ def load_resharded(accelerator, path: str | os.PathLike, saved_world: int, *, em
       world size (accelerate steps a scheduler once per process at every optimizer step).
     * The EMA: its partitions re-cut from every saved rank's file (``ShardedEMA.load_resharded``).
     * RNG: rank ``r`` takes the states of saved rank ``r % saved_world``.
+    * The other trained models (``parts``, own engines): from the universal form too.
     """
     import warnings
 
@@ -318,8 +372,17 @@ def load_resharded(accelerator, path: str | os.PathLike, saved_world: int, *, em
     world = get_world_size()
     names = engine_checkpoint_names(accelerator)
     engines = [m for m in accelerator._models if hasattr(m, "load_checkpoint")]
+    if engines or parts:
+        universal = convert_to_universal(path, [*names, *(p.name for p in parts)])
+    for part in parts:
+        part.engine._config.load_universal_checkpoint = True
+        try:
+            part.engine.load_checkpoint(str(universal), tag=part.name, load_lr_scheduler_states=False)
+        finally:
+            part.engine._config.load_universal_checkpoint = False
+        unshare_optimizer_steps(part.engine)
+        _load_part_state(part, path, saved_world)
     if engines:
-        universal = convert_to_universal(path, names)
         for name, engine in zip(names, engines):
             engine._config.load_universal_checkpoint = True
             try:
@@ -390,17 +453,19 @@ def _load_rng_states(accelerator, file: Path) -> None:
         accelerator.step = states["step"]
 
 
-def resume_training(accelerator, output_dir: str | os.PathLike, value: str | None, *, ema=None, check=None):
+def resume_training(
+    accelerator, output_dir: str | os.PathLike, value: str | None, *, ema=None, check=None, parts=()
+):
     """Resume as ``--resume_from_checkpoint value`` asks; return ``(path, state)`` or None.
 
-    Collective: call on every rank, after ``accelerator.prepare``. ``latest`` with no
-    checkpoint yet returns None (a new run). Newer checkpoints than the one resumed from are
+    Collective: call on every rank, after ``accelerator.prepare`` (and the other trained
+    models, ``parts``). ``latest`` with no checkpoint yet returns None (a new run). Newer checkpoints than the one resumed from are
     abandoned (renamed ``abandoned-checkpoint-<step>``) by global rank 0.
     """
     path = resolve_resume_checkpoint(output_dir, value)
     if path is None:
         return None
-    state = load_training_checkpoint(accelerator, path, ema=ema, check=check)
+    state = load_training_checkpoint(accelerator, path, ema=ema, check=check, parts=parts)
     if is_main_process():
         abandon_newer_checkpoints(output_dir, int(state["global_step"]))
     barrier()

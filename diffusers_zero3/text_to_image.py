@@ -94,6 +94,10 @@ class TextToImageTrainer:
         self.metric_history: list[dict[str, float]] = []
         self.memory = MemoryLog()
         self.model_states: dict[str, int] | None = None  # bytes by kind, measured at the first step
+        # Trained models beside the denoiser (parts.TrainedModel: DreamBooth's text encoders),
+        # each its own engine, optimizer and schedule; a subclass adds them in _prepare_extra_parts.
+        self.extra_parts: list = []
+        self._cuts: list = []  # per micro-batch: (part, kept outputs, cut outputs) to backward through
 
     # ------------------------------------------------------------------ setup
 
@@ -317,7 +321,12 @@ class TextToImageTrainer:
         if acc.is_main_process and args.report_to != "none":
             config = {k: v for k, v in vars(args).items() if not isinstance(v, list)}
             acc.init_trackers(args.tracker_project_name, config)
+        self._prepare_extra_parts()
         self._maybe_resume()
+
+    def _prepare_extra_parts(self) -> None:
+        """Build the job's other trained models (``self.extra_parts``), after the denoiser's
+        engine and before a resume (every rank). None here."""
 
     def _maybe_resume(self) -> None:
         processes, batch = self.accelerator.num_processes, self.args.train_batch_size
@@ -334,6 +343,7 @@ class TextToImageTrainer:
             self.args.resume_from_checkpoint,
             ema=self.ema,
             check=check,
+            parts=self.extra_parts,
         )
         if resumed is None:
             if self.args.resume_from_checkpoint:
@@ -361,6 +371,21 @@ class TextToImageTrainer:
             self.denoiser, self.noise_scheduler, latents, cond, self.objective_settings, generators
         )
 
+    def _backward_extra_parts(self) -> None:
+        """After the denoiser's backward: each other trained model's own backward from the
+        gradients at its cut outputs (``parts.backward_through``; under DDP the one backward
+        reached them already), then its optimizer step (its clipping, its schedule). Every
+        rank, every micro-batch."""
+        from .parts import backward_through, step_part
+
+        sync = self.accelerator.sync_gradients
+        for part, kept, cut in self._cuts:
+            if part.own_engine:
+                backward_through(part, kept, cut, sync)
+        self._cuts = []
+        for part in self.extra_parts:
+            step_part(part, self.accelerator, sync)
+
     def train(self) -> list[float]:
         """The training loop; returns the logged per-step losses (all ranks call it)."""
         from tqdm.auto import tqdm
@@ -380,7 +405,8 @@ class TextToImageTrainer:
             accumulated, metrics = 0.0, {}
             for batch in epoch_batches(acc, self.loader, epoch, done_in_epoch):
                 first = not self.memory.has("first forward")
-                with acc.accumulate(self.denoiser):
+                ddp_parts = [p.engine for p in self.extra_parts if not p.own_engine]
+                with acc.accumulate(self.denoiser, *ddp_parts):
                     loss = self._loss(batch)
                     if first:
                         self.memory.mark("first forward")
@@ -392,8 +418,12 @@ class TextToImageTrainer:
                             metrics[name] = metrics.get(name, 0.0) + mean
                     fault_point("train_step")
                     acc.backward(loss)
+                    self._backward_extra_parts()
                     if first:
                         self.memory.mark("first backward")
+                    if acc.sync_gradients and args.max_grad_norm and acc.state.deepspeed_plugin is None:
+                        # as diffusers' script; a DeepSpeed engine clips by its gradient_clipping
+                        acc.clip_grad_norm_(self.denoiser.parameters(), args.max_grad_norm)
                     self.optimizer.step()
                     self.lr_scheduler.step()
                     if first:  # before zero_grad: a plain optimizer's gradients still exist
@@ -405,6 +435,9 @@ class TextToImageTrainer:
                     continue
                 if self.ema is not None:
                     self.ema.step()
+                for part in self.extra_parts:
+                    if part.ema is not None:
+                        part.ema.step()
                 self.global_step += 1
                 self.trained_steps += 1
                 step_loss = accumulated / args.gradient_accumulation_steps
@@ -476,6 +509,7 @@ class TextToImageTrainer:
             state,
             ema=self.ema,
             total_limit=self.args.checkpoints_total_limit,
+            parts=self.extra_parts,
         )
         log_rank_zero(f"saved {path}")
 
@@ -485,8 +519,12 @@ class TextToImageTrainer:
         if not args.validation_prompts:
             return
         fault_point("validation")
-        ema = self.ema.averaged_weights() if self.ema is not None else contextlib.nullcontext()
-        with self.frozen.validation_modules(acc) as modules, ema:
+        with contextlib.ExitStack() as stack:
+            modules = stack.enter_context(self.frozen.validation_modules(acc))
+            for ema in [self.ema, *(p.ema for p in self.extra_parts)]:
+                if ema is not None:
+                    stack.enter_context(ema.averaged_weights())
+            modules.update({part.name: part.module for part in self.extra_parts})  # trained encoders
             pipeline = self.family.pipeline(
                 getattr(self.denoiser, "module", self.denoiser),
                 modules["vae"],
@@ -549,8 +587,16 @@ class TextToImageTrainer:
             finish_trackers(self.accelerator)
             return
         if args.rank is not None:
-            with self.ema.averaged_weights() if self.ema is not None else contextlib.nullcontext():
-                path = save_lora_zero3(self.denoiser, self.family, args.output_dir)
+            with contextlib.ExitStack() as stack:
+                for ema in [self.ema, *(p.ema for p in self.extra_parts)]:
+                    if ema is not None:
+                        stack.enter_context(ema.averaged_weights())
+                path = save_lora_zero3(
+                    self.denoiser,
+                    self.family,
+                    args.output_dir,
+                    others={p.name: p.engine for p in self.extra_parts},
+                )
             finish_trackers(self.accelerator)
             log_rank_zero(
                 f"LoRA weights: {os.path.abspath(path)} ({self.family.pipeline_class}.load_lora_weights)\n"
@@ -573,6 +619,7 @@ class TextToImageTrainer:
             denoiser_name=self.family.denoiser,
             component_sources=self.component_sources,
             index_entries=self._index_entries(),
+            trained={part.name: (part.engine, part.ema) for part in self.extra_parts},
         )
         finish_trackers(self.accelerator)
         log_rank_zero(

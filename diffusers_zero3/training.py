@@ -158,8 +158,10 @@ def diffusion_loss(
     input_perturbation: float = 0.0,
     perturbation: torch.Tensor | None = None,
     dream_detail_preservation: float | None = None,
+    reduction: str = "mean",
 ) -> torch.Tensor:
-    """The denoising loss of one batch (mean over the batch).
+    """The denoising loss of one batch (mean over the batch; ``reduction="none"``: one value
+    per sample, e.g. for DreamBooth's prior-preservation halves).
 
     ``predict(noisy_latents, timesteps)`` calls the denoiser (a family's ``predict``) and
     returns its prediction in the latents' shape. ``latents`` are already normalised (the
@@ -187,13 +189,18 @@ def diffusion_loss(
             unet, noise_scheduler, timesteps, noise, noisy_latents, target, None, dream_detail_preservation
         )
     model_pred = predict(noisy_latents, timesteps)
-    if snr_gamma is None:
+    if snr_gamma is None and reduction == "mean":
         return F.mse_loss(model_pred.float(), target.float(), reduction="mean")
-    snr = compute_snr(noise_scheduler, timesteps)
-    weights = torch.stack([snr, snr_gamma * torch.ones_like(snr)], dim=1).min(dim=1)[0]
-    weights = weights / snr if noise_scheduler.config.prediction_type == "epsilon" else weights / (snr + 1)
     loss = F.mse_loss(model_pred.float(), target.float(), reduction="none")
-    return (loss.mean(dim=list(range(1, loss.ndim))) * weights).mean()
+    per_sample = loss.mean(dim=list(range(1, loss.ndim)))
+    if snr_gamma is not None:
+        snr = compute_snr(noise_scheduler, timesteps)
+        weights = torch.stack([snr, snr_gamma * torch.ones_like(snr)], dim=1).min(dim=1)[0]
+        weights = (
+            weights / snr if noise_scheduler.config.prediction_type == "epsilon" else weights / (snr + 1)
+        )
+        per_sample = per_sample * weights
+    return per_sample if reduction == "none" else per_sample.mean()
 
 
 WEIGHTING_SCHEMES = ("sigma_sqrt", "logit_normal", "mode", "cosmap", "none")
@@ -210,8 +217,10 @@ def flow_matching_loss(
     logit_std: float = 1.0,
     mode_scale: float = 1.29,
     generators: list[torch.Generator] | None = None,
+    reduction: str = "mean",
 ) -> torch.Tensor:
-    """The rectified-flow loss of diffusers' SD3 and Flux training scripts (mean over the batch).
+    """The rectified-flow loss of diffusers' SD3 and Flux training scripts (mean over the batch;
+    ``reduction="none"``: one value per sample).
 
     Timesteps are drawn with ``compute_density_for_timestep_sampling`` (``logit_normal``,
     ``mode``, else uniform) as indices into the ``FlowMatchEulerDiscreteScheduler``'s
@@ -245,7 +254,8 @@ def flow_matching_loss(
     weighting = compute_loss_weighting_for_sd3(weighting_scheme=weighting_scheme, sigmas=sigmas)
     target = noise - latents
     error = (weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(n, -1)
-    return error.mean(dim=1).mean()
+    per_sample = error.mean(dim=1)
+    return per_sample if reduction == "none" else per_sample.mean()
 
 
 @dataclass(frozen=True)
@@ -274,7 +284,11 @@ class DDPMObjective:
         self.settings = settings
 
     def loss(
-        self, predict, latents: torch.Tensor, generators: list[torch.Generator] | None = None
+        self,
+        predict,
+        latents: torch.Tensor,
+        generators: list[torch.Generator] | None = None,
+        reduction: str = "mean",
     ) -> torch.Tensor:
         """Draw noise, its perturbation and timesteps (this rank's RNG, or each sample's own
         ``generators``), then ``diffusion_loss``."""
@@ -297,6 +311,7 @@ class DDPMObjective:
             input_perturbation=s.input_perturbation,
             perturbation=perturbation,
             dream_detail_preservation=s.dream_detail_preservation,
+            reduction=reduction,
         )
 
 
@@ -308,7 +323,11 @@ class FlowMatchingObjective:
         self.settings = settings
 
     def loss(
-        self, predict, latents: torch.Tensor, generators: list[torch.Generator] | None = None
+        self,
+        predict,
+        latents: torch.Tensor,
+        generators: list[torch.Generator] | None = None,
+        reduction: str = "mean",
     ) -> torch.Tensor:
         """Draw noise, then timesteps (this rank's RNG, or each sample's own ``generators``)."""
         s = self.settings
@@ -322,4 +341,5 @@ class FlowMatchingObjective:
             logit_std=s.logit_std,
             mode_scale=s.mode_scale,
             generators=generators,
+            reduction=reduction,
         )

@@ -300,3 +300,35 @@ def test_a_source_pipeline_folder_survives_every_refused_run(default_data, tmp_p
     code, log = _run_in_process("train_text_to_image", _t2i(str(source), data, str(out)), capfd)
     assert code == 0, log[-3000:]
     assert (out / "model_index.json").exists() and (source / "model_index.json").exists()
+
+
+DREAMBOOTH_CASES = [
+    (["--instance_prompt", ""], "train_dreambooth.py needs --instance_data_dir and --instance_prompt"),
+    (["--with_prior_preservation"], "--with_prior_preservation needs --class_data_dir and --class_prompt"),
+    (["--train_data_dir", "{pipe}"], "train_dreambooth.py reads --instance_data_dir"),
+    (["--validation_prompts", "a"], "train_dreambooth.py takes --validation_prompt"),
+    (["--instance_data_dir", "/nonexistent/instances"], "/nonexistent/instances is not a directory"),
+    (["--prior_loss_weight", "-1"], "--prior_loss_weight must not be negative"),
+    (["--num_class_images", "0"], "--num_class_images must be a positive number, got 0"),
+    (
+        ["--pretrained_model_name_or_path", "{sd3}", "--train_text_encoder"],
+        "trains the text encoders of SD, SDXL and Flux.1 pipelines, not of a StableDiffusion3Pipeline",
+    ),
+    (
+        ["--train_text_encoder", "--text_encoder_placement", "cache"],
+        "--text_encoder_placement cache: text_encoder is trained (--train_text_encoder)",
+    ),
+]
+
+
+@pytest.mark.parametrize("change, message", DREAMBOOTH_CASES, ids=[" ".join(c) for c, _ in DREAMBOOTH_CASES])
+def test_dreambooth_bad_input(default_data, bad_data, tiny_sd3, tmp_path, capfd, change, message):
+    pipe, data, _ = default_data
+    files = {str(p.relative_to(pipe)) for p in Path(pipe).rglob("*")}
+    out = tmp_path / "out"
+    argv = ["--pretrained_model_name_or_path", pipe, "--instance_data_dir", data, "--instance_prompt", "sks",
+            "--output_dir", str(out), "--resolution", "32", "--train_batch_size", "2", "--max_train_steps", "2",
+            "--report_to", "none"]  # fmt: skip
+    fill = {"pipe": pipe, "sd3": tiny_sd3[0], **bad_data}
+    code, log = _run_in_process("train_dreambooth", _apply(argv, change, fill), capfd)
+    _check(code, log, message, out, pipe, files)

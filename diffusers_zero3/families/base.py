@@ -315,17 +315,30 @@ class Family:
         return cls(noise_scheduler, settings)
 
     def loss(
-        self, denoiser, noise_scheduler, latents: torch.Tensor, cond: dict, settings, generators=None
+        self,
+        denoiser,
+        noise_scheduler,
+        latents: torch.Tensor,
+        cond: dict,
+        settings,
+        generators=None,
+        reduction: str = "mean",
+        **denoiser_kwargs,
     ) -> torch.Tensor:
-        """The training loss of one micro-batch (a mean over it), for every family alike:
-        noise and timesteps drawn by the family's objective (from this rank's RNG, or from
-        each sample's ``generators``: ``training.sample_generators``), the denoiser called as
-        the family's pipeline calls it (``predict``). Collective when the denoiser is sharded."""
+        """The training loss of one micro-batch (a mean over it, or one value per sample with
+        ``reduction="none"``), for every family alike: noise and timesteps drawn by the
+        family's objective (from this rank's RNG, or from each sample's ``generators``:
+        ``training.sample_generators``), the denoiser called as the family's pipeline calls it
+        (``predict``; ``denoiser_kwargs`` go to that call, e.g. a ControlNet's residuals).
+        Collective when the denoiser is sharded."""
         objective = self.objective(noise_scheduler, settings)
         return objective.loss(
-            lambda noisy, t: self.predict(denoiser, noisy, t, cond, guidance_scale=settings.guidance_scale),
+            lambda noisy, t: self.predict(
+                denoiser, noisy, t, cond, guidance_scale=settings.guidance_scale, **denoiser_kwargs
+            ),
             latents,
             generators,
+            reduction,
         )
 
     def predict(

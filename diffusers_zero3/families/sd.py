@@ -23,13 +23,16 @@ class StableDiffusion(Family):
     def conditioning(self, outputs):
         return {"encoder_hidden_states": outputs["encoder_hidden_states"]}
 
-    def predict(self, denoiser, noisy_latents, timesteps, cond, *, guidance_scale=None):
+    def predict(self, denoiser, noisy_latents, timesteps, cond, *, guidance_scale=None, **unet_kwargs):
+        """The UNet call; ``unet_kwargs`` (a ControlNet's ``down_block_additional_residuals``
+        and ``mid_block_additional_residual``) go to it as they are."""
         return denoiser(
             noisy_latents,
             timesteps,
             cond["encoder_hidden_states"],
             return_dict=False,
             **self.unet_kwargs(cond),
+            **unet_kwargs,
         )[0]
 
     def unet_kwargs(self, cond: dict[str, torch.Tensor]) -> dict:
