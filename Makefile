@@ -4,7 +4,7 @@ PYTHON ?= python3
 # constraints.txt pins the versions the suite was run with (torch is not pinned there).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test test-unit test-gpu train train-reward train-dpo train-dreambooth smoke-gpu bench style quality clean
+.PHONY: install test test-unit test-gpu train train-reward train-dpo train-dreambooth train-controlnet smoke-gpu bench style quality clean
 
 install:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH_SPEC)"
@@ -38,6 +38,10 @@ train-dpo:
 # DreamBooth with prior preservation, the UNet and the text encoder each its own ZeRO-3 engine
 train-dreambooth:
 	PYTHON=$(PYTHON) bash scripts/train_dreambooth_default.sh
+
+# a ControlNet (its own ZeRO-3 engine) beside the frozen, sharded UNet, on shape masks
+train-controlnet:
+	PYTHON=$(PYTHON) bash scripts/train_controlnet_default.sh
 
 # GPU hosts: each training script for a few steps on every GPU (families, placements, bf16, reward,
 # DPO, offload), each under a timeout; a table to outputs/smoke-gpu/table.md. SMOKE_CASES=a,b runs a

@@ -402,7 +402,8 @@ def validate_family(args: argparse.Namespace, family) -> None:
             )
     for flag, placement in placement_flags(args).items():
         component = flag[: -len("_placement")]
-        if component not in components and component not in ("reward", "reference"):
+        # a script may place the denoiser too (the ControlNet script's frozen --unet_placement)
+        if component not in components and component not in ("reward", "reference", family.denoiser):
             raise ArgumentError(
                 f"--{flag} {placement}: a {family.pipeline_class} has no {component} "
                 f"(its frozen models: {', '.join(sorted(components))})"

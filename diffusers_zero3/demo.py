@@ -94,6 +94,53 @@ def write_instance_images(
     return folder
 
 
+def write_controlnet_dataset(
+    folder: str | os.PathLike, num_images: int = 32, size: int = 32, seed: int = 0
+) -> Path:
+    """Write a ControlNet dataset (one parquet file, fill50k's columns ``image``,
+    ``conditioning_image``, ``text``) and return its folder: a coloured shape, its mask (white
+    shape on black: what the ControlNet learns to follow) and a caption; plus one mask PNG per
+    shape, ``<folder>-masks/<shape>.png``, for --validation_image."""
+    import io
+
+    import datasets
+
+    folder = Path(folder)
+    masks = folder.with_name(folder.name + "-masks")
+    for f in (folder, masks):
+        f.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    rows = {"image": [], "conditioning_image": [], "text": []}
+
+    def png(image) -> dict:
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        return {"bytes": buf.getvalue(), "path": None}
+
+    for i in range(num_images):
+        colour, shape = rng.choice(sorted(COLOURS)), rng.choice(SHAPES)
+        state = random.Random(f"{seed}-{i}")
+        image = shape_image(colour, shape, size, random.Random(f"{seed}-{i}"))
+        mask = (
+            shape_image("red", shape, size, state)
+            .convert("L")
+            .point(lambda v: 255 if v < 200 else 0)
+            .convert("RGB")
+        )
+        rows["image"].append(png(image))
+        rows["conditioning_image"].append(png(mask))
+        rows["text"].append(f"a {colour} {shape}")
+        if not (masks / f"{shape}.png").exists():
+            mask.save(masks / f"{shape}.png")
+    features = datasets.Features(
+        {"image": datasets.Image(), "conditioning_image": datasets.Image(), "text": datasets.Value("string")}
+    )
+    datasets.Dataset.from_dict(rows, features=features).to_parquet(
+        str(folder / "train-00000-of-00001.parquet")
+    )
+    return folder
+
+
 VARIED_SIZES = [(32, 32), (48, 32), (32, 40), (56, 40), (40, 64)]
 MODELS = tuple(FAMILY_NAMES)
 
@@ -223,6 +270,9 @@ if __name__ == "__main__":
         "--instances", action="store_true", help="also DreamBooth instance images (make train-dreambooth)"
     )
     parser.add_argument(
+        "--controlnet", action="store_true", help="also a ControlNet dataset of masks (make train-controlnet)"
+    )
+    parser.add_argument(
         "--shell",
         action="store_true",
         help="print PIPE, DATA and RUN_ARGS (the family's default placements) as shell assignments",
@@ -243,6 +293,10 @@ if __name__ == "__main__":
         print(f"PIPE={shlex.quote(str(p))}; DATA={shlex.quote(str(d))}; RUN_ARGS=({run_args})")
     else:
         print(f"pipeline: {p}\ndataset: {d}")
+    if cli.controlnet and not (Path(cli.folder) / "controlnet-shapes").exists():
+        print(
+            f"controlnet data: {write_controlnet_dataset(Path(cli.folder) / 'controlnet-shapes', num_images=64)}"
+        )
     if cli.instances and not (Path(cli.folder) / "instances").exists():
         print(f"instances: {write_instance_images(d, Path(cli.folder) / 'instances')}")
     if cli.preferences and not (Path(cli.folder) / "preferences").exists():
@@ -261,6 +315,7 @@ __all__ = [
     "shape_image",
     "tiny_component_configs",
     "write_clip_tokenizer",
+    "write_controlnet_dataset",
     "write_instance_images",
     "write_preference_dataset",
     "write_shapes_dataset",

@@ -45,7 +45,8 @@ def dreambooth_parser():
         train_batch_size=4,
         num_train_epochs=1,
         output_dir="dreambooth-model",
-        validation_steps=100,
+        validation_steps=100,  # train_dreambooth.py's; its LoRA scripts validate every 50 epochs
+        validation_epochs=50,
     )
     a = p.add_argument_group("DreamBooth").add_argument
     a("--instance_data_dir", type=str, default=None, help="A folder of the instance images.")

@@ -293,7 +293,26 @@ def checkpoint_names(model: torch.nn.Module, files: dict[str, Path]) -> dict[str
     return renamed
 
 
-def _load_partitions(model: torch.nn.Module, files: dict[str, tuple[Path, str]]) -> None:
+def load_partitions_from(
+    model: torch.nn.Module, folder: str | os.PathLike, prefixes: tuple[str, ...]
+) -> list[str]:
+    """Fill the tensors of ``model`` whose names start with one of ``prefixes`` from the
+    safetensors weights of another model's ``folder`` (the same names there), each rank reading
+    only its partitions under ZeRO-3 (whole tensors otherwise); returns the names read.
+    Collective under ZeRO-3 only in that the model is partitioned; no communication.
+
+    A ControlNet starts from its UNet's ``conv_in``, time embeddings, down blocks and middle
+    block (``ControlNetModel.from_unet``) without a whole UNet on any rank.
+    """
+    files = {name: (path, name) for name, path in weight_files(Path(folder)).items()}
+    names = [n for n in model.state_dict(keep_vars=True) if n.startswith(prefixes)]
+    _load_partitions(model, files, only=set(names))
+    return names
+
+
+def _load_partitions(
+    model: torch.nn.Module, files: dict[str, tuple[Path, str]], only: set[str] | None = None
+) -> None:
     headers: dict[Path, tuple[dict, int]] = {}
 
     def info_of(name: str, expected_shape) -> tuple[Path, dict, int]:
@@ -320,6 +339,8 @@ def _load_partitions(model: torch.nn.Module, files: dict[str, tuple[Path, str]])
         names_of.setdefault(id(tensor), []).append(name)
         tensors[id(tensor)] = tensor
     for key, names in names_of.items():
+        if only is not None and not any(n in only for n in names):
+            continue
         tensor = tensors[key]
         name = next((n for n in names if n in files), names[0])
         if is_zero3_param(tensor):

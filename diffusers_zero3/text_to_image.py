@@ -181,6 +181,12 @@ class TextToImageTrainer:
             guidance_scale=args.guidance_scale,
         )
         self.tokenizers = self.family.load_tokenizers(src, self.component_sources)
+        self._load_trained_model()
+
+    def _load_trained_model(self) -> None:
+        """The first trained model, ``self.denoiser`` (the family's denoiser; a ControlNet for
+        the ControlNet trainer), partitioned under ZeRO-3, with LoRA adapters under ``--rank``."""
+        args, src = self.args, self.source
         self.denoiser = load_trainable_denoiser(
             self.accelerator, src, self.family, args.variant, self.component_sources.get(self.family.denoiser)
         )

@@ -1,0 +1,363 @@
+"""ControlNet under ZeRO-3 (``scripts/train_controlnet.py``): the ControlNet is the trained model
+(a ZeRO-3 engine), initialised from the denoiser's weights without a whole copy of it on any
+rank or loaded from ``--controlnet_model_name_or_path``, and the denoiser is frozen and placed
+like every frozen model (``--unet_placement replicate|shard|offload``). SD 1.x/2.x and SDXL
+(the same ``time_ids`` and pooled embeddings reach both models), with diffusers'
+``train_controlnet*.py`` flags and objective; the output ``OUTPUT_DIR/controlnet`` loads with
+``ControlNetModel.from_pretrained`` and works in the family's ControlNet pipeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from pathlib import Path
+
+import torch
+
+from .args import ArgumentError, text_to_image_parser
+from .data import DataError, transform_image
+from .distributed import is_main_process, log_rank_zero
+from .text_to_image import TextToImageTrainer
+
+CONTROLNET_PIPELINES = {
+    "sd": "StableDiffusionControlNetPipeline",
+    "sdxl": "StableDiffusionXLControlNetPipeline",
+}
+# the UNet's modules a new ControlNet copies (ControlNetModel.from_unet)
+FROM_UNET = (
+    "conv_in.",
+    "time_embedding.",
+    "class_embedding.",
+    "add_embedding.",
+    "down_blocks.",
+    "mid_block.",
+)
+# the ControlNet's output convolutions, zero at the start (diffusers' zero_module)
+ZERO_INIT = ("controlnet_down_blocks.", "controlnet_mid_block.", "controlnet_cond_embedding.conv_out.")
+
+
+def controlnet_parser():
+    """The text-to-image parser with diffusers' ControlNet flags and defaults."""
+    p = text_to_image_parser()
+    p.description = "ControlNet training under DeepSpeed ZeRO-3, beside a frozen (placeable) denoiser."
+    p.set_defaults(learning_rate=5e-6, train_batch_size=4, num_train_epochs=1, output_dir="controlnet-model")
+    a = p.add_argument_group("ControlNet").add_argument
+    a("--controlnet_model_name_or_path", type=str, default=None,
+      help="A ControlNet to go on training; default: a new one from the denoiser's weights.")  # fmt: skip
+    a(
+        "--conditioning_image_column",
+        type=str,
+        default="conditioning_image",
+        help="The conditioning images' column.",
+    )
+    a(
+        "--validation_image",
+        type=str,
+        default=None,
+        nargs="+",
+        help="Conditioning images of --validation_prompt.",
+    )
+    a(
+        "--validation_prompt",
+        type=str,
+        default=None,
+        nargs="+",
+        help="Validation prompts (one per image, or one).",
+    )
+    a("--num_validation_images", type=int, default=1, help="Images per validation prompt.")
+    a("--unet_placement", default="replicate", choices=["replicate", "shard", "offload"],
+      help="Where the frozen denoiser lives (shard: a ZeRO-3 inference engine, 1/N per rank).")  # fmt: skip
+    return p
+
+
+def parse_controlnet_args(argv: list[str] | None = None):
+    """Parse and check the ControlNet flags; raises ``ArgumentError``."""
+    args = controlnet_parser().parse_args(argv)
+    if args.rank is not None:
+        raise ArgumentError("train_controlnet.py trains the whole ControlNet (--rank is for LoRA scripts)")
+    if args.validation_prompts is not None:
+        raise ArgumentError("train_controlnet.py takes --validation_prompt and --validation_image")
+    if (args.validation_prompt is None) != (args.validation_image is None):
+        raise ArgumentError("--validation_prompt and --validation_image go together")
+    if args.validation_prompt is not None:
+        prompts, images = args.validation_prompt, args.validation_image
+        if len(prompts) == 1 and len(images) > 1:
+            prompts = prompts * len(images)
+        elif len(images) == 1 and len(prompts) > 1:
+            images = images * len(prompts)
+        if len(prompts) != len(images):
+            raise ArgumentError("give one --validation_image, one --validation_prompt, or as many of each")
+        for path in images:
+            if not os.path.isfile(path):
+                raise ArgumentError(f"--validation_image {path!r} is not a file")
+        args.validation_prompt, args.validation_image = prompts, images
+        args.validation_prompts = prompts  # turns validation on in the loop
+    if args.random_flip:
+        raise ArgumentError("--random_flip does not apply: a conditioning image keeps its orientation")
+    return args
+
+
+def conditioning_pixels(image, resolution: int) -> torch.Tensor:
+    """A conditioning image as diffusers' ControlNet scripts feed it: RGB, shorter side to
+    ``resolution``, centre crop, in [0, 1] (CHW float)."""
+    return (transform_image(image.convert("RGB"), resolution, True, False, random.Random(0)) + 1.0) / 2.0
+
+
+class ControlNetPairs(torch.utils.data.Dataset):
+    """Items of an ``ImageCaptionDataset`` (centre crops) with the row's conditioning image."""
+
+    def __init__(self, images, dataset, column: str, resolution: int):
+        self.images, self.dataset, self.column, self.resolution = images, dataset, column, resolution
+        self.skipped_rows = images.skipped_rows
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.images.set_epoch(epoch)
+
+    def __getitem__(self, index: int) -> dict:
+        item = self.images[index]
+        value = self.dataset[int(item["index"])][self.column]
+        if isinstance(value, str):
+            from PIL import Image
+
+            value = Image.open(value)
+        item["conditioning_pixel_values"] = conditioning_pixels(value, self.resolution)
+        return item
+
+
+def new_controlnet_from_unet(
+    accelerator, unet_folder: str | os.PathLike, conditioning_embedding_out_channels, seed: int = 0
+):
+    """A ControlNet initialised from the UNet in ``unet_folder`` as ``ControlNetModel.from_unet``
+    does: the UNet's input convolution, time (and added) embeddings, down blocks and middle
+    block; its output convolutions zero. Under ZeRO-3 it is built partitioned and each rank reads
+    its partitions of those tensors from the UNet's files: no rank holds the UNet, nor the
+    ControlNet, whole. The weights it does not copy (the conditioning embedding's) are drawn
+    from ``seed`` on every rank, the same with or without ZeRO-3. Collective under ZeRO-3:
+    every rank."""
+    from diffusers import ControlNetModel, UNet2DConditionModel
+
+    from .pretrained import load_partitions_from
+    from .zero3 import is_zero3_enabled, is_zero3_param, zero3_init_disabled
+
+    if not is_zero3_enabled():
+        with zero3_init_disabled():
+            unet = UNet2DConditionModel.from_pretrained(unet_folder)
+            torch.manual_seed(seed)
+            return ControlNetModel.from_unet(
+                unet, conditioning_embedding_out_channels=conditioning_embedding_out_channels
+            )
+    import deepspeed
+
+    from .distributed import init_distributed_if_needed
+    from .pretrained import zero_init_config
+
+    with zero3_init_disabled(), torch.device("meta"):  # the config from_unet makes, from the UNet's
+        unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(unet_folder))
+        config = dict(
+            ControlNetModel.from_unet(
+                unet,
+                load_weights_from_unet=False,
+                conditioning_embedding_out_channels=conditioning_embedding_out_channels,
+            ).config
+        )
+    init_distributed_if_needed()
+    torch.manual_seed(seed)
+    with deepspeed.zero.Init(config_dict_or_path=zero_init_config(None, accelerator)):
+        controlnet = ControlNetModel.from_config(config)
+    copied = load_partitions_from(controlnet, unet_folder, FROM_UNET)
+    with torch.no_grad():
+        # zero_module() in ControlNetModel.__init__ zeroed empty placeholders: the partitions
+        # of these weights are random until zeroed here (every rank zeroes its own)
+        for name, p in controlnet.named_parameters():
+            if name.startswith(ZERO_INIT):
+                (p.ds_tensor if is_zero3_param(p) else p).data.zero_()
+    log_rank_zero(f"ControlNet from the UNet's weights: {len(copied)} tensors copied, partitioned")
+    return controlnet
+
+
+class ControlNetTrainer(TextToImageTrainer):
+    """The text-to-image trainer with a ControlNet trained beside the frozen denoiser."""
+
+    cacheable_data = True  # the latents and text are fixed per row; conditioning images are read live
+
+    def _load_trained_model(self) -> None:
+        from diffusers import ControlNetModel
+
+        from .pretrained import load_pretrained_zero3, resolve_model_folder
+        from .zero3 import is_zero3_enabled, zero3_init_disabled
+
+        args = self.args
+        if self.family.name not in CONTROLNET_PIPELINES:
+            raise ArgumentError(f"train_controlnet.py trains ControlNets of SD and SDXL pipelines, not of a "
+                                f"{self.family.pipeline_class}")  # fmt: skip
+        if args.controlnet_model_name_or_path:
+            folder = resolve_model_folder(
+                args.controlnet_model_name_or_path, None, args.revision, args.cache_dir
+            )
+            if is_zero3_enabled():
+                model = load_pretrained_zero3(ControlNetModel, folder, accelerator=self.accelerator)
+            else:
+                with zero3_init_disabled():
+                    model = ControlNetModel.from_pretrained(folder)
+        else:
+            unet_folder = self.component_sources.get("unet", Path(self.source) / "unet")
+            model = new_controlnet_from_unet(
+                self.accelerator, unet_folder, self._conditioning_channels(), seed=args.seed or 0
+            )
+        if is_zero3_enabled():
+            from .ds_config import fill_auto_bucket_sizes
+
+            plugin = self.accelerator.state.deepspeed_plugin
+            if plugin is not None:
+                fill_auto_bucket_sizes(plugin.deepspeed_config, model)
+        model.train()
+        model.requires_grad_(True)
+        if args.gradient_checkpointing:
+            model.enable_gradient_checkpointing()
+        self.denoiser = model  # the trained model of the loop: the ControlNet
+
+    def _conditioning_channels(self) -> tuple[int, ...]:
+        """The conditioning embedding's channels: one stage per factor 2 of the VAE's
+        downsampling, as diffusers' (16, 32, 96, 256) for SD's 8x."""
+        vae_config = self.family.component_class("vae").load_config(
+            self.component_sources.get("vae", Path(self.source) / "vae")
+        )
+        return (16, 32, 96, 256)[: len(vae_config["block_out_channels"])]
+
+    def _load_data(self) -> None:
+        super()._load_data()
+        column = self.args.conditioning_image_column
+        if column not in self.hf_dataset.column_names:
+            raise DataError(
+                f"--conditioning_image_column {column!r} is not a dataset column (columns: "
+                f"{', '.join(self.hf_dataset.column_names)})"
+            )
+        self.train_dataset = ControlNetPairs(
+            self.train_dataset, self.hf_dataset, column, self.args.resolution
+        )
+
+    def _place_frozen(self) -> None:
+        from .recipe import load_frozen_component
+
+        super()._place_frozen()
+        folder = self.component_sources.get("unet")
+        parent, sub = (folder.parent, folder.name) if folder is not None else (self.source, "unet")
+        self.unet = load_frozen_component(
+            self.accelerator, parent, sub, self.args.unet_placement, self.family.denoiser_cls(), self.args.variant,
+            label="unet",
+        )  # fmt: skip
+        log_rank_zero(self.unet.describe())
+
+    def _controlled_predict(self, controlnet, cond: dict, image: torch.Tensor):
+        """The denoiser's prediction with the ControlNet's residuals: the ControlNet sees the
+        noisy latents, the timesteps, the conditioning and the conditioning image; SDXL's pooled
+        embeddings and time ids reach both models."""
+        extra = self.family.unet_kwargs(cond)
+        dtype = self.frozen.dtype
+
+        def predict(noisy, timesteps):
+            down, mid = controlnet(
+                noisy, timesteps, encoder_hidden_states=cond["encoder_hidden_states"],
+                controlnet_cond=image.to(noisy.device, dtype), return_dict=False, **extra,
+            )  # fmt: skip
+            return self.family.predict(
+                self.unet, noisy, timesteps, cond,
+                down_block_additional_residuals=[d.to(dtype) for d in down],
+                mid_block_additional_residual=mid.to(dtype),
+            )  # fmt: skip
+
+        return predict
+
+    def _loss(self, batch: dict) -> torch.Tensor:
+        from .training import sample_generators
+
+        generators = sample_generators(self.args.seed or 0, self.epoch, batch["index"])
+        latents, cond, _ = self.frozen(batch, self.accelerator.device, generators)
+        objective = self.family.objective(self.noise_scheduler, self.objective_settings)
+        predict = self._controlled_predict(self.denoiser, cond, batch["conditioning_pixel_values"])
+        return objective.loss(predict, latents, generators)
+
+    def _pipeline(self, modules: dict):
+        import diffusers
+
+        kwargs = {"unet": self.unet.module, "controlnet": getattr(self.denoiser, "module", self.denoiser),
+                  "vae": modules["vae"],
+                  "scheduler": self.family.noise_scheduler_class().from_config(self.noise_scheduler.config),
+                  **dict(self.family.pipeline_kwargs)}  # fmt: skip
+        for spec in self.family.text_encoders:
+            kwargs[spec.name] = modules[spec.name]
+            kwargs[spec.tokenizer] = self.tokenizers[spec.name]
+        return getattr(diffusers, CONTROLNET_PIPELINES[self.family.name])(**kwargs)
+
+    def validate(self) -> None:
+        """For each validation prompt: its conditioning image beside the samples the ControlNet
+        pipeline makes from it (every rank; rank 0 writes the grid)."""
+        from PIL import Image
+
+        from .pipeline_io import image_grid
+
+        args, acc = self.args, self.accelerator
+        if not args.validation_prompt:
+            return
+        ema = self.ema.averaged_weights() if self.ema is not None else contextlib.nullcontext()
+        rows = []
+        with self.frozen.validation_modules(acc) as modules, ema:
+            pipeline = self._pipeline(modules)
+            pipeline.set_progress_bar_config(disable=True)
+            controlnet = pipeline.controlnet
+            was_training = controlnet.training
+            controlnet.eval()
+            lower = self.frozen.dtype in (torch.bfloat16, torch.float16)
+            device = acc.device
+            autocast = (
+                torch.autocast(device.type, dtype=self.frozen.dtype) if lower else contextlib.nullcontext()
+            )
+            with torch.no_grad(), autocast:
+                for i, (prompt, path) in enumerate(zip(args.validation_prompt, args.validation_image)):
+                    image = Image.open(path).convert("RGB").resize((args.resolution, args.resolution))
+                    samples = [
+                        pipeline(
+                            prompt=prompt, image=image, num_inference_steps=args.num_validation_inference_steps,
+                            height=args.resolution, width=args.resolution,
+                            generator=torch.Generator(device=device).manual_seed((args.seed or 0) + i * 100 + k),
+                        ).images[0]
+                        for k in range(args.num_validation_images)
+                    ]  # fmt: skip
+                    rows.append([image, *samples])
+            controlnet.train(was_training)
+        if is_main_process():
+            folder = Path(args.output_dir) / "validation"
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"step-{self.global_step:06d}.png"
+            image_grid([img for row in rows for img in row], cols=len(rows[0])).save(path)
+            self._log_images([img for row in rows for img in row[1:]])
+            log_rank_zero(f"validation images: {path} (each row: the conditioning image, then the samples)")
+
+    def save(self) -> None:
+        """``OUTPUT_DIR/controlnet`` (the EMA average when used), streamed from the partitions
+        into a staging folder and moved into place. Every rank."""
+        from .folders import collective_publish
+        from .pretrained import save_pretrained_zero3
+        from .recipe import finish_trackers
+
+        args = self.args
+        final = Path(args.output_dir) / "controlnet"
+        if self.trained_steps == 0 and (final / "config.json").exists():
+            log_rank_zero(f"output: {final} (already complete)")
+            finish_trackers(self.accelerator)
+            return
+        with collective_publish(final) as staging:
+            if self.ema is not None:
+                self.ema.save_pretrained(staging)
+            else:
+                save_pretrained_zero3(self.denoiser, staging)
+        finish_trackers(self.accelerator)
+        log_rank_zero(
+            f"ControlNet: {os.path.abspath(final)} (ControlNetModel.from_pretrained; "
+            f"{CONTROLNET_PIPELINES[self.family.name]} with the base pipeline)"
+        )
