@@ -11,13 +11,10 @@ import argparse
 import importlib.util
 import os
 
+from .errors import ArgumentError
 from .training import TIMESTEP_BIAS_STRATEGIES, WEIGHTING_SCHEMES
 
 PLACEMENT_CHOICES = ("replicate", "shard", "offload", "cache")
-
-
-class ArgumentError(ValueError):
-    """A command-line value that cannot work; the message names the flag."""
 
 
 def add_optimizer_args(parser: argparse.ArgumentParser, learning_rate: float = 1e-4) -> None:
@@ -446,16 +443,26 @@ def placement_flags(args: argparse.Namespace) -> dict[str, str]:
     return {k: v for k, v in vars(args).items() if k.endswith("_placement") and isinstance(v, str)}
 
 
-def validate_launch(args: argparse.Namespace, *, deepspeed_active: bool, on_cpu: bool) -> None:
+def validate_launch(
+    args: argparse.Namespace,
+    *,
+    deepspeed_active: bool,
+    on_cpu: bool,
+    placements: dict[str, str] | None = None,
+) -> None:
     """Raise ``ArgumentError`` for a flag that cannot work under this launch (DeepSpeed or
-    not, CPU or GPU). Call once the accelerator exists."""
+    not, CPU or GPU). Call once the accelerator exists. ``placements`` (``{component:
+    placement}``, ``auto`` resolved) are checked instead of the flags when given."""
     if getattr(args, "use_8bit_adam", False) and deepspeed_active:
         raise ArgumentError(
             "--use_8bit_adam cannot be used with DeepSpeed ZeRO-3 (its optimizer owns the partitions)"
         )
     if args.mixed_precision == "fp16" and on_cpu:
         raise ArgumentError("--mixed_precision fp16 does not run on CPU; use bf16 or no")
-    for flag, placement in placement_flags(args).items():
+    flags = (
+        placement_flags(args) if placements is None else {f"{k}_placement": v for k, v in placements.items()}
+    )
+    for flag, placement in flags.items():
         if placement in ("shard", "offload") and not deepspeed_active:
             raise ArgumentError(
                 f"--{flag} {placement} needs DeepSpeed: launch with `accelerate launch --config_file "

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from .args import ArgumentError, text_to_image_parser
+from .args import text_to_image_parser
 from .data import DataError, transform_image
 from .distributed import is_main_process, log_rank_zero
+from .errors import ArgumentError
 from .text_to_image import TextToImageTrainer
 
 CONTROLNET_PIPELINES = {
@@ -42,7 +43,9 @@ def controlnet_parser():
     """The text-to-image parser with diffusers' ControlNet flags and defaults."""
     p = text_to_image_parser()
     p.description = "ControlNet training under DeepSpeed ZeRO-3, beside a frozen (placeable) denoiser."
-    p.set_defaults(learning_rate=5e-6, train_batch_size=4, num_train_epochs=1, output_dir="controlnet-model")
+    # diffusers' ControlNet scripts validate every --validation_steps (100) only
+    p.set_defaults(learning_rate=5e-6, train_batch_size=4, num_train_epochs=1, output_dir="controlnet-model",
+                   validation_steps=100, validation_epochs=None)  # fmt: skip
     a = p.add_argument_group("ControlNet").add_argument
     a("--controlnet_model_name_or_path", type=str, default=None,
       help="A ControlNet to go on training; default: a new one from the denoiser's weights.")  # fmt: skip
@@ -287,7 +290,7 @@ class ControlNetTrainer(TextToImageTrainer):
 
         kwargs = {"unet": self.unet.module, "controlnet": getattr(self.denoiser, "module", self.denoiser),
                   "vae": modules["vae"],
-                  "scheduler": self.family.noise_scheduler_class().from_config(self.noise_scheduler.config),
+                  "scheduler": self.family.sampling_scheduler(self.noise_scheduler),
                   **dict(self.family.pipeline_kwargs)}  # fmt: skip
         for spec in self.family.text_encoders:
             kwargs[spec.name] = modules[spec.name]

@@ -17,10 +17,7 @@ import numpy as np
 import torch
 
 from .distributed import logger
-
-
-class DataError(ValueError):
-    """The dataset cannot be used as asked (missing column, no images, nothing readable)."""
+from .errors import DataError
 
 
 def load_image_caption_dataset(

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from .args import ArgumentError, text_to_image_parser
+from .args import text_to_image_parser
 from .data import DataError, collate
 from .distributed import barrier, get_rank, get_world_size, log_rank_zero
+from .errors import ArgumentError
 from .lockstep import lockstep_map
 from .text_to_image import TextToImageTrainer
 
@@ -227,7 +228,7 @@ class DreamBoothTrainer(TextToImageTrainer):
         super()._load_models()
         self.trained_encoders = {}
         for name in self._trained_text_encoders():
-            placement = getattr(self.args, f"{name}_placement", None)
+            placement = self.placements.get(name)
             if placement not in (None, "replicate", "auto"):
                 raise ArgumentError(
                     f"--{name}_placement {placement}: {name} is trained (--train_text_encoder)"
@@ -285,7 +286,7 @@ class DreamBoothTrainer(TextToImageTrainer):
         check_enough_rows(max(n_instance, n_class), self.accelerator.num_processes, args.train_batch_size)
         images = ImageCaptionDataset(
             ds, None, "image", "text", args.resolution, args.center_crop, args.random_flip, seed=args.seed or 0,
-            with_images=args.vae_placement != "cache",
+            with_images=self.placements.get("vae") != "cache",
             tokenize=lambda captions: self.family.tokenize(self.tokenizers, captions, args.max_sequence_length),
         )  # fmt: skip
         self.train_dataset = DreamBoothPairs(images, n_instance, n_class)
@@ -325,7 +326,7 @@ class DreamBoothTrainer(TextToImageTrainer):
         with frozen.validation_modules(self.accelerator) as modules:
             pipeline = self.family.pipeline(
                 denoiser.module, modules["vae"], modules, self.tokenizers,
-                self.family.noise_scheduler_class().from_config(self.noise_scheduler.config),
+                self.family.sampling_scheduler(self.noise_scheduler),
             )  # fmt: skip
             pipeline = self.family.prepare_validation_pipeline(pipeline, args.resolution)
             pipeline.set_progress_bar_config(disable=True)
@@ -355,7 +356,7 @@ class DreamBoothTrainer(TextToImageTrainer):
 
     def _place_frozen(self) -> None:
         for name in self.trained_encoders:
-            setattr(self.args, f"{name}_placement", "trained")
+            self.placements[name] = "trained"
         super()._place_frozen()
 
     def _prepare_extra_parts(self) -> None:

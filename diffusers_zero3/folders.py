@@ -19,11 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .distributed import all_gather_object, barrier, is_main_process
-
-
-class CheckpointError(ValueError):
-    """A model folder or checkpoint is missing, incomplete or does not fit the model."""
-
+from .errors import CheckpointError
 
 TMP_PREFIX = ".tmp-"
 OLD_PREFIX = ".old-"

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from .args import ArgumentError
 from .distributed import barrier, is_main_process
+from .errors import ArgumentError
 from .folders import fsync_tree
 from .zero3 import gathered_parameters, is_zero3_param
 

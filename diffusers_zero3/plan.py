@@ -505,22 +505,29 @@ def _num_machines() -> int:
 
 
 def resolve_auto_placements(
-    args: argparse.Namespace, source: str | os.PathLike, accelerator, *, fixed_data: bool
-) -> dict | None:
-    """Replace every ``--<component>_placement auto`` of a script's ``args`` with the planner's
-    choice for this job (processes, device memory, mixed precision, EMA, LoRA rank; the
-    placements the user gave stay as given) and log the table and the choice. Returns the
-    plan, or None when no placement is ``auto``.
+    placements: dict[str, str],
+    source: str | os.PathLike,
+    accelerator,
+    *,
+    fixed_data: bool,
+    use_ema: bool = False,
+    rank: int | None = None,
+    resolution: int = 512,
+    max_sequence_length: int | None = None,
+) -> tuple[dict[str, str], dict | None]:
+    """``(placements, plan)``: ``placements`` (``{component: placement}``) with every ``auto``
+    replaced by the planner's choice for this job (processes, device memory, mixed precision,
+    EMA, LoRA ``rank``; the placements given stay as given), and the plan (None when nothing is
+    ``auto``). Logs the table and the choice; raises ``ValueError`` for an ``auto`` the
+    planner has no component for.
 
     Collective: every rank calls it; rank 0 plans and broadcasts, so all ranks place alike.
     """
-    from .args import placement_flags
     from .distributed import all_gather_object, get_rank, log_rank_zero
 
-    flags = {flag[: -len("_placement")]: value for flag, value in placement_flags(args).items()}
-    auto = [name for name, value in flags.items() if value == "auto"]
+    auto = [name for name, value in placements.items() if value == "auto"]
     if not auto:
-        return None
+        return dict(placements), None
     plan = None
     if get_rank() == 0:
         options = PlanOptions(
@@ -530,24 +537,25 @@ def resolve_auto_placements(
             mixed_precision=accelerator.mixed_precision
             if accelerator.mixed_precision in MIXED_PRECISIONS
             else "no",
-            use_ema=bool(getattr(args, "use_ema", False)),
-            rank=getattr(args, "rank", None) or None,
+            use_ema=use_ema,
+            rank=rank or None,
             offload="frozen" if accelerator.device.type == "cuda" else "none",
             fixed_data=fixed_data,
-            resolution=args.resolution,
-            max_sequence_length=getattr(args, "max_sequence_length", None),
+            resolution=resolution,
+            max_sequence_length=max_sequence_length,
             zero3=accelerator.state.deepspeed_plugin is not None,
-            fixed_placements={k: v for k, v in flags.items() if v not in ("auto",) and k != "reference"},
+            fixed_placements={k: v for k, v in placements.items() if v not in ("auto",) and k != "reference"},
         )
         plan = make_plan(source, options)
     plan = all_gather_object(plan)[0]
     log_rank_zero("placement plan (--*_placement auto):\n" + format_table(plan))
+    resolved = dict(placements)
     for name in auto:
         if name not in plan["recommended"]:
             raise ValueError(f"--{name}_placement auto: the planner has no {name} for this pipeline")
-        setattr(args, f"{name}_placement", plan["recommended"][name])
-    log_rank_zero("auto placements: " + ", ".join(f"{n}={plan['recommended'][n]}" for n in auto))
-    return plan
+        resolved[name] = plan["recommended"][name]
+    log_rank_zero("auto placements: " + ", ".join(f"{n}={resolved[n]}" for n in auto))
+    return resolved, plan
 
 
 def format_table(plan: dict) -> str:

@@ -15,16 +15,15 @@ from typing import Any
 import torch
 
 from .accelerator import build_accelerator
-from .args import ArgumentError
-from .data import DataError
 from .distributed import exit_after_teardown, log_rank_zero
 from .ds_config import fill_auto_bucket_sizes, weight_dtype
+from .errors import UserError
 from .frozen import check_placement_supported, prepare_frozen
-from .pretrained import CheckpointError, load_pretrained_zero3
+from .pretrained import load_pretrained_zero3
 from .zero3 import is_zero3_enabled, set_moe_leaf_modules, zero3_init_disabled
 
 GRAD_ACC_ENV = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
-USER_ERRORS = (ArgumentError, DataError, CheckpointError)
+USER_ERRORS = (UserError,)
 
 
 def setup_accelerator(

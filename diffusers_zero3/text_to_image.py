@@ -21,6 +21,7 @@ from .args import (
     ArgumentError,
     check_resolution,
     component_overrides,
+    placement_flags,
     validate_args,
     validate_family,
     validate_launch,
@@ -124,11 +125,24 @@ class TextToImageTrainer:
         )
         self.accelerator = acc = accelerator_from_args(args)
         try:
-            self.plan = resolve_auto_placements(args, self.source, acc, fixed_data=self.cacheable_data)
+            given = {flag[: -len("_placement")]: value for flag, value in placement_flags(args).items()}
+            self.placements, self.plan = resolve_auto_placements(
+                given,
+                self.source,
+                acc,
+                fixed_data=self.cacheable_data,
+                use_ema=bool(getattr(args, "use_ema", False)),
+                rank=getattr(args, "rank", None),
+                resolution=args.resolution,
+                max_sequence_length=getattr(args, "max_sequence_length", None),
+            )
         except ValueError as e:
             raise ArgumentError(str(e)) from e
         validate_launch(
-            args, deepspeed_active=acc.state.deepspeed_plugin is not None, on_cpu=acc.device.type == "cpu"
+            args,
+            deepspeed_active=acc.state.deepspeed_plugin is not None,
+            on_cpu=acc.device.type == "cpu",
+            placements=self.placements,
         )
         if is_main_process():  # once per job, before any rank writes
             for path in remove_interrupted_writes(args.output_dir):
@@ -230,7 +244,7 @@ class TextToImageTrainer:
             args.center_crop,
             args.random_flip,
             seed=args.seed or 0,
-            with_images=args.vae_placement != "cache",
+            with_images=self.placements.get("vae") != "cache",
             tokenize=lambda captions: self.family.tokenize(
                 self.tokenizers, captions, args.max_sequence_length
             ),
@@ -253,7 +267,7 @@ class TextToImageTrainer:
             self.accelerator,
             self.family,
             self.source,
-            {name: getattr(args, f"{name}_placement") for name in self.family.frozen_components},
+            {name: self.placements.get(name) for name in self.family.frozen_components},
             dataset=self.hf_dataset,
             tokenizers=self.tokenizers,
             cache_dir=args.frozen_cache_dir or os.path.join(args.output_dir, "frozen_cache"),
@@ -463,7 +477,11 @@ class TextToImageTrainer:
                     self.validate()
                 if self.global_step >= args.max_train_steps:
                     break
-            if args.validation_prompts and (epoch + 1) % args.validation_epochs == 0:
+            if (
+                args.validation_prompts
+                and args.validation_epochs
+                and (epoch + 1) % args.validation_epochs == 0
+            ):
                 self.validate()
             if self.global_step >= args.max_train_steps:
                 break
@@ -536,7 +554,7 @@ class TextToImageTrainer:
                 modules["vae"],
                 modules,
                 self.tokenizers,
-                self.family.noise_scheduler_class().from_config(self.noise_scheduler.config),
+                self.family.sampling_scheduler(self.noise_scheduler),
             )
             pipeline = self.family.prepare_validation_pipeline(pipeline, args.resolution)
             images = generate_validation_images(

@@ -301,6 +301,18 @@ class Family:
 
         return diffusers.FlowMatchEulerDiscreteScheduler if self.flow_matching else diffusers.DDPMScheduler
 
+    def sampling_scheduler(self, noise_scheduler):
+        """The scheduler validation images (and DreamBooth's class images) are sampled with, from
+        the training scheduler's config: DPM-Solver++ for the DDPM families (DreamBooth's
+        default ``--validation_scheduler``; 20 DDPM steps give noise), the training class for
+        flow matching."""
+        import diffusers
+
+        cls = (
+            diffusers.DPMSolverMultistepScheduler if not self.flow_matching else self.noise_scheduler_class()
+        )
+        return cls.from_config(noise_scheduler.config)
+
     def load_noise_scheduler(self, source: str | os.PathLike):
         """The training scheduler, from the pipeline folder's ``scheduler`` config (a family whose
         training script builds another one overrides this)."""

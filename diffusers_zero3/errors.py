@@ -1,0 +1,20 @@
+"""The errors a user can fix: each is one ``error: <what is wrong>`` line from a script
+(``recipe.run_script``), raised by the library and by the command line alike."""
+
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """Something the user gave cannot work as given; the message names it."""
+
+
+class ArgumentError(UserError):
+    """A command-line value that cannot work; the message names the flag."""
+
+
+class DataError(UserError):
+    """The dataset cannot be used as asked (missing column, no images, nothing readable)."""
+
+
+class CheckpointError(UserError):
+    """A model folder or checkpoint is missing, incomplete or does not fit the model."""

@@ -1,0 +1,670 @@
+"""Wan 2.1 and Wan 2.2 (``WanPipeline``): text-to-video DiTs (``WanTransformer3DModel``) cross-
+attending to the last hidden states of a frozen umT5-XXL, kept to each caption's tokens and
+zero-padded to 512; a causal video VAE (``AutoencoderKLWan``: 5-D latents, 4x in time after the
+first frame, per-channel ``latents_mean`` / ``latents_std``), trained on the posterior mean as
+Wan's own VAE encodes; flow matching (target ``noise - latents``) at the published scheduler's
+shift, logit-normal timesteps as musubi-tuner's Wan recipe. Wan 2.2 A14B has two experts in one
+folder: ``transformer`` denoises ``t >= boundary_ratio * 1000``, ``transformer_2`` the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .base import ChannelMeanStd, Family, PublishedConfig, TextEncoderSpec
+from .tiny import CAPTION_WORDS, read_back
+
+HIGH, LOW = "transformer", "transformer_2"  # Wan 2.2's high-noise and low-noise experts
+TRAIN_EXPERTS = {"high": (HIGH,), "low": (LOW,), "both": (HIGH, LOW)}  # --train_experts
+MAX_REDRAWS = 10_000  # rejection sampling of an expert's timesteps gives up after this many rounds
+
+# diffusers' scripts/convert_wan_to_diffusers.py writes this scheduler into every T2V folder
+# (flow_shift 5.0 for TI2V-5B); the training scheduler takes its shift.
+WAN_SCHEDULER = dict(
+    prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0
+)
+
+
+# -------------------------------------------------------------------------------- folders
+
+
+def _model_index(folder: str | os.PathLike) -> dict:
+    return json.loads((Path(folder) / "model_index.json").read_text())
+
+
+def is_two_expert(folder: str | os.PathLike) -> bool:
+    """True for a Wan 2.2 A14B folder: its ``model_index.json`` names a ``transformer_2`` (a Wan
+    2.1 or TI2V-5B folder has no such key, or ``[null, null]``, the value ``save_pretrained``
+    writes for an absent optional component)."""
+    entry = _model_index(folder).get(LOW)
+    return isinstance(entry, list) and len(entry) == 2 and all(entry)
+
+
+def wan_family(folder: str | os.PathLike) -> Wan:
+    """The Wan family of a ``WanPipeline`` folder: ``WAN22`` with two experts, ``WAN22_5B``
+    when the pipeline expands timesteps per token (``expand_timesteps``), ``WAN`` otherwise."""
+    if is_two_expert(folder):
+        return WAN22
+    return WAN22_5B if _model_index(folder).get("expand_timesteps") else WAN
+
+
+def boundary_timestep(boundary_ratio: float | None, num_train_timesteps: int = 1000) -> float | None:
+    """The timestep where Wan 2.2 switches experts, as ``WanPipeline.__call__`` computes it."""
+    return None if boundary_ratio is None else boundary_ratio * num_train_timesteps
+
+
+def expert_for(timesteps: torch.Tensor, boundary: float | None) -> list[str]:
+    """Which expert denoises each timestep: ``transformer`` where ``t >= boundary`` (high noise,
+    and every timestep without a boundary), ``transformer_2`` below it, as the pipeline's loop."""
+    if boundary is None:
+        return [HIGH] * len(timesteps)
+    return [HIGH if float(t) >= boundary else LOW for t in timesteps]
+
+
+def expert_of_step(seed: int, step: int, p_high: float) -> str:
+    """The expert that one micro-batch of ``--train_experts both`` trains: the same on every rank
+    (drawn from ``(seed, step)``, so that each ZeRO-3 engine is called in lockstep), the high
+    one with probability ``p_high`` (``Wan.expert_probability``), so that over the steps the
+    timesteps follow the unrestricted density."""
+    import hashlib
+    import random
+
+    digest = hashlib.sha256(f"{seed}-{step}-expert".encode()).digest()
+    return HIGH if random.Random(digest).random() < p_high else LOW
+
+
+# -------------------------------------------------------------------------------- objective
+
+
+def _density(settings) -> dict:
+    return dict(
+        weighting_scheme=settings.weighting_scheme,
+        logit_mean=settings.logit_mean,
+        logit_std=settings.logit_std,
+        mode_scale=settings.mode_scale,
+    )
+
+
+def _indices(u: torch.Tensor, num_steps: int) -> torch.Tensor:
+    return (u * num_steps).long().clamp(max=num_steps - 1)  # as training.flow_matching_loss
+
+
+class ExpertFlowMatchingObjective:
+    """``training.FlowMatchingObjective`` with timesteps kept on one side of Wan 2.2's boundary:
+    draws of the density that land on the other side are drawn again (rejection: the density
+    restricted to the expert's timesteps, its shape kept, as musubi-tuner's
+    ``--min_timestep/--max_timestep --preserve_distribution_shape``). ``allowed`` is a bool
+    per entry of the scheduler's table (``Wan.expert_timesteps``); None is the whole table,
+    and then the loss is ``training.flow_matching_loss`` itself."""
+
+    def __init__(self, noise_scheduler, settings, allowed: torch.Tensor | None = None):
+        self.noise_scheduler = noise_scheduler
+        self.settings = settings
+        self.allowed = allowed
+        if allowed is not None and not bool(allowed.any()):
+            raise ValueError(
+                "the expert has no timestep of the scheduler's table on its side of the boundary"
+            )
+
+    def draw_u(self, n: int, generators: list[torch.Generator] | None = None) -> torch.Tensor:
+        """``n`` draws of the density in [0, 1) on the expert's side (each sample's from its own
+        generator, after its noise, as ``flow_matching_loss`` draws)."""
+        from diffusers.training_utils import compute_density_for_timestep_sampling
+
+        density = _density(self.settings)
+        num_steps = self.noise_scheduler.config.num_train_timesteps
+        allowed = self.allowed
+
+        def ok(u: torch.Tensor) -> torch.Tensor:
+            return (
+                torch.ones_like(u, dtype=torch.bool) if allowed is None else allowed[_indices(u, num_steps)]
+            )
+
+        if generators is not None:
+            draws = []
+            for g in generators:
+                for _ in range(MAX_REDRAWS):
+                    u = compute_density_for_timestep_sampling(batch_size=1, generator=g, **density)
+                    if bool(ok(u)[0]):
+                        break
+                else:
+                    raise RuntimeError("no timestep drawn on the expert's side of the boundary")
+                draws.append(u[0])
+            return torch.stack(draws)  # CPU: the generators are CPU ones (training.sample_generators)
+        u = compute_density_for_timestep_sampling(batch_size=n, **density)
+        for _ in range(MAX_REDRAWS):
+            bad = ~ok(u)
+            if not bool(bad.any()):
+                return u
+            u[bad] = compute_density_for_timestep_sampling(batch_size=int(bad.sum()), **density)
+        raise RuntimeError("no timestep drawn on the expert's side of the boundary")
+
+    def loss(self, predict, latents: torch.Tensor, generators=None, reduction: str = "mean") -> torch.Tensor:
+        """Noise (this rank's RNG or each sample's generator), then timesteps on the expert's side,
+        then the rectified-flow loss of ``training.flow_matching_loss``."""
+        from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+        from ..training import WEIGHTING_SCHEMES, flow_matching_loss, sample_noise
+
+        s = self.settings
+        noise = sample_noise(latents, 0.0, generators) if generators else torch.randn_like(latents)
+        if self.allowed is None:
+            return flow_matching_loss(
+                predict, self.noise_scheduler, latents, noise, weighting_scheme=s.weighting_scheme,
+                logit_mean=s.logit_mean, logit_std=s.logit_std, mode_scale=s.mode_scale,
+                generators=generators, reduction=reduction,
+            )  # fmt: skip
+        if s.weighting_scheme not in WEIGHTING_SCHEMES:
+            raise ValueError(
+                f"weighting scheme must be one of {WEIGHTING_SCHEMES}, got {s.weighting_scheme!r}"
+            )
+        n = latents.shape[0]
+        indices = _indices(self.draw_u(n, generators), self.noise_scheduler.config.num_train_timesteps)
+        timesteps = self.noise_scheduler.timesteps[indices].to(latents.device)
+        sigmas = self.noise_scheduler.sigmas[indices].to(latents.device, latents.dtype)
+        sigmas = sigmas.view(n, *([1] * (latents.ndim - 1)))
+        noisy = (1.0 - sigmas) * latents + sigmas * noise
+        model_pred = predict(noisy, timesteps)
+        weighting = compute_loss_weighting_for_sd3(weighting_scheme=s.weighting_scheme, sigmas=sigmas)
+        error = (weighting.float() * (model_pred.float() - (noise - latents).float()) ** 2).reshape(n, -1)
+        per_sample = error.mean(dim=1)
+        return per_sample if reduction == "none" else per_sample.mean()
+
+
+# -------------------------------------------------------------------------------- family
+
+
+def vae_compression(vae_config: dict) -> tuple[int, int]:
+    """``(temporal, spatial)`` compression of an ``AutoencoderKLWan`` config: its
+    ``scale_factor_temporal`` / ``scale_factor_spatial`` (what the pipeline reads), else what
+    the architecture gives (an older config without them)."""
+    down = vae_config.get("temperal_downsample", [False, True, True])
+    temporal = vae_config.get("scale_factor_temporal") or 2 ** sum(bool(d) for d in down)
+    spatial = vae_config.get("scale_factor_spatial") or 2 ** len(down) * (vae_config.get("patch_size") or 1)
+    return int(temporal), int(spatial)
+
+
+@dataclass(frozen=True)
+class Wan(Family):
+    """Wan: masked umT5 states zero-padded to the sequence length; 5-D video latents; one or two
+    experts (``experts``), switched at ``boundary_ratio``; per-token timesteps for TI2V-5B."""
+
+    experts: tuple[str, ...] = (HIGH,)  # denoiser folders, high noise first
+    boundary_ratio: float | None = None  # the published pipelines' (A14B T2V: 0.875)
+    expand_timesteps: bool = False  # TI2V-5B: one timestep per latent token (WanPipeline's flag)
+    validation_num_frames: int = 5  # short validation videos (1 + 4k frames)
+
+    # ------------------------------------------------------------------ components
+
+    def component_library(self, name):
+        if name in self.experts:
+            return "diffusers", self.denoiser_class
+        return super().component_library(name)
+
+    def boundary(self, source: str | os.PathLike | None = None) -> float | None:
+        """The expert boundary timestep of a pipeline folder (its ``boundary_ratio`` times its
+        scheduler's ``num_train_timesteps``), or of the published pipeline without one."""
+        ratio, steps = self.boundary_ratio, 1000
+        if source is not None and (Path(source) / "model_index.json").is_file():
+            ratio = _model_index(source).get("boundary_ratio", ratio)
+            scheduler_config = Path(source) / "scheduler" / "scheduler_config.json"
+            if scheduler_config.is_file():
+                steps = json.loads(scheduler_config.read_text()).get("num_train_timesteps", steps)
+        return boundary_timestep(ratio, steps)
+
+    # ------------------------------------------------------------------ prompts
+
+    def prompt_text(self, spec, caption, tokenizer=None):
+        """The caption cleaned as ``WanPipeline._get_t5_prompt_embeds`` cleans it (ftfy when
+        installed, HTML entities, whitespace)."""
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        return prompt_clean(caption)
+
+    def encode_text(self, name, encoder, input_ids, attention_mask=None):
+        """umT5's last hidden state (the encoder called with the mask, as the pipeline calls it),
+        kept for each caption's first ``mask.sum()`` tokens and zero after them: the pipeline's
+        ``u[:v]`` then zero padding to ``max_sequence_length``. The mask comes along (the cache
+        keeps it; the denoiser takes none)."""
+        if attention_mask is None:  # every token valid (the planner sizes outputs so, on the meta device)
+            attention_mask = torch.ones_like(input_ids)
+        hidden = encoder(input_ids, attention_mask).last_hidden_state
+        seq_lens = attention_mask.gt(0).sum(dim=1).long()
+        keep = (
+            torch.arange(hidden.shape[1], device=hidden.device)[None, :] < seq_lens.to(hidden.device)[:, None]
+        )
+        embeds = torch.where(keep[..., None], hidden, hidden.new_zeros(()))
+        return {"prompt_embeds": embeds, "prompt_embeds_mask": attention_mask.long()}
+
+    def conditioning(self, outputs):
+        """The whole zero-padded sequence: the pipeline hands the transformer all
+        ``max_sequence_length`` rows (the zeros pass through its text projection and are
+        attended to), so nothing is trimmed."""
+        return {"encoder_hidden_states": outputs["prompt_embeds"]}
+
+    # ------------------------------------------------------------------ latents
+
+    def latent_normalizer(self, vae_config, vae_folder=None):
+        return ChannelMeanStd(vae_config)  # the pipeline decodes latents * std + mean
+
+    def latent_distribution(self, vae, pixels):
+        """The VAE's distribution of videos ``(N, 3, F, H, W)`` (an image batch ``(N, 3, H, W)``
+        is a video of one frame)."""
+        return vae.encode(pixels if pixels.ndim == 5 else pixels.unsqueeze(2)).latent_dist
+
+    def latent_multiple(self, vae_config):
+        """Height and width: the VAE's spatial compression times the transformer's 2x2 patches
+        (16 for Wan 2.1's VAE, 32 for Wan 2.2's), what the pipeline rounds sides down to."""
+        return 2 * vae_compression(vae_config)[1]
+
+    def frame_multiple(self, vae_config: dict) -> int:
+        """Frames must be ``1 + frame_multiple * k``: the VAE encodes the first frame alone, then
+        each ``scale_factor_temporal`` (4) frames into one latent frame, and drops a remainder
+        (``AutoencoderKLWan._encode``); the pipeline rounds ``num_frames`` the same way."""
+        return vae_compression(vae_config)[0]
+
+    def latent_frames(self, num_frames: int, vae_config: dict) -> int:
+        """Latent frames of ``num_frames`` video frames, as ``WanPipeline.prepare_latents``."""
+        return (num_frames - 1) // self.frame_multiple(vae_config) + 1
+
+    # ------------------------------------------------------------------ objective and denoiser call
+
+    def load_noise_scheduler(self, source):
+        """``FlowMatchEulerDiscreteScheduler`` with the folder's shift: a published Wan folder
+        holds a UniPC scheduler whose ``flow_shift`` is the shift (3.0 for T2V, 5.0 for TI2V-5B)."""
+        import diffusers
+
+        config = diffusers.FlowMatchEulerDiscreteScheduler.load_config(source, subfolder="scheduler")
+        if config.get("_class_name") == "FlowMatchEulerDiscreteScheduler":
+            return diffusers.FlowMatchEulerDiscreteScheduler.from_config(config)
+        return diffusers.FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=config.get("num_train_timesteps", 1000), shift=config.get("flow_shift", 1.0)
+        )
+
+    def sampling_scheduler(self, noise_scheduler):
+        """The published pipelines' sampler for validation videos: UniPC on flow sigmas
+        (``flow_prediction``) at the training scheduler's shift."""
+        import diffusers
+
+        return diffusers.UniPCMultistepScheduler(
+            **dict(
+                WAN_SCHEDULER,
+                num_train_timesteps=noise_scheduler.config.num_train_timesteps,
+                flow_shift=noise_scheduler.config.shift,
+            )
+        )
+
+    def expert_timesteps(
+        self, noise_scheduler, expert: str | None, boundary: float | None
+    ) -> torch.Tensor | None:
+        """Which entries of the training scheduler's table ``expert`` trains (a bool per entry):
+        ``t >= boundary`` for ``transformer``, ``t < boundary`` for ``transformer_2``; None (the
+        whole table) without an expert or a boundary."""
+        if expert is None or boundary is None:
+            return None
+        if expert not in (HIGH, LOW):
+            raise ValueError(f"expert must be {HIGH!r} or {LOW!r}, got {expert!r}")
+        high = noise_scheduler.timesteps >= boundary
+        return high if expert == HIGH else ~high
+
+    def expert_probability(self, noise_scheduler, settings, boundary: float | None) -> float:
+        """The density's mass on the high expert's timesteps (``--train_experts both`` picks the
+        high expert that often: ``expert_of_step``). Exact for ``none`` and ``logit_normal``;
+        ``mode`` by quadrature."""
+        if boundary is None:
+            return 1.0
+        num_steps = noise_scheduler.config.num_train_timesteps
+        # the table descends, so the high expert's entries are its first k; an index is < k for u < k/N
+        k = int((noise_scheduler.timesteps >= boundary).sum())
+        cut = k / num_steps
+        if settings.weighting_scheme == "logit_normal":
+            if cut <= 0 or cut >= 1:
+                return float(cut >= 1)
+            z = (math.log(cut / (1 - cut)) - settings.logit_mean) / settings.logit_std
+            return 0.5 * (1 + math.erf(z / math.sqrt(2)))
+        if settings.weighting_scheme == "mode":
+            u0 = (torch.arange(100_000, dtype=torch.float64) + 0.5) / 100_000
+            u = 1 - u0 - settings.mode_scale * (torch.cos(math.pi * u0 / 2) ** 2 - 1 + u0)
+            return float((_indices(u, num_steps) < k).double().mean())
+        return cut
+
+    def objective(self, noise_scheduler, settings, expert: str | None = None, boundary: float | None = None):
+        """Flow matching at the scheduler's sigmas; with ``expert`` and ``boundary``, on that
+        expert's side of the boundary only (``ExpertFlowMatchingObjective``)."""
+        return ExpertFlowMatchingObjective(
+            noise_scheduler, settings, self.expert_timesteps(noise_scheduler, expert, boundary)
+        )
+
+    def loss(
+        self,
+        denoiser,
+        noise_scheduler,
+        latents,
+        cond,
+        settings,
+        generators=None,
+        reduction="mean",
+        *,
+        expert: str | None = None,
+        boundary: float | None = None,
+        **denoiser_kwargs,
+    ):
+        """``Family.loss``; for a Wan 2.2 expert, pass ``expert`` (the folder the ``denoiser`` is)
+        and ``boundary`` (``self.boundary(source)``): its timesteps are then drawn on its side."""
+        objective = self.objective(noise_scheduler, settings, expert, boundary)
+        return objective.loss(
+            lambda noisy, t: self.predict(denoiser, noisy, t, cond, **denoiser_kwargs),
+            latents,
+            generators,
+            reduction,
+        )
+
+    def predict(self, denoiser, noisy_latents, timesteps, cond, *, guidance_scale=None, **kwargs):
+        """``WanTransformer3DModel`` on the 5-D latents with the scheduler's timesteps (sigma x
+        1000, not divided), ``encoder_hidden_states`` the padded umT5 states, as the pipeline's
+        loop calls it (TI2V-5B: the timestep repeated for each latent token of ``[:, ::2, ::2]``,
+        as the pipeline expands it). Its output is the flow ``noise - latents`` (the scheduler's
+        ``flow_prediction``)."""
+        timestep = timesteps.expand(noisy_latents.shape[0]) if timesteps.ndim == 0 else timesteps
+        if self.expand_timesteps:
+            tokens = noisy_latents[0, 0][:, ::2, ::2].numel()
+            timestep = timestep[:, None].expand(-1, tokens)
+        return denoiser(
+            hidden_states=noisy_latents,
+            timestep=timestep,
+            encoder_hidden_states=cond["encoder_hidden_states"],
+            attention_kwargs=kwargs.get("attention_kwargs"),
+            return_dict=False,
+        )[0]
+
+    def validation_kwargs(self, max_sequence_length, guidance_scale, num_frames: int | None = None):
+        """Short videos (``num_frames``, default ``validation_num_frames``) as PIL frames, with the
+        training's umT5 length (the denoiser saw that many padded rows)."""
+        kwargs = {
+            "max_sequence_length": max_sequence_length or self.default_max_sequence_length,
+            "num_frames": num_frames or self.validation_num_frames,
+            "output_type": "pil",
+        }
+        if guidance_scale is not None:
+            kwargs["guidance_scale"] = guidance_scale
+        return kwargs
+
+    # ------------------------------------------------------------------ pipelines
+
+    def pipeline(self, denoiser, vae, text_encoders, tokenizers, scheduler, *, transformer_2=None):
+        """``WanPipeline`` around these modules; Wan 2.2 needs both experts (``denoiser`` is the
+        high-noise one, or a dict ``{"transformer": ..., "transformer_2": ...}``)."""
+        import diffusers
+
+        if isinstance(denoiser, dict):
+            denoiser, transformer_2 = denoiser.get(HIGH), denoiser.get(LOW, transformer_2)
+        if LOW in self.experts and (denoiser is None or transformer_2 is None):
+            raise ValueError(f"a {self.title} pipeline needs both experts ({HIGH} and {LOW})")
+        return diffusers.WanPipeline(
+            tokenizer=tokenizers["text_encoder"],
+            text_encoder=text_encoders["text_encoder"],
+            vae=vae,
+            scheduler=scheduler,
+            transformer=denoiser,
+            transformer_2=transformer_2 if LOW in self.experts else None,
+            boundary_ratio=self.boundary_ratio if LOW in self.experts else None,
+            expand_timesteps=self.expand_timesteps,
+        )
+
+    def save_tiny_pipeline(self, folder, seed=0):
+        return save_tiny_wan_pipeline(self, folder, seed)
+
+    def published(self):
+        if LOW in self.experts:
+            return (
+                PublishedConfig(
+                    "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+                    "Wan 2.2 T2V A14B",
+                    self.pipeline_class,
+                    {
+                        HIGH: ("diffusers", "WanTransformer3DModel", PUBLISHED_TRANSFORMER_14B),
+                        LOW: ("diffusers", "WanTransformer3DModel", PUBLISHED_TRANSFORMER_14B),
+                        "text_encoder": ("transformers", "UMT5EncoderModel", PUBLISHED_UMT5_XXL),
+                        "vae": ("diffusers", "AutoencoderKLWan", PUBLISHED_VAE_21),
+                    },
+                    "two 14 B experts (27 B in all, 14 B per step: Wan 2.2's model card); a step runs "
+                    "one, switched at t = 875; --train_experts trains one or both",
+                ),
+            )
+        if self.expand_timesteps:
+            return (
+                PublishedConfig(
+                    "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+                    "Wan 2.2 TI2V 5B",
+                    self.pipeline_class,
+                    {
+                        HIGH: ("diffusers", "WanTransformer3DModel", PUBLISHED_TRANSFORMER_5B),
+                        "text_encoder": ("transformers", "UMT5EncoderModel", PUBLISHED_UMT5_XXL),
+                        "vae": ("diffusers", "AutoencoderKLWan", PUBLISHED_VAE_22),
+                    },
+                    "Wan 2.2's VAE: 16x spatial, 4x temporal, 48 channels; timesteps per token",
+                ),
+            )
+        encoder = ("transformers", "UMT5EncoderModel", PUBLISHED_UMT5_XXL)
+        vae = ("diffusers", "AutoencoderKLWan", PUBLISHED_VAE_21)
+        return (
+            PublishedConfig(
+                "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+                "Wan 2.1 T2V 1.3B",
+                self.pipeline_class,
+                {
+                    HIGH: ("diffusers", "WanTransformer3DModel", PUBLISHED_TRANSFORMER_1_3B),
+                    "text_encoder": encoder,
+                    "vae": vae,
+                },
+                "the umT5-XXL encoder (5.7 B) is four times the denoiser: shard or cache it",
+            ),
+            PublishedConfig(
+                "Wan-AI/Wan2.1-T2V-14B-Diffusers",
+                "Wan 2.1 T2V 14B",
+                self.pipeline_class,
+                {
+                    HIGH: ("diffusers", "WanTransformer3DModel", PUBLISHED_TRANSFORMER_14B),
+                    "text_encoder": encoder,
+                    "vae": vae,
+                },
+            ),
+        )
+
+
+def _umt5_spec() -> tuple[TextEncoderSpec, ...]:
+    return (
+        TextEncoderSpec(
+            "text_encoder", "UMT5EncoderModel", "tokenizer", "input_ids", uses_max_sequence_length=True
+        ),
+    )
+
+
+_COMMON = dict(
+    pipeline_class="WanPipeline",
+    text_encoders=_umt5_spec(),
+    denoiser=HIGH,
+    denoiser_class="WanTransformer3DModel",
+    vae_class="AutoencoderKLWan",
+    vae_in_fp32=True,  # diffusers' Wan examples load the VAE in fp32 beside a bf16 transformer
+    sample_latents=False,  # Wan's VAE encode returns the posterior mean (Wan2.1 wan/modules/vae.py)
+    supports_dream=False,
+    flow_matching=True,
+    default_max_sequence_length=512,  # WanPipeline.__call__'s default, Wan's text_len
+    # musubi-tuner's Wan recipe (docs/wan.md: --timestep_sampling shift): sigmoid(N(0, 1)) then the
+    # shift, which the scheduler's shifted table applies; no loss weighting
+    default_weighting_scheme="logit_normal",
+    # Wan LoRAs' targets (DiffSynth-Studio's q,k,v,o,ffn.0,ffn.2; musubi-tuner's lora_wan) in the
+    # names diffusers' WanLoraLoaderMixin converts them to, self- and cross-attention alike
+    lora_target_modules=("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"),
+    default_run_args=(
+        "--text_encoder_placement",
+        "shard",
+        "--vae_placement",
+        "replicate",
+        "--max_sequence_length",
+        "32",
+    ),
+)
+
+WAN = Wan(name="wan", title="Wan 2.1", **_COMMON)
+WAN22 = Wan(name="wan22", title="Wan 2.2 A14B", experts=(HIGH, LOW), boundary_ratio=0.875, **_COMMON)
+WAN22_5B = Wan(name="wan22_5b", title="Wan 2.2 TI2V-5B", expand_timesteps=True, **_COMMON)
+
+# Published configs (scripts/convert_wan_to_diffusers.py in diffusers; google/umt5-xxl): the keys
+# that set parameter shapes.
+_TRANSFORMER = dict(
+    patch_size=[1, 2, 2],
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    image_dim=None,
+    added_kv_proj_dim=None,
+)
+PUBLISHED_TRANSFORMER_1_3B = dict(_TRANSFORMER, num_attention_heads=12, ffn_dim=8960, num_layers=30)
+PUBLISHED_TRANSFORMER_14B = dict(_TRANSFORMER, num_attention_heads=40, ffn_dim=13824, num_layers=40)
+PUBLISHED_TRANSFORMER_5B = dict(
+    _TRANSFORMER, num_attention_heads=24, ffn_dim=14336, num_layers=30, in_channels=48, out_channels=48
+)
+PUBLISHED_UMT5_XXL = dict(
+    vocab_size=256384,
+    d_model=4096,
+    d_kv=64,
+    d_ff=10240,
+    num_layers=24,
+    num_heads=64,
+    relative_attention_num_buckets=32,
+    relative_attention_max_distance=128,
+    feed_forward_proj="gated-gelu",
+    is_encoder_decoder=False,
+    tie_word_embeddings=False,
+)
+PUBLISHED_VAE_21 = dict(
+    base_dim=96,
+    z_dim=16,
+    dim_mult=[1, 2, 4, 4],
+    num_res_blocks=2,
+    attn_scales=[],
+    temperal_downsample=[False, True, True],
+    dropout=0.0,
+)
+PUBLISHED_VAE_22 = dict(
+    PUBLISHED_VAE_21,
+    base_dim=160,
+    decoder_base_dim=256,
+    z_dim=48,
+    is_residual=True,
+    in_channels=12,
+    out_channels=12,
+    patch_size=2,
+    scale_factor_temporal=4,
+    scale_factor_spatial=16,
+)
+
+
+# -------------------------------------------------------------------------------- tiny pipelines
+
+# a few non-ASCII letters: umT5's vocabulary is multilingual, and a caption in them tokenizes here too
+UMT5_EXTRA_CHARS = "àáâäçèéêëíîïñóôöúùûüßæøåœ中文日本語한국어"
+
+
+def write_umt5_tokenizer(folder: str | os.PathLike, model_max_length: int = 512) -> Path:
+    """Write a small unigram umT5 tokenizer (``T5TokenizerFast``, ids of google/umt5-xxl's
+    special tokens: ``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2) to ``folder`` and return the path:
+    T5's construction (``tiny.write_t5_tokenizer``: letters, digits and punctuation alone and
+    after ``▁``, whole caption words) plus accented and CJK characters."""
+    from transformers import T5TokenizerFast
+
+    folder = Path(folder)
+    chars = string.ascii_lowercase + string.digits + ",.!?'-:;()" + UMT5_EXTRA_CHARS
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    pieces += [("\u2581" + c, -3.0) for c in chars]
+    pieces += [(c, -4.0) for c in chars + string.ascii_uppercase]
+    pieces += [("\u2581" + w, -1.0) for w in (*CAPTION_WORDS, "moving", "left", "right", "up", "down")]
+    tok = T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
+    tok.save_pretrained(folder)
+    return folder
+
+
+TINY_LATENTS_MEAN = [-0.25, 0.1, 0.4, -0.05, 0.3, -0.6, 0.15, 0.0]
+TINY_LATENTS_STD = [1.5, 0.75, 1.25, 2.0, 0.5, 1.1, 0.9, 1.7]
+
+
+def tiny_wan_components(family: Wan, vocab_size: int, seed: int = 0) -> dict:
+    """The tiny models of ``family``: diffusers' Wan pipeline-test transformer (2 blocks, 2
+    heads of 12) on a tiny causal VAE of the published structure (8x spatial, 4x temporal;
+    TI2V-5B: Wan 2.2's residual VAE with 2x2 patchify, 16x spatial) with per-channel statistics
+    that are not 0 and 1, and a 2-layer umT5; two experts for Wan 2.2 A14B (seeds differ)."""
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from ..zero3 import zero3_init_disabled
+
+    z_dim = len(TINY_LATENTS_MEAN)
+    with zero3_init_disabled():
+        torch.manual_seed(seed)
+        if family.expand_timesteps:
+            vae = AutoencoderKLWan(
+                base_dim=8, decoder_base_dim=8, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
+                patch_size=2, scale_factor_temporal=4, scale_factor_spatial=16,
+                latents_mean=TINY_LATENTS_MEAN, latents_std=TINY_LATENTS_STD,
+            )  # fmt: skip
+        else:
+            vae = AutoencoderKLWan(
+                base_dim=4, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                temperal_downsample=[False, True, True], latents_mean=TINY_LATENTS_MEAN,
+                latents_std=TINY_LATENTS_STD,
+            )  # fmt: skip
+        experts = {}
+        for i, name in enumerate(family.experts):
+            torch.manual_seed(seed + 1 + i)
+            experts[name] = WanTransformer3DModel(
+                patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=z_dim,
+                out_channels=z_dim, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2,
+                cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+            )  # fmt: skip
+        torch.manual_seed(seed + 10)
+        text_encoder = UMT5EncoderModel(
+            UMT5Config(
+                vocab_size=vocab_size, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", is_encoder_decoder=False,
+                pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+            )
+        ).eval()  # fmt: skip
+    return {"vae": vae, "text_encoder": text_encoder, **experts}
+
+
+def save_tiny_wan_pipeline(family: Wan, folder: str | os.PathLike, seed: int = 0) -> Path:
+    """Save a tiny ``WanPipeline`` folder of ``family`` (fp32 safetensors; Wan 2.2 A14B with
+    both experts and ``boundary_ratio``, TI2V-5B with ``expand_timesteps``), the published UniPC
+    scheduler and a locally written umT5 tokenizer, and return its path. Not a collective."""
+    from diffusers import UniPCMultistepScheduler
+
+    folder = Path(folder)
+    tokenizer = read_back(write_umt5_tokenizer, folder)
+    parts = tiny_wan_components(family, len(tokenizer), seed)
+    scheduler = UniPCMultistepScheduler(
+        **dict(WAN_SCHEDULER, flow_shift=5.0 if family.expand_timesteps else 3.0)
+    )
+    pipe = family.pipeline(
+        {name: parts[name] for name in family.experts},
+        parts["vae"],
+        {"text_encoder": parts["text_encoder"]},
+        {"text_encoder": tokenizer},
+        scheduler,
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
