@@ -182,6 +182,10 @@ class RewardTrainer:
             path, state = resumed
             self.global_step, self.rewards = state["global_step"], state["rewards"]
             self.rewards_per_rank = state.get("rewards_per_rank", [])
+            if int(state["world_size"]) != acc.num_processes:
+                log_rank_zero(
+                    f"{path} was written by {state['world_size']} processes; resharded for {acc.num_processes}"
+                )
             log_rank_zero(f"resumed from {path} at step {self.global_step}")
 
     def _sample_images(self, prompts: list[str]) -> torch.Tensor:

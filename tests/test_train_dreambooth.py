@@ -108,6 +108,25 @@ def test_sd_prior_preservation_text_encoder_engine_equals_ddp_and_resumes_exactl
     for component in ("unet", "text_encoder"):
         assert _max_diff(_weights(resumed, component), _weights(zero3, component)) < 1e-6, component
 
+    # Resumed from checkpoint-2 on 4 processes (1 sample each, no accumulation: the same 4 per
+    # step): both engines are resharded from their universal form, and the losses and weights
+    # go on as the 2-process run's, up to the order of floating-point sums.
+    four = tmp_path / "four"
+    four.mkdir()
+    shutil.copytree(zero3 / "checkpoint-2", four / "checkpoint-2")
+    i = common.index("--gradient_accumulation_steps") + 1
+    quad = [*accelerate_launch(SCRIPT, num_processes=4), *common[:i], "1", *common[i + 1 :],
+            "--output_dir", str(four), "--resume_from_checkpoint", "latest"]  # fmt: skip
+    _, log4 = run_launcher(quad, timeout=600)
+    assert "written by 2 processes; resharded for 4" in log4, log4[-3000:]
+    continued = step_values(log4)
+    assert sorted(continued) == [3, 4], log4[-3000:]
+    for step in continued:
+        assert continued[step] == pytest.approx(losses[step], abs=1e-5), (step, continued, losses)
+    for component in ("unet", "text_encoder"):
+        assert _max_diff(_weights(four, component), _weights(zero3, component)) < 1e-6, component
+    assert (four / "checkpoint-2" / "universal" / "text_encoder").is_dir()
+
     from diffusers import DiffusionPipeline
 
     image = DiffusionPipeline.from_pretrained(zero3)("a photo of sks shape", num_inference_steps=2, height=32,

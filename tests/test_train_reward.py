@@ -53,11 +53,22 @@ def test_reward_fine_tuning_end_to_end_and_resume(tmp_path):
     for step in (3, 4):
         assert again[step] == pytest.approx(rewards[step], abs=2e-6)
 
+    # On 4 processes (1 sample each, the same 4 per step) from checkpoint-2: training goes on
+    # from the resharded engine, EMA and schedule.
+    four = tmp_path / "four"
+    four.mkdir()
+    shutil.copytree(out / "checkpoint-2", four / "checkpoint-2")
+    batch = common.index("--train_batch_size") + 1
+    quad = [*accelerate_launch("scripts/train_reward.py", num_processes=4), *common[:batch], "1",
+            *common[batch + 1 :], "--output_dir", str(four), "--resume_from_checkpoint", "latest"]  # fmt: skip
+    _, log4 = run_launcher(quad, timeout=500)
+    assert "written by 2 processes; resharded for 4" in log4, log4[-3000:]
+    assert sorted(_rewards(log4)) == [3, 4] and (four / "model_index.json").exists(), log4[-3000:]
+
     # On 1 process (the same 4 samples per step) from the final checkpoint: the same output.
     one = tmp_path / "one"
     one.mkdir()
     shutil.copytree(out / "checkpoint-4", one / "checkpoint-4")
-    batch = common.index("--train_batch_size") + 1
     single = [*accelerate_launch("scripts/train_reward.py", num_processes=1), *common[:batch], "4",
               *common[batch + 1 :], "--output_dir", str(one), "--resume_from_checkpoint", "latest"]  # fmt: skip
     _, log1 = run_launcher(single, timeout=400)

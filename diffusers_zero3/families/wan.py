@@ -1,11 +1,9 @@
-"""Wan 2.1 and Wan 2.2 (``WanPipeline``): text-to-video DiTs (``WanTransformer3DModel``) cross-
-attending to the last hidden states of a frozen umT5-XXL, kept to each caption's tokens and
-zero-padded to 512; a causal video VAE (``AutoencoderKLWan``: 5-D latents, 4x in time after the
-first frame, per-channel ``latents_mean`` / ``latents_std``), trained on the posterior mean as
-Wan's own VAE encodes; flow matching (target ``noise - latents``) at the published scheduler's
-shift, logit-normal timesteps as musubi-tuner's Wan recipe. Wan 2.2 A14B has two experts in one
-folder: ``transformer`` denoises ``t >= boundary_ratio * 1000``, ``transformer_2`` the rest.
-"""
+"""Wan 2.1 and Wan 2.2 (``WanPipeline``): video DiTs (``WanTransformer3DModel``) cross-attending
+to umT5-XXL's last hidden states, kept to each caption's tokens and zero-padded to 512; a causal
+video VAE (``AutoencoderKLWan``: 5-D latents, 1 + 4k frames, per-channel mean and std), trained on
+its posterior mean; flow matching (target ``noise - latents``) at the published scheduler's shift
+with logit-normal timesteps (musubi-tuner's Wan recipe). Wan 2.2 A14B holds two experts:
+``transformer`` for ``t >= boundary_ratio * 1000``, ``transformer_2`` below; TI2V-5B, per-token t."""
 
 from __future__ import annotations
 
@@ -69,15 +67,39 @@ def expert_for(timesteps: torch.Tensor, boundary: float | None) -> list[str]:
 
 
 def expert_of_step(seed: int, step: int, p_high: float) -> str:
-    """The expert that one micro-batch of ``--train_experts both`` trains: the same on every rank
-    (drawn from ``(seed, step)``, so that each ZeRO-3 engine is called in lockstep), the high
-    one with probability ``p_high`` (``Wan.expert_probability``), so that over the steps the
-    timesteps follow the unrestricted density."""
+    """The expert that ``--train_experts both`` trains at optimizer step ``step`` (every
+    micro-batch of the step: each expert is its own engine, whose gradient accumulation counts
+    micro-batches): the same on every rank (drawn from ``(seed, step)``, so that each ZeRO-3
+    engine is called in lockstep), the high one with probability ``p_high``
+    (``Wan.expert_probability``), so that over the steps the timesteps follow the unrestricted
+    density."""
     import hashlib
     import random
 
     digest = hashlib.sha256(f"{seed}-{step}-expert".encode()).digest()
     return HIGH if random.Random(digest).random() < p_high else LOW
+
+
+def restore_rope_buffers(model: torch.nn.Module) -> list[str]:
+    """Recompute in fp32 the rotary tables (``freqs_cos`` / ``freqs_sin``) of each
+    ``WanRotaryPosEmbed`` in ``model`` that a cast rounded (``model.to(bf16)``, a bf16 engine;
+    diffusers' ``from_pretrained(torch_dtype=bf16)`` keeps them fp32: ``rope`` is in
+    ``_keep_in_fp32_modules``); returns the modules' names. Non-persistent buffers: no
+    checkpoint restores them. Not a collective."""
+    from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+
+    restored = []
+    for name, module in model.named_modules():
+        if not isinstance(module, WanRotaryPosEmbed):
+            continue
+        cos = module._buffers.get("freqs_cos")
+        if cos is None or cos.is_meta or cos.dtype == torch.float32:
+            continue
+        fresh = WanRotaryPosEmbed(module.attention_head_dim, module.patch_size, module.max_seq_len)
+        for key in ("freqs_cos", "freqs_sin"):
+            module._buffers[key] = fresh._buffers[key].to(cos.device, torch.float32)
+        restored.append(name)
+    return restored
 
 
 # -------------------------------------------------------------------------------- objective
