@@ -256,6 +256,16 @@ def text_to_image_parser() -> argparse.ArgumentParser:
         default=None,
         help="Comma-separated modules to adapt (default: the family's, as diffusers' LoRA scripts).",
     )
+    # --- video families (Wan)
+    v = p.add_argument_group("video (Wan)").add_argument
+    v("--num_frames", type=int, default=None, help="Frames per clip (1 + 4k for Wan; default 81).")
+    v("--frame_stride", type=int, default=1, help="Source frames between two frames of a clip.")
+    v("--fps", type=float, default=None, help="Take frames at this rate instead of --frame_stride.")
+    v("--height", type=int, default=None, help="Clip height (default --resolution).")
+    v("--width", type=int, default=None, help="Clip width (default --resolution).")
+    v("--train_experts", default=None, choices=["high", "low", "both"],
+      help="Wan 2.2: train the high-noise expert (transformer), the low-noise one (transformer_2) or "
+      "both, each its own ZeRO-3 engine (default both).")  # fmt: skip
     # --- this package's flags
     add_component_arg(p)
     a(
@@ -405,6 +415,15 @@ def validate_family(args: argparse.Namespace, family) -> None:
                 f"--{flag} {placement}: a {family.pipeline_class} has no {component} "
                 f"(its frozen models: {', '.join(sorted(components))})"
             )
+    if not family.video:
+        for flag, unset in (("num_frames", None), ("frame_stride", 1), ("fps", None), ("height", None),
+                            ("width", None)):  # fmt: skip
+            if getattr(args, flag, unset) != unset:
+                raise ArgumentError(
+                    f"--{flag} applies to video families (Wan), not to a {family.pipeline_class}"
+                )
+    if getattr(args, "train_experts", None) is not None and len(getattr(family, "experts", ())) < 2:
+        raise ArgumentError(f"--train_experts applies to Wan 2.2's two experts, not to a {family.title}")
     if getattr(args, "dream_training", False) and not family.supports_dream:
         raise ArgumentError(f"--dream_training is not supported for {family.pipeline_class}")
     objective = "flow matching" if family.flow_matching else "DDPM noise prediction"

@@ -151,7 +151,8 @@ def prepare_default(folder: str | os.PathLike, num_images: int = 64, model: str 
     Returns the pipeline and dataset paths; the reward model is ``folder/redness-reward``
     (``model="sd"`` only). ``model`` is a family's short name (``MODELS``): its tiny pipeline
     is ``folder/tiny-<model>``. SDXL trains on a dataset of varied image sizes
-    (``shapes-varied``, for its size and crop conditioning), the others on ``shapes``.
+    (``shapes-varied``, for its size and crop conditioning), the video families (Wan) on clips
+    of moving shapes (``shapes-videos``), the others on ``shapes``.
     """
     folder = Path(folder)
     family = family_named(model)
@@ -159,6 +160,12 @@ def prepare_default(folder: str | os.PathLike, num_images: int = 64, model: str 
         pipe, data = folder / "tiny-sdxl", folder / "shapes-varied"
         if not (data / "metadata.jsonl").exists():
             write_shapes_dataset(data, num_images=num_images, sizes=VARIED_SIZES)
+    elif family.video:  # clips of moving shapes (mp4), 9 frames each
+        from .video import write_shapes_videos
+
+        pipe, data = folder / f"tiny-{model}", folder / "shapes-videos"
+        if not (data / "metadata.jsonl").exists():
+            write_shapes_videos(data, num_clips=min(num_images, 16), frames=9, size=32)
     else:
         pipe, data = folder / f"tiny-{model}", folder / "shapes"
         if not (data / "metadata.jsonl").exists():

@@ -16,6 +16,7 @@ KNOWN_PIPELINES: dict[str, dict] = {
         "_class_name": published.pipeline_class,
         "components": published.components,
         "note": published.note,
+        "family": family.name,
     }
     for family in ALL_FAMILIES
     for published in family.published()

@@ -25,6 +25,8 @@ def generate_validation_images(
     num_inference_steps: int = 20,
     seed: int = 0,
     dtype: torch.dtype | None = None,
+    height: int | None = None,
+    width: int | None = None,
     **pipeline_kwargs,
 ) -> list:
     """One image per prompt from a pipeline around the current weights. Collective: call on
@@ -35,7 +37,8 @@ def generate_validation_images(
     seed, so partitioned models (the denoiser engine, sharded frozen engines) are called the
     same number of times on every rank; all ranks get the same images, and one of them writes.
     ``pipeline_kwargs`` go to the pipeline call (a family's ``validation_kwargs``, e.g.
-    Flux's ``max_sequence_length`` and ``guidance_scale``).
+    Flux's ``max_sequence_length`` and ``guidance_scale``). A video pipeline gives each prompt's
+    frames (a list of PIL images) instead of an image.
 
     ``dtype`` is the training's weight dtype: bf16 or fp16 run the pipeline under
     ``torch.autocast``, as diffusers' own training scripts validate. Without it the models'
@@ -57,11 +60,12 @@ def generate_validation_images(
                 prompt=prompt,  # by name: Flux.2's first positional argument is an image
                 num_inference_steps=num_inference_steps,
                 generator=generator,
-                height=resolution,
-                width=resolution,
+                height=height or resolution,
+                width=width or resolution,
                 **pipeline_kwargs,
             )
-            images.append(out.images[0])
+            # an image, or a video pipeline's list of PIL frames
+            images.append(out.images[0] if hasattr(out, "images") else out.frames[0])
     denoiser.train(was_training)
     return images
 

@@ -106,16 +106,17 @@ def _read_json(path: Path) -> dict:
         raise ValueError(f"cannot read {path} ({type(e).__name__}: {e})") from e
 
 
-def pipeline_components(pipeline: str | os.PathLike) -> tuple[str, dict[str, Component]]:
-    """``(pipeline class name, {folder: Component})`` of a pipeline folder, a hub id (configs
-    only) or a carried config; the family's denoiser is marked trainable."""
-    from .families import FAMILIES
+def pipeline_components(pipeline: str | os.PathLike) -> tuple[object, dict[str, Component]]:
+    """``(family, {folder: Component})`` of a pipeline folder, a hub id (configs only) or a
+    carried config; the family's denoiser is marked trainable."""
+    from .families import FAMILIES, FAMILY_NAMES, family_of_index
 
     key = str(pipeline)
     folder = None
     if key in KNOWN_PIPELINES and not Path(key).is_dir():
         known = KNOWN_PIPELINES[key]
         class_name = known["_class_name"]
+        family = FAMILY_NAMES[known["family"]]
         components = {
             name: Component(name, lib, cls, dict(cfg))
             for name, (lib, cls, cfg) in known["components"].items()
@@ -124,6 +125,7 @@ def pipeline_components(pipeline: str | os.PathLike) -> tuple[str, dict[str, Com
         folder = _config_folder(key)
         index = _read_json(folder / "model_index.json")
         class_name = index.get("_class_name", "?")
+        family = family_of_index(index)
         components = {}
         for name, value in index.items():
             if name.startswith("_") or not isinstance(value, list) or len(value) != 2:
@@ -132,20 +134,21 @@ def pipeline_components(pipeline: str | os.PathLike) -> tuple[str, dict[str, Com
             if lib not in ("diffusers", "transformers") or not (folder / name / "config.json").is_file():
                 continue  # tokenizers, schedulers, absent components
             components[name] = Component(name, lib, cls, _read_json(folder / name / "config.json"))
-    if class_name not in FAMILIES:
+    if family is None:
         raise ValueError(f"{pipeline} is a {class_name} pipeline; supported: {', '.join(sorted(FAMILIES))}")
-    family = FAMILIES[class_name]
+    trained = {family.denoiser, *getattr(family, "experts", ())}  # Wan 2.2: both experts train
     for name in list(components):
-        if name != family.denoiser and name not in family.frozen_components:
+        if name not in trained and name not in family.frozen_components:
             del components[name]  # e.g. a safety checker: not part of training
-    components[family.denoiser].trainable = True
+    for name in trained & set(components):
+        components[name].trainable = True
     for spec in family.text_encoders if folder is not None else ():
         tokenizer_config = folder / spec.tokenizer / "tokenizer_config.json"
         if spec.name in components and tokenizer_config.is_file():
             length = _read_json(tokenizer_config).get("model_max_length")
             if isinstance(length, (int, float)) and length > 0:  # the training tokenizer's length
                 components[spec.name].tokenizer_max_length = int(length)
-    return class_name, components
+    return family, components
 
 
 def text_sequence_length(comp: Component, spec, family, max_sequence_length: int | None = None) -> int:
@@ -333,7 +336,6 @@ def make_plan(pipeline: str | os.PathLike, options: PlanOptions) -> dict:
     """The plan as a JSON-ready dict: ``num_processes``, ``components`` (class, exact
     parameter count, trainable, bytes per placement), ``recommended`` placements,
     ``total_bytes_per_rank`` of the recommended set, ``fits`` and ``advice``."""
-    from .families import FAMILIES
 
     if options.mixed_precision not in MIXED_PRECISIONS:
         raise ValueError(f"--mixed_precision must be no, fp16 or bf16, got {options.mixed_precision!r}")
@@ -342,25 +344,32 @@ def make_plan(pipeline: str | os.PathLike, options: PlanOptions) -> dict:
             f"--num_processes ({options.num_processes}) must be a positive multiple of --num_machines "
             f"({options.num_machines})"
         )
-    class_name, components = pipeline_components(pipeline)
+    family, components = pipeline_components(pipeline)
     plan = {
         "pipeline": str(pipeline),
-        "pipeline_class": class_name,
-        **_plan(components, FAMILIES[class_name], options),
-        "notes": plan_notes(str(pipeline), components),
+        "pipeline_class": family.pipeline_class,
+        **_plan(components, family, options),
+        "notes": plan_notes(str(pipeline), components, family),
     }
     if not plan["fits"]:
-        plan["advice"] = what_would_fit(components, FAMILIES[class_name], options)
+        plan["advice"] = what_would_fit(components, family, options)
     return plan
 
 
 VISION_PARTS = ("visual.", "vision_tower.", "multi_modal_projector.")
 
 
-def plan_notes(pipeline: str, components: dict[str, Component]) -> list[str]:
-    """What the counts include that a reader would not expect: a carried config's note, and
-    each vision-language text encoder's vision tower (loaded and counted, never run)."""
+def plan_notes(pipeline: str, components: dict[str, Component], family=None) -> list[str]:
+    """What the counts include that a reader would not expect: a carried config's note, each
+    vision-language text encoder's vision tower (loaded and counted, never run), and that a
+    video family's activations grow with the clip."""
     notes = []
+    if family is not None and family.video:
+        notes.append(
+            "activations are not counted, and a video's grow with frames x height x width (the latent "
+            "tokens: (frames - 1) / 4 + 1 latent frames of (height / 16) x (width / 16) for Wan 2.1): "
+            "the --margin kept for them must hold a clip of the size trained, or the clips must be shorter"
+        )
     known = KNOWN_PIPELINES.get(pipeline)
     if known and known.get("note") and not Path(pipeline).is_dir():
         notes.append(known["note"])

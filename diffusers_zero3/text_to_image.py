@@ -98,6 +98,8 @@ class TextToImageTrainer:
         # Trained models beside the denoiser (parts.TrainedModel: DreamBooth's text encoders),
         # each its own engine, optimizer and schedule; a subclass adds them in _prepare_extra_parts.
         self.extra_parts: list = []
+        self.trained_folder: str | None = None  # the first trained model's folder (set as it loads)
+        self._second_expert = None  # Wan 2.2's low-noise expert, when both train
         self._cuts: list = []  # per micro-batch: (part, kept outputs, cut outputs) to backward through
 
     # ------------------------------------------------------------------ setup
@@ -123,6 +125,8 @@ class TextToImageTrainer:
         check_resolution(
             args.resolution, self.family, self.component_sources.get("vae", Path(self.source) / "vae")
         )
+        if self.family.video:
+            self._check_video_flags()
         self.accelerator = acc = accelerator_from_args(args)
         try:
             given = {flag[: -len("_placement")]: value for flag, value in placement_flags(args).items()}
@@ -201,9 +205,21 @@ class TextToImageTrainer:
         """The first trained model, ``self.denoiser`` (the family's denoiser; a ControlNet for
         the ControlNet trainer), partitioned under ZeRO-3, with LoRA adapters under ``--rank``."""
         args, src = self.args, self.source
+        folders = self._trained_folders()
+        self.trained_folder = folders[0]
         self.denoiser = load_trainable_denoiser(
-            self.accelerator, src, self.family, args.variant, self.component_sources.get(self.family.denoiser)
-        )
+            self.accelerator, src, self.family, args.variant,
+            self.component_sources.get(folders[0], Path(src) / folders[0]),
+        )  # fmt: skip
+        self._second_expert = None
+        if len(folders) > 1:  # Wan 2.2 --train_experts both: the low-noise expert, its own engine
+            self._second_expert = load_trainable_denoiser(
+                self.accelerator, src, self.family, args.variant,
+                self.component_sources.get(folders[1], Path(src) / folders[1]),
+            )  # fmt: skip
+        if len(getattr(self.family, "experts", ())) > 1:
+            self.boundary = self.family.boundary(src)
+            log_rank_zero(f"experts trained: {', '.join(folders)} (boundary at timestep {self.boundary:g})")
         if args.rank is not None:
             targets = args.lora_layers.split(",") if args.lora_layers else self.family.lora_target_modules
             adapters = add_lora_adapters(
@@ -228,6 +244,9 @@ class TextToImageTrainer:
 
     def _load_data(self) -> None:
         args = self.args
+        if self.family.video:
+            self._load_video_data()
+            return
         ds = load_image_caption_dataset(
             args.dataset_name, args.dataset_config_name, args.train_data_dir, args.cache_dir
         )
@@ -297,6 +316,7 @@ class TextToImageTrainer:
                 train_batch_size=args.train_batch_size,
                 num_processes=acc.num_processes,
             )
+        self._learning_rate = lr
         optimizer = torch.optim.AdamW(
             [p for p in self.denoiser.parameters() if p.requires_grad],  # the adapters alone under LoRA
             lr=lr,
@@ -346,7 +366,104 @@ class TextToImageTrainer:
 
     def _prepare_extra_parts(self) -> None:
         """Build the job's other trained models (``self.extra_parts``), after the denoiser's
-        engine and before a resume (every rank). None here."""
+        engine and before a resume (every rank): Wan 2.2's low-noise expert when both train."""
+        if self._second_expert is None:
+            return
+        from diffusers.optimization import get_scheduler
+
+        from .parts import prepare_extra_part
+
+        args = self.args
+        model = self._second_expert
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=self._learning_rate,
+            betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.adam_weight_decay, eps=args.adam_epsilon,
+        )  # fmt: skip
+        first = self.denoiser if hasattr(self.denoiser, "save_checkpoint") else None
+        per_update = 1 if first is not None else self.accelerator.num_processes
+        scheduler = get_scheduler(
+            args.lr_scheduler, optimizer=optimizer, num_warmup_steps=args.lr_warmup_steps * per_update,
+            num_training_steps=args.max_train_steps * per_update,
+        )  # fmt: skip
+        part = prepare_extra_part(self.accelerator, self._trained_folders()[1], model, optimizer, scheduler,
+                                  first_engine=first, max_grad_norm=args.max_grad_norm)  # fmt: skip
+        part.extra["expert"] = True
+        if args.use_ema:
+            part.ema = ShardedEMA(part.engine, device="cpu" if args.offload_ema else None)
+        self.extra_parts.append(part)
+
+    def _trained_folders(self) -> list[str]:
+        """The folders of the trained denoiser(s): the family's; for Wan 2.2 those of
+        ``--train_experts`` (default both), the high-noise expert first."""
+        experts = getattr(self.family, "experts", ())
+        if len(experts) < 2:
+            return [self.family.denoiser]
+        from .families.wan import TRAIN_EXPERTS
+
+        return list(TRAIN_EXPERTS[self.args.train_experts or "both"])
+
+    def _expert_part(self):
+        return next((p for p in self.extra_parts if p.extra.get("expert")), None)
+
+    def _expert_of_step(self) -> str:
+        """The Wan 2.2 expert this optimizer step trains (all micro-batches of a step alike)."""
+        folders = self._trained_folders()
+        if len(folders) == 1:
+            return folders[0]
+        from .families.wan import expert_of_step
+
+        if not hasattr(self, "_p_high"):
+            self._p_high = self.family.expert_probability(
+                self.noise_scheduler, self.objective_settings, self.boundary
+            )
+        return expert_of_step(self.args.seed or 0, self.global_step, self._p_high)
+
+    def _check_video_flags(self) -> None:
+        """``--num_frames`` (default 81), ``--height`` and ``--width`` (default ``--resolution``)
+        that the family's VAE can encode; one error line otherwise."""
+        from .video import check_video_shape
+
+        args = self.args
+        args.num_frames = args.num_frames or 81
+        args.height, args.width = args.height or args.resolution, args.width or args.resolution
+        vae_config = self.family.component_class("vae").load_config(
+            self.component_sources.get("vae", Path(self.source) / "vae")
+        )
+        try:
+            check_video_shape(args.num_frames, args.height, args.width, self.family, vae_config)
+        except ValueError as e:
+            raise ArgumentError(str(e)) from e
+        if getattr(args, "vae_placement", None) == "cache":
+            raise ArgumentError(
+                "--vae_placement cache: the cache holds images, not clips (use replicate or shard)"
+            )
+        if args.rank is not None and len(self._trained_folders()) > 1:
+            raise ArgumentError(
+                "--rank with --train_experts both: train LoRA adapters on one expert at a time"
+            )
+
+    def _load_video_data(self) -> None:
+        from .video import VideoCaptionDataset, load_video_caption_dataset
+
+        args = self.args
+        ds = load_video_caption_dataset(args.train_data_dir, args.caption_column)
+        self.image_column, self.caption_column = "video", args.caption_column
+        if args.max_train_samples is not None:
+            raise ArgumentError(
+                "--max_train_samples applies to image datasets; use a folder of the clips to train on"
+            )
+        check_enough_rows(len(ds), self.accelerator.num_processes, args.train_batch_size)
+        self.hf_dataset = ds
+        try:
+            self.train_dataset = VideoCaptionDataset(
+                ds, lambda captions: self.family.tokenize(self.tokenizers, captions, args.max_sequence_length),
+                args.num_frames, args.resolution, height=args.height, width=args.width,
+                frame_stride=args.frame_stride, fps=args.fps, center_crop=args.center_crop,
+                random_flip=args.random_flip, seed=args.seed or 0, caption_column=args.caption_column,
+                empty_prompt_probability=args.proportion_empty_prompts,
+            )  # fmt: skip
+        except ValueError as e:
+            raise ArgumentError(str(e)) from e
 
     def _maybe_resume(self) -> None:
         processes, batch = self.accelerator.num_processes, self.args.train_batch_size
@@ -387,9 +504,31 @@ class TextToImageTrainer:
         # whichever rank trains it, so a run resumed on another number of processes continues.
         generators = sample_generators(self.args.seed or 0, self.epoch, batch["index"])
         latents, cond, _ = self.frozen(batch, self.accelerator.device, generators)
+        if len(getattr(self.family, "experts", ())) < 2:
+            return self.family.loss(
+                self.denoiser, self.noise_scheduler, latents, cond, self.objective_settings, generators
+            )
+        # Wan 2.2: the expert of this step, on its side of the boundary (with both, one expert a
+        # step, the same on every rank: each expert's engine is called in lockstep)
+        expert = self._expert_of_step()
+        denoiser = self.denoiser if expert == self.trained_folder else self._expert_part().engine
         return self.family.loss(
-            self.denoiser, self.noise_scheduler, latents, cond, self.objective_settings, generators
-        )
+            denoiser, self.noise_scheduler, latents, cond, self.objective_settings, generators,
+            expert=expert, boundary=self.boundary,
+        )  # fmt: skip
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """The micro-batch's backward: the first trained model's through accelerate, then the
+        other parts' (``_backward_extra_parts``); on a Wan 2.2 step of the other expert (both
+        trained), that expert's engine alone (backward, and its step at the boundary). Every rank."""
+        part = self._expert_part()
+        if part is not None and self._expert_of_step() == part.name:
+            part.engine.set_gradient_accumulation_boundary(self.accelerator.sync_gradients)
+            part.engine.backward(loss)
+            part.engine.step()
+            return
+        self.accelerator.backward(loss)
+        self._backward_extra_parts()
 
     def _backward_extra_parts(self) -> None:
         """After the denoiser's backward: each other trained model's own backward from the
@@ -404,7 +543,8 @@ class TextToImageTrainer:
                 backward_through(part, kept, cut, sync)
         self._cuts = []
         for part in self.extra_parts:
-            step_part(part, self.accelerator, sync)
+            if not part.extra.get("expert"):  # an expert steps on its own steps only (_backward)
+                step_part(part, self.accelerator, sync)
 
     def train(self) -> list[float]:
         """The training loop; returns the logged per-step losses (all ranks call it)."""
@@ -437,8 +577,7 @@ class TextToImageTrainer:
                         for name, mean in zip(self.batch_metrics, means):
                             metrics[name] = metrics.get(name, 0.0) + mean
                     fault_point("train_step")
-                    acc.backward(loss)
-                    self._backward_extra_parts()
+                    self._backward(loss)
                     if first:
                         self.memory.mark("first backward")
                     if acc.sync_gradients and args.max_grad_norm and acc.state.deepspeed_plugin is None:
@@ -548,9 +687,10 @@ class TextToImageTrainer:
             for ema in [self.ema, *(p.ema for p in self.extra_parts)]:
                 if ema is not None:
                     stack.enter_context(ema.averaged_weights())
-            modules.update({part.name: part.module for part in self.extra_parts})  # trained encoders
+            modules.update({part.name: part.module for part in self.extra_parts})  # trained encoders, experts
+            denoiser = stack.enter_context(self._validation_denoiser(modules))
             pipeline = self.family.pipeline(
-                getattr(self.denoiser, "module", self.denoiser),
+                denoiser,
                 modules["vae"],
                 modules,
                 self.tokenizers,
@@ -564,15 +704,56 @@ class TextToImageTrainer:
                 num_inference_steps=args.num_validation_inference_steps,
                 seed=args.seed or 0,
                 dtype=self.frozen.dtype,
+                height=getattr(args, "height", None),
+                width=getattr(args, "width", None),
                 **self.family.validation_kwargs(args.max_sequence_length, args.guidance_scale),
             )
         if acc.is_main_process:
             folder = Path(args.output_dir) / "validation"
             folder.mkdir(parents=True, exist_ok=True)
             path = folder / f"step-{self.global_step:06d}.png"
-            image_grid(images).save(path)
-            self._log_images(images)
-            log_rank_zero(f"validation images: {path}")
+            if images and isinstance(images[0], list):  # videos: an mp4 each, and their frames as a grid
+                from .video import write_validation_videos
+
+                videos = write_validation_videos(images, folder, self.global_step)
+                frames = [frame for video in images for frame in video]
+                image_grid(frames, cols=len(images[0])).save(path)
+                self._log_images(frames)
+                log_rank_zero(f"validation videos: {', '.join(str(v) for v in videos)}; frames: {path}")
+            else:
+                image_grid(images).save(path)
+                self._log_images(images)
+                log_rank_zero(f"validation images: {path}")
+
+    @contextlib.contextmanager
+    def _validation_denoiser(self, modules: dict):
+        """The denoiser(s) for a validation pipeline: the trained one; for Wan 2.2 both experts,
+        the one not trained reloaded for the occasion (partitioned under ZeRO-3) and freed after.
+        Collective: every rank."""
+        trained = getattr(self.denoiser, "module", self.denoiser)
+        experts = getattr(self.family, "experts", ())
+        if len(experts) < 2:
+            yield trained
+            return
+        from .frozen_inputs import cache_placement
+        from .recipe import load_frozen_component
+
+        have = {self.trained_folder: trained, **{n: m for n, m in modules.items() if n in experts}}
+        reloaded = []
+        for name in experts:
+            if name not in have:
+                folder = self.component_sources.get(name, Path(self.source) / name)
+                frozen = load_frozen_component(
+                    self.accelerator, Path(folder).parent, Path(folder).name, cache_placement(),
+                    self.family.denoiser_cls(), self.args.variant, dtype=self.frozen.dtype, label=name,
+                )  # fmt: skip
+                have[name] = frozen.module
+                reloaded.append(frozen)
+        try:
+            yield {name: have[name] for name in experts}
+        finally:
+            for frozen in reloaded:
+                frozen.release()
 
     def _index_entries(self) -> dict[str, list]:
         """``model_index.json`` entries for components given with ``--component`` that the
@@ -640,7 +821,7 @@ class TextToImageTrainer:
             self.denoiser,
             ema=self.ema,
             readme=card,
-            denoiser_name=self.family.denoiser,
+            denoiser_name=self.trained_folder,
             component_sources=self.component_sources,
             index_entries=self._index_entries(),
             trained={part.name: (part.engine, part.ema) for part in self.extra_parts},

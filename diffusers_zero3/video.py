@@ -54,6 +54,8 @@ class VideoRows(Sequence):
         return len(self.rows)
 
     def __getitem__(self, index):
+        if isinstance(index, str):  # a column, as a datasets dataset gives it (the cache reads captions so)
+            return [row.get(index) for row in self.rows]
         return self.rows[index]
 
     @property
@@ -511,3 +513,16 @@ def write_shapes_videos(
             rows.append({"file_name": name, "text": caption, "fps": fps})
     (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return folder
+
+
+def write_validation_videos(
+    videos: list[list], folder: str | os.PathLike, step: int, fps: float = 8
+) -> list[Path]:
+    """Write each validation video (a list of PIL frames) as ``step-<step>-<i>.mp4`` in
+    ``folder``; returns the paths."""
+    paths = []
+    for i, frames in enumerate(videos):
+        array = np.stack([np.asarray(frame.convert("RGB")) for frame in frames])
+        h, w = array.shape[1] // 2 * 2, array.shape[2] // 2 * 2  # H.264 takes even sides
+        paths.append(write_video(Path(folder) / f"step-{step:06d}-{i}.mp4", array[:, :h, :w], fps=fps))
+    return paths

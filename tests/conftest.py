@@ -140,3 +140,29 @@ def tiny_flux2_klein(tmp_path_factory):
 
     pipe, data = prepare_default(tmp_path_factory.mktemp("flux2-klein"), num_images=8, model="flux2-klein")
     return str(pipe), str(data)
+
+
+@pytest.fixture(scope="session")
+def tiny_wan(tmp_path_factory):
+    """A tiny Wan 2.1 pipeline (umT5, a video VAE) and 16 clips of moving shapes: ``(pipeline, clips)``."""
+    from diffusers_zero3.demo import prepare_default
+
+    pipe, data = prepare_default(tmp_path_factory.mktemp("wan"), num_images=16, model="wan")
+    return str(pipe), str(data)
+
+
+@pytest.fixture(scope="session")
+def tiny_wan22(tmp_path_factory):
+    """A tiny Wan 2.2 A14B-shaped pipeline (two experts) and 16 clips: ``(pipeline, clips)``."""
+    from diffusers_zero3.demo import prepare_default
+
+    pipe, data = prepare_default(tmp_path_factory.mktemp("wan22"), num_images=16, model="wan22")
+    return str(pipe), str(data)
+
+
+@pytest.fixture(scope="session")
+def tiny_wan22_5b(tmp_path_factory):
+    """A tiny Wan 2.2 TI2V-5B-shaped pipeline (one expert, per-token timesteps): the folder."""
+    from diffusers_zero3.families import WAN22_5B
+
+    return str(WAN22_5B.save_tiny_pipeline(tmp_path_factory.mktemp("wan22-5b") / "tiny-wan22_5b"))

@@ -332,3 +332,29 @@ def test_dreambooth_bad_input(default_data, bad_data, tiny_sd3, tmp_path, capfd,
     fill = {"pipe": pipe, "sd3": tiny_sd3[0], **bad_data}
     code, log = _run_in_process("train_dreambooth", _apply(argv, change, fill), capfd)
     _check(code, log, message, out, pipe, files)
+
+
+VIDEO_CASES = [
+    (["--num_frames", "6"], "--num_frames 6"),
+    (["--train_experts", "high"], "--train_experts applies to Wan 2.2's two experts, not to a Wan 2.1"),
+    (["--vae_placement", "cache"], "--vae_placement cache: the cache holds images, not clips"),
+    (["--height", "40"], "--height 40"),
+    (["--frame_stride", "2", "--fps", "4"], "give --frame_stride or --fps, not both"),
+    (
+        ["--pretrained_model_name_or_path", "{sd}", "--num_frames", "5"],
+        "--num_frames applies to video families",
+    ),
+]
+
+
+@pytest.mark.parametrize("change, message", VIDEO_CASES, ids=[" ".join(c) for c, _ in VIDEO_CASES])
+def test_video_bad_input(default_data, tiny_wan, tmp_path, capfd, change, message):
+    pipe, clips = tiny_wan
+    files = {str(p.relative_to(pipe)) for p in Path(pipe).rglob("*")}
+    out = tmp_path / "out"
+    argv = ["--pretrained_model_name_or_path", pipe, "--train_data_dir", clips, "--output_dir", str(out),
+            "--resolution", "32", "--num_frames", "5", "--train_batch_size", "1", "--max_train_steps", "1",
+            "--report_to", "none", "--max_sequence_length", "16"]  # fmt: skip
+    argv = _apply(argv, change, {"sd": default_data[0]})
+    code, log = _run_in_process("train_text_to_image", argv, capfd)
+    _check(code, log, message, out, pipe, files)

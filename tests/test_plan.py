@@ -39,6 +39,13 @@ PUBLISHED = {
     # black-forest-labs/FLUX.2-dev ("32B") with Mistral-Small-3.x-24B ("24B", the whole VLM)
     ("black-forest-labs/FLUX.2-dev", "transformer"): 32_223_281_152,
     ("black-forest-labs/FLUX.2-dev", "text_encoder"): 24_011_361_280,
+    # Wan-AI: Wan 2.1 T2V 1.3B and 14B, Wan 2.2 T2V A14B (two 14B experts) and TI2V 5B, umT5-XXL
+    ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "transformer"): 1_418_996_800,
+    ("Wan-AI/Wan2.1-T2V-14B-Diffusers", "transformer"): 14_288_491_584,
+    ("Wan-AI/Wan2.1-T2V-14B-Diffusers", "text_encoder"): 5_680_910_336,
+    ("Wan-AI/Wan2.2-T2V-A14B-Diffusers", "transformer"): 14_288_491_584,
+    ("Wan-AI/Wan2.2-T2V-A14B-Diffusers", "transformer_2"): 14_288_491_584,
+    ("Wan-AI/Wan2.2-TI2V-5B-Diffusers", "transformer"): 4_999_787_712,
 }
 
 
@@ -50,7 +57,9 @@ def test_carried_configs_give_the_published_parameter_counts(pipeline):
         if p == pipeline:
             assert plan["components"][name]["parameters"] == count, name
     trained = [n for n, c in plan["components"].items() if c["trainable"]]
-    assert trained == [("transformer" if "unet" not in plan["components"] else "unet")]
+    two_experts = "transformer_2" in plan["components"]
+    assert trained == (["transformer", "transformer_2"] if two_experts else
+                       [("transformer" if "unet" not in plan["components"] else "unet")])  # fmt: skip
 
 
 def _loaded(folder, name, cls_name):
@@ -347,3 +356,11 @@ def test_a_vision_language_encoder_is_counted_whole_and_the_plan_says_so(tiny_qw
     local = make_plan(tiny_qwenimage[0], PlanOptions(num_processes=2))
     assert len(local["notes"]) == 1 and "vision tower" in local["notes"][0]
     assert make_plan("runwayml/stable-diffusion-v1-5", PlanOptions())["notes"] == []
+
+
+@pytest.mark.unit
+def test_a_video_plan_says_its_activations_grow_with_the_clip():
+    video = make_plan("Wan-AI/Wan2.1-T2V-14B-Diffusers", PlanOptions(num_processes=8, mixed_precision="bf16"))
+    assert any("frames x height x width" in n for n in video["notes"])
+    image = make_plan("Qwen/Qwen-Image", PlanOptions(num_processes=8, mixed_precision="bf16"))
+    assert not any("frames x height x width" in n for n in image["notes"])

@@ -12,7 +12,8 @@ load/save, lockstep, the loop) is written once and asks the family.
 
 One module per family: ``sd`` (SD 1.x/2.x), ``sdxl``, ``sd3``, ``flux`` (Flux.1),
 ``qwenimage`` (Qwen-Image), ``zimage`` (Z-Image), ``hidream`` (HiDream-I1), ``flux2`` (Flux.2
-[dev] and [klein]).
+[dev] and [klein]), ``wan`` (Wan 2.1, Wan 2.2 A14B and TI2V-5B: one pipeline class, told apart
+by ``Family.matches``).
 
 ``detect_family(folder)`` picks the family from the pipeline's ``model_index.json``
 (``_class_name``); an unsupported pipeline gets one ``CheckpointError`` listing the supported
@@ -34,10 +35,27 @@ from .qwenimage import QWENIMAGE
 from .sd import SD
 from .sd3 import SD3
 from .sdxl import SDXL, time_ids
+from .wan import WAN, WAN22, WAN22_5B
 from .zimage import ZIMAGE
 
-ALL_FAMILIES: tuple[Family, ...] = (SD, SDXL, SD3, FLUX, QWENIMAGE, ZIMAGE, HIDREAM, FLUX2, FLUX2_KLEIN)
-FAMILIES: dict[str, Family] = {f.pipeline_class: f for f in ALL_FAMILIES}
+ALL_FAMILIES: tuple[Family, ...] = (
+    SD,
+    SDXL,
+    SD3,
+    FLUX,
+    QWENIMAGE,
+    ZIMAGE,
+    HIDREAM,
+    FLUX2,
+    FLUX2_KLEIN,
+    WAN,
+    WAN22,
+    WAN22_5B,
+)
+# by pipeline class (the first family of a class: WanPipeline's three are told apart by family_of_index)
+FAMILIES: dict[str, Family] = {}
+for _family in ALL_FAMILIES:
+    FAMILIES.setdefault(_family.pipeline_class, _family)
 FAMILY_NAMES: dict[str, Family] = {f.name: f for f in ALL_FAMILIES}
 # Every frozen model folder of any family: each gets its --<name>_placement flag.
 FROZEN_COMPONENTS: tuple[str, ...] = tuple(
@@ -60,14 +78,21 @@ def detect_family(source: str | os.PathLike) -> Family:
     """
     index_file = Path(source) / "model_index.json"
     try:
-        class_name = json.loads(index_file.read_text()).get("_class_name")
+        index = json.loads(index_file.read_text())
+        class_name = index.get("_class_name")
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot read {index_file} ({type(e).__name__}: {e})") from e
-    if class_name not in FAMILIES:
+    family = family_of_index(index)
+    if family is None:
         raise CheckpointError(
             f"{source} is a {class_name} pipeline; supported pipelines: {', '.join(sorted(FAMILIES))}"
         )
-    return FAMILIES[class_name]
+    return family
+
+
+def family_of_index(model_index: dict) -> Family | None:
+    """The family whose ``matches`` takes a ``model_index.json``'s contents, None when none does."""
+    return next((f for f in ALL_FAMILIES if f.matches(model_index)), None)
 
 
 __all__ = [
@@ -86,8 +111,12 @@ __all__ = [
     "SD3",
     "SDXL",
     "TextEncoderSpec",
+    "WAN",
+    "WAN22",
+    "WAN22_5B",
     "ZIMAGE",
     "detect_family",
+    "family_of_index",
     "family_named",
     "latent_image_ids",
     "pack_latents",

@@ -110,6 +110,7 @@ class Family:
     vae_class: str = "AutoencoderKL"
     vae_in_fp32: bool = False  # SDXL's VAE overflows in fp16
     sample_latents: bool = True  # False: the latent distribution's mode, as Z-Image's script trains
+    video: bool = False  # trains on clips: (N, 3, F, H, W) pixels, --num_frames
     uses_time_ids: bool = False
     supports_dream: bool = True
     flow_matching: bool = False  # flow matching with FlowMatchEulerDiscreteScheduler's sigmas
@@ -133,6 +134,11 @@ class Family:
     @property
     def tokenizer_folders(self) -> tuple[str, ...]:
         return tuple(e.tokenizer for e in self.text_encoders)
+
+    def matches(self, model_index: dict) -> bool:
+        """Whether a pipeline's ``model_index.json`` is of this family (its ``_class_name``; a
+        family that shares its pipeline class with another tells them apart here)."""
+        return model_index.get("_class_name") == self.pipeline_class
 
     def denoiser_cls(self):
         import diffusers

@@ -47,10 +47,10 @@ def is_two_expert(folder: str | os.PathLike) -> bool:
 
 def wan_family(folder: str | os.PathLike) -> Wan:
     """The Wan family of a ``WanPipeline`` folder: ``WAN22`` with two experts, ``WAN22_5B``
-    when the pipeline expands timesteps per token (``expand_timesteps``), ``WAN`` otherwise."""
-    if is_two_expert(folder):
-        return WAN22
-    return WAN22_5B if _model_index(folder).get("expand_timesteps") else WAN
+    when the pipeline expands timesteps per token (``expand_timesteps``), ``WAN`` otherwise
+    (``Wan.matches``)."""
+    index = _model_index(folder)
+    return next(f for f in (WAN22, WAN22_5B, WAN) if f.matches(index))
 
 
 def boundary_timestep(boundary_ratio: float | None, num_train_timesteps: int = 1000) -> float | None:
@@ -225,6 +225,17 @@ class Wan(Family):
 
     # ------------------------------------------------------------------ components
 
+    def matches(self, model_index):
+        """One pipeline class for all three: Wan 2.2 A14B names a ``transformer_2`` (Wan 2.1 and
+        TI2V-5B have none, or ``[null, null]``), TI2V-5B expands its timesteps per token."""
+        if model_index.get("_class_name") != self.pipeline_class:
+            return False
+        entry = model_index.get(LOW)
+        two = isinstance(entry, list) and len(entry) == 2 and all(entry)
+        if len(self.experts) > 1:
+            return two
+        return not two and bool(model_index.get("expand_timesteps")) == bool(self.expand_timesteps)
+
     def component_library(self, name):
         if name in self.experts:
             return "diffusers", self.denoiser_class
@@ -255,9 +266,9 @@ class Wan(Family):
         kept for each caption's first ``mask.sum()`` tokens and zero after them: the pipeline's
         ``u[:v]`` then zero padding to ``max_sequence_length``. The mask comes along (the cache
         keeps it; the denoiser takes none)."""
+        hidden = encoder(input_ids, attention_mask).last_hidden_state
         if attention_mask is None:  # every token valid (the planner sizes outputs so, on the meta device)
             attention_mask = torch.ones_like(input_ids)
-        hidden = encoder(input_ids, attention_mask).last_hidden_state
         seq_lens = attention_mask.gt(0).sum(dim=1).long()
         keep = (
             torch.arange(hidden.shape[1], device=hidden.device)[None, :] < seq_lens.to(hidden.device)[:, None]
@@ -517,6 +528,7 @@ _COMMON = dict(
     vae_class="AutoencoderKLWan",
     vae_in_fp32=True,  # diffusers' Wan examples load the VAE in fp32 beside a bf16 transformer
     sample_latents=False,  # Wan's VAE encode returns the posterior mean (Wan2.1 wan/modules/vae.py)
+    video=True,
     supports_dream=False,
     flow_matching=True,
     default_max_sequence_length=512,  # WanPipeline.__call__'s default, Wan's text_len
@@ -533,6 +545,8 @@ _COMMON = dict(
         "replicate",
         "--max_sequence_length",
         "32",
+        "--num_frames",
+        "5",
     ),
 )
 
