@@ -76,6 +76,37 @@ def placement_rows(n: int = 8, resolution: int = 1024) -> list[dict]:
     return out
 
 
+# the published defaults of each video pipeline: (frames, height, width)
+VIDEO_CLIPS = {"Wan 2.2 TI2V 5B": (121, 704, 1280)}
+DEFAULT_CLIP = (81, 480, 832)
+
+
+def video_cache_rows(n: int = 8) -> list[dict]:
+    """Per published video pipeline: the MiB a cached text encoder and VAE store per clip at the
+    pipeline's default clip (81 frames of 480 x 832; TI2V-5B 121 of 704 x 1280), bf16."""
+    from diffusers_zero3.known_pipelines import KNOWN_PIPELINES
+    from diffusers_zero3.plan import PlanOptions, make_plan, pipeline_components
+
+    out = []
+    for key, known in KNOWN_PIPELINES.items():
+        family, _ = pipeline_components(key)
+        if not family.video:
+            continue
+        frames, height, width = VIDEO_CLIPS.get(known["title"], DEFAULT_CLIP)
+        options = PlanOptions(
+            num_processes=n, mixed_precision="bf16", num_frames=frames, height=height, width=width
+        )
+        comps = make_plan(key, options)["components"]
+        row = {"pipeline": known["title"], "clip": f"{frames} x {height} x {width}"}
+        for name, comp in comps.items():
+            if not comp["trainable"]:
+                row[f"{name} MiB / clip"] = (
+                    f"{comp['placements']['cache']['cache_bytes_per_image'] / 2**20:.2f}"
+                )
+        out.append(row)
+    return out
+
+
 def main() -> None:
     table = rows()
     print_section(
@@ -88,6 +119,11 @@ def main() -> None:
     print_section(
         "What each placement holds per rank, N = 8, bf16 (cache: 1024 px images, the default sequence lengths)",
         markdown_table(table, columns),
+    )
+    table = video_cache_rows()
+    print_section(
+        "Video: what a cached text encoder and VAE store per clip (bf16, the default clip of each pipeline)",
+        markdown_table(table, list(table[0])),
     )
 
 

@@ -188,6 +188,7 @@ def precompute_frozen_outputs(
     seed: int = 0,
     batch_size: int = 8,
     max_sequence_length: int | None = None,
+    clips=None,
 ) -> CachedOutputs:
     """Encode a dataset once with the frozen models and publish the outputs; call on every rank.
 
@@ -201,6 +202,11 @@ def precompute_frozen_outputs(
     shorthand. With a VAE and a family that conditions on crops (SDXL's ``time_ids``), each
     image's ``original_size`` and ``crop_top_left`` (also for the flipped copy) are stored too.
     ``max_sequence_length`` is the T5 tokens per caption (default: the family's).
+
+    ``clips`` (a ``video.VideoCaptionDataset``) gives a video family's pixels: each row's clip
+    as training reads it at epoch 0 (its frames and crop; with ``random_flip`` the mirrored
+    clip is cached too), ``(3, F, H, W)``; a clip that does not decode is skipped and recorded
+    like a corrupt image.
 
     Returns the cache (reused as is when a cache with the same key exists in ``cache_dir``;
     rank 0 decides, and a published folder is checked before use). Afterwards the models can
@@ -237,6 +243,7 @@ def precompute_frozen_outputs(
         "center_crop": center_crop if vae is not None else None,
         "random_flip": random_flip if vae is not None else None,
         "seed": seed if vae is not None and not center_crop else None,
+        "clips": clips.cache_key() if clips is not None and vae is not None else None,
     }
     # Rank 0's view decides: an in-memory dataset has a random fingerprint in each process,
     # and another job may publish the same cache while this one starts.
@@ -253,7 +260,8 @@ def precompute_frozen_outputs(
     # cache_dir never write into one.
     with collective_publish(final, commit=_publish_unless_present) as tmp:
         _encode_share(tmp, dataset, inputs, text_encoders, tokenizers, family, vae, image_column,
-                      caption_column, resolution, center_crop, random_flip, seed, batch_size, max_sequence_length)  # fmt: skip
+                      caption_column, resolution, center_crop, random_flip, seed, batch_size, max_sequence_length,
+                      clips)  # fmt: skip
     return CachedOutputs(final)
 
 
@@ -266,14 +274,23 @@ def _publish_unless_present(tmp: Path, final: Path) -> None:
 def _encode_share(
     tmp: Path, dataset, inputs: dict, text_encoders: dict, tokenizers: dict, family, vae,
     image_column: str, caption_column: str, resolution: int, center_crop: bool, random_flip: bool,
-    seed: int, batch_size: int, max_sequence_length: int | None,
+    seed: int, batch_size: int, max_sequence_length: int | None, clips=None,
 ) -> None:  # fmt: skip
     """This rank's share of the cache, written into ``tmp`` (in lockstep with the others)."""
     rank, world = get_rank(), get_world_size()
     per_rank = -(-len(dataset) // world)
     mine = list(range(rank * per_rank, min(len(dataset), (rank + 1) * per_rank)))
-    skipped = []
-    if vae is not None:  # corrupt images are skipped, as in live training; the rows are recorded
+    skipped, clip_pixels = [], {}
+    if vae is not None and clips is not None:  # clips that do not decode are skipped and recorded
+        for i in mine:
+            pixels = clips.clip_pixels(i)
+            if pixels is None:
+                logger.warning("skipping row %d: the clip does not decode or is too short", i)
+                skipped.append(i)
+            else:
+                clip_pixels[i] = pixels
+        mine = [i for i in mine if i not in set(skipped)]
+    elif vae is not None:  # corrupt images are skipped, as in live training; the rows are recorded
         for i in mine:
             if not is_readable_image(dataset, i, image_column):
                 logger.warning("skipping row %d: unreadable image", i)
@@ -292,13 +309,17 @@ def _encode_share(
                 )
                 out.update({k: v.cpu() for k, v in outputs.items()})
             if vae is not None:
-                crops = [
-                    transform_image_with_crop(
-                        r[image_column], resolution, center_crop, False, random.Random(f"{seed}-0-{i}")
-                    )
-                    for i, r in zip(indices, rows)
-                ]
-                pixels = torch.stack([p for p, _ in crops]).to(vae.device, vae.dtype)
+                if clips is not None:  # clips as training reads them at epoch 0 (no flip: both are cached)
+                    crops = []
+                    pixels = torch.stack([clip_pixels[i] for i in indices]).to(vae.device, vae.dtype)
+                else:
+                    crops = [
+                        transform_image_with_crop(
+                            r[image_column], resolution, center_crop, False, random.Random(f"{seed}-0-{i}")
+                        )
+                        for i, r in zip(indices, rows)
+                    ]
+                    pixels = torch.stack([p for p, _ in crops]).to(vae.device, vae.dtype)
                 out["latent_params"] = family.latent_distribution(vae, pixels).parameters.cpu()
                 if family.uses_time_ids:
                     # CPU: written to the cache file beside the other outputs, all moved to the CPU
@@ -323,6 +344,10 @@ def _encode_share(
     from safetensors.torch import save_file
 
     save_file(tensors, str(tmp / f"part-{rank:05d}.safetensors"))
+    if mine:  # what a cached row costs on disk (the README's bytes per image or clip)
+        per_row = sum(t.numel() * t.element_size() for n, t in tensors.items() if n != "index") / len(mine)
+        names = ", ".join(n for n in sorted(tensors) if n != "index")
+        log_rank_zero(f"frozen-model cache: {per_row / 2**20:.3f} MiB per row ({names})")
     reports = all_gather_object((sorted(tensors), skipped))
     names = sorted(set().union(*(t for t, _ in reports)) - {"index"})
     all_skipped = sorted(i for _, s in reports for i in s)

@@ -192,6 +192,7 @@ def place_frozen_models(
     variant: str | None = None,
     component_sources: dict[str, str | os.PathLike] | None = None,
     max_sequence_length: int | None = None,
+    clips=None,
 ) -> FrozenInputs:
     """Load and place a family's frozen models, one placement each. Collective: every rank.
 
@@ -202,7 +203,8 @@ def place_frozen_models(
     with ``tokenizers`` and ``max_sequence_length`` T5 tokens, into ``cache_dir``) and are then
     freed; under ZeRO-3 they are loaded partitioned and run sharded for this (a T5-XXL is never
     whole on every rank), otherwise as replicas. The VAE runs in fp32 where the family says
-    so. ``component_sources`` maps a component to a folder that holds it instead of
+    so; a video family's cached VAE reads each row's clip through ``clips`` (the training's
+    ``video.VideoCaptionDataset``). ``component_sources`` maps a component to a folder that holds it instead of
     ``source/<name>`` (``--component NAME=PATH``, e.g. a separately supplied text encoder).
 
     Example:
@@ -259,6 +261,7 @@ def place_frozen_models(
             seed=seed,
             batch_size=batch_size,
             max_sequence_length=max_sequence_length,
+            clips=clips,
         )
         for name in cached:  # training holds none of their weights
             live[name].release()

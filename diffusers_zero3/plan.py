@@ -27,7 +27,7 @@ of the training dtype, the trained model's persistence threshold and bucket size
 * frozen model: ``replicate`` ``b·Ψ``; ``shard`` DeepSpeed's partition of every parameter plus
   the whole of those under its persistence threshold (``frozen.placement_bytes_per_rank``);
   ``offload`` nothing on the device (the shard in host memory); ``cache`` nothing, and the
-  bytes of its stored outputs per image on disk.
+  bytes of its stored outputs per image (a video family: per clip of ``num_frames``) on disk.
 
 Activations are not counted: the recommendation keeps ``--margin`` (default 25 %) of the
 device memory free for them.
@@ -68,9 +68,10 @@ class Component:
     # a text encoder's tokenizer_config.json model_max_length, where the pipeline has one
     tokenizer_max_length: int | None = None
     _module: torch.nn.Module | None = field(default=None, repr=False)
-    # elements of its cached outputs per image, by (resolution, sequence length): replanning
-    # at other process counts (what_would_fit) reuses them instead of running the model again
-    _output_elements: dict[tuple[int, int], int] = field(default_factory=dict, repr=False)
+    # elements of its cached outputs per image or clip, by (frames, height, width, sequence
+    # length): replanning at other process counts (what_would_fit) reuses them instead of
+    # running the model again
+    _output_elements: dict[tuple[int, int, int, int], int] = field(default_factory=dict, repr=False)
 
     def meta_module(self) -> torch.nn.Module:
         """The model built on the meta device from its config (no weights, exact shapes)."""
@@ -267,17 +268,25 @@ def denoiser_placements(
 
 
 def cache_bytes_per_image(
-    comp: Component, family, dtype_bytes: int, resolution: int, sequence_length: int
+    comp: Component,
+    family,
+    dtype_bytes: int,
+    resolution: int | tuple[int, int],
+    sequence_length: int,
+    num_frames: int = 1,
 ) -> int:
-    """Bytes a cached model's outputs take per image, in the dtype it runs in: the outputs the
-    family stores for a text encoder (``encode_text`` run on the meta device), or the VAE's
-    latent distribution (mean and log-variance) at ``resolution``."""
-    key = (resolution, sequence_length)
+    """Bytes a cached model's outputs take per image (or per clip of ``num_frames`` frames, for
+    a video family), in the dtype it runs in: the outputs the family stores for a text encoder
+    (``encode_text`` run on the meta device), or the VAE's latent distribution (mean and
+    log-variance) at ``resolution`` (square, or ``(height, width)``)."""
+    height, width = (resolution, resolution) if isinstance(resolution, int) else resolution
+    key = (num_frames, height, width, sequence_length)
     if key not in comp._output_elements:
         module = comp.meta_module()
         with torch.no_grad():
             if comp.name == "vae":
-                pixels = torch.zeros(1, 3, resolution, resolution, device="meta")
+                shape = (1, 3, num_frames, height, width) if family.video else (1, 3, height, width)
+                pixels = torch.zeros(*shape, device="meta")
                 outputs = {"latent_params": family.latent_distribution(module, pixels).parameters}
             else:
                 ids = torch.zeros(1, sequence_length, dtype=torch.long, device="meta")
@@ -287,9 +296,16 @@ def cache_bytes_per_image(
 
 
 def frozen_placements(
-    comp: Component, family, world_size: int, mixed_precision: str, resolution: int, sequence_length: int
+    comp: Component,
+    family,
+    world_size: int,
+    mixed_precision: str,
+    resolution: int | tuple[int, int],
+    sequence_length: int,
+    num_frames: int = 1,
 ) -> dict[str, dict[str, int]]:
-    """Bytes per rank of a frozen model by placement (see the module doc)."""
+    """Bytes per rank of a frozen model by placement (see the module doc); the cache's bytes
+    per image (or clip of ``num_frames``) at ``resolution``."""
     from .frozen import placement_bytes_per_rank
 
     module = comp.meta_module()
@@ -304,7 +320,7 @@ def frozen_placements(
             "bytes_per_rank": 0,
             "parameters": 0,
             "cache_bytes_per_image": cache_bytes_per_image(
-                comp, family, _bytes(dtype), resolution, sequence_length
+                comp, family, _bytes(dtype), resolution, sequence_length, num_frames
             ),
         },
     }
@@ -326,6 +342,9 @@ class PlanOptions:
     offload: str = "none"  # which offloads may be recommended: none, frozen, optimizer, all
     fixed_data: bool = False  # the same images and captions every epoch: frozen outputs can be cached
     resolution: int = 512
+    height: int | None = None  # with width: the cache's image or clip size instead of resolution
+    width: int | None = None
+    num_frames: int = 1  # a video family's frames per clip (the cache's bytes per clip)
     max_sequence_length: int | None = None
     margin: float = 0.25
     zero3: bool = True  # False: a DDP launch, where nothing can be sharded or offloaded
@@ -402,7 +421,10 @@ def _plan(components: dict[str, Component], family, options: PlanOptions) -> dic
             seq = 0  # the VAE takes no tokens
             if spec is not None:
                 seq = text_sequence_length(comp, spec, family, options.max_sequence_length)
-            placements = frozen_placements(comp, family, n, options.mixed_precision, options.resolution, seq)
+            size = (options.height or options.resolution, options.width or options.resolution)
+            placements = frozen_placements(
+                comp, family, n, options.mixed_precision, size, seq, options.num_frames if family.video else 1
+            )
         out["components"][name] = {
             "class": comp.class_name,
             "parameters": comp.parameters,
@@ -523,6 +545,9 @@ def resolve_auto_placements(
     rank: int | None = None,
     resolution: int = 512,
     max_sequence_length: int | None = None,
+    height: int | None = None,
+    width: int | None = None,
+    num_frames: int = 1,
 ) -> tuple[dict[str, str], dict | None]:
     """``(placements, plan)``: ``placements`` (``{component: placement}``) with every ``auto``
     replaced by the planner's choice for this job (processes, device memory, mixed precision,
@@ -551,6 +576,9 @@ def resolve_auto_placements(
             offload="frozen" if accelerator.device.type == "cuda" else "none",
             fixed_data=fixed_data,
             resolution=resolution,
+            height=height,
+            width=width,
+            num_frames=num_frames,
             max_sequence_length=max_sequence_length,
             zero3=accelerator.state.deepspeed_plugin is not None,
             fixed_placements={k: v for k, v in placements.items() if v not in ("auto",) and k != "reference"},
@@ -634,6 +662,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--fixed_data", action="store_true", help="the frozen models' outputs may be cached")
     p.add_argument("--resolution", type=int, default=None, help="for the cache's bytes per image")
+    p.add_argument("--height", type=int, default=None, help="with --width: a non-square image or clip")
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--num_frames", type=int, default=1, help="a video family's frames per clip (the cache)")
     p.add_argument("--max_sequence_length", type=int, default=None)
     p.add_argument("--margin", type=float, default=0.25, help="share of the device memory kept free")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -660,6 +691,8 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         raise ValueError(f"--rank must be at least 1, got {args.rank}")
     if not 0 <= args.margin < 1:
         raise ValueError(f"--margin must be in [0, 1), got {args.margin}")
+    if args.num_frames < 1:
+        raise ValueError(f"--num_frames must be at least 1, got {args.num_frames}")
     return PlanOptions(
         num_processes=args.num_processes,
         num_machines=args.num_machines,
@@ -670,6 +703,9 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         offload=args.offload,
         fixed_data=args.fixed_data,
         resolution=args.resolution or 512,
+        height=args.height,
+        width=args.width,
+        num_frames=args.num_frames,
         max_sequence_length=args.max_sequence_length,
         margin=args.margin,
     )

@@ -139,6 +139,9 @@ class TextToImageTrainer:
                 rank=getattr(args, "rank", None),
                 resolution=args.resolution,
                 max_sequence_length=getattr(args, "max_sequence_length", None),
+                height=getattr(args, "height", None),
+                width=getattr(args, "width", None),
+                num_frames=getattr(args, "num_frames", None) or 1,
             )
         except ValueError as e:
             raise ArgumentError(str(e)) from e
@@ -300,6 +303,7 @@ class TextToImageTrainer:
             variant=args.variant,
             component_sources=self.component_sources,
             max_sequence_length=args.max_sequence_length,
+            clips=self.train_dataset if self.family.video else None,
         )
         if self.frozen.cache is not None:
             self.train_dataset.unreadable_rows = set(self.frozen.cache.skipped_rows)
@@ -433,10 +437,6 @@ class TextToImageTrainer:
             check_video_shape(args.num_frames, args.height, args.width, self.family, vae_config)
         except ValueError as e:
             raise ArgumentError(str(e)) from e
-        if getattr(args, "vae_placement", None) == "cache":
-            raise ArgumentError(
-                "--vae_placement cache: the cache holds images, not clips (use replicate or shard)"
-            )
         if args.rank is not None and len(self._trained_folders()) > 1:
             raise ArgumentError(
                 "--rank with --train_experts both: train LoRA adapters on one expert at a time"
@@ -461,6 +461,7 @@ class TextToImageTrainer:
                 frame_stride=args.frame_stride, fps=args.fps, center_crop=args.center_crop,
                 random_flip=args.random_flip, seed=args.seed or 0, caption_column=args.caption_column,
                 empty_prompt_probability=args.proportion_empty_prompts,
+                with_videos=self.placements.get("vae") != "cache",
             )  # fmt: skip
         except ValueError as e:
             raise ArgumentError(str(e)) from e

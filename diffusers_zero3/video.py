@@ -371,6 +371,23 @@ class VideoCaptionDataset(torch.utils.data.Dataset):
         start = rng.randint(0, total - span) if self.random_start and total else 0
         return source.read(frame_indices(self.num_frames, step, start))
 
+    def cache_key(self) -> dict:
+        """What a cache of this dataset's clips depends on beyond the images' settings."""
+        return {"num_frames": self.num_frames, "frame_stride": self.frame_stride, "fps": self.fps,
+                "height": self.height, "width": self.width, "random_start": self.random_start}  # fmt: skip
+
+    def clip_pixels(self, index: int) -> torch.Tensor | None:
+        """Row ``index``'s clip as epoch 0 of training reads it (its start and crop; never flipped:
+        a cache keeps both orientations), ``(3, F, H, W)``; None when it does not decode or is
+        too short. For the frozen models' cache."""
+        row, rng = self.dataset[index], random.Random(f"{self.seed}-0-{index}")
+        pick_caption(row[self.caption_column], rng)  # the same draws as __getitem__, in order
+        try:
+            frames = self.clip_frames(row, rng)
+        except ClipError:
+            return None
+        return transform_clip(frames, self.height, self.width, self.center_crop, False, rng)[0]
+
     def _readable_row(self, index: int) -> tuple[int, str, random.Random, np.ndarray | None]:
         """The first usable row from ``index`` on: its index, caption, random draws (the caption
         drawn first, then the clip's start, crop and flip) and frames."""

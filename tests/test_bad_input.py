@@ -337,7 +337,6 @@ def test_dreambooth_bad_input(default_data, bad_data, tiny_sd3, tmp_path, capfd,
 VIDEO_CASES = [
     (["--num_frames", "6"], "--num_frames 6"),
     (["--train_experts", "high"], "--train_experts applies to Wan 2.2's two experts, not to a Wan 2.1"),
-    (["--vae_placement", "cache"], "--vae_placement cache: the cache holds images, not clips"),
     (["--height", "40"], "--height 40"),
     (["--frame_stride", "2", "--fps", "4"], "give --frame_stride or --fps, not both"),
     (

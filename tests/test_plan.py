@@ -364,3 +364,27 @@ def test_a_video_plan_says_its_activations_grow_with_the_clip():
     assert any("frames x height x width" in n for n in video["notes"])
     image = make_plan("Qwen/Qwen-Image", PlanOptions(num_processes=8, mixed_precision="bf16"))
     assert not any("frames x height x width" in n for n in image["notes"])
+
+
+@pytest.mark.unit
+def test_a_cached_video_vae_is_counted_per_clip():
+    """81 frames of 480 x 832 through Wan 2.1's VAE (8x spatial, 4x temporal, 16 channels):
+    21 latent frames of 60 x 104, mean and log-variance, in the VAE's fp32."""
+
+    def vae_cache(**size):
+        options = PlanOptions(num_processes=8, mixed_precision="bf16", **size)
+        plan = make_plan("Wan-AI/Wan2.1-T2V-14B-Diffusers", options)
+        return plan["components"]["vae"]["placements"]["cache"]["cache_bytes_per_image"]
+
+    assert vae_cache(num_frames=81, height=480, width=832) == 2 * 16 * 21 * 60 * 104 * 4
+    assert vae_cache(height=480, width=832) == 2 * 16 * 1 * 60 * 104 * 4  # one frame: an image
+    assert vae_cache(resolution=1024) == 2 * 16 * 128 * 128 * 4
+    # an image family ignores --num_frames
+    image = make_plan("Qwen/Qwen-Image", PlanOptions(num_frames=81, resolution=1024))
+    assert (
+        image["components"]["vae"]["placements"]["cache"]["cache_bytes_per_image"] == 2 * 16 * 128 * 128 * 4
+    )
+    from diffusers_zero3.plan import options_from_args, parser
+
+    with pytest.raises(ValueError, match="--num_frames must be at least 1"):
+        options_from_args(parser().parse_args(["Wan-AI/Wan2.1-T2V-14B-Diffusers", "--num_frames", "0"]))

@@ -70,17 +70,26 @@ def test_wan21_umt5_sharded_ema_videos_exact_resume_and_output(tiny_wan, tmp_pat
         torch.testing.assert_close(final[k], after[k], rtol=0, atol=1e-6, msg=k)
 
 
-def test_wan21_lora_loads_in_the_pipeline(tiny_wan, tmp_path):
+def test_wan21_lora_from_cached_clips_equals_live_and_loads_in_the_pipeline(tiny_wan, tmp_path):
+    """umT5 and the video VAE cached (each clip encoded once, as epoch 0 reads it) train the same
+    losses as both live (without --random_flip: the cache draws its orientation from the sample's
+    generator, live training from the crop's); the LoRA file loads in WanPipeline."""
     from diffusers import DiffusionPipeline
 
     from diffusers_zero3.families import WAN
 
     pipe, data = tiny_wan
     out = tmp_path / "lora"
-    argv = [*LAUNCH, *_common(pipe, data, 2), "--rank", "4", "--text_encoder_placement", "cache",
-            "--output_dir", str(out)]  # fmt: skip
-    _, log = run_launcher(argv, timeout=400)
-    assert sorted(step_values(log)) == [1, 2], log[-3000:]
+    lora = [a for a in [*LAUNCH, *_common(pipe, data, 2), "--rank", "4"] if a != "--random_flip"]
+    cached = ["--text_encoder_placement", "cache", "--vae_placement", "cache"]
+    _, log = run_launcher([*lora, *cached, "--output_dir", str(out)], timeout=400)
+    losses = step_values(log)
+    assert sorted(losses) == [1, 2] and "frozen-model cache:" in log and "MiB per row" in log, log[-3000:]
+    _, live_log = run_launcher([*lora, "--output_dir", str(tmp_path / "live")], timeout=400)
+    live = step_values(live_log)
+    assert "vae: replicate" in live_log and "frozen-model cache" not in live_log, live_log[-3000:]
+    for step in (1, 2):
+        assert losses[step] == pytest.approx(live[step], abs=1e-5), (losses, live)
     pipeline = DiffusionPipeline.from_pretrained(pipe)
     pipeline.load_lora_weights(out)
     loaded = [n for n, _ in pipeline.transformer.named_parameters() if "lora_" in n]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -258,3 +259,48 @@ def test_items_carry_the_familys_tokens(tmp_path):
     ds.empty_prompt_probability = 0.0
     expected = WAN.tokenize(tokenizers, [rows[1]["text"]], 16)["input_ids"][0]
     assert torch.equal(ds[1]["input_ids"], expected)
+
+
+def test_a_cached_video_vae_holds_the_clips_training_reads(tiny_wan, tmp_path, caplog):
+    """The frozen-model cache of a video family encodes each row's clip as epoch 0 reads it: its
+    frames, its random crop, and both orientations. A row that does not decode is recorded."""
+    from diffusers import AutoencoderKLWan
+
+    from diffusers_zero3.cache import precompute_frozen_outputs
+    from diffusers_zero3.families import WAN
+    from diffusers_zero3.video import VideoCaptionDataset, load_video_caption_dataset
+
+    pipe, data = tiny_wan
+    vae = AutoencoderKLWan.from_pretrained(pipe, subfolder="vae").eval()
+    rows = load_video_caption_dataset(data)
+    (Path(data) / rows[3]["video"]).rename(Path(tmp_path) / "moved.mp4")  # row 3 no longer decodes
+    try:
+        clips = VideoCaptionDataset(rows, _tokenize, num_frames=5, resolution=SIZE, random_flip=True, seed=3)
+        with caplog.at_level(logging.INFO, logger="diffusers_zero3"):
+            cache = precompute_frozen_outputs(
+                rows, tmp_path / "cache", vae=vae, family=WAN, random_flip=True, seed=3, clips=clips,
+                batch_size=4,
+            )  # fmt: skip
+    finally:
+        (Path(tmp_path) / "moved.mp4").rename(Path(data) / rows[3]["video"])
+    assert cache.skipped_rows == [3]
+    assert any("MiB per row (latent_params, latent_params_flipped)" in r.getMessage() for r in caplog.records)
+    for i in (0, 5):
+        item = clips[i]
+        plain = clips.clip_pixels(i)
+        flipped = torch.equal(item["pixel_values"], plain.flip(-1))
+        assert flipped or torch.equal(item["pixel_values"], plain)
+        with torch.no_grad():
+            live = WAN.latent_distribution(vae, item["pixel_values"][None]).mode()
+        cached = cache.get(torch.tensor([i]), flip=torch.tensor([flipped]), sample=False)["latents"]
+        torch.testing.assert_close(cached, live, rtol=0, atol=1e-5)
+        other = cache.get(torch.tensor([i]), flip=torch.tensor([not flipped]), sample=False)["latents"]
+        assert (other - live).abs().max() > 1e-3  # the other orientation is another clip
+    # another --num_frames is another cache
+    fewer = VideoCaptionDataset(rows, _tokenize, num_frames=1, resolution=SIZE, random_flip=True, seed=3)
+    again = precompute_frozen_outputs(
+        rows, tmp_path / "cache", vae=vae, family=WAN, random_flip=True, seed=3, clips=fewer, batch_size=4
+    )
+    assert (
+        again.folder != cache.folder and again.get(torch.tensor([0]), sample=False)["latents"].shape[2] == 1
+    )
