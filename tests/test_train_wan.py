@@ -1,8 +1,9 @@
 """scripts/train_text_to_image.py on video (Wan), 2 ZeRO-3 ranks, umT5 sharded: Wan 2.1 with
 EMA, a checkpoint, an exact resume, validation videos and an output that loads and generates,
-and LoRA that WanPipeline.load_lora_weights reads; Wan 2.2 with both experts, each its own
-engine (exact resume of both), and with one expert (the other copied byte for byte). Bad
-video flags: tests/test_bad_input.py."""
+and LoRA from cached clips that WanPipeline.load_lora_weights reads; Wan 2.2 with both experts,
+each its own engine (exact resume of both), and with either expert alone (the other copied byte
+for byte; the low-noise one with EMA and an exact resume). Bad video flags:
+tests/test_bad_input.py."""
 
 from __future__ import annotations
 
@@ -131,3 +132,29 @@ def test_wan22_both_experts_two_engines_exact_resume_and_one_expert_alone(tiny_w
     assert (high / "transformer_2" / low_file.name).read_bytes() == low_file.read_bytes()
     before, after = _weights(Path(pipe), "transformer"), _weights(high, "transformer")
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_wan22_low_noise_expert_alone_ema_exact_resume_and_high_copied(tiny_wan22, tmp_path):
+    """The other single-expert mode: transformer_2 trained as the job's denoiser (EMA, a
+    checkpoint, an exact resume), the high-noise expert never loaded and copied byte for byte."""
+    pipe, data = tiny_wan22
+    out = tmp_path / "low"
+    common = [*_common(pipe, data), "--use_ema", "--checkpointing_steps", "2", "--train_experts", "low"]
+    _, log = run_launcher([*LAUNCH, *common, "--output_dir", str(out)], timeout=400)
+    losses = step_values(log)
+    assert sorted(losses) == [1, 2, 3, 4] and "experts trained: transformer_2 (boundary" in log, log[-3000:]
+    high_file = next((Path(pipe) / "transformer").glob("*.safetensors"))
+    assert (out / "transformer" / high_file.name).read_bytes() == high_file.read_bytes()
+    before, after = _weights(Path(pipe), "transformer_2"), _weights(out, "transformer_2")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert len(_generate(out)) == 5
+
+    resumed = tmp_path / "resumed"
+    again = step_values(resume_in_fresh_folder([*LAUNCH, *common], out, resumed))
+    assert sorted(again) == [3, 4]
+    for step in again:
+        assert again[step] == pytest.approx(losses[step], abs=2e-6), (step, again, losses)
+    final = _weights(resumed, "transformer_2")
+    for k in after:
+        torch.testing.assert_close(final[k], after[k], rtol=0, atol=1e-6, msg=k)
+    assert (resumed / "transformer" / high_file.name).read_bytes() == high_file.read_bytes()

@@ -363,6 +363,7 @@ class Wan(Family):
             z = (math.log(cut / (1 - cut)) - settings.logit_mean) / settings.logit_std
             return 0.5 * (1 + math.erf(z / math.sqrt(2)))
         if settings.weighting_scheme == "mode":
+            # CPU: a quadrature of a scalar probability, computed once per job
             u0 = (torch.arange(100_000, dtype=torch.float64) + 0.5) / 100_000
             u = 1 - u0 - settings.mode_scale * (torch.cos(math.pi * u0 / 2) ** 2 - 1 + u0)
             return float((_indices(u, num_steps) < k).double().mean())
