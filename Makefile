@@ -23,7 +23,7 @@ test-gpu:
 	$(PYTHON) -m pytest tests -q -m gpu
 
 # make train MODEL=sdxl|flux|sd3 trains the SDXL, Flux.1 or SD3-architecture default instead.
-# The default runs take one process per GPU on a CUDA host, else 2 CPU ranks (diffusers_zero3/launch.py);
+# The default runs take one process per GPU on a CUDA host, else 2 CPU ranks (diffusers_zero3/runtime/launch.py);
 # NUM_PROCESSES=N overrides.
 MODEL ?= sd
 train:

@@ -125,7 +125,7 @@ SIZES = (96, 160)  # smaller UNets, for the size at which ZeRO-3's peak RSS drop
 def calibration_rows(pipe: Path, ddp: dict, zero3: dict) -> list[dict]:
     """The planner's model-state bytes per rank against the ones measured (N=2): parameters,
     gradients, optimizer state (and EMA), without buffers."""
-    from diffusers_zero3.plan import PlanOptions, make_plan
+    from diffusers_zero3.placement.plan import PlanOptions, make_plan
 
     plan = make_plan(str(pipe), PlanOptions(num_processes=2))["components"]["unet"]["placements"]
     kinds = ("parameters", "gradients", "optimizer", "ema")
@@ -157,7 +157,7 @@ def crossover(points: list[tuple[float, float]]) -> str:
 
 
 def main() -> None:
-    from diffusers_zero3.plan import PlanOptions, make_plan
+    from diffusers_zero3.placement.plan import PlanOptions, make_plan
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -205,7 +205,7 @@ def size_sweep(work: Path, data: Path, measured: dict | None = None) -> None:
     """Peak RSS of ZeRO-3 (frozen replicated; with and without ``--return_freed_memory``)
     against DDP at several UNet sizes, and the size where ZeRO-3's drops below DDP's.
     ``measured`` holds runs already made, by width."""
-    from diffusers_zero3.plan import PlanOptions, make_plan
+    from diffusers_zero3.placement.plan import PlanOptions, make_plan
 
     runs = dict(measured or {})
     for width in sorted({*SIZES, WIDTH}):

@@ -39,8 +39,8 @@ def case_placement(placement: str, tmp: str):
         import datasets
         from transformers import CLIPTokenizer
 
-        from diffusers_zero3.cache import precompute_frozen_outputs
         from diffusers_zero3.demo import shape_image, write_clip_tokenizer
+        from diffusers_zero3.placement.cache import precompute_frozen_outputs
 
         tok = CLIPTokenizer.from_pretrained(write_clip_tokenizer(tmp + "/tok"))
         ds = datasets.Dataset.from_dict(

@@ -27,9 +27,9 @@ def case_encoders(placements: tuple[str, str], tmp: str):
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
     from diffusers_zero3 import build_accelerator, prepare_frozen, zero3_init_disabled
-    from diffusers_zero3.cache import precompute_frozen_outputs
     from diffusers_zero3.demo import tiny_component_configs, write_clip_tokenizer
     from diffusers_zero3.families import SDXL
+    from diffusers_zero3.placement.cache import precompute_frozen_outputs
 
     cfg = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 2, "zero_optimization": {"stage": 3}}
     accelerator = build_accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))

@@ -34,9 +34,9 @@ def case(kind: str):
     )
     from diffusers_zero3 import build_accelerator, get_rank, local_parameter_bytes, share_fp32_master_weights
     from diffusers_zero3.demo import build_tiny_components
-    from diffusers_zero3.ds_config import fill_auto_bucket_sizes, zero3_bucket_sizes
     from diffusers_zero3.families import SD
-    from diffusers_zero3.lora import add_lora_adapters
+    from diffusers_zero3.runtime.ds_config import fill_auto_bucket_sizes, zero3_bucket_sizes
+    from diffusers_zero3.training.lora import add_lora_adapters
 
     torch.manual_seed(0)
     unet = build_tiny_components(width=WIDTH)["unet"]

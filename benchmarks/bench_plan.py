@@ -12,8 +12,8 @@ DEVICE = 24 * GIB  # an L4 / A10 / RTX 4090 class device; 25 % of it kept for ac
 
 
 def rows() -> list[dict]:
-    from diffusers_zero3.known_pipelines import KNOWN_PIPELINES
-    from diffusers_zero3.plan import PlanOptions, make_plan
+    from diffusers_zero3.placement.known_pipelines import KNOWN_PIPELINES
+    from diffusers_zero3.placement.plan import PlanOptions, make_plan
 
     out = []
     for key, known in KNOWN_PIPELINES.items():
@@ -49,8 +49,8 @@ def placement_rows(n: int = 8, resolution: int = 1024) -> list[dict]:
     """Per published pipeline and component: parameters and the GiB per rank each placement
     holds at ``n`` processes in bf16 (the denoiser: ZeRO-3 full fine-tuning with AdamW, and
     LoRA rank 16), and the MiB per image a cached model stores at ``resolution``."""
-    from diffusers_zero3.known_pipelines import KNOWN_PIPELINES
-    from diffusers_zero3.plan import PlanOptions, make_plan
+    from diffusers_zero3.placement.known_pipelines import KNOWN_PIPELINES
+    from diffusers_zero3.placement.plan import PlanOptions, make_plan
 
     out = []
     for key, known in KNOWN_PIPELINES.items():
@@ -84,8 +84,8 @@ DEFAULT_CLIP = (81, 480, 832)
 def video_cache_rows(n: int = 8) -> list[dict]:
     """Per published video pipeline: the MiB a cached text encoder and VAE store per clip at the
     pipeline's default clip (81 frames of 480 x 832; TI2V-5B 121 of 704 x 1280), bf16."""
-    from diffusers_zero3.known_pipelines import KNOWN_PIPELINES
-    from diffusers_zero3.plan import PlanOptions, make_plan, pipeline_components
+    from diffusers_zero3.placement.known_pipelines import KNOWN_PIPELINES
+    from diffusers_zero3.placement.plan import PlanOptions, make_plan, pipeline_components
 
     out = []
     for key, known in KNOWN_PIPELINES.items():

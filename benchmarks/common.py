@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from diffusers_zero3.memory import current_rss_bytes, peak_rss_bytes  # noqa: F401 (the benchmarks' readers)
+from diffusers_zero3.runtime.memory import current_rss_bytes, peak_rss_bytes  # noqa: F401 (the benchmarks' readers)
 from diffusers_zero3.testing import run_function_on_ranks
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -43,8 +43,8 @@ def peak_rss_since_reset_bytes() -> int:
 
 def optimizer_state_bytes(optimizer) -> int:
     """Bytes held in an optimizer's state tensors, DeepSpeed's fp32 master partitions
-    included where they are a copy (``diffusers_zero3.memory.model_state_bytes``)."""
-    from diffusers_zero3.memory import model_state_bytes
+    included where they are a copy (``diffusers_zero3.runtime.memory.model_state_bytes``)."""
+    from diffusers_zero3.runtime.memory import model_state_bytes
 
     return model_state_bytes(torch.nn.Module(), optimizer)["optimizer"]
 

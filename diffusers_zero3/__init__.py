@@ -1,8 +1,17 @@
 """diffusers_zero3: DeepSpeed ZeRO-3 for diffusers training with several models at once."""
 
-from .accelerator import build_accelerator
-from .cache import CachedOutputs, precompute_frozen_outputs
-from .distributed import (
+from .placement.cache import CachedOutputs, precompute_frozen_outputs
+from .placement.frozen import (
+    PLACEMENTS,
+    FrozenModel,
+    frozen_engine_config,
+    local_parameter_bytes,
+    placement_bytes_per_rank,
+    prepare_frozen,
+)
+from .placement.rewards import ParallelReward
+from .runtime.accelerator import build_accelerator
+from .runtime.distributed import (
     barrier,
     enable_nccl_error_handling,
     get_rank,
@@ -11,21 +20,9 @@ from .distributed import (
     is_main_process,
     log_rank_zero,
 )
-from .ema import ShardedEMA
-from .frozen import (
-    PLACEMENTS,
-    FrozenModel,
-    frozen_engine_config,
-    local_parameter_bytes,
-    placement_bytes_per_rank,
-    prepare_frozen,
-)
-from .lockstep import LockstepError, lockstep_check, lockstep_map
-from .memory import MemoryLog, model_state_bytes, return_large_frees_to_os
-from .pretrained import CheckpointError, load_pretrained_zero3, publish_folder, save_pretrained_zero3
-from .resume import load_training_checkpoint, resume_training, save_training_checkpoint
-from .rewards import ParallelReward
-from .zero3 import (
+from .runtime.lockstep import LockstepError, lockstep_check, lockstep_map
+from .runtime.memory import MemoryLog, model_state_bytes, return_large_frees_to_os
+from .runtime.zero3 import (
     gathered_parameters,
     is_zero3_enabled,
     is_zero3_param,
@@ -33,6 +30,9 @@ from .zero3 import (
     share_fp32_master_weights,
     zero3_init_disabled,
 )
+from .state.ema import ShardedEMA
+from .state.pretrained import CheckpointError, load_pretrained_zero3, publish_folder, save_pretrained_zero3
+from .state.resume import load_training_checkpoint, resume_training, save_training_checkpoint
 
 __version__ = "0.1.0"
 

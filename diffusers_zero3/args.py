@@ -12,7 +12,7 @@ import importlib.util
 import os
 
 from .errors import ArgumentError
-from .training import TIMESTEP_BIAS_STRATEGIES, WEIGHTING_SCHEMES
+from .training.objectives import TIMESTEP_BIAS_STRATEGIES, WEIGHTING_SCHEMES
 
 PLACEMENT_CHOICES = ("replicate", "shard", "offload", "cache")
 
@@ -38,7 +38,7 @@ def add_tracking_args(parser: argparse.ArgumentParser, tracker_project_name: str
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
-    """Checkpoints, rotation, resume and EMA (see ``diffusers_zero3.resume`` for the rules)."""
+    """Checkpoints, rotation, resume and EMA (see ``diffusers_zero3.state.resume`` for the rules)."""
     a = parser.add_argument_group("checkpoints and EMA").add_argument
     a("--checkpointing_steps", type=int, default=500, help="Save a resumable checkpoint every N steps.")
     a("--checkpoints_total_limit", type=int, default=None, help="Keep the newest N checkpoints (N >= 1).")

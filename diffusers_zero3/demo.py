@@ -161,7 +161,7 @@ def prepare_default(folder: str | os.PathLike, num_images: int = 64, model: str 
         if not (data / "metadata.jsonl").exists():
             write_shapes_dataset(data, num_images=num_images, sizes=VARIED_SIZES)
     elif family.video:  # clips of moving shapes (mp4), 9 frames each
-        from .video import write_shapes_videos
+        from .data.video import write_shapes_videos
 
         pipe, data = folder / f"tiny-{model}", folder / "shapes-videos"
         if not (data / "metadata.jsonl").exists():
@@ -255,7 +255,7 @@ def __getattr__(name: str):
 
 def save_reward_model(folder: str | os.PathLike, seed: int = 0, hidden: int = 64, layers: int = 3) -> Path:
     """Save a ``RednessRewardModel`` (random conv weights from ``seed``) to ``folder``."""
-    from .zero3 import zero3_init_disabled
+    from .runtime.zero3 import zero3_init_disabled
 
     with zero3_init_disabled():
         torch.manual_seed(seed)

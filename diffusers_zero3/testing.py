@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .distributed import get_rank
+from .runtime.distributed import get_rank
 
 
 class RanksFailed(RuntimeError):
@@ -175,7 +175,7 @@ def _rank_main() -> int:
         sys.stderr.flush()
         # Skip interpreter teardown: with a live gloo group it can hang or abort.
         os._exit(1)
-    from .distributed import exit_after_teardown
+    from .runtime.distributed import exit_after_teardown
 
     exit_after_teardown(0)
     return 0

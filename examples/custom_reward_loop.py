@@ -12,10 +12,10 @@ from diffusers import DDPMScheduler
 
 from diffusers_zero3 import ParallelReward, build_accelerator, get_rank, log_rank_zero, zero3_init_disabled
 from diffusers_zero3.demo import RednessRewardModel
-from diffusers_zero3.distributed import exit_after_teardown
 from diffusers_zero3.families import SD
-from diffusers_zero3.frozen_inputs import place_frozen_models
-from diffusers_zero3.recipe import load_trainable_denoiser
+from diffusers_zero3.placement.frozen_inputs import place_frozen_models
+from diffusers_zero3.runtime.distributed import exit_after_teardown
+from diffusers_zero3.training.recipe import load_trainable_denoiser
 
 
 def main(source: str, reward_dir: str, steps: int = 3) -> None:

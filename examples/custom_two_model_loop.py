@@ -11,15 +11,15 @@ import sys
 import torch
 
 from diffusers_zero3 import build_accelerator, log_rank_zero
-from diffusers_zero3.data import ImageCaptionDataset, collate, load_image_caption_dataset
-from diffusers_zero3.distributed import exit_after_teardown
+from diffusers_zero3.data.images import ImageCaptionDataset, collate, load_image_caption_dataset
 from diffusers_zero3.families import detect_family
-from diffusers_zero3.frozen_inputs import place_frozen_models
-from diffusers_zero3.parts import backward_through, cut_outputs, prepare_extra_part, step_part
-from diffusers_zero3.pipeline_io import save_final_pipeline
-from diffusers_zero3.pretrained import load_pretrained_zero3
-from diffusers_zero3.recipe import load_trainable_denoiser
-from diffusers_zero3.training import ObjectiveSettings
+from diffusers_zero3.placement.frozen_inputs import place_frozen_models
+from diffusers_zero3.runtime.distributed import exit_after_teardown
+from diffusers_zero3.state.pipeline_io import save_final_pipeline
+from diffusers_zero3.state.pretrained import load_pretrained_zero3
+from diffusers_zero3.training.objectives import ObjectiveSettings
+from diffusers_zero3.training.parts import backward_through, cut_outputs, prepare_extra_part, step_part
+from diffusers_zero3.training.recipe import load_trainable_denoiser
 
 
 def main(source: str, data_dir: str, output_dir: str, steps: int = 4) -> None:

@@ -3,7 +3,7 @@
 
 Each case runs a training script on a tiny default pipeline (``diffusers_zero3.demo``: SD,
 SDXL, SD3, Flux.1, the redness reward model, a preference dataset) under ``accelerate
-launch --num_processes N``, N = the GPUs (``diffusers_zero3.launch``; ``NUM_PROCESSES``
+launch --num_processes N``, N = the GPUs (``diffusers_zero3.runtime.launch``; ``NUM_PROCESSES``
 overrides), for 2 steps (4 when it resumes). Every launch runs under a timeout: past it the
 whole process group is killed and the case is a ``timeout`` (a hang is a failure). The
 table, case | result | seconds | peak device GiB per rank, is printed and written to
@@ -239,7 +239,7 @@ def main(argv: list[str]) -> int:
         for case in CASES:
             print(f"{case.name}: {SCRIPTS[case.script]} tiny-{case.model} {case.config} {case.flags}")
         return 0
-    from diffusers_zero3.launch import launch_settings
+    from diffusers_zero3.runtime.launch import launch_settings
 
     # DS_ACCELERATOR=cpu (left over from a CPU run) would ask for CPU ranks: these cases are for GPUs.
     env = {k: v for k, v in os.environ.items() if not (k == "DS_ACCELERATOR" and v == "cpu")}

@@ -8,14 +8,14 @@
 
 SD 1.x/2.x and SDXL pipelines: the ControlNet is the trained ZeRO-3 engine (from the UNet's
 weights, or --controlnet_model_name_or_path), the UNet is frozen and placed with
---unet_placement replicate|shard|offload (see diffusers_zero3.controlnet); the output is
+--unet_placement replicate|shard|offload (see diffusers_zero3.recipes.controlnet); the output is
 OUTPUT_DIR/controlnet.
 """
 
 import sys
 
-from diffusers_zero3.controlnet import ControlNetTrainer, parse_controlnet_args
-from diffusers_zero3.recipe import run_trainer
+from diffusers_zero3.recipes.controlnet import ControlNetTrainer, parse_controlnet_args
+from diffusers_zero3.training.recipe import run_trainer
 
 
 def main(argv: list[str] | None = None) -> int:

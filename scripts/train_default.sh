@@ -13,8 +13,8 @@ PYTHON=${PYTHON:-python3}
 OUT=${OUT:-outputs/default}
 MODEL=${MODEL:-sd}
 # NUM_PROCESSES: one per GPU on a CUDA host, else 2 CPU ranks with DS_ACCELERATOR=cpu
-# (diffusers_zero3/launch.py; NUM_PROCESSES=N overrides).
-SETTINGS=$($PYTHON -m diffusers_zero3.launch)
+# (diffusers_zero3/runtime/launch.py; NUM_PROCESSES=N overrides).
+SETTINGS=$($PYTHON -m diffusers_zero3.runtime.launch)
 eval "$SETTINGS"
 # PIPE, DATA and RUN_ARGS (the family's placements); an unknown MODEL is one error line.
 DEFAULT=$($PYTHON -m diffusers_zero3.demo "$OUT" --model "$MODEL" --shell) || exit 2

@@ -33,10 +33,9 @@ from pathlib import Path
 import torch
 
 from diffusers_zero3.args import ArgumentError, text_to_image_parser
-from diffusers_zero3.cache import model_fingerprint
-from diffusers_zero3.data import load_image_caption_dataset
-from diffusers_zero3.distributed import log_rank_zero
-from diffusers_zero3.dpo import (
+from diffusers_zero3.data.images import load_image_caption_dataset
+from diffusers_zero3.placement.cache import model_fingerprint
+from diffusers_zero3.recipes.dpo import (
     DPO_LOSS_TYPES,
     PreferencePairs,
     check_preference_columns,
@@ -44,12 +43,18 @@ from diffusers_zero3.dpo import (
     dpo_loss,
     drop_ties,
 )
-from diffusers_zero3.ds_config import weight_dtype
-from diffusers_zero3.pipeline_io import plot_curve
-from diffusers_zero3.recipe import load_frozen_component, run_trainer
-from diffusers_zero3.schedule import first_last_means
-from diffusers_zero3.text_to_image import TextToImageTrainer
-from diffusers_zero3.training import diffusion_target, sample_generators, sample_noise, sample_timesteps
+from diffusers_zero3.recipes.text_to_image import TextToImageTrainer
+from diffusers_zero3.runtime.distributed import log_rank_zero
+from diffusers_zero3.runtime.ds_config import weight_dtype
+from diffusers_zero3.state.pipeline_io import plot_curve
+from diffusers_zero3.training.objectives import (
+    diffusion_target,
+    sample_generators,
+    sample_noise,
+    sample_timesteps,
+)
+from diffusers_zero3.training.recipe import load_frozen_component, run_trainer
+from diffusers_zero3.training.schedule import first_last_means
 
 
 def dpo_parser():

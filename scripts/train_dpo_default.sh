@@ -13,8 +13,8 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-outputs/default}
 # NUM_PROCESSES: one per GPU on a CUDA host, else 2 CPU ranks with DS_ACCELERATOR=cpu
-# (diffusers_zero3/launch.py; NUM_PROCESSES=N overrides).
-SETTINGS=$($PYTHON -m diffusers_zero3.launch)
+# (diffusers_zero3/runtime/launch.py; NUM_PROCESSES=N overrides).
+SETTINGS=$($PYTHON -m diffusers_zero3.runtime.launch)
 eval "$SETTINGS"
 LAUNCH=($PYTHON -m accelerate.commands.launch --config_file configs/accelerate_zero3.yaml --num_processes "$NUM_PROCESSES")
 $PYTHON -m diffusers_zero3.demo "$OUT" --model sd --preferences

@@ -8,13 +8,13 @@
 
 SD 1.x/2.x, SDXL and Flux.1 pipelines; ``--train_text_encoder`` trains the text encoder(s)
 (SDXL: both CLIPs; Flux: CLIP) as ZeRO-3 engines of their own beside the denoiser's, and
-``--rank`` trains LoRA adapters on all of them (see diffusers_zero3.dreambooth).
+``--rank`` trains LoRA adapters on all of them (see diffusers_zero3.recipes.dreambooth).
 """
 
 import sys
 
-from diffusers_zero3.dreambooth import DreamBoothTrainer, parse_dreambooth_args
-from diffusers_zero3.recipe import run_trainer
+from diffusers_zero3.recipes.dreambooth import DreamBoothTrainer, parse_dreambooth_args
+from diffusers_zero3.training.recipe import run_trainer
 
 
 def main(argv: list[str] | None = None) -> int:

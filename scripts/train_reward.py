@@ -35,17 +35,19 @@ from diffusers_zero3.args import (
     validate_launch,
 )
 from diffusers_zero3.families import SD, detect_family
-from diffusers_zero3.folders import remove_interrupted_writes
-from diffusers_zero3.memory import return_large_frees_to_os
-from diffusers_zero3.pipeline_io import (
+from diffusers_zero3.runtime.memory import return_large_frees_to_os
+from diffusers_zero3.runtime.zero3 import share_fp32_master_weights
+from diffusers_zero3.state.folders import remove_interrupted_writes
+from diffusers_zero3.state.pipeline_io import (
     check_output_dir,
     model_card,
     pipeline_components,
     plot_curve,
     save_final_pipeline,
 )
-from diffusers_zero3.pretrained import resolve_model_folder
-from diffusers_zero3.recipe import (
+from diffusers_zero3.state.pretrained import resolve_model_folder
+from diffusers_zero3.state.resume import resume_training, save_training_checkpoint
+from diffusers_zero3.training.recipe import (
     accelerator_from_args,
     finish_trackers,
     load_frozen_component,
@@ -53,9 +55,7 @@ from diffusers_zero3.recipe import (
     run_trainer,
     weight_dtype,
 )
-from diffusers_zero3.resume import resume_training, save_training_checkpoint
-from diffusers_zero3.schedule import first_last_means
-from diffusers_zero3.zero3 import share_fp32_master_weights
+from diffusers_zero3.training.schedule import first_last_means
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -36,8 +36,8 @@ from __future__ import annotations
 import sys
 
 from diffusers_zero3.args import parse_args
-from diffusers_zero3.recipe import run_trainer
-from diffusers_zero3.text_to_image import TextToImageTrainer
+from diffusers_zero3.recipes.text_to_image import TextToImageTrainer
+from diffusers_zero3.training.recipe import run_trainer
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,9 +18,9 @@ def worker_cache(pipe_dir: str, data_dir: str, cache_dir: str):
     from transformers import CLIPTokenizer
 
     from diffusers_zero3 import prepare_frozen
-    from diffusers_zero3.cache import precompute_frozen_outputs
-    from diffusers_zero3.data import ImageCaptionDataset, collate
-    from diffusers_zero3.training import diffusion_loss
+    from diffusers_zero3.data.images import ImageCaptionDataset, collate
+    from diffusers_zero3.placement.cache import precompute_frozen_outputs
+    from diffusers_zero3.training.objectives import diffusion_loss
     from tests.common import accelerator_with_zero3
     from tests.test_frozen import _load_whole
 
@@ -75,7 +75,7 @@ def worker_cache(pipe_dir: str, data_dir: str, cache_dir: str):
     # Another job's temporary folder of the same key is left alone (the name used to be fixed,
     # and rank 0 deleted and reused it).
     from diffusers_zero3 import barrier, is_main_process
-    from diffusers_zero3.data import DataError
+    from diffusers_zero3.data.images import DataError
 
     theirs = cache.folder.parent / f".tmp-{cache.folder.name}"
     if is_main_process():

@@ -29,7 +29,7 @@ def _on_meta(*tensors: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("noise_offset", [0.0, 0.1])
 def test_sample_noise_follows_the_latents(noise_offset):
-    from diffusers_zero3.training import sample_noise
+    from diffusers_zero3.training.objectives import sample_noise
 
     latents = torch.empty(2, 4, 8, 8, dtype=torch.bfloat16, device=META)
     noise = sample_noise(latents, noise_offset)
@@ -40,7 +40,7 @@ def test_sample_noise_follows_the_latents(noise_offset):
 def test_sample_timesteps_land_on_the_requested_device():
     """Uniform draws are made there; biased ones are drawn from the CPU weights of
     ``timestep_bias_weights`` (a CPU bookkeeping tensor, by design) and then moved."""
-    from diffusers_zero3.training import sample_timesteps, timestep_bias_weights
+    from diffusers_zero3.training.objectives import sample_timesteps, timestep_bias_weights
 
     weights = timestep_bias_weights(1000, "later", multiplier=2.0)
     for w in (None, weights):
@@ -55,7 +55,7 @@ def test_compute_snr_moves_the_schedulers_table():
     table indexed by meta timesteps gives a CPU tensor; by CUDA timesteps it raises."""
     from diffusers import DDPMScheduler
 
-    from diffusers_zero3.training import compute_snr
+    from diffusers_zero3.training.objectives import compute_snr
 
     scheduler = DDPMScheduler(num_train_timesteps=1000)
     assert scheduler.alphas_cumprod.device == torch.device("cpu")
@@ -69,7 +69,7 @@ def test_diffusion_loss_stays_on_the_latents_device(prediction_type, snr_gamma):
     ``compute_snr``: each must be moved first."""
     from diffusers import DDPMScheduler
 
-    from diffusers_zero3.training import diffusion_loss, sample_noise, sample_timesteps
+    from diffusers_zero3.training.objectives import diffusion_loss, sample_noise, sample_timesteps
 
     latents = torch.empty(2, 4, 8, 8, device=META)
     noise = sample_noise(latents, 0.1)
@@ -100,7 +100,7 @@ def test_flow_matching_sampling_meets_the_latents_device(weighting_scheme):
     CPU tables; the timesteps and sigmas must then move to the latents' device."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from diffusers_zero3.training import flow_matching_loss
+    from diffusers_zero3.training.objectives import flow_matching_loss
 
     latents = torch.empty(2, 4, 8, 8, device=META)
     seen = []
@@ -157,7 +157,7 @@ def test_flux_predict_hands_the_transformer_tensors_on_the_latents_device():
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo"])
 def test_dpo_loss_and_metrics_stay_on_the_losses_device(loss_type):
-    from diffusers_zero3.dpo import dpo_loss
+    from diffusers_zero3.recipes.dpo import dpo_loss
 
     loss, metrics = dpo_loss(torch.empty(6, device=META), torch.empty(6, device=META), 50.0, loss_type)
     _on_meta(loss, *metrics.values())
@@ -171,7 +171,7 @@ class _TwoRanks:
     item, rank 1 none, so rank 1 pads with a dummy borrowed from rank 0."""
 
     def __init__(self, monkeypatch):
-        import diffusers_zero3.lockstep as lockstep
+        import diffusers_zero3.runtime.lockstep as lockstep
 
         self.rank, self.sent = 0, None
         monkeypatch.setattr(lockstep, "get_rank", lambda: self.rank)
@@ -186,7 +186,7 @@ class _TwoRanks:
 
     def run(self, item: torch.Tensor) -> torch.Tensor:
         """Both ranks' ``lockstep_map``; returns what rank 1's dummy call received."""
-        from diffusers_zero3.lockstep import lockstep_map
+        from diffusers_zero3.runtime.lockstep import lockstep_map
 
         got = []
         self.rank = 0

@@ -56,7 +56,7 @@ def _fake_cuda(monkeypatch, calls: list, count: int = 2) -> None:
 
 
 def test_init_distributed_selects_the_local_gpu_before_the_process_group(clean_nccl_env):
-    from diffusers_zero3.distributed import init_distributed_if_needed
+    from diffusers_zero3.runtime.distributed import init_distributed_if_needed
 
     monkeypatch, calls = clean_nccl_env, []
     monkeypatch.setenv("LOCAL_RANK", "1")
@@ -68,7 +68,7 @@ def test_init_distributed_selects_the_local_gpu_before_the_process_group(clean_n
 
 
 def test_init_distributed_on_one_visible_gpu_per_process_keeps_device_0(clean_nccl_env):
-    from diffusers_zero3.distributed import init_distributed_if_needed
+    from diffusers_zero3.runtime.distributed import init_distributed_if_needed
 
     monkeypatch, calls = clean_nccl_env, []
     monkeypatch.setenv("LOCAL_RANK", "1")  # CUDA_VISIBLE_DEVICES gives each process its own GPU
@@ -79,7 +79,7 @@ def test_init_distributed_on_one_visible_gpu_per_process_keeps_device_0(clean_nc
 
 
 def test_init_distributed_on_a_cpu_host_sets_no_device(clean_nccl_env):
-    from diffusers_zero3.distributed import init_distributed_if_needed
+    from diffusers_zero3.runtime.distributed import init_distributed_if_needed
 
     monkeypatch, calls = clean_nccl_env, []
     monkeypatch.setenv("LOCAL_RANK", "1")
@@ -93,7 +93,7 @@ def test_init_distributed_on_a_cpu_host_sets_no_device(clean_nccl_env):
 def test_init_distributed_does_nothing_once_started(clean_nccl_env):
     import deepspeed
 
-    from diffusers_zero3.distributed import init_distributed_if_needed
+    from diffusers_zero3.runtime.distributed import init_distributed_if_needed
 
     monkeypatch, calls = clean_nccl_env, []
     _fake_cuda(monkeypatch, calls)
@@ -104,7 +104,7 @@ def test_init_distributed_does_nothing_once_started(clean_nccl_env):
 
 
 def test_nccl_error_handling_on_cuda_and_cpu_hosts(clean_nccl_env):
-    from diffusers_zero3.distributed import enable_nccl_error_handling
+    from diffusers_zero3.runtime.distributed import enable_nccl_error_handling
 
     monkeypatch = clean_nccl_env
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -120,7 +120,7 @@ def test_nccl_error_handling_on_cuda_and_cpu_hosts(clean_nccl_env):
 
 
 def test_nccl_error_handling_keeps_what_the_user_set(clean_nccl_env):
-    from diffusers_zero3.distributed import enable_nccl_error_handling
+    from diffusers_zero3.runtime.distributed import enable_nccl_error_handling
 
     monkeypatch = clean_nccl_env
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -18,7 +18,7 @@ from tests.distributed_harness import run_on_ranks
 @pytest.mark.unit
 def test_family_detected_from_model_index(tiny_pipeline, tiny_sdxl, tiny_flux, tiny_sd3, tmp_path):
     from diffusers_zero3.families import FLUX, SD, SD3, SDXL, detect_family
-    from diffusers_zero3.pretrained import CheckpointError
+    from diffusers_zero3.state.pretrained import CheckpointError
 
     assert detect_family(tiny_pipeline) is SD
     assert detect_family(tiny_sdxl[0]) is SDXL
@@ -118,7 +118,7 @@ def test_flow_matching_loss_is_diffusers_rectified_flow(tiny_flux, scheme):
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.training_utils import compute_loss_weighting_for_sd3
 
-    from diffusers_zero3.training import flow_matching_loss
+    from diffusers_zero3.training.objectives import flow_matching_loss
 
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_flux[0], subfolder="scheduler")
     torch.manual_seed(1)
@@ -187,7 +187,7 @@ def test_crop_conditioning_records_where_each_crop_came_from(center_crop):
     import numpy as np
     from PIL import Image
 
-    from diffusers_zero3.data import transform_image_with_crop
+    from diffusers_zero3.data.images import transform_image_with_crop
     from diffusers_zero3.demo import shape_image
     from diffusers_zero3.families import time_ids
 
@@ -240,7 +240,7 @@ def test_objective_matches_diffusers_training_utils(tiny_pipeline, prediction_ty
     import torch.nn.functional as F
     from diffusers.training_utils import compute_snr
 
-    from diffusers_zero3.training import diffusion_loss
+    from diffusers_zero3.training.objectives import diffusion_loss
 
     unet, scheduler, latents, states, noise, t = _objective_inputs(tiny_pipeline, prediction_type)
     with torch.no_grad():
@@ -270,7 +270,7 @@ def test_noise_offset_input_perturbation_and_dream_match_diffusers(tiny_pipeline
     import torch.nn.functional as F
     from diffusers.training_utils import compute_dream_and_update_latents
 
-    from diffusers_zero3.training import diffusion_loss, sample_noise
+    from diffusers_zero3.training.objectives import diffusion_loss, sample_noise
 
     unet, scheduler, latents, states, noise, t = _objective_inputs(tiny_pipeline)
     # Noise offset, as diffusers' script draws it: noise + offset * randn(b, c, 1, 1).
@@ -302,7 +302,7 @@ def test_noise_offset_input_perturbation_and_dream_match_diffusers(tiny_pipeline
 
 @pytest.mark.unit
 def test_timestep_bias_weights():
-    from diffusers_zero3.training import sample_timesteps, timestep_bias_weights
+    from diffusers_zero3.training.objectives import sample_timesteps, timestep_bias_weights
 
     assert timestep_bias_weights(1000) is None
     later = timestep_bias_weights(1000, "later", multiplier=3.0, portion=0.25)
@@ -322,9 +322,9 @@ def test_timestep_bias_weights():
 def _sdxl_cache_vs_live(pipe_dir: str, data_dir: str, cache_dir: str):
     import datasets
 
-    from diffusers_zero3.data import ImageCaptionDataset, collate, transform_image_with_crop
+    from diffusers_zero3.data.images import ImageCaptionDataset, collate, transform_image_with_crop
     from diffusers_zero3.families import SDXL, time_ids
-    from diffusers_zero3.frozen_inputs import place_frozen_models
+    from diffusers_zero3.placement.frozen_inputs import place_frozen_models
     from tests.common import accelerator_with_zero3
 
     accelerator = accelerator_with_zero3(zero3_init_flag=True)
@@ -392,7 +392,7 @@ def test_sdxl_vae_runs_in_fp32_under_mixed_precision(tiny_pipeline, tiny_sdxl):
 
     from diffusers_zero3 import build_accelerator
     from diffusers_zero3.families import SD, SDXL
-    from diffusers_zero3.frozen_inputs import place_frozen_models
+    from diffusers_zero3.placement.frozen_inputs import place_frozen_models
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
@@ -417,7 +417,7 @@ def test_per_sample_generators_make_a_samples_loss_independent_of_its_batch(obje
     this rank's RNG gives a sample other draws in another batch."""
     from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler
 
-    from diffusers_zero3.training import (
+    from diffusers_zero3.training.objectives import (
         DDPMObjective,
         FlowMatchingObjective,
         ObjectiveSettings,

@@ -222,7 +222,7 @@ def test_objective_is_diffusers_flux2_dreambooth_loss(variant, weighting_scheme,
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline
     from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
-    from diffusers_zero3.training import ObjectiveSettings
+    from diffusers_zero3.training.objectives import ObjectiveSettings
 
     family, folder, pipe = _family(variant), folders[variant], pipes[variant]
     noise_scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler")
@@ -355,7 +355,7 @@ PUBLISHED_COUNTS = {  # /tmp/specs/flux2.md section 6, from the published config
 
 def test_published_configs_give_the_exact_parameter_counts():
     from diffusers_zero3.families import FLUX2, FLUX2_KLEIN
-    from diffusers_zero3.plan import build_on_meta
+    from diffusers_zero3.placement.plan import build_on_meta
 
     counts = {}
     for family in (FLUX2, FLUX2_KLEIN):
@@ -374,7 +374,7 @@ def test_published_configs_give_the_exact_parameter_counts():
 def test_published_encoders_give_the_transformers_joint_attention_width_on_the_meta_device(variant):
     """What the planner runs to size a cached row: ``encode_text`` on the meta device, whose
     rows are the transformer's ``joint_attention_dim`` wide (three stacked layers)."""
-    from diffusers_zero3.plan import build_on_meta
+    from diffusers_zero3.placement.plan import build_on_meta
 
     family = _family(variant)
     for published in family.published():
@@ -396,8 +396,8 @@ def test_published_encoders_give_the_transformers_joint_attention_width_on_the_m
 )
 def test_lora_targets_give_the_scripts_adapters_on_the_published_transformers(hub_id, modules, params):
     from diffusers_zero3.families import FLUX2, FLUX2_KLEIN
-    from diffusers_zero3.lora import add_lora_adapters
-    from diffusers_zero3.plan import build_on_meta
+    from diffusers_zero3.placement.plan import build_on_meta
+    from diffusers_zero3.training.lora import add_lora_adapters
 
     family = FLUX2 if hub_id.endswith("dev") else FLUX2_KLEIN
     (published,) = [p for p in family.published() if p.hub_id == hub_id]
@@ -413,7 +413,7 @@ def test_lora_targets_give_the_scripts_adapters_on_the_published_transformers(hu
 def test_tiny_pipeline_generates_and_takes_lora_at_the_scripts_targets(variant, folders, pipes):
     from diffusers import Flux2Transformer2DModel
 
-    from diffusers_zero3.lora import add_lora_adapters
+    from diffusers_zero3.training.lora import add_lora_adapters
 
     family, folder, pipe = _family(variant), folders[variant], pipes[variant]
     image = pipe(prompt="a red circle", num_inference_steps=2, height=32, width=32,

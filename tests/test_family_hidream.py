@@ -158,7 +158,7 @@ def test_objective_is_diffusers_hidream_dreambooth_loss(folders, pipe, weighting
     from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
     from diffusers_zero3.families import HIDREAM
-    from diffusers_zero3.training import ObjectiveSettings
+    from diffusers_zero3.training.objectives import ObjectiveSettings
 
     folder, _ = folders
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler", shift=3.0)
@@ -225,7 +225,7 @@ def test_objective_is_diffusers_hidream_dreambooth_loss(folders, pipe, weighting
 
 def test_mixture_of_experts_blocks_are_found_in_the_transformer_only(pipe):
     from diffusers_zero3.families import HIDREAM
-    from diffusers_zero3.zero3 import mixture_of_experts_blocks
+    from diffusers_zero3.runtime.zero3 import mixture_of_experts_blocks
 
     blocks = mixture_of_experts_blocks(pipe.transformer)
     assert [c.__name__ for c in blocks] == ["MOEFeedForwardSwiGLU"]
@@ -236,8 +236,8 @@ def test_mixture_of_experts_blocks_are_found_in_the_transformer_only(pipe):
 
 def test_published_configs_give_the_published_parameter_counts():
     from diffusers_zero3.families import HIDREAM
-    from diffusers_zero3.known_pipelines import KNOWN_PIPELINES
-    from diffusers_zero3.plan import build_on_meta
+    from diffusers_zero3.placement.known_pipelines import KNOWN_PIPELINES
+    from diffusers_zero3.placement.plan import build_on_meta
 
     (published,) = HIDREAM.published()
     assert KNOWN_PIPELINES[published.hub_id]["_class_name"] == "HiDreamImagePipeline"
@@ -266,8 +266,8 @@ def test_tiny_pipeline_loads_with_the_llama_generates_and_takes_lora(folders, pi
     from diffusers import DiffusionPipeline
 
     from diffusers_zero3.families import HIDREAM
-    from diffusers_zero3.frozen_inputs import resolve_component_sources
-    from diffusers_zero3.lora import add_lora_adapters
+    from diffusers_zero3.placement.frozen_inputs import resolve_component_sources
+    from diffusers_zero3.training.lora import add_lora_adapters
 
     folder, llama = folders
     index = json.loads((folder / "model_index.json").read_text())

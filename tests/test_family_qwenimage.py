@@ -112,7 +112,7 @@ def test_objective_is_diffusers_qwen_image_dreambooth_loss(tiny_qwenimage, pipe,
     from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
     from diffusers_zero3.families import QWENIMAGE
-    from diffusers_zero3.training import ObjectiveSettings
+    from diffusers_zero3.training.objectives import ObjectiveSettings
 
     folder = tiny_qwenimage[0]
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler", shift=3.0)
@@ -165,7 +165,7 @@ def test_objective_is_diffusers_qwen_image_dreambooth_loss(tiny_qwenimage, pipe,
 
 def test_tiny_pipeline_generates_and_takes_lora_at_the_scripts_targets(tiny_qwenimage, pipe):
     from diffusers_zero3.families import QWENIMAGE
-    from diffusers_zero3.lora import add_lora_adapters
+    from diffusers_zero3.training.lora import add_lora_adapters
 
     image = pipe("a red circle", num_inference_steps=2, height=32, width=32).images[0]
     assert image.size == (32, 32)

@@ -175,7 +175,7 @@ def test_objective_is_the_flow_matching_of_wans_recipes(folders, pipes):
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     from diffusers_zero3.families.wan import WAN, WAN22_5B
-    from diffusers_zero3.training import ObjectiveSettings
+    from diffusers_zero3.training.objectives import ObjectiveSettings
 
     pipe = pipes["wan"]
     scheduler = WAN.load_noise_scheduler(folders["wan"])
@@ -220,7 +220,11 @@ def test_an_expert_trains_on_its_side_of_the_boundary(folders, pipes):
         expert_for,
         expert_of_step,
     )
-    from diffusers_zero3.training import FlowMatchingObjective, ObjectiveSettings, sample_generators
+    from diffusers_zero3.training.objectives import (
+        FlowMatchingObjective,
+        ObjectiveSettings,
+        sample_generators,
+    )
 
     pipe = pipes["wan22"]
     scheduler = WAN22.load_noise_scheduler(folders["wan22"])
@@ -258,7 +262,7 @@ def test_an_expert_trains_on_its_side_of_the_boundary(folders, pipes):
             if scheduler.timesteps[(v * 1000).long()] >= boundary:
                 break
         assert torch.equal(u[k : k + 1], v)
-    # the restricted code path with every entry allowed is training.flow_matching_loss itself
+    # the restricted code path with every entry allowed is objectives.flow_matching_loss itself
     every = torch.ones_like(high)
     with torch.no_grad():
         predict = lambda noisy, t: WAN22.predict(pipe.transformer, noisy, t, cond)  # noqa: E731
@@ -290,7 +294,7 @@ def test_published_counts():
     Wan 2.1 "1.3B" and "14B" (arXiv:2503.20314), its VAE "127M", Wan 2.2 "A14B" = two 14 B experts
     and "TI2V-5B")."""
     from diffusers_zero3.families.wan import WAN, WAN22, WAN22_5B
-    from diffusers_zero3.plan import build_on_meta
+    from diffusers_zero3.placement.plan import build_on_meta
 
     counts = {}
     for family in (WAN, WAN22, WAN22_5B):
@@ -358,7 +362,7 @@ def test_lora_attaches_at_the_wan_targets_and_round_trips(folders, pipes, tmp_pa
     from peft.utils import get_peft_model_state_dict
 
     from diffusers_zero3.families.wan import WAN
-    from diffusers_zero3.lora import add_lora_adapters
+    from diffusers_zero3.training.lora import add_lora_adapters
 
     transformer = WanTransformer3DModel.from_pretrained(folders["wan"], subfolder="transformer")
     _, _, cond = _cond(WAN, folders["wan"], pipes["wan"], ["a red circle"])

@@ -129,8 +129,8 @@ def test_prompt_text_is_the_tokenizers_chat_template(tiny_zimage):
 
 def test_encode_texts_in_bf16_and_empty_batches(tiny_zimage):
     from diffusers_zero3.families import ZIMAGE
-    from diffusers_zero3.frozen_inputs import conditioning_on
-    from diffusers_zero3.zero3 import restore_rotary_buffers
+    from diffusers_zero3.placement.frozen_inputs import conditioning_on
+    from diffusers_zero3.runtime.zero3 import restore_rotary_buffers
 
     pipe = load(tiny_zimage)
     outputs, _ = family_conditioning(pipe, tiny_zimage, PROMPTS, 32)
@@ -210,7 +210,7 @@ def test_objective_is_the_training_scripts(tiny_zimage, scheme):
     from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
     from diffusers_zero3.families import ZIMAGE
-    from diffusers_zero3.training import ObjectiveSettings
+    from diffusers_zero3.training.objectives import ObjectiveSettings
 
     pipe = load(tiny_zimage)
     vae, transformer = pipe.vae, pipe.transformer
@@ -274,8 +274,8 @@ def test_objective_is_the_training_scripts(tiny_zimage, scheme):
 
 def test_published_configs_give_the_published_parameter_counts():
     from diffusers_zero3.families import ZIMAGE
-    from diffusers_zero3.known_pipelines import KNOWN_PIPELINES
-    from diffusers_zero3.plan import build_on_meta
+    from diffusers_zero3.placement.known_pipelines import KNOWN_PIPELINES
+    from diffusers_zero3.placement.plan import build_on_meta
 
     published = ZIMAGE.published()
     assert [p.hub_id for p in published] == ["Tongyi-MAI/Z-Image-Turbo", "Tongyi-MAI/Z-Image"]
@@ -292,7 +292,7 @@ def test_published_configs_give_the_published_parameter_counts():
 
 def test_tiny_pipeline_generates_and_takes_a_lora(tiny_zimage):
     from diffusers_zero3.families import ZIMAGE
-    from diffusers_zero3.lora import add_lora_adapters
+    from diffusers_zero3.training.lora import add_lora_adapters
 
     pipe = load(tiny_zimage)
     assert type(pipe).__name__ == "ZImagePipeline"

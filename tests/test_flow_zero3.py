@@ -14,11 +14,15 @@ def worker_t5_partitioned(pipe_dir: str, data_dir: str, cache_dir: str):
     from transformers import T5EncoderModel
 
     from diffusers_zero3 import load_pretrained_zero3, placement_bytes_per_rank, zero3_init_disabled
-    from diffusers_zero3.data import ImageCaptionDataset, collate
-    from diffusers_zero3.ds_config import fill_auto_bucket_sizes, frozen_engine_config, zero3_bucket_sizes
+    from diffusers_zero3.data.images import ImageCaptionDataset, collate
     from diffusers_zero3.families import FLUX
-    from diffusers_zero3.frozen import prepare_frozen
-    from diffusers_zero3.frozen_inputs import place_frozen_models
+    from diffusers_zero3.placement.frozen import prepare_frozen
+    from diffusers_zero3.placement.frozen_inputs import place_frozen_models
+    from diffusers_zero3.runtime.ds_config import (
+        fill_auto_bucket_sizes,
+        frozen_engine_config,
+        zero3_bucket_sizes,
+    )
     from tests.common import accelerator_with_zero3, zero3_config
 
     accelerator = accelerator_with_zero3(zero3_init_flag=True)

@@ -40,7 +40,7 @@ def test_cached_and_live_encoder_outputs_meet_on_the_device(family_name, cached,
     """Item 2: cached outputs are CPU tensors from safetensors, live ones are on the GPU, and
     the family concatenates them (``make train MODEL=sd3`` and ``auto`` placements do this)."""
     from diffusers_zero3.families import FAMILIES
-    from diffusers_zero3.frozen_inputs import conditioning_on
+    from diffusers_zero3.placement.frozen_inputs import conditioning_on
 
     family = next(f for f in FAMILIES.values() if f.name == family_name)
     outputs = {k: torch.zeros(shape) for k, shape in cached.items()}  # as the cache returns them
@@ -75,7 +75,7 @@ def test_reward_model_gets_its_inputs_on_its_device_and_dtype():
     images, gathered on the CPU, with a model on the GPU; a bf16 reward model got fp32 images
     ("Input type (float) and bias type (c10::BFloat16) should be the same")."""
     from diffusers_zero3 import ParallelReward
-    from diffusers_zero3.frozen import FrozenModel
+    from diffusers_zero3.placement.frozen import FrozenModel
 
     model = _Scorer().to(META, torch.bfloat16)
     reward = ParallelReward(FrozenModel(model, "replicate"), mode="main_process")
@@ -92,7 +92,7 @@ def test_offload_and_shard_partitions_go_where_the_placement_says():
     """Item 4: frozen ``shard`` and ``offload`` models were partitioned under the training
     config's ``offload_param`` (none in the shipped config: an ``offload`` model landed on the
     GPU; with the offload config every ``shard`` model landed in host memory)."""
-    from diffusers_zero3.ds_config import zero_init_config
+    from diffusers_zero3.runtime.ds_config import zero_init_config
     from tests.common import zero3_config
 
     plain = zero3_config()
@@ -108,7 +108,7 @@ def test_offload_and_shard_partitions_go_where_the_placement_says():
 def test_load_frozen_component_asks_for_its_placements_offload(monkeypatch, tmp_path):
     """Item 4, the wiring: ``shard`` loads with ``offload_param=False``, ``offload`` with True,
     whatever the training config says; and a bf16 model is partitioned in bf16."""
-    import diffusers_zero3.recipe as recipe
+    import diffusers_zero3.training.recipe as recipe
 
     calls = []
 

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.multirank  # each test starts 2 real ranks (one waits o
 def worker_rank1_hangs():
     import torch.distributed as dist
 
-    from diffusers_zero3.distributed import get_rank
+    from diffusers_zero3.runtime.distributed import get_rank
 
     dist.init_process_group("gloo")
     print(f"rank {get_rank()} started", flush=True)

@@ -1,4 +1,4 @@
-"""diffusers_zero3.launch: one process per GPU on a CUDA host, 2 CPU ranks with
+"""diffusers_zero3.runtime.launch: one process per GPU on a CUDA host, 2 CPU ranks with
 DS_ACCELERATOR=cpu elsewhere (what `make train`, `train-reward`, `train-dpo` launch), and
 the `make smoke-gpu` refusal on a host without CUDA. CUDA is faked by monkeypatching torch."""
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from diffusers_zero3.launch import LaunchSettings, launch_settings
+from diffusers_zero3.runtime.launch import LaunchSettings, launch_settings
 from tests.distributed_harness import REPO_ROOT
 
 pytestmark = pytest.mark.unit
@@ -62,9 +62,9 @@ def test_ds_accelerator_cpu_on_a_cuda_host_hides_the_gpus(monkeypatch):
 
 
 def test_command_line_on_this_host_and_bad_override():
-    """``python -m diffusers_zero3.launch`` prints the assignments (stdout) the default
+    """``python -m diffusers_zero3.runtime.launch`` prints the assignments (stdout) the default
     scripts eval; a bad NUM_PROCESSES is an error line and exit status 2."""
-    run = [sys.executable, "-m", "diffusers_zero3.launch"]
+    run = [sys.executable, "-m", "diffusers_zero3.runtime.launch"]
     ok = subprocess.run(run, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
     assert ok.returncode == 0, ok.stderr
     expected = launch_settings().shell()  # this host and environment, whatever they are
@@ -103,7 +103,7 @@ def _smoke_module():
 def test_smoke_gpu_reads_the_device_peak_of_the_memory_report():
     """The table's peak column parses the trainer's own report (MemoryLog.format); a CPU
     report has no device numbers: n/a."""
-    from diffusers_zero3.memory import MIB, MemoryLog, PhaseMemory
+    from diffusers_zero3.runtime.memory import MIB, MemoryLog, PhaseMemory
 
     smoke = _smoke_module()
     gpu = [

@@ -14,10 +14,10 @@ from tests.distributed_harness import run_on_ranks
 def worker_sharded_llm_encoder(pipe_dir: str, restore: bool):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    import diffusers_zero3.pretrained as pretrained
+    import diffusers_zero3.state.pretrained as pretrained
     from diffusers_zero3.families import QWENIMAGE
-    from diffusers_zero3.recipe import load_frozen_component
-    from diffusers_zero3.zero3 import zero3_init_disabled
+    from diffusers_zero3.runtime.zero3 import zero3_init_disabled
+    from diffusers_zero3.training.recipe import load_frozen_component
     from tests.common import accelerator_with_zero3
 
     accelerator = accelerator_with_zero3()  # persistence threshold 0: every tensor partitioned

@@ -36,7 +36,7 @@ def test_saved_lora_loads_every_adapter_in_the_pipeline(name, request, tmp_path)
     from diffusers import DiffusionPipeline
 
     from diffusers_zero3.families import family_named
-    from diffusers_zero3.lora import add_lora_adapters, save_lora_zero3
+    from diffusers_zero3.training.lora import add_lora_adapters, save_lora_zero3
     from tests.test_train_families import _supplied
 
     family = family_named(name)

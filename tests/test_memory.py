@@ -13,7 +13,7 @@ pytestmark = pytest.mark.unit
 
 _FREED = """
 import sys, torch
-from diffusers_zero3.memory import current_rss_bytes, return_large_frees_to_os
+from diffusers_zero3.runtime.memory import current_rss_bytes, return_large_frees_to_os
 if sys.argv[1] == "on":
     assert return_large_frees_to_os()
 x = torch.ones(8 * 2**20 // 4)  # glibc raises its mmap threshold at the first large free:
@@ -41,7 +41,7 @@ def test_return_large_frees_to_os_hands_freed_blocks_back():
 def test_memory_log_marks_phases():
     import torch
 
-    from diffusers_zero3.memory import MemoryLog
+    from diffusers_zero3.runtime.memory import MemoryLog
 
     log = MemoryLog()
     log.mark("start")
@@ -56,7 +56,7 @@ def test_memory_log_marks_phases():
 def test_model_state_bytes_of_a_plain_module_and_optimizer():
     import torch
 
-    from diffusers_zero3.memory import model_state_bytes
+    from diffusers_zero3.runtime.memory import model_state_bytes
 
     model = torch.nn.Linear(100, 100)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -80,7 +80,7 @@ def _fake_cuda(monkeypatch, allocated: int, peak: int, reserved: int) -> None:
 def test_memory_log_records_device_memory_on_cuda(monkeypatch):
     import re
 
-    from diffusers_zero3.memory import MIB, MemoryLog
+    from diffusers_zero3.runtime.memory import MIB, MemoryLog
 
     log = MemoryLog()
     _fake_cuda(monkeypatch, 100 * MIB, 300 * MIB, 512 * MIB)
@@ -92,7 +92,7 @@ def test_memory_log_records_device_memory_on_cuda(monkeypatch):
         300 * MIB,
         512 * MIB,
     )
-    import diffusers_zero3.distributed as distributed
+    import diffusers_zero3.runtime.distributed as distributed
 
     calls = []
     real = distributed.max_over_ranks
@@ -116,7 +116,7 @@ def test_memory_log_format_is_unchanged_on_cpu(monkeypatch):
 
     import torch
 
-    from diffusers_zero3.memory import MemoryLog
+    from diffusers_zero3.runtime.memory import MemoryLog
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     log = MemoryLog()
@@ -139,8 +139,8 @@ def test_trainer_logs_device_bytes_beside_the_model_states(monkeypatch, caplog):
 
     import torch
 
-    from diffusers_zero3.memory import MIB, MemoryLog
-    from diffusers_zero3.text_to_image import TextToImageTrainer
+    from diffusers_zero3.recipes.text_to_image import TextToImageTrainer
+    from diffusers_zero3.runtime.memory import MIB, MemoryLog
 
     def log_of_a_run(cuda: bool) -> str:
         if cuda:

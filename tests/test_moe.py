@@ -30,7 +30,7 @@ def _rank_input(rank: int) -> torch.Tensor:
 
 
 def worker_sharded_moe_matches_the_plain_block(leaf_modules: bool):
-    import diffusers_zero3.frozen as frozen
+    import diffusers_zero3.placement.frozen as frozen
     from diffusers_zero3 import get_rank, prepare_frozen
     from tests.common import accelerator_with_zero3
 
@@ -61,7 +61,7 @@ def test_sharded_moe_in_eval_mode_matches_the_unsharded_block(leaf_modules):
 
 @pytest.mark.unit
 def test_moe_blocks_are_found_by_their_experts():
-    from diffusers_zero3.zero3 import mixture_of_experts_blocks
+    from diffusers_zero3.runtime.zero3 import mixture_of_experts_blocks
 
     model = torch.nn.Sequential(_moe_block(), torch.nn.Linear(DIM, DIM))
     assert [c.__name__ for c in mixture_of_experts_blocks(model)] == ["MOEFeedForwardSwiGLU"]

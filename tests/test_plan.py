@@ -1,4 +1,4 @@
-"""The placement planner (``python -m diffusers_zero3.plan``): exact parameter counts from
+"""The placement planner (``python -m diffusers_zero3.placement.plan``): exact parameter counts from
 configs on the meta device, bytes per placement, the recommendation, and its calibration
 against a real 2-rank ZeRO-3 engine's model states."""
 
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from diffusers_zero3.plan import PlanOptions, main, make_plan
+from diffusers_zero3.placement.plan import PlanOptions, main, make_plan
 
 GIB = 2**30
 
@@ -94,7 +94,7 @@ def test_plan_of_a_local_folder_counts_and_sizes_exactly(tiny_sd3):
         places = comp["placements"]
         assert places["replicate"]["bytes_per_rank"] == 4 * sum(numels)
         # DeepSpeed's partition of each parameter; those under the persistence threshold whole
-        from diffusers_zero3.ds_config import zero3_bucket_sizes
+        from diffusers_zero3.runtime.ds_config import zero3_bucket_sizes
 
         threshold = zero3_bucket_sizes(model)["stage3_param_persistence_threshold"]
         expected = sum(math.ceil(n / 2) + (n if n <= threshold else 0) for n in numels) * 4
@@ -167,8 +167,8 @@ def test_lora_counts_the_adapters_peft_adds(tiny_pipeline):
     from diffusers import UNet2DConditionModel
 
     from diffusers_zero3.families import SD
-    from diffusers_zero3.lora import add_lora_adapters
-    from diffusers_zero3.plan import lora_parameters
+    from diffusers_zero3.placement.plan import lora_parameters
+    from diffusers_zero3.training.lora import add_lora_adapters
 
     unet = UNet2DConditionModel.from_pretrained(tiny_pipeline, subfolder="unet")
     predicted = lora_parameters(unet, 4, SD.lora_target_modules)
@@ -198,7 +198,7 @@ def test_command_line_json_and_bad_input(capsys, tiny_pipeline, tmp_path):
 
 @pytest.mark.unit
 def test_memory_sizes_parse():
-    from diffusers_zero3.plan import parse_bytes
+    from diffusers_zero3.placement.plan import parse_bytes
 
     assert parse_bytes("80GiB") == parse_bytes("80GB") == 80 * GIB
     assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("1000") == 1000
@@ -214,7 +214,7 @@ def worker_engine_states_match_the_plan(pipe_dir: str):
     from diffusers import UNet2DConditionModel
 
     from diffusers_zero3 import load_pretrained_zero3, model_state_bytes, share_fp32_master_weights
-    from diffusers_zero3.ds_config import zero3_bucket_sizes
+    from diffusers_zero3.runtime.ds_config import zero3_bucket_sizes
     from tests.common import accelerator_with_zero3, zero3_config
 
     acc = accelerator_with_zero3(zero3_init_flag=True)
@@ -316,7 +316,7 @@ def test_sequence_length_rules_without_tokenizer_files():
     takes ``--max_sequence_length`` or the family's default."""
     from diffusers_zero3.demo import tiny_component_configs
     from diffusers_zero3.families import FLUX, SD
-    from diffusers_zero3.plan import Component, text_sequence_length
+    from diffusers_zero3.placement.plan import Component, text_sequence_length
 
     clip = tiny_component_configs()["text_encoder"]
 
@@ -384,7 +384,7 @@ def test_a_cached_video_vae_is_counted_per_clip():
     assert (
         image["components"]["vae"]["placements"]["cache"]["cache_bytes_per_image"] == 2 * 16 * 128 * 128 * 4
     )
-    from diffusers_zero3.plan import options_from_args, parser
+    from diffusers_zero3.placement.plan import options_from_args, parser
 
     with pytest.raises(ValueError, match="--num_frames must be at least 1"):
         options_from_args(parser().parse_args(["Wan-AI/Wan2.1-T2V-14B-Diffusers", "--num_frames", "0"]))

@@ -25,7 +25,7 @@ def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module):
 def test_save_plain_module_round_trips_sharded_and_not(tiny_pipeline, tmp_path):
     from diffusers import UNet2DConditionModel
 
-    from diffusers_zero3.pretrained import save_pretrained_zero3
+    from diffusers_zero3.state.pretrained import save_pretrained_zero3
 
     unet = UNet2DConditionModel.from_pretrained(tiny_pipeline, subfolder="unet")
     save_pretrained_zero3(unet, tmp_path / "one")
@@ -49,7 +49,7 @@ def test_save_plain_module_round_trips_sharded_and_not(tiny_pipeline, tmp_path):
 def test_interrupted_save_leaves_previous_folder_and_no_temp(tiny_pipeline, tmp_path, monkeypatch):
     from diffusers import UNet2DConditionModel
 
-    import diffusers_zero3.pretrained as ckpt
+    import diffusers_zero3.state.pretrained as ckpt
 
     unet = UNet2DConditionModel.from_pretrained(tiny_pipeline, subfolder="unet")
     target = tmp_path / "out"
@@ -80,7 +80,7 @@ def test_interrupted_save_leaves_previous_folder_and_no_temp(tiny_pipeline, tmp_
 def test_missing_model_folder_is_a_clear_error(tmp_path):
     from diffusers import UNet2DConditionModel
 
-    from diffusers_zero3.pretrained import CheckpointError, load_pretrained_zero3
+    from diffusers_zero3.state.pretrained import CheckpointError, load_pretrained_zero3
 
     with pytest.raises(CheckpointError, match="does not exist"):
         load_pretrained_zero3(UNet2DConditionModel, str(tmp_path / "nope"), "unet")
@@ -95,9 +95,9 @@ def worker_load_and_save(pipe_dir: str, work: str):
     from safetensors.torch import load_file, save_file
     from transformers import CLIPTextModel
 
-    import diffusers_zero3.pretrained as ckpt
+    import diffusers_zero3.state.pretrained as ckpt
     from diffusers_zero3 import get_rank, zero3_init_disabled
-    from diffusers_zero3.pretrained import CheckpointError, load_pretrained_zero3, save_pretrained_zero3
+    from diffusers_zero3.state.pretrained import CheckpointError, load_pretrained_zero3, save_pretrained_zero3
     from tests.common import zero3_config
 
     deepspeed.init_distributed(dist_backend="gloo")

@@ -34,7 +34,7 @@ def _names(out: Path, prefix: str = "checkpoint-") -> list[str]:
 
 @pytest.mark.unit
 def test_rotation_keeps_the_newest_by_step_and_the_new_one(tmp_path):
-    from diffusers_zero3.resume import prune_checkpoints
+    from diffusers_zero3.state.resume import prune_checkpoints
 
     for step in (2, 4):
         _fake_checkpoint(tmp_path, step)
@@ -54,7 +54,7 @@ def test_rotation_keeps_the_newest_by_step_and_the_new_one(tmp_path):
 
 @pytest.mark.unit
 def test_rollback_abandons_newer_checkpoints_so_latest_and_rotation_ignore_them(tmp_path):
-    from diffusers_zero3.resume import (
+    from diffusers_zero3.state.resume import (
         abandon_newer_checkpoints,
         prune_checkpoints,
         resolve_resume_checkpoint,
@@ -78,8 +78,8 @@ def test_rollback_abandons_newer_checkpoints_so_latest_and_rotation_ignore_them(
 def test_resume_with_another_world_size_needs_every_saved_ranks_files(tmp_path):
     """A checkpoint of 2 processes resumed by 1: this rank re-cuts every saved rank's state,
     so it must see all of them (the control: one file missing is one error naming it)."""
-    from diffusers_zero3.pretrained import CheckpointError
-    from diffusers_zero3.resume import check_resumable
+    from diffusers_zero3.state.pretrained import CheckpointError
+    from diffusers_zero3.state.resume import check_resumable
 
     path = _fake_checkpoint(tmp_path, 4, world_size=2)
     assert check_resumable(path)["world_size"] == 2
@@ -96,8 +96,8 @@ def test_resume_with_another_world_size_needs_every_saved_ranks_files(tmp_path):
 def test_a_deepspeed_checkpoint_is_resumable_in_fp32_and_bf16(tmp_path, prefix):
     """Under bf16 DeepSpeed names the optimizer states ``bf16_zero_pp_rank_*``: every bf16
     run was refused at resume ("incomplete ... missing ..._optim_states.pt")."""
-    from diffusers_zero3.pretrained import CheckpointError
-    from diffusers_zero3.resume import check_resumable
+    from diffusers_zero3.state.pretrained import CheckpointError
+    from diffusers_zero3.state.resume import check_resumable
 
     path = _fake_checkpoint(tmp_path, 2)
     model = path / "pytorch_model"
@@ -114,8 +114,8 @@ def test_a_deepspeed_checkpoint_is_resumable_in_fp32_and_bf16(tmp_path, prefix):
 @pytest.mark.unit
 def test_ema_shards_are_not_unpickled(tmp_path):
     """A pickle that runs code is refused (weights_only=True); plain tensors load."""
-    from diffusers_zero3.pretrained import CheckpointError
-    from diffusers_zero3.resume import load_ema_shard
+    from diffusers_zero3.state.pretrained import CheckpointError
+    from diffusers_zero3.state.resume import load_ema_shard
 
     class RunsCode:
         def __reduce__(self):
@@ -132,7 +132,7 @@ def test_ema_shards_are_not_unpickled(tmp_path):
 
 @pytest.mark.unit
 def test_interrupted_writes_are_removed_at_start(tmp_path):
-    from diffusers_zero3.folders import remove_interrupted_writes
+    from diffusers_zero3.state.folders import remove_interrupted_writes
 
     for name in (".tmp-checkpoint-4", ".old-unet-1234abcd", ".tmp-pipeline-99"):
         (tmp_path / name).mkdir()
@@ -150,8 +150,8 @@ def test_interrupted_writes_are_removed_at_start(tmp_path):
 def test_output_dir_in_the_source_and_bad_component_names_are_refused(tiny_pipeline, tmp_path):
     import shutil
 
-    from diffusers_zero3.pipeline_io import check_output_dir, pipeline_components
-    from diffusers_zero3.pretrained import CheckpointError
+    from diffusers_zero3.state.pipeline_io import check_output_dir, pipeline_components
+    from diffusers_zero3.state.pretrained import CheckpointError
 
     for out in (tiny_pipeline, os.path.join(tiny_pipeline, "run"), os.path.join(tiny_pipeline, "unet", "x")):
         with pytest.raises(CheckpointError, match="is the source pipeline folder"):
@@ -175,8 +175,8 @@ def test_failed_save_leaves_the_previous_output_complete(tiny_pipeline, tmp_path
 
     from diffusers import UNet2DConditionModel
 
-    from diffusers_zero3.pipeline_io import save_final_pipeline
-    from diffusers_zero3.pretrained import CheckpointError
+    from diffusers_zero3.state.pipeline_io import save_final_pipeline
+    from diffusers_zero3.state.pretrained import CheckpointError
 
     unet = UNet2DConditionModel.from_pretrained(tiny_pipeline, subfolder="unet")
     out = tmp_path / "out"
@@ -204,7 +204,7 @@ def test_failed_save_leaves_the_previous_output_complete(tiny_pipeline, tmp_path
 
 @pytest.mark.unit
 def test_only_deepspeeds_collective_deprecations_are_filtered():
-    from diffusers_zero3.accelerator import silence_deepspeed_collective_deprecations
+    from diffusers_zero3.runtime.accelerator import silence_deepspeed_collective_deprecations
 
     msg = "`torch.distributed.all_gather_into_tensor` is deprecated. Please use `all_gather_single`."
     with warnings.catch_warnings(record=True) as caught:
@@ -229,8 +229,8 @@ def _ranks_resolve_check_and_ddp(work: str):
     from accelerate.utils import DistributedType
 
     from diffusers_zero3 import build_accelerator, get_rank
-    from diffusers_zero3.pretrained import CheckpointError
-    from diffusers_zero3.resume import check_resumable, resolve_resume_checkpoint
+    from diffusers_zero3.state.pretrained import CheckpointError
+    from diffusers_zero3.state.resume import check_resumable, resolve_resume_checkpoint
 
     rank = get_rank() if torch.distributed.is_initialized() else int(os.environ["RANK"])
 
@@ -262,7 +262,7 @@ def _ranks_resolve_check_and_ddp(work: str):
 
     # The scripts end their trackers with finish_trackers, which keeps the process group for
     # the exit protocol; accelerate's end_training (the control) destroys it.
-    from diffusers_zero3.recipe import finish_trackers
+    from diffusers_zero3.training.recipe import finish_trackers
 
     finish_trackers(accelerator)
     assert torch.distributed.is_initialized()
@@ -333,7 +333,7 @@ def test_a_launched_rank_leaves_without_interpreter_teardown_even_without_a_proc
 
     code = (
         "import atexit; atexit.register(lambda: print('interpreter teardown ran'));"
-        "from diffusers_zero3.distributed import exit_after_teardown; exit_after_teardown(3)"
+        "from diffusers_zero3.runtime.distributed import exit_after_teardown; exit_after_teardown(3)"
     )
     for world_size, rc, teardown in (("2", 3, False), ("1", 0, True)):  # "1": the control
         env = {**os.environ, "WORLD_SIZE": world_size}

@@ -72,7 +72,7 @@ def worker_save(out: str):
 
 
 def worker_load(out: str, ranks: int):
-    from diffusers_zero3.resume import load_training_checkpoint
+    from diffusers_zero3.state.resume import load_training_checkpoint
 
     accelerator, engine, optimizer, scheduler, ema = _prepare(world_size=ranks)
     state = load_training_checkpoint(accelerator, f"{out}/checkpoint-2", ema=ema)
@@ -107,7 +107,7 @@ def test_a_two_rank_checkpoint_resumes_on_one_and_on_four_ranks(tmp_path):
 
 @pytest.mark.unit
 def test_the_data_resumes_at_the_first_sample_no_rank_has_seen():
-    from diffusers_zero3.schedule import batches_to_skip
+    from diffusers_zero3.training.schedule import batches_to_skip
 
     saved = {"batches_in_epoch": 3, "world_size": 2, "train_batch_size": 2}  # 12 samples done
     assert batches_to_skip(saved, 2, 2) == 3

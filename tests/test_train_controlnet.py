@@ -26,8 +26,8 @@ def worker_partitioned_init(pipe_dir: str):
     from diffusers import ControlNetModel, UNet2DConditionModel
 
     from diffusers_zero3 import gathered_parameters
-    from diffusers_zero3.controlnet import FROM_UNET, ZERO_INIT, new_controlnet_from_unet
-    from diffusers_zero3.zero3 import zero3_init_disabled
+    from diffusers_zero3.recipes.controlnet import FROM_UNET, ZERO_INIT, new_controlnet_from_unet
+    from diffusers_zero3.runtime.zero3 import zero3_init_disabled
     from tests.common import accelerator_with_zero3
 
     accelerator = accelerator_with_zero3()  # persistence threshold 0: every tensor partitioned

@@ -18,7 +18,7 @@ LAUNCH = accelerate_launch("scripts/train_dpo.py")
 @pytest.mark.unit
 @pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo"])
 def test_dpo_loss_is_diffusers_formula(loss_type):
-    from diffusers_zero3.dpo import dpo_loss
+    from diffusers_zero3.recipes.dpo import dpo_loss
 
     model = torch.tensor([0.10, 0.30, 0.20, 0.25, 0.40, 0.15])  # 3 preferred, then 3 rejected
     ref = torch.tensor([0.12, 0.28, 0.22, 0.20, 0.41, 0.16])
@@ -43,9 +43,14 @@ def test_dpo_loss_is_diffusers_formula(loss_type):
 def test_preference_pairs_put_the_preferred_image_first_and_drop_ties(preferences):
     import datasets
 
-    from diffusers_zero3.data import DataError
+    from diffusers_zero3.data.images import DataError
     from diffusers_zero3.demo import COLOURS
-    from diffusers_zero3.dpo import PreferencePairs, check_preference_columns, collate_pairs, drop_ties
+    from diffusers_zero3.recipes.dpo import (
+        PreferencePairs,
+        check_preference_columns,
+        collate_pairs,
+        drop_ties,
+    )
 
     ds = datasets.load_dataset(preferences)["train"]
     check_preference_columns(ds)

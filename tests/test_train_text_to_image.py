@@ -201,7 +201,7 @@ def test_end_to_end_zero3_ema_shard_checkpoint_validation_and_resume(default_dat
     # The logged memory report, and the planner's model states within 10 % of the measured ones.
     assert "memory per rank (maximum over ranks)" in log and "first backward" in log
     logged = dict(re.findall(r"(\w+) ([\d.]+) MiB", log.split("model states per rank: ")[1].splitlines()[0]))
-    from diffusers_zero3.plan import PlanOptions, make_plan
+    from diffusers_zero3.placement.plan import PlanOptions, make_plan
 
     plan = make_plan(pipe, PlanOptions(num_processes=2, use_ema=True))["components"]["unet"]["placements"]
     for kind in ("parameters", "gradients", "optimizer", "ema"):

@@ -43,8 +43,12 @@ def _write(folder, rows):
 def test_shapes_videos_load_as_a_videofolder_and_as_frame_folders(tmp_path):
     import datasets
 
-    from diffusers_zero3.data import collate
-    from diffusers_zero3.video import VideoCaptionDataset, load_video_caption_dataset, write_shapes_videos
+    from diffusers_zero3.data.images import collate
+    from diffusers_zero3.data.video import (
+        VideoCaptionDataset,
+        load_video_caption_dataset,
+        write_shapes_videos,
+    )
 
     folder = write_shapes_videos(tmp_path / "clips", num_clips=4, frames=9, size=SIZE)
     rows = load_video_caption_dataset(folder)
@@ -76,7 +80,7 @@ def test_shapes_videos_load_as_a_videofolder_and_as_frame_folders(tmp_path):
 
 @pytest.mark.parametrize("layout", ["video", "frames"])
 def test_frames_are_taken_at_the_stride_or_the_fps(tmp_path, layout):
-    from diffusers_zero3.video import (
+    from diffusers_zero3.data.video import (
         VideoCaptionDataset,
         load_video_caption_dataset,
         write_frame_folder,
@@ -122,7 +126,7 @@ def test_one_crop_and_one_flip_per_clip(tmp_path):
     """Every frame of a clip is one noise image plus its frame's brightness: the frames of an item
     differ by a constant only if they were cropped and flipped alike. Across seeds the crops move
     and both orientations come."""
-    from diffusers_zero3.video import VideoCaptionDataset, load_video_caption_dataset, write_frame_folder
+    from diffusers_zero3.data.video import VideoCaptionDataset, load_video_caption_dataset, write_frame_folder
 
     rng = np.random.default_rng(0)
     base = rng.integers(40, 200, size=(40, 56, 3)).astype(np.int16)
@@ -159,8 +163,8 @@ def test_one_crop_and_one_flip_per_clip(tmp_path):
 
 
 def test_corrupt_short_and_missing_clips_are_skipped_and_counted(tmp_path, caplog):
-    from diffusers_zero3.data import DataError
-    from diffusers_zero3.video import VideoCaptionDataset, load_video_caption_dataset, write_video
+    from diffusers_zero3.data.images import DataError
+    from diffusers_zero3.data.video import VideoCaptionDataset, load_video_caption_dataset, write_video
 
     write_video(tmp_path / "good.mp4", _counting_clip(9))
     (tmp_path / "corrupt.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 8)
@@ -190,9 +194,9 @@ def test_corrupt_short_and_missing_clips_are_skipped_and_counted(tmp_path, caplo
 
 
 def test_video_shapes_must_fit_the_vae():
+    from diffusers_zero3.data.video import check_video_shape
     from diffusers_zero3.families.qwenimage import QWENIMAGE
     from diffusers_zero3.families.wan import PUBLISHED_VAE_21, PUBLISHED_VAE_22, WAN, WAN22_5B
-    from diffusers_zero3.video import check_video_shape
 
     check_video_shape(81, 480, 832, WAN, PUBLISHED_VAE_21)  # the published default
     check_video_shape(1, 480, 832, WAN, PUBLISHED_VAE_21)  # an image
@@ -213,8 +217,8 @@ def test_video_shapes_must_fit_the_vae():
 
 
 def test_bad_folders_and_flags_are_data_errors(tmp_path):
-    from diffusers_zero3.data import DataError
-    from diffusers_zero3.video import VideoCaptionDataset, load_video_caption_dataset, write_frame_folder
+    from diffusers_zero3.data.images import DataError
+    from diffusers_zero3.data.video import VideoCaptionDataset, load_video_caption_dataset, write_frame_folder
 
     with pytest.raises(DataError, match="is not a directory"):
         load_video_caption_dataset(tmp_path / "nowhere")
@@ -239,8 +243,12 @@ def test_bad_folders_and_flags_are_data_errors(tmp_path):
 
 
 def test_items_carry_the_familys_tokens(tmp_path):
+    from diffusers_zero3.data.video import (
+        VideoCaptionDataset,
+        load_video_caption_dataset,
+        write_shapes_videos,
+    )
     from diffusers_zero3.families.wan import WAN, write_umt5_tokenizer
-    from diffusers_zero3.video import VideoCaptionDataset, load_video_caption_dataset, write_shapes_videos
 
     tokenizers = {"text_encoder": WAN.load_tokenizer(write_umt5_tokenizer(tmp_path / "tok"))}
     rows = load_video_caption_dataset(
@@ -266,9 +274,9 @@ def test_a_cached_video_vae_holds_the_clips_training_reads(tiny_wan, tmp_path, c
     frames, its random crop, and both orientations. A row that does not decode is recorded."""
     from diffusers import AutoencoderKLWan
 
-    from diffusers_zero3.cache import precompute_frozen_outputs
+    from diffusers_zero3.data.video import VideoCaptionDataset, load_video_caption_dataset
     from diffusers_zero3.families import WAN
-    from diffusers_zero3.video import VideoCaptionDataset, load_video_caption_dataset
+    from diffusers_zero3.placement.cache import precompute_frozen_outputs
 
     pipe, data = tiny_wan
     vae = AutoencoderKLWan.from_pretrained(pipe, subfolder="vae").eval()

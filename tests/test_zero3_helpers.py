@@ -190,7 +190,7 @@ def test_helpers_under_explicit_zero_init():
 
 
 def worker_gloo_for_a_cpu_launch():
-    from diffusers_zero3.accelerator import needs_gloo_backend
+    from diffusers_zero3.runtime.accelerator import needs_gloo_backend
     from tests.common import accelerator_with_zero3
 
     # What the gloo decision is for: on a CPU host accelerate picks no backend by itself, sees
@@ -206,7 +206,7 @@ def worker_gloo_for_a_cpu_launch():
 def test_gloo_only_for_multi_process_cpu_launches():
     """A 2-rank launch on a CPU host asks for gloo and gets a 2-process ZeRO-3 accelerator;
     this single pytest process (no launcher) asks for nothing."""
-    from diffusers_zero3.accelerator import needs_gloo_backend
+    from diffusers_zero3.runtime.accelerator import needs_gloo_backend
 
     assert not needs_gloo_backend()
     outs = run_on_ranks(worker_gloo_for_a_cpu_launch)

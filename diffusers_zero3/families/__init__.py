@@ -26,7 +26,7 @@ import json
 import os
 from pathlib import Path
 
-from ..pretrained import CheckpointError
+from ..state.pretrained import CheckpointError
 from .base import Family, PublishedConfig, TextEncoderSpec
 from .flux import FLUX, latent_image_ids, pack_latents, unpack_latents
 from .flux2 import FLUX2, FLUX2_KLEIN

@@ -325,11 +325,11 @@ class Family:
         return self.noise_scheduler_class().from_pretrained(source, subfolder="scheduler")
 
     def objective(self, noise_scheduler, settings):
-        """The family's training objective (``training.DDPMObjective`` or
-        ``training.FlowMatchingObjective``) with ``settings`` (``training.ObjectiveSettings``)."""
-        from .. import training
+        """The family's training objective (``objectives.DDPMObjective`` or
+        ``objectives.FlowMatchingObjective``) with ``settings`` (``objectives.ObjectiveSettings``)."""
+        from ..training import objectives
 
-        cls = training.FlowMatchingObjective if self.flow_matching else training.DDPMObjective
+        cls = objectives.FlowMatchingObjective if self.flow_matching else objectives.DDPMObjective
         return cls(noise_scheduler, settings)
 
     def loss(
@@ -346,7 +346,7 @@ class Family:
         """The training loss of one micro-batch (a mean over it, or one value per sample with
         ``reduction="none"``), for every family alike: noise and timesteps drawn by the
         family's objective (from this rank's RNG, or from each sample's ``generators``:
-        ``training.sample_generators``), the denoiser called as the family's pipeline calls it
+        ``objectives.sample_generators``), the denoiser called as the family's pipeline calls it
         (``predict``; ``denoiser_kwargs`` go to that call, e.g. a ControlNet's residuals).
         Collective when the denoiser is sharded."""
         objective = self.objective(noise_scheduler, settings)

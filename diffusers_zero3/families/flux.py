@@ -178,7 +178,7 @@ def save_tiny_flux_pipeline(folder: str | os.PathLike, seed: int = 0, guidance_e
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from ..zero3 import zero3_init_disabled
+    from ..runtime.zero3 import zero3_init_disabled
 
     folder = Path(folder)
     t5_tokenizer = local_t5_tokenizer(folder)

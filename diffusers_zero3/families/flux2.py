@@ -82,7 +82,7 @@ def read_vae_tensors(folder: str | os.PathLike, names: tuple[str, ...]) -> dict[
     variant; else a ``.bin``), in fp32 and on the CPU, whatever dtype a placed VAE runs in."""
     from safetensors import safe_open
 
-    from ..folders import CheckpointError
+    from ..state.folders import CheckpointError
 
     folder = Path(folder)
     files = sorted(
@@ -691,7 +691,7 @@ def save_tiny_flux2_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
     from diffusers import FlowMatchEulerDiscreteScheduler
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-    from ..zero3 import zero3_init_disabled
+    from ..runtime.zero3 import zero3_init_disabled
 
     folder = Path(folder)
     tokenizer = read_back(write_mistral3_tokenizer, folder)
@@ -754,7 +754,7 @@ def save_tiny_flux2_klein_pipeline(folder: str | os.PathLike, seed: int = 0) -> 
     from diffusers import FlowMatchEulerDiscreteScheduler
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from ..zero3 import zero3_init_disabled
+    from ..runtime.zero3 import zero3_init_disabled
 
     folder = Path(folder)
     tokenizer = read_back(write_qwen3_tokenizer, folder)

@@ -345,7 +345,7 @@ def save_tiny_hidream_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path
         LlamaForCausalLM,
     )
 
-    from ..zero3 import zero3_init_disabled
+    from ..runtime.zero3 import zero3_init_disabled
 
     folder = Path(folder)
     llama_folder = llama_folder_of(folder)

@@ -257,7 +257,7 @@ def save_tiny_qwenimage_pipeline(folder: str | os.PathLike, seed: int = 0) -> Pa
     )
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from ..zero3 import zero3_init_disabled
+    from ..runtime.zero3 import zero3_init_disabled
 
     folder = Path(folder)
     tokenizer = read_back(write_qwenimage_tokenizer, folder)

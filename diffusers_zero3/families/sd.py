@@ -132,7 +132,7 @@ def build_tiny_components(
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from ..zero3 import zero3_init_disabled
+    from ..runtime.zero3 import zero3_init_disabled
 
     cfg = tiny_component_configs(width, text_layers, cross_dim)
     with zero3_init_disabled():

@@ -138,7 +138,7 @@ def save_tiny_sd3_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
-    from ..zero3 import zero3_init_disabled
+    from ..runtime.zero3 import zero3_init_disabled
 
     folder = Path(folder)
     t5_width = 64  # >= the two CLIP widths together (32 + 32), as in SD3 (2048 <= 4096)

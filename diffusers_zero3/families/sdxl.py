@@ -117,7 +117,7 @@ def save_tiny_sdxl_pipeline(folder: str | os.PathLike, seed: int = 0, width: int
     from diffusers import AutoencoderKL, EulerDiscreteScheduler, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    from ..zero3 import zero3_init_disabled
+    from ..runtime.zero3 import zero3_init_disabled
 
     folder = Path(folder)
     text_cfg = tiny_clip_config()

@@ -115,16 +115,16 @@ def _density(settings) -> dict:
 
 
 def _indices(u: torch.Tensor, num_steps: int) -> torch.Tensor:
-    return (u * num_steps).long().clamp(max=num_steps - 1)  # as training.flow_matching_loss
+    return (u * num_steps).long().clamp(max=num_steps - 1)  # as objectives.flow_matching_loss
 
 
 class ExpertFlowMatchingObjective:
-    """``training.FlowMatchingObjective`` with timesteps kept on one side of Wan 2.2's boundary:
+    """``objectives.FlowMatchingObjective`` with timesteps kept on one side of Wan 2.2's boundary:
     draws of the density that land on the other side are drawn again (rejection: the density
     restricted to the expert's timesteps, its shape kept, as musubi-tuner's
     ``--min_timestep/--max_timestep --preserve_distribution_shape``). ``allowed`` is a bool
     per entry of the scheduler's table (``Wan.expert_timesteps``); None is the whole table,
-    and then the loss is ``training.flow_matching_loss`` itself."""
+    and then the loss is ``objectives.flow_matching_loss`` itself."""
 
     def __init__(self, noise_scheduler, settings, allowed: torch.Tensor | None = None):
         self.noise_scheduler = noise_scheduler
@@ -159,7 +159,7 @@ class ExpertFlowMatchingObjective:
                 else:
                     raise RuntimeError("no timestep drawn on the expert's side of the boundary")
                 draws.append(u[0])
-            return torch.stack(draws)  # CPU: the generators are CPU ones (training.sample_generators)
+            return torch.stack(draws)  # CPU: the generators are CPU ones (objectives.sample_generators)
         u = compute_density_for_timestep_sampling(batch_size=n, **density)
         for _ in range(MAX_REDRAWS):
             bad = ~ok(u)
@@ -170,10 +170,10 @@ class ExpertFlowMatchingObjective:
 
     def loss(self, predict, latents: torch.Tensor, generators=None, reduction: str = "mean") -> torch.Tensor:
         """Noise (this rank's RNG or each sample's generator), then timesteps on the expert's side,
-        then the rectified-flow loss of ``training.flow_matching_loss``."""
+        then the rectified-flow loss of ``objectives.flow_matching_loss``."""
         from diffusers.training_utils import compute_loss_weighting_for_sd3
 
-        from ..training import WEIGHTING_SCHEMES, flow_matching_loss, sample_noise
+        from ..training.objectives import WEIGHTING_SCHEMES, flow_matching_loss, sample_noise
 
         s = self.settings
         noise = sample_noise(latents, 0.0, generators) if generators else torch.randn_like(latents)
@@ -647,7 +647,7 @@ def tiny_wan_components(family: Wan, vocab_size: int, seed: int = 0) -> dict:
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from ..zero3 import zero3_init_disabled
+    from ..runtime.zero3 import zero3_init_disabled
 
     z_dim = len(TINY_LATENTS_MEAN)
     with zero3_init_disabled():

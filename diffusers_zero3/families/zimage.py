@@ -211,7 +211,7 @@ def save_tiny_zimage_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
-    from ..zero3 import zero3_init_disabled
+    from ..runtime.zero3 import zero3_init_disabled
 
     folder = Path(folder)
     tokenizer = read_back(write_zimage_tokenizer, folder)

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from .args import text_to_image_parser
-from .data import DataError, collate
-from .distributed import barrier, get_rank, get_world_size, log_rank_zero
-from .errors import ArgumentError
-from .lockstep import lockstep_map
+from ..args import text_to_image_parser
+from ..data.images import DataError, collate
+from ..errors import ArgumentError
+from ..runtime.distributed import barrier, get_rank, get_world_size, log_rank_zero
+from ..runtime.lockstep import lockstep_map
 from .text_to_image import TextToImageTrainer
 
 # Text encoders each family's DreamBooth scripts train with --train_text_encoder (Flux: CLIP, not T5).
@@ -238,9 +238,9 @@ class DreamBoothTrainer(TextToImageTrainer):
     def _load_trained_text_encoder(self, name: str) -> torch.nn.Module:
         """A text encoder to train: partitioned under ZeRO-3, whole otherwise; LoRA adapters
         on its attention projections with ``--rank``, else every weight trained."""
-        from .lora import add_lora_adapters
-        from .pretrained import load_pretrained_zero3
-        from .zero3 import is_zero3_enabled, zero3_init_disabled
+        from ..runtime.zero3 import is_zero3_enabled, zero3_init_disabled
+        from ..state.pretrained import load_pretrained_zero3
+        from ..training.lora import add_lora_adapters
 
         cls = self.family.component_class(name)
         folder = self.component_sources.get(name)
@@ -281,7 +281,7 @@ class DreamBoothTrainer(TextToImageTrainer):
             )
         log_rank_zero(f"{n_instance} instance images" + (f", {n_class} class images" if n_class else ""))
         self.hf_dataset, self.image_column, self.caption_column = ds, "image", "text"
-        from .data import ImageCaptionDataset, check_enough_rows
+        from ..data.images import ImageCaptionDataset, check_enough_rows
 
         check_enough_rows(max(n_instance, n_class), self.accelerator.num_processes, args.train_batch_size)
         images = ImageCaptionDataset(
@@ -295,7 +295,7 @@ class DreamBoothTrainer(TextToImageTrainer):
     def _generate_class_images(self, count: int) -> None:
         """The missing class images, from the pipeline as it is before training (the denoiser's
         partitions, the frozen models placed for the occasion and freed). Every rank."""
-        from .frozen_inputs import place_frozen_models
+        from ..placement.frozen_inputs import place_frozen_models
 
         args = self.args
         folder = Path(args.class_data_dir)
@@ -304,7 +304,7 @@ class DreamBoothTrainer(TextToImageTrainer):
         precision = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(
             args.prior_generation_precision or "", None
         )
-        from .recipe import load_frozen_component
+        from ..training.recipe import load_frozen_component
 
         # A frozen copy of the denoiser (the trained one gets its engine later), sharded under
         # ZeRO-3 like every other model of the pipeline, freed after.
@@ -350,7 +350,7 @@ class DreamBoothTrainer(TextToImageTrainer):
 
     @property
     def _zero3(self) -> bool:
-        from .zero3 import is_zero3_enabled
+        from ..runtime.zero3 import is_zero3_enabled
 
         return is_zero3_enabled()
 
@@ -362,7 +362,7 @@ class DreamBoothTrainer(TextToImageTrainer):
     def _prepare_extra_parts(self) -> None:
         from diffusers.optimization import get_scheduler
 
-        from .parts import prepare_extra_part
+        from ..training.parts import prepare_extra_part
 
         args, acc = self.args, self.accelerator
         for name, model in self.trained_encoders.items():
@@ -399,8 +399,8 @@ class DreamBoothTrainer(TextToImageTrainer):
             )
 
     def _loss(self, batch: dict) -> torch.Tensor:
-        from .parts import cut_outputs
-        from .training import sample_generators
+        from ..training.objectives import sample_generators
+        from ..training.parts import cut_outputs
 
         args = self.args
         generators = sample_generators(args.seed or 0, self.epoch, batch["sample_id"])

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from .args import text_to_image_parser
-from .data import DataError, transform_image
-from .distributed import is_main_process, log_rank_zero
-from .errors import ArgumentError
+from ..args import text_to_image_parser
+from ..data.images import DataError, transform_image
+from ..errors import ArgumentError
+from ..runtime.distributed import is_main_process, log_rank_zero
 from .text_to_image import TextToImageTrainer
 
 CONTROLNET_PIPELINES = {
@@ -144,8 +144,8 @@ def new_controlnet_from_unet(
     every rank."""
     from diffusers import ControlNetModel, UNet2DConditionModel
 
-    from .pretrained import load_partitions_from
-    from .zero3 import is_zero3_enabled, is_zero3_param, zero3_init_disabled
+    from ..runtime.zero3 import is_zero3_enabled, is_zero3_param, zero3_init_disabled
+    from ..state.pretrained import load_partitions_from
 
     if not is_zero3_enabled():
         with zero3_init_disabled():
@@ -156,8 +156,8 @@ def new_controlnet_from_unet(
             )
     import deepspeed
 
-    from .distributed import init_distributed_if_needed
-    from .pretrained import zero_init_config
+    from ..runtime.distributed import init_distributed_if_needed
+    from ..state.pretrained import zero_init_config
 
     with zero3_init_disabled(), torch.device("meta"):  # the config from_unet makes, from the UNet's
         unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(unet_folder))
@@ -191,8 +191,8 @@ class ControlNetTrainer(TextToImageTrainer):
     def _load_trained_model(self) -> None:
         from diffusers import ControlNetModel
 
-        from .pretrained import load_pretrained_zero3, resolve_model_folder
-        from .zero3 import is_zero3_enabled, zero3_init_disabled
+        from ..runtime.zero3 import is_zero3_enabled, zero3_init_disabled
+        from ..state.pretrained import load_pretrained_zero3, resolve_model_folder
 
         args = self.args
         if self.family.name not in CONTROLNET_PIPELINES:
@@ -213,7 +213,7 @@ class ControlNetTrainer(TextToImageTrainer):
                 self.accelerator, unet_folder, self._conditioning_channels(), seed=args.seed or 0
             )
         if is_zero3_enabled():
-            from .ds_config import fill_auto_bucket_sizes
+            from ..runtime.ds_config import fill_auto_bucket_sizes
 
             plugin = self.accelerator.state.deepspeed_plugin
             if plugin is not None:
@@ -245,7 +245,7 @@ class ControlNetTrainer(TextToImageTrainer):
         )
 
     def _place_frozen(self) -> None:
-        from .recipe import load_frozen_component
+        from ..training.recipe import load_frozen_component
 
         super()._place_frozen()
         folder = self.component_sources.get("unet")
@@ -277,7 +277,7 @@ class ControlNetTrainer(TextToImageTrainer):
         return predict
 
     def _loss(self, batch: dict) -> torch.Tensor:
-        from .training import sample_generators
+        from ..training.objectives import sample_generators
 
         generators = sample_generators(self.args.seed or 0, self.epoch, batch["index"])
         latents, cond, _ = self.frozen(batch, self.accelerator.device, generators)
@@ -302,7 +302,7 @@ class ControlNetTrainer(TextToImageTrainer):
         pipeline makes from it (every rank; rank 0 writes the grid)."""
         from PIL import Image
 
-        from .pipeline_io import image_grid
+        from ..state.pipeline_io import image_grid
 
         args, acc = self.args, self.accelerator
         if not args.validation_prompt:
@@ -344,9 +344,9 @@ class ControlNetTrainer(TextToImageTrainer):
     def save(self) -> None:
         """``OUTPUT_DIR/controlnet`` (the EMA average when used), streamed from the partitions
         into a staging folder and moved into place. Every rank."""
-        from .folders import collective_publish
-        from .pretrained import save_pretrained_zero3
-        from .recipe import finish_trackers
+        from ..state.folders import collective_publish
+        from ..state.pretrained import save_pretrained_zero3
+        from ..training.recipe import finish_trackers
 
         args = self.args
         final = Path(args.output_dir) / "controlnet"

@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .data import DataError, pick_caption
-from .distributed import logger
+from ..runtime.distributed import logger
+from .images import DataError, pick_caption
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v", ".gif")
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")

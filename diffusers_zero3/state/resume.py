@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from .distributed import all_gather_object, barrier, get_rank, get_world_size, is_main_process
+from ..runtime.distributed import all_gather_object, barrier, get_rank, get_world_size, is_main_process
 from .folders import CheckpointError, collective_publish, fsync_dir, replace_folder
 
 CHECKPOINT_PREFIX = "checkpoint-"

@@ -1,7 +1,7 @@
 """Placement planner: bytes per rank of every component of a training job, by placement, and
 the fastest set of placements that fits the device memory.
 
-    python -m diffusers_zero3.plan PIPELINE [--num_processes N] [--device_memory 80GiB]
+    python -m diffusers_zero3.placement.plan PIPELINE [--num_processes N] [--device_memory 80GiB]
         [--mixed_precision bf16] [--use_ema] [--rank R] [--offload frozen|optimizer|all]
         [--fixed_data] [--json]
 
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from .ds_config import resolve_dtype
+from ..runtime.ds_config import resolve_dtype
 from .known_pipelines import KNOWN_PIPELINES
 
 GIB = 2**30
@@ -87,7 +87,7 @@ class Component:
 def build_on_meta(library: str, class_name: str, config: dict) -> torch.nn.Module:
     """``class_name`` of ``library`` (``diffusers`` or ``transformers``) built from ``config``
     on the meta device."""
-    from .zero3 import zero3_init_disabled
+    from ..runtime.zero3 import zero3_init_disabled
 
     cls = getattr(importlib.import_module(library), class_name)
     with zero3_init_disabled(), torch.device("meta"):
@@ -110,7 +110,7 @@ def _read_json(path: Path) -> dict:
 def pipeline_components(pipeline: str | os.PathLike) -> tuple[object, dict[str, Component]]:
     """``(family, {folder: Component})`` of a pipeline folder, a hub id (configs only) or a
     carried config; the family's denoiser is marked trainable."""
-    from .families import FAMILIES, FAMILY_NAMES, family_of_index
+    from ..families import FAMILIES, FAMILY_NAMES, family_of_index
 
     key = str(pipeline)
     folder = None
@@ -219,7 +219,7 @@ def denoiser_placements(
     lora: tuple[int, tuple[str, ...]] | None = None,
 ) -> dict[str, dict[str, int]]:
     """Bytes per rank of the trained denoiser by placement (see the module doc)."""
-    from .ds_config import typical_hidden_size, zero3_bucket_sizes
+    from ..runtime.ds_config import typical_hidden_size, zero3_bucket_sizes
     from .frozen import sharded_elements
 
     b = _bytes(resolve_dtype(mixed_precision, {}, None))
@@ -557,7 +557,7 @@ def resolve_auto_placements(
 
     Collective: every rank calls it; rank 0 plans and broadcasts, so all ranks place alike.
     """
-    from .distributed import all_gather_object, get_rank, log_rank_zero
+    from ..runtime.distributed import all_gather_object, get_rank, log_rank_zero
 
     auto = [name for name, value in placements.items() if value == "auto"]
     if not auto:
@@ -645,8 +645,10 @@ def parse_bytes(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The command line of ``python -m diffusers_zero3.plan``."""
-    p = argparse.ArgumentParser(prog="python -m diffusers_zero3.plan", description=__doc__.split("\n\n")[0])
+    """The command line of ``python -m diffusers_zero3.placement.plan``."""
+    p = argparse.ArgumentParser(
+        prog="python -m diffusers_zero3.placement.plan", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("pipeline", help="pipeline folder, hub id, or one of: " + ", ".join(KNOWN_PIPELINES))
     p.add_argument("--num_processes", type=int, default=1, help="ranks in all (all machines)")
     p.add_argument("--num_machines", type=int, default=1)

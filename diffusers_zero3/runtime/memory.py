@@ -6,7 +6,7 @@ step, ...), and on a CUDA host the GPU memory of torch's allocator too;
 ``model_state_bytes`` counts the bytes of parameters, gradients, optimizer state and EMA a
 rank holds in tensors (on whichever device), for a ZeRO-3 engine or a plain module alike. The
 text-to-image trainer logs both; the benchmarks read them; the planner
-(``diffusers_zero3.plan``) predicts the second.
+(``diffusers_zero3.placement.plan``) predicts the second.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer=None, ema=None) -> dict[
 
     ``model`` may be the prepared engine or its module; ``optimizer`` the prepared one.
     """
-    from .frozen import local_parameter_bytes
+    from ..placement.frozen import local_parameter_bytes
 
     module = getattr(model, "module", model)
     params = local_parameter_bytes(module)

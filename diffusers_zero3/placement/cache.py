@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from .data import DataError, is_readable_image, pick_caption, transform_image_with_crop
-from .distributed import (
+from ..data.images import DataError, is_readable_image, pick_caption, transform_image_with_crop
+from ..runtime.distributed import (
     all_gather_object,
     get_rank,
     get_world_size,
@@ -40,9 +40,9 @@ from .distributed import (
     log_rank_zero,
     logger,
 )
-from .folders import collective_publish
-from .lockstep import lockstep_map
-from .zero3 import gathered_parameters
+from ..runtime.lockstep import lockstep_map
+from ..runtime.zero3 import gathered_parameters
+from ..state.folders import collective_publish
 
 CACHE_FORMAT = 2
 _IMAGE_TENSORS = (
@@ -212,7 +212,7 @@ def precompute_frozen_outputs(
     rank 0 decides, and a published folder is checked before use). Afterwards the models can
     be released (``FrozenModel.release()`` or ``del``): training needs none of their weights.
     """
-    from .families import SD
+    from ..families import SD
 
     text_encoders = dict(text_encoders or {})
     tokenizers = dict(tokenizers or {})

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .args import (
+from ..args import (
     ArgumentError,
     check_resolution,
     component_overrides,
@@ -26,7 +26,7 @@ from .args import (
     validate_family,
     validate_launch,
 )
-from .data import (
+from ..data.images import (
     ImageCaptionDataset,
     check_enough_rows,
     check_image_column,
@@ -34,15 +34,16 @@ from .data import (
     load_image_caption_dataset,
     resolve_columns,
 )
-from .distributed import barrier, is_main_process, log_rank_zero, max_over_ranks
-from .ds_config import fill_auto_bucket_sizes
-from .ema import ShardedEMA
-from .families import detect_family
-from .folders import remove_interrupted_writes
-from .frozen_inputs import place_frozen_models, resolve_component_sources
-from .lora import LORA_WEIGHT_NAME, add_lora_adapters, save_lora_zero3
-from .memory import MIB, MemoryLog, model_state_bytes, return_large_frees_to_os
-from .pipeline_io import (
+from ..families import detect_family
+from ..placement.frozen_inputs import place_frozen_models, resolve_component_sources
+from ..placement.plan import resolve_auto_placements
+from ..runtime.distributed import barrier, is_main_process, log_rank_zero, max_over_ranks
+from ..runtime.ds_config import fill_auto_bucket_sizes
+from ..runtime.memory import MIB, MemoryLog, model_state_bytes, return_large_frees_to_os
+from ..runtime.zero3 import share_fp32_master_weights
+from ..state.ema import ShardedEMA
+from ..state.folders import remove_interrupted_writes
+from ..state.pipeline_io import (
     check_output_dir,
     generate_validation_images,
     image_grid,
@@ -50,11 +51,13 @@ from .pipeline_io import (
     pipeline_components,
     save_final_pipeline,
 )
-from .plan import resolve_auto_placements
-from .pretrained import CheckpointError, resolve_model_folder
-from .recipe import accelerator_from_args, finish_trackers, load_trainable_denoiser
-from .resume import resume_training, save_training_checkpoint
-from .schedule import (
+from ..state.pretrained import CheckpointError, resolve_model_folder
+from ..state.resume import resume_training, save_training_checkpoint
+from ..testing import fault_point
+from ..training.lora import LORA_WEIGHT_NAME, add_lora_adapters, save_lora_zero3
+from ..training.objectives import ObjectiveSettings, sample_generators, timestep_bias_weights
+from ..training.recipe import accelerator_from_args, finish_trackers, load_trainable_denoiser
+from ..training.schedule import (
     batches_to_skip,
     epoch_batches,
     epochs_for,
@@ -63,11 +66,8 @@ from .schedule import (
     scaled_learning_rate,
     updates_per_epoch,
 )
-from .testing import fault_point
-from .training import ObjectiveSettings, sample_generators, timestep_bias_weights
-from .zero3 import share_fp32_master_weights
 
-logger = logging.getLogger("diffusers_zero3.text_to_image")
+logger = logging.getLogger("diffusers_zero3.recipes.text_to_image")
 
 
 class TextToImageTrainer:
@@ -375,7 +375,7 @@ class TextToImageTrainer:
             return
         from diffusers.optimization import get_scheduler
 
-        from .parts import prepare_extra_part
+        from ..training.parts import prepare_extra_part
 
         args = self.args
         model = self._second_expert
@@ -402,7 +402,7 @@ class TextToImageTrainer:
         experts = getattr(self.family, "experts", ())
         if len(experts) < 2:
             return [self.family.denoiser]
-        from .families.wan import TRAIN_EXPERTS
+        from ..families.wan import TRAIN_EXPERTS
 
         return list(TRAIN_EXPERTS[self.args.train_experts or "both"])
 
@@ -414,7 +414,7 @@ class TextToImageTrainer:
         folders = self._trained_folders()
         if len(folders) == 1:
             return folders[0]
-        from .families.wan import expert_of_step
+        from ..families.wan import expert_of_step
 
         if not hasattr(self, "_p_high"):
             self._p_high = self.family.expert_probability(
@@ -425,7 +425,7 @@ class TextToImageTrainer:
     def _check_video_flags(self) -> None:
         """``--num_frames`` (default 81), ``--height`` and ``--width`` (default ``--resolution``)
         that the family's VAE can encode; one error line otherwise."""
-        from .video import check_video_shape
+        from ..data.video import check_video_shape
 
         args = self.args
         args.num_frames = args.num_frames or 81
@@ -443,7 +443,7 @@ class TextToImageTrainer:
             )
 
     def _load_video_data(self) -> None:
-        from .video import VideoCaptionDataset, load_video_caption_dataset
+        from ..data.video import VideoCaptionDataset, load_video_caption_dataset
 
         args = self.args
         ds = load_video_caption_dataset(args.train_data_dir, args.caption_column)
@@ -536,7 +536,7 @@ class TextToImageTrainer:
         gradients at its cut outputs (``parts.backward_through``; under DDP the one backward
         reached them already), then its optimizer step (its clipping, its schedule). Every
         rank, every micro-batch."""
-        from .parts import backward_through, step_part
+        from ..training.parts import backward_through, step_part
 
         sync = self.accelerator.sync_gradients
         for part, kept, cut in self._cuts:
@@ -714,7 +714,7 @@ class TextToImageTrainer:
             folder.mkdir(parents=True, exist_ok=True)
             path = folder / f"step-{self.global_step:06d}.png"
             if images and isinstance(images[0], list):  # videos: an mp4 each, and their frames as a grid
-                from .video import write_validation_videos
+                from ..data.video import write_validation_videos
 
                 videos = write_validation_videos(images, folder, self.global_step)
                 frames = [frame for video in images for frame in video]
@@ -736,8 +736,8 @@ class TextToImageTrainer:
         if len(experts) < 2:
             yield trained
             return
-        from .frozen_inputs import cache_placement
-        from .recipe import load_frozen_component
+        from ..placement.frozen_inputs import cache_placement
+        from ..training.recipe import load_frozen_component
 
         have = {self.trained_folder: trained, **{n: m for n, m in modules.items() if n in experts}}
         reloaded = []

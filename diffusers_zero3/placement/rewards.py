@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .distributed import all_gather_object, comm_device, get_rank, is_distributed
+from ..runtime.distributed import all_gather_object, comm_device, get_rank, is_distributed
+from ..runtime.lockstep import lockstep_map
 from .frozen import FrozenModel, prepare_frozen
-from .lockstep import lockstep_map
 
 NORMALIZE_MODES = (None, "batch", "per_prompt", "reference")
 _EPS = 1e-8

@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from .accelerator import build_accelerator
-from .distributed import exit_after_teardown, log_rank_zero
-from .ds_config import fill_auto_bucket_sizes, weight_dtype
-from .errors import UserError
-from .frozen import check_placement_supported, prepare_frozen
-from .pretrained import load_pretrained_zero3
-from .zero3 import is_zero3_enabled, set_moe_leaf_modules, zero3_init_disabled
+from ..errors import UserError
+from ..placement.frozen import check_placement_supported, prepare_frozen
+from ..runtime.accelerator import build_accelerator
+from ..runtime.distributed import exit_after_teardown, log_rank_zero
+from ..runtime.ds_config import fill_auto_bucket_sizes, weight_dtype
+from ..runtime.zero3 import is_zero3_enabled, set_moe_leaf_modules, zero3_init_disabled
+from ..state.pretrained import load_pretrained_zero3
 
 GRAD_ACC_ENV = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
 USER_ERRORS = (UserError,)
@@ -103,7 +103,7 @@ def load_trainable_denoiser(
     given, else ``source/<denoiser>``): straight into ZeRO-3 partitions under ZeRO-3 (with
     bucket sizes filled in from its shapes, mixture-of-experts blocks as leaf modules), else a
     whole ``from_pretrained``. Call on every rank."""
-    from .families import SD
+    from ..families import SD
 
     family = family or SD
     cls = family.denoiser_cls()

@@ -1,4 +1,4 @@
-"""The published pipelines the planner carries, for ``python -m diffusers_zero3.plan`` where
+"""The published pipelines the planner carries, for ``python -m diffusers_zero3.placement.plan`` where
 there is no hub: each family's ``published()`` configs, by hub id.
 
 Each entry gives the pipeline class (``model_index.json``'s ``_class_name``), a title, a note
@@ -8,7 +8,7 @@ shapes. A plan builds these on the meta device, so the parameter counts are exac
 
 from __future__ import annotations
 
-from .families import ALL_FAMILIES
+from ..families import ALL_FAMILIES
 
 KNOWN_PIPELINES: dict[str, dict] = {
     published.hub_id: {

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .distributed import is_main_process
+from ..runtime.distributed import is_main_process
 from .folders import CheckpointError, collective_publish, fsync_dir, replace_folder
 from .pretrained import save_pretrained_zero3
 

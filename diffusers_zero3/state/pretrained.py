@@ -22,10 +22,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .distributed import all_gather_object, barrier, comm_device, get_rank, get_world_size, is_main_process
-from .ds_config import zero_init_config
+from ..runtime.distributed import (
+    all_gather_object,
+    barrier,
+    comm_device,
+    get_rank,
+    get_world_size,
+    is_main_process,
+)
+from ..runtime.ds_config import zero_init_config
+from ..runtime.zero3 import (
+    _register_zero3_engine,
+    is_zero3_param,
+    restore_rotary_buffers,
+    zero3_init_disabled,
+)
 from .folders import CheckpointError, publish_folder
-from .zero3 import _register_zero3_engine, is_zero3_param, restore_rotary_buffers, zero3_init_disabled
 
 _ST_DTYPES = {
     torch.float32: "F32",
@@ -245,7 +257,7 @@ def load_pretrained_zero3(
 
     files = weight_files(folder, variant)
     build = _build_model(model_cls, folder)
-    from .distributed import init_distributed_if_needed
+    from ..runtime.distributed import init_distributed_if_needed
 
     init_distributed_if_needed()  # this rank's GPU first, then the process group
     with deepspeed.zero.Init(config_dict_or_path=cfg):  # the dtype is the config's (zero_init_config)

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from .distributed import barrier, is_main_process
-from .errors import ArgumentError
-from .folders import fsync_tree
-from .zero3 import gathered_parameters, is_zero3_param
+from ..errors import ArgumentError
+from ..runtime.distributed import barrier, is_main_process
+from ..runtime.zero3 import gathered_parameters, is_zero3_param
+from ..state.folders import fsync_tree
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 

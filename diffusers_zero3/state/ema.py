@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from .distributed import comm_device, get_rank, get_world_size
-from .zero3 import is_zero3_param
+from ..runtime.distributed import comm_device, get_rank, get_world_size
+from ..runtime.zero3 import is_zero3_param
 
 
 def _has_local_fp32(p: torch.nn.Parameter) -> bool:

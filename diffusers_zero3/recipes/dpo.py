@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .data import DataError, transform_image_with_crop
+from ..data.images import DataError, transform_image_with_crop
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
 PICKAPIC_COLUMNS = ("jpg_0", "jpg_1", "label_0", "caption")

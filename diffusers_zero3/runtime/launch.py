@@ -3,7 +3,7 @@
 The default runs (``make train``, ``make train-reward``, ``make train-dpo``) and ``make
 smoke-gpu`` ask this module, so that the decision lives in one place::
 
-    SETTINGS=$(python -m diffusers_zero3.launch)   # fails (exit 2) on a bad NUM_PROCESSES
+    SETTINGS=$(python -m diffusers_zero3.runtime.launch)   # fails (exit 2) on a bad NUM_PROCESSES
     eval "$SETTINGS"                               # NUM_PROCESSES=..., export DS_ACCELERATOR=cpu
     accelerate launch --num_processes "$NUM_PROCESSES" ...
 

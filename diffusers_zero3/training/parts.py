@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from .ds_config import zero3_bucket_sizes
-from .zero3 import share_fp32_master_weights
+from ..runtime.ds_config import zero3_bucket_sizes
+from ..runtime.zero3 import share_fp32_master_weights
 
 
 @dataclass

@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
+from ..families import Family
+from ..families.sdxl import time_ids
+from ..runtime.distributed import log_rank_zero
+from ..runtime.zero3 import is_zero3_enabled
+from ..state.pretrained import CheckpointError
+from ..testing import fault_point
+from ..training.recipe import load_frozen_component, weight_dtype
 from .cache import CachedOutputs, precompute_frozen_outputs
-from .distributed import log_rank_zero
-from .families import Family
-from .families.sdxl import time_ids
-from .pretrained import CheckpointError
-from .recipe import load_frozen_component, weight_dtype
-from .testing import fault_point
-from .zero3 import is_zero3_enabled
 
 
 class FrozenInputs:
@@ -73,7 +73,7 @@ class FrozenInputs:
         (``encoder_hidden_states``, pooled embeddings, masks; SDXL's ``time_ids`` too), and
         SDXL's ``time_ids`` alone (None for families without them). The cache's flips and the
         latents' samples come from this rank's RNG, or from each sample's ``generators``
-        (``training.sample_generators``), which the objective then goes on drawing from.
+        (``objectives.sample_generators``), which the objective then goes on drawing from.
         ``trained_outputs`` are the outputs of text encoders trained in the job (placement
         ``trained``), with their graph, joined to the frozen ones' for the conditioning."""
         cached: dict[str, torch.Tensor] = {}
@@ -295,7 +295,7 @@ def resolve_component_sources(
     has none (HiDream's Llama: one folder holds both). Raises ``CheckpointError`` naming a
     component that is in neither place.
     """
-    from .pretrained import resolve_model_folder
+    from ..state.pretrained import resolve_model_folder
 
     sources = {
         name: resolve_model_folder(path, None, revision, cache_dir) for name, path in overrides.items()

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .distributed import logger
-from .errors import DataError
+from ..errors import DataError
+from ..runtime.distributed import logger
 
 
 def load_image_caption_dataset(

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .distributed import all_gather_object, barrier, is_main_process
-from .errors import CheckpointError
+from ..errors import CheckpointError
+from ..runtime.distributed import all_gather_object, barrier, is_main_process
 
 TMP_PREFIX = ".tmp-"
 OLD_PREFIX = ".old-"

@@ -4,7 +4,7 @@
 * ``"shard"``: a separate DeepSpeed ZeRO-3 *inference* engine (no optimizer, no
   scheduler): each rank holds 1/N of the weights and every forward all-gathers them.
 * ``"offload"``: as ``"shard"`` with the partitions in CPU memory (GPU hosts only).
-* ``"cache"``: see ``diffusers_zero3.cache``: run the models once, store their outputs, free them.
+* ``"cache"``: see ``diffusers_zero3.placement.cache``: run the models once, store their outputs, free them.
 
 The frozen engine is built with ``deepspeed.initialize`` directly, not
 ``accelerator.prepare``: accelerate's ``backward`` drives the *first* engine it prepared
@@ -19,9 +19,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from .ds_config import base_config, frozen_engine_config, resolve_dtype
-from .lockstep import lockstep_check
-from .zero3 import _register_zero3_engine, is_zero3_param, restore_rotary_buffers, set_moe_leaf_modules
+from ..runtime.ds_config import base_config, frozen_engine_config, resolve_dtype
+from ..runtime.lockstep import lockstep_check
+from ..runtime.zero3 import (
+    _register_zero3_engine,
+    is_zero3_param,
+    restore_rotary_buffers,
+    set_moe_leaf_modules,
+)
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -134,7 +139,7 @@ def placement_bytes_per_rank(
     sets), which stays whole on every rank. ``offload``: the same bytes as ``shard``, held in
     host memory instead of accelerator memory. ``cache``: none (the outputs are on disk).
     """
-    from .ds_config import zero3_bucket_sizes
+    from ..runtime.ds_config import zero3_bucket_sizes
 
     itemsize = dtype.itemsize
     numels = [p.ds_numel if is_zero3_param(p) else p.numel() for p in model.parameters()]
@@ -261,7 +266,7 @@ def check_placement_supported(placement: str, name: str) -> None:
     host memory there)."""
     if placement not in ("shard", "offload"):
         return
-    from .zero3 import is_deepspeed_available
+    from ..runtime.zero3 import is_deepspeed_available
 
     if not is_deepspeed_available():
         raise RuntimeError(f"placement {placement!r} for {name} needs DeepSpeed: pip install deepspeed")
@@ -280,7 +285,7 @@ def _shard(model, placement, accelerator, ds_config, micro_batch_size, dtype, na
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    from .distributed import init_distributed_if_needed
+    from ..runtime.distributed import init_distributed_if_needed
 
     init_distributed_if_needed()  # this rank's GPU first, then the process group
     base = base_config(ds_config, accelerator)

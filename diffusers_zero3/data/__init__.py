@@ -1,0 +1,1 @@
+"""Training data: image-caption datasets and video clips."""
