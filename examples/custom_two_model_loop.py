@@ -18,7 +18,13 @@ from diffusers_zero3.runtime.distributed import exit_after_teardown
 from diffusers_zero3.state.pipeline_io import save_final_pipeline
 from diffusers_zero3.state.pretrained import load_pretrained_zero3
 from diffusers_zero3.training.objectives import ObjectiveSettings
-from diffusers_zero3.training.parts import backward_through, cut_outputs, prepare_extra_part, step_part
+from diffusers_zero3.training.parts import (
+    backward_through,
+    cut_outputs,
+    prepare_extra_part,
+    prepare_first_part,
+    step_part,
+)
 from diffusers_zero3.training.recipe import load_trainable_denoiser
 
 
@@ -40,12 +46,14 @@ def main(source: str, data_dir: str, output_dir: str, steps: int = 4) -> None:
 
     # 1. The first trained model through accelerate: its backward is accelerate's.
     unet_optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
-    unet, unet_optimizer, loader = accelerator.prepare(unet, unet_optimizer, loader)
+    unet, loader = prepare_first_part(
+        accelerator, "unet", unet, unet_optimizer, dataloader=loader, max_grad_norm=1.0
+    )
     # 2. The second: an engine of its own (under ZeRO-3), its own optimizer, schedule, clipping.
     te_optimizer = torch.optim.AdamW(text_encoder.parameters(), lr=5e-5)
     te_schedule = torch.optim.lr_scheduler.LambdaLR(te_optimizer, lambda step: 1.0)
     te = prepare_extra_part(accelerator, "text_encoder", text_encoder, te_optimizer, te_schedule,
-                            first_engine=unet, max_grad_norm=1.0)  # fmt: skip
+                            first_engine=unet.engine, max_grad_norm=1.0)  # fmt: skip
     # 3. The frozen VAE, placed; the text encoder is "trained": its outputs come from the loop.
     frozen = place_frozen_models(accelerator, family, source, {"text_encoder": "trained", "vae": "replicate"})
 
@@ -60,15 +68,14 @@ def main(source: str, data_dir: str, output_dir: str, steps: int = 4) -> None:
             if te.own_engine:
                 backward_through(te, kept, cut, sync=True)  # the text encoder's engine, from there
             step_part(te, accelerator, sync=True)
-            unet_optimizer.step()
-            unet_optimizer.zero_grad()
+            step_part(unet, accelerator, sync=True)  # under ZeRO-3 accelerate's backward stepped it
             step += 1
             log_rank_zero(f"step {step} loss {loss.item():.4f}")
             if step == steps:
                 break
 
     # Every rank: both trained models are streamed from their partitions into one pipeline.
-    save_final_pipeline(source, output_dir, unet, denoiser_name=family.denoiser,
+    save_final_pipeline(source, output_dir, unet.engine, denoiser_name=family.denoiser,
                         trained={"text_encoder": (te.engine, None)})  # fmt: skip
     exit_after_teardown()  # every rank, last
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from diffusers_zero3 import ParallelReward, ShardedEMA, barrier, is_main_process, log_rank_zero
+from diffusers_zero3 import ParallelReward, log_rank_zero
 from diffusers_zero3.args import (
     ArgumentError,
     add_checkpoint_args,
@@ -36,8 +36,6 @@ from diffusers_zero3.args import (
 )
 from diffusers_zero3.families import SD, detect_family
 from diffusers_zero3.runtime.memory import return_large_frees_to_os
-from diffusers_zero3.runtime.zero3 import share_fp32_master_weights
-from diffusers_zero3.state.folders import remove_interrupted_writes
 from diffusers_zero3.state.pipeline_io import (
     check_output_dir,
     model_card,
@@ -47,8 +45,10 @@ from diffusers_zero3.state.pipeline_io import (
 )
 from diffusers_zero3.state.pretrained import resolve_model_folder
 from diffusers_zero3.state.resume import resume_training, save_training_checkpoint
+from diffusers_zero3.training.parts import adamw, prepare_first_part, step_part
 from diffusers_zero3.training.recipe import (
     accelerator_from_args,
+    clear_interrupted_writes,
     finish_trackers,
     load_frozen_component,
     load_trainable_denoiser,
@@ -142,10 +142,7 @@ class RewardTrainer:
         validate_launch(
             args, deepspeed_active=acc.state.deepspeed_plugin is not None, on_cpu=acc.device.type == "cpu"
         )
-        if is_main_process():
-            for path in remove_interrupted_writes(args.output_dir):
-                log_rank_zero(f"removed {path}, left by an interrupted save")
-        barrier()
+        clear_interrupted_writes(args.output_dir)
         # A seed per rank: each rank samples its own prompts and initial latents (the same
         # seed everywhere would make N-1 ranks repeat rank 0's samples).
         set_seed(args.seed, device_specific=True)
@@ -153,26 +150,18 @@ class RewardTrainer:
         self.tokenizer = CLIPTokenizer.from_pretrained(self.source, subfolder="tokenizer")
         self.scheduler = DDIMScheduler.from_pretrained(self.source, subfolder="scheduler")
         self.scheduler.set_timesteps(args.num_inference_steps)
-        self.unet = load_trainable_denoiser(acc, self.source)
+        unet = load_trainable_denoiser(acc, self.source)
         self.text_encoder = load_frozen_component(
             acc, self.source, "text_encoder", args.text_encoder_placement, CLIPTextModel
         )
         self.vae = load_frozen_component(acc, self.source, "vae", args.vae_placement, AutoencoderKL)
         self.reward = load_reward_model(args, acc)
-        optimizer = torch.optim.AdamW(
-            self.unet.parameters(),
-            lr=args.learning_rate,
-            betas=(args.adam_beta1, args.adam_beta2),
-            weight_decay=args.adam_weight_decay,
-            eps=args.adam_epsilon,
-        )
-        if acc.state.deepspeed_plugin is not None:
-            acc.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = (
-                args.train_batch_size
-            )
-        self.unet, self.optimizer = acc.prepare(self.unet, optimizer)
-        share_fp32_master_weights(self.optimizer)
-        self.ema = ShardedEMA(self.unet) if args.use_ema else None
+        # the UNet as the job's trained part: its engine, AdamW, clipping at --max_grad_norm, EMA
+        self.part, _ = prepare_first_part(
+            acc, "unet", unet, adamw(unet, args), micro_batch_size=args.train_batch_size,
+            max_grad_norm=args.max_grad_norm, use_ema=bool(args.use_ema),
+        )  # fmt: skip
+        self.unet, self.ema = self.part.engine, self.part.ema
         if acc.is_main_process and args.report_to != "none":
             acc.init_trackers(
                 args.tracker_project_name, {k: v for k, v in vars(args).items() if not isinstance(v, list)}
@@ -201,7 +190,7 @@ class RewardTrainer:
         with torch.no_grad():
             states = self.text_encoder(ids, return_dict=False)[0].to(self.dtype)
         size = args.resolution // (2 ** (len(self.vae.config.block_out_channels) - 1))
-        channels = getattr(self.unet, "module", self.unet).config.in_channels
+        channels = self.part.module.config.in_channels
         latents = torch.randn(len(prompts), channels, size, size, device=device)
         timesteps = self.scheduler.timesteps
         for i, t in enumerate(timesteps):
@@ -219,8 +208,7 @@ class RewardTrainer:
             rewards = self.reward(images, prompts)
             loss = -rewards.mean()
             acc.backward(loss)
-            self.optimizer.step()
-            self.optimizer.zero_grad()
+            step_part(self.part, acc, sync=True)
             if self.ema is not None:
                 self.ema.step()
             self.global_step += 1

@@ -224,6 +224,9 @@ class ControlNetTrainer(TextToImageTrainer):
             model.enable_gradient_checkpointing()
         self.denoiser = model  # the trained model of the loop: the ControlNet
 
+    def _first_part_name(self) -> str:
+        return "controlnet"
+
     def _conditioning_channels(self) -> tuple[int, ...]:
         """The conditioning embedding's channels: one stage per factor 2 of the VAE's
         downsampling, as diffusers' (16, 32, 96, 256) for SD's 8x."""

@@ -362,18 +362,11 @@ class DreamBoothTrainer(TextToImageTrainer):
     def _prepare_extra_parts(self) -> None:
         from diffusers.optimization import get_scheduler
 
-        from ..training.parts import prepare_extra_part
+        from ..training.parts import adamw, prepare_extra_part
 
         args, acc = self.args, self.accelerator
         for name, model in self.trained_encoders.items():
-            optimizer = torch.optim.AdamW(
-                [p for p in model.parameters() if p.requires_grad],
-                lr=args.text_encoder_lr or args.learning_rate,
-                betas=(args.adam_beta1, args.adam_beta2),
-                weight_decay=args.adam_weight_decay if args.adam_weight_decay_text_encoder is None
-                else args.adam_weight_decay_text_encoder,
-                eps=args.adam_epsilon,
-            )  # fmt: skip
+            optimizer = adamw(model, args, args.text_encoder_lr, args.adam_weight_decay_text_encoder)
             # Under ZeRO-3 the denoiser is a DeepSpeed engine, and each text encoder gets one of
             # its own, which steps its schedule once per update; under DDP accelerate prepares the
             # text encoder too, and steps its schedule once per process per update.

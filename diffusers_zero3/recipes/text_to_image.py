@@ -37,12 +37,10 @@ from ..data.images import (
 from ..families import detect_family
 from ..placement.frozen_inputs import place_frozen_models, resolve_component_sources
 from ..placement.plan import resolve_auto_placements
-from ..runtime.distributed import barrier, is_main_process, log_rank_zero, max_over_ranks
+from ..runtime.distributed import log_rank_zero, max_over_ranks
 from ..runtime.ds_config import fill_auto_bucket_sizes
 from ..runtime.memory import MIB, MemoryLog, model_state_bytes, return_large_frees_to_os
-from ..runtime.zero3 import share_fp32_master_weights
 from ..state.ema import ShardedEMA
-from ..state.folders import remove_interrupted_writes
 from ..state.pipeline_io import (
     check_output_dir,
     generate_validation_images,
@@ -56,7 +54,13 @@ from ..state.resume import resume_training, save_training_checkpoint
 from ..testing import fault_point
 from ..training.lora import LORA_WEIGHT_NAME, add_lora_adapters, save_lora_zero3
 from ..training.objectives import ObjectiveSettings, sample_generators, timestep_bias_weights
-from ..training.recipe import accelerator_from_args, finish_trackers, load_trainable_denoiser
+from ..training.parts import adamw, backward_through, prepare_extra_part, prepare_first_part, step_part
+from ..training.recipe import (
+    accelerator_from_args,
+    clear_interrupted_writes,
+    finish_trackers,
+    load_trainable_denoiser,
+)
 from ..training.schedule import (
     batches_to_skip,
     epoch_batches,
@@ -151,10 +155,7 @@ class TextToImageTrainer:
             on_cpu=acc.device.type == "cpu",
             placements=self.placements,
         )
-        if is_main_process():  # once per job, before any rank writes
-            for path in remove_interrupted_writes(args.output_dir):
-                log_rank_zero(f"removed {path}, left by an interrupted save")
-        barrier()
+        clear_interrupted_writes(args.output_dir)
         set_seed(args.seed if args.seed is not None else 0)
         if args.allow_tf32 and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = True
@@ -321,13 +322,7 @@ class TextToImageTrainer:
                 num_processes=acc.num_processes,
             )
         self._learning_rate = lr
-        optimizer = torch.optim.AdamW(
-            [p for p in self.denoiser.parameters() if p.requires_grad],  # the adapters alone under LoRA
-            lr=lr,
-            betas=(args.adam_beta1, args.adam_beta2),
-            weight_decay=args.adam_weight_decay,
-            eps=args.adam_epsilon,
-        )
+        optimizer = adamw(self.denoiser, args, lr)  # the adapters alone under LoRA
         loader = torch.utils.data.DataLoader(
             self.train_dataset,
             shuffle=True,
@@ -347,20 +342,21 @@ class TextToImageTrainer:
             num_warmup_steps=args.lr_warmup_steps * acc.num_processes,
             num_training_steps=args.max_train_steps * acc.num_processes,
         )
-        # The UNet first: accelerate's backward drives the first engine it prepared.
-        self.denoiser, self.optimizer, self.loader, self.lr_scheduler = acc.prepare(
-            self.denoiser, optimizer, loader, scheduler
+        # The denoiser first: accelerate's backward drives the first engine it prepared.
+        self.denoiser_part, self.loader = prepare_first_part(
+            acc, self._first_part_name(), self.denoiser, optimizer, scheduler, dataloader=loader,
+            max_grad_norm=args.max_grad_norm, use_ema=bool(args.use_ema),
+            ema_device="cpu" if args.offload_ema else None,
+        )  # fmt: skip
+        part = self.denoiser_part
+        self.denoiser, self.optimizer, self.lr_scheduler, self.ema = (
+            part.engine,
+            part.optimizer,
+            part.lr_scheduler,
+            part.ema,
         )
-        freed = share_fp32_master_weights(self.optimizer)
-        if freed:
-            log_rank_zero(
-                f"fp32 master weights shared with the parameters: {freed / MIB:.1f} MiB freed per rank"
-            )
         args.num_train_epochs = epochs_for(
             args.max_train_steps, updates_per_epoch(len(self.loader), args.gradient_accumulation_steps)
-        )
-        self.ema = (
-            ShardedEMA(self.denoiser, device="cpu" if args.offload_ema else None) if args.use_ema else None
         )
         if acc.is_main_process and args.report_to != "none":
             config = {k: v for k, v in vars(args).items() if not isinstance(v, list)}
@@ -375,14 +371,9 @@ class TextToImageTrainer:
             return
         from diffusers.optimization import get_scheduler
 
-        from ..training.parts import prepare_extra_part
-
         args = self.args
         model = self._second_expert
-        optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=self._learning_rate,
-            betas=(args.adam_beta1, args.adam_beta2), weight_decay=args.adam_weight_decay, eps=args.adam_epsilon,
-        )  # fmt: skip
+        optimizer = adamw(model, args, self._learning_rate)
         first = self.denoiser if hasattr(self.denoiser, "save_checkpoint") else None
         per_update = 1 if first is not None else self.accelerator.num_processes
         scheduler = get_scheduler(
@@ -395,6 +386,10 @@ class TextToImageTrainer:
         if args.use_ema:
             part.ema = ShardedEMA(part.engine, device="cpu" if args.offload_ema else None)
         self.extra_parts.append(part)
+
+    def _first_part_name(self) -> str:
+        """The name of the loop's first trained model (in logs): the denoiser's folder."""
+        return self.trained_folder
 
     def _trained_folders(self) -> list[str]:
         """The folders of the trained denoiser(s): the family's; for Wan 2.2 those of
@@ -536,8 +531,6 @@ class TextToImageTrainer:
         gradients at its cut outputs (``parts.backward_through``; under DDP the one backward
         reached them already), then its optimizer step (its clipping, its schedule). Every
         rank, every micro-batch."""
-        from ..training.parts import backward_through, step_part
-
         sync = self.accelerator.sync_gradients
         for part, kept, cut in self._cuts:
             if part.own_engine:
@@ -581,15 +574,13 @@ class TextToImageTrainer:
                     self._backward(loss)
                     if first:
                         self.memory.mark("first backward")
-                    if acc.sync_gradients and args.max_grad_norm and acc.state.deepspeed_plugin is None:
-                        # as diffusers' script; a DeepSpeed engine clips by its gradient_clipping
-                        acc.clip_grad_norm_(self.denoiser.parameters(), args.max_grad_norm)
-                    self.optimizer.step()
-                    self.lr_scheduler.step()
-                    if first:  # before zero_grad: a plain optimizer's gradients still exist
-                        self.memory.mark("first optimizer step")
-                        self.model_states = model_state_bytes(self.denoiser, self.optimizer, self.ema)
-                    self.optimizer.zero_grad()
+                    # clipped at --max_grad_norm as diffusers' script (DeepSpeed: its gradient_clipping)
+                    step_part(
+                        self.denoiser_part,
+                        acc,
+                        acc.sync_gradients,
+                        self._first_step_measures if first else None,
+                    )
                 done_in_epoch += 1
                 if not acc.sync_gradients:
                     continue
@@ -637,6 +628,12 @@ class TextToImageTrainer:
         if skipped:
             logger.warning("skipped %d unreadable image row(s) on rank %d", skipped, acc.process_index)
         return losses
+
+    def _first_step_measures(self) -> None:
+        """After the first optimizer step, before zero_grad (a plain optimizer's gradients still
+        exist): the memory mark and the trained model's state bytes."""
+        self.memory.mark("first optimizer step")
+        self.model_states = model_state_bytes(self.denoiser, self.optimizer, self.ema)
 
     def _log_memory(self) -> None:
         """Log the RSS per phase and the trained model's state bytes (measured after the first

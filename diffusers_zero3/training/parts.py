@@ -2,9 +2,9 @@
 EMA, and one training step over them when one loss flows through several (DreamBooth: the text
 encoder's output conditions the denoiser).
 
-Under ZeRO-3 each part is a DeepSpeed engine of its own. The first (the denoiser) is prepared
-by accelerate as before (``accelerator.backward`` drives it, and accelerate checkpoints it);
-every other one is built with ``deepspeed.initialize`` from the same DeepSpeed settings, its
+Under ZeRO-3 each part is a DeepSpeed engine of its own. The first (the denoiser; the ControlNet)
+is prepared by accelerate (``prepare_first_part``: ``accelerator.backward`` drives it, and
+accelerate checkpoints it); every other one (``prepare_extra_part``) is built with ``deepspeed.initialize`` from the same DeepSpeed settings, its
 own optimizer, learning-rate schedule and gradient clipping, and is checkpointed by the package
 (``resume.save_training_checkpoint(..., parts=...)``, beside accelerate's state in the same
 checkpoint folder, and resumed on any number of processes).
@@ -28,13 +28,17 @@ gradients together.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..runtime.distributed import log_rank_zero
 from ..runtime.ds_config import zero3_bucket_sizes
 from ..runtime.zero3 import share_fp32_master_weights
+
+MIB = 2**20
 
 
 @dataclass
@@ -62,6 +66,62 @@ class TrainedModel:
     @property
     def device(self) -> torch.device:
         return next(self.module.parameters()).device
+
+
+def adamw(
+    model: torch.nn.Module, args, lr: float | None = None, weight_decay: float | None = None
+) -> torch.optim.AdamW:
+    """AdamW over ``model``'s trainable parameters (the adapters alone under LoRA) from a
+    script's optimizer flags (``--learning_rate`` unless ``lr``, ``--adam_beta1/2``,
+    ``--adam_weight_decay`` unless ``weight_decay``, ``--adam_epsilon``)."""
+    return torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=args.learning_rate if lr is None else lr,
+        betas=(args.adam_beta1, args.adam_beta2),
+        weight_decay=args.adam_weight_decay if weight_decay is None else weight_decay,
+        eps=args.adam_epsilon,
+    )
+
+
+def prepare_first_part(
+    accelerator,
+    name: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler=None,
+    *,
+    dataloader=None,
+    micro_batch_size: int | None = None,
+    max_grad_norm: float | None = None,
+    use_ema: bool = False,
+    ema_device: str | None = None,
+):
+    """The job's first trained model, prepared by accelerate (under ZeRO-3 its DeepSpeed engine
+    is the one ``accelerator.backward`` drives): ``(part, dataloader)``, the loader prepared in
+    the same call when given (accelerate reads the micro-batch size from it; else pass
+    ``micro_batch_size``). Its fp32 master weights are shared with its partitions under fp32
+    ZeRO-3 (the bytes freed are logged), and ``use_ema`` gives it a ``ShardedEMA``
+    (``ema_device="cpu"``: in host memory). Collective: call on every rank, before any other
+    part is prepared."""
+    from ..state.ema import ShardedEMA
+
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None and micro_batch_size is not None:
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    objects = [model, optimizer] + ([dataloader] if dataloader is not None else [])
+    objects += [lr_scheduler] if lr_scheduler is not None else []
+    prepared = list(accelerator.prepare(*objects))
+    engine, optimizer = prepared[0], prepared[1]
+    loader = prepared[2] if dataloader is not None else None
+    lr_scheduler = prepared[-1] if lr_scheduler is not None else None
+    freed = share_fp32_master_weights(optimizer)
+    if freed:
+        log_rank_zero(
+            f"{name}: fp32 master weights shared with the parameters: {freed / MIB:.1f} MiB freed per rank"
+        )
+    ema = ShardedEMA(engine, device=ema_device) if use_ema else None
+    module = getattr(engine, "module", engine)
+    return TrainedModel(name, module, engine, optimizer, lr_scheduler, max_grad_norm, ema=ema), loader
 
 
 def trained_engine_config(base: dict, model: torch.nn.Module, max_grad_norm: float | None) -> dict:
@@ -144,14 +204,30 @@ def backward_through(
     engine.backward(total, scale_wrt_gas=False)
 
 
-def step_part(part: TrainedModel, accelerator, sync: bool) -> None:
+def step_part(
+    part: TrainedModel, accelerator, sync: bool, before_zero_grad: Callable[[], None] | None = None
+) -> None:
     """The optimizer step of one part at a micro-batch's end (its own clipping; the update and
-    the schedule only at an accumulation boundary). Every rank."""
+    the schedule only at an accumulation boundary). ``before_zero_grad`` runs after the step,
+    while a plain optimizer's gradients still exist (the trainer measures model states there).
+    Every rank.
+
+    A part of its own engine is stepped by DeepSpeed (which clips, updates and steps its
+    schedule at the boundary only). The first part goes through accelerate's wrappers: under
+    DeepSpeed its ``accelerator.backward`` already stepped the engine (clipping by the config's
+    ``gradient_clipping``) and these calls do nothing; under DDP they clip at ``max_grad_norm``
+    on synchronising steps, update, and step the schedule.
+    """
     if part.own_engine:
-        part.engine.step()  # DeepSpeed updates, clips and steps its schedule at the boundary only
+        part.engine.step()
+        if before_zero_grad is not None:
+            before_zero_grad()
         return
-    if sync and part.max_grad_norm:
+    if sync and part.max_grad_norm and accelerator.state.deepspeed_plugin is None:
         accelerator.clip_grad_norm_(part.module.parameters(), part.max_grad_norm)
     part.optimizer.step()
-    part.lr_scheduler.step()
+    if part.lr_scheduler is not None:
+        part.lr_scheduler.step()
+    if before_zero_grad is not None:
+        before_zero_grad()
     part.optimizer.zero_grad()

@@ -167,6 +167,19 @@ def load_frozen_component(
     )
 
 
+def clear_interrupted_writes(output_dir: str | Path) -> None:
+    """Remove what an interrupted save left in ``output_dir`` (``state.folders.
+    remove_interrupted_writes``), once per job on the global main process, before any rank
+    writes; each removal is logged. Collective: every rank (it ends with a barrier)."""
+    from ..runtime.distributed import barrier, is_main_process
+    from ..state.folders import remove_interrupted_writes
+
+    if is_main_process():
+        for path in remove_interrupted_writes(output_dir):
+            log_rank_zero(f"removed {path}, left by an interrupted save")
+    barrier()
+
+
 def finish_trackers(accelerator) -> None:
     """End a run's trackers (TensorBoard, wandb, ...), as ``accelerator.end_training()`` does,
     but leave the process group alone. ``end_training`` also destroys it, after which the
