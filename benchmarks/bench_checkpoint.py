@@ -5,11 +5,21 @@ and while saving (ours vs the consolidated state dict that ``accelerator.get_sta
 builds, written with ``safetensors``), side by side, as ratios to the goals:
 load <= 1.2 x (model bytes / N + largest tensor); save on rank 0 <= model bytes / N + one bucket
 (our bucket is one tensor).
+
+Throughput against the disk, in the same run: the save's MB/s (until its files are synced to
+disk) beside ``dd``'s write with ``conv=fsync``, and the load's MB/s from a cold page cache
+(the files' pages dropped with ``posix_fadvise(DONTNEED)`` after a sync) beside ``dd``'s cold
+read of the same file.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
 import tempfile
+import time
+from pathlib import Path
 
 from benchmarks.common import markdown_table, mib, print_section, report, run_case
 
@@ -36,10 +46,13 @@ def case(kind: str, folder: str):
     from diffusers_zero3 import get_rank, load_pretrained_zero3, save_pretrained_zero3, zero3_init_disabled
 
     deepspeed.init_distributed(dist_backend="gloo")
+    if get_rank() == 0:
+        drop_page_cache(folder)
     torch.distributed.barrier()
     gc.collect()
     reset_peak_rss()
     base = current_rss_bytes()
+    start = time.perf_counter()
     if kind in ("load ours", "save ours", "save consolidated"):
         model = load_pretrained_zero3(UNet2DConditionModel, folder, ds_config=_config())
         engine, *_ = deepspeed.initialize(model=model, config=_config())
@@ -47,13 +60,17 @@ def case(kind: str, folder: str):
         with zero3_init_disabled():
             model = UNet2DConditionModel.from_pretrained(folder)
         engine, *_ = deepspeed.initialize(model=model, config=_config())
+    torch.distributed.barrier()
+    load_s = time.perf_counter() - start
     load_peak = peak_rss_since_reset_bytes() - base
-    save_peak = None
+    save_peak = save_s = None
     if kind.startswith("save"):
         gc.collect()
         reset_peak_rss()
         base = current_rss_bytes()
-        out = tempfile.mkdtemp()
+        out = tempfile.mkdtemp(dir=folder)
+        torch.distributed.barrier()
+        start = time.perf_counter()
         if kind == "save ours":
             save_pretrained_zero3(engine, out + "/unet")
         else:
@@ -63,9 +80,44 @@ def case(kind: str, folder: str):
             if get_rank() == 0:
                 save_file(state, out + "/model.safetensors")
             del state
+        if get_rank() == 0:
+            os.sync()  # until the bytes are on disk, as dd's conv=fsync
         torch.distributed.barrier()
+        save_s = time.perf_counter() - start
         save_peak = peak_rss_since_reset_bytes() - base
-    report(load_peak=load_peak, save_peak=save_peak, rank=get_rank())
+    report(load_peak=load_peak, save_peak=save_peak, load_s=load_s, save_s=save_s, rank=get_rank())
+
+
+def drop_page_cache(folder: str) -> None:
+    """Sync, then drop the page cache of every file under ``folder`` (no root needed)."""
+    os.sync()
+    for path in Path(folder).rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _dd_mb_s(args: list[str]) -> float:
+    """Run ``dd``; its reported throughput in MB/s (10^6 bytes)."""
+    out = subprocess.run(["dd", *args], capture_output=True, text=True, check=True).stderr
+    seconds = float(re.search(r"copied, ([\d.]+) s", out).group(1))
+    copied = int(re.search(r"^(\d+) bytes", out, re.M).group(1))
+    return copied / seconds / 1e6
+
+
+def disk_throughput(folder: str, nbytes: int) -> tuple[float, float]:
+    """``(write, read)`` MB/s of this disk for a file of ``nbytes`` under ``folder``:
+    ``dd`` writing with ``conv=fsync``, then reading it back from a cold page cache."""
+    path = os.path.join(folder, "dd-probe.bin")
+    count = max(1, nbytes // 2**24)
+    write = _dd_mb_s(["if=/dev/zero", f"of={path}", "bs=16M", f"count={count}", "conv=fsync"])
+    drop_page_cache(folder)
+    read = _dd_mb_s([f"if={path}", "of=/dev/null", "bs=16M"])
+    os.remove(path)
+    return write, read
 
 
 def _make_model(folder: str) -> tuple[int, int]:
@@ -82,9 +134,22 @@ def main() -> None:
         model_bytes, largest = _make_model(folder)
         load_goal = 1.2 * (model_bytes / 2 + largest)
         save_goal = model_bytes / 2 + largest
-        rows = []
+        rows, speed = [], []
+        disk_write, disk_read = disk_throughput(folder, model_bytes)
         for kind in ("load ours", "load from_pretrained", "save ours", "save consolidated"):
             res = run_case("benchmarks.bench_checkpoint:case", kind=kind, folder=folder, timeout_s=1800)
+            seconds = max(r["save_s" if kind.startswith("save") else "load_s"] for r in res)
+            disk = disk_write if kind.startswith("save") else disk_read
+            mb_s = model_bytes / seconds / 1e6
+            speed.append(
+                {
+                    "phase": kind,
+                    "seconds": f"{seconds:.2f}",
+                    "MB/s": f"{mb_s:.0f}",
+                    "disk MB/s (dd)": f"{disk:.0f} ({'write, fsync' if kind.startswith('save') else 'cold read'})",
+                    "/ disk (goal >= 0.5)": f"{mb_s / disk:.2f}",
+                }
+            )
             if kind.startswith("load"):
                 peak = max(r["load_peak"] for r in res)
                 goal = load_goal
@@ -100,7 +165,6 @@ def main() -> None:
                     "peak / model bytes": f"{peak / model_bytes:.2f}",
                 }
             )
-    print_section(
-        f"Load and save, UNet width {WIDTH}: {model_bytes / 4e6:.0f}M params, {mib(model_bytes)} MiB fp32 (N=2, CPU)",
-        markdown_table(rows, list(rows[0])),
-    )
+    title = f"UNet width {WIDTH}: {model_bytes / 4e6:.0f}M params, {mib(model_bytes)} MiB fp32 (N=2, CPU)"
+    print_section(f"Load and save, {title}", markdown_table(rows, list(rows[0])))
+    print_section(f"Load and save against the disk, {title}", markdown_table(speed, list(speed[0])))

@@ -109,15 +109,30 @@ def measure(
     return {**out, "peak": max(p["peak"] for p in ph.values()), "step_s": step_s, "sample_s": step_s / 4}
 
 
-def prepare(work: Path, width: int = WIDTH) -> tuple[Path, Path]:
+def prepare(work: Path, width: int = WIDTH, shape: str = "tiny") -> tuple[Path, Path]:
+    """A tiny pipeline whose UNet has ``width`` and the layout ``shape``
+    (``demo.UNET_SHAPES``), and the shapes dataset."""
     from diffusers_zero3.demo import save_tiny_pipeline, write_shapes_dataset
 
-    pipe = save_tiny_pipeline(work / f"pipe-{width}", width=width)
+    pipe = work / f"pipe-{shape}-{width}"
+    if not pipe.exists():
+        save_tiny_pipeline(pipe, width=width, unet_shape=shape)
     data = work / "shapes"
     if not data.exists():
         write_shapes_dataset(data, num_images=32)
     return pipe, data
 
+
+# UNets with the module counts of the published ones at small width (demo.UNET_SHAPES): where
+# ZeRO-3's per-module hooks and collectives show. width -> 34.0 M (SD 1.5 shape), 23.4 M (SDXL).
+FINE_GRAINED = {"sd15": 64, "sdxl": 32}
+# Each lever of this package set back to DeepSpeed's own (DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS).
+LEVER_RUNS = {
+    "DeepSpeed's defaults (all three levers off)": "persistence,hooks,nvtx",
+    "without the persistence share (10 x hidden)": "persistence",
+    "without dropping idle module hooks": "hooks",
+    "with NVTX ranges": "nvtx",
+}
 
 SIZES = (96, 160)  # smaller UNets, for the size at which ZeRO-3's peak RSS drops below DDP's
 
@@ -199,6 +214,92 @@ def main() -> None:
         cal = calibration_rows(pipe, ddp, results["replicated"])
         print_section("Planner calibration: model states per rank, N=2", markdown_table(cal, list(cal[0])))
         size_sweep(work, data, {WIDTH: (ddp, results["replicated"], freed_res)})
+        fine_grained(work, data, {"tiny": (ddp, results["replicated"])})
+
+
+def module_counts(pipe: Path) -> tuple[int, int, int]:
+    """``(parameters, parameter tensors, modules holding parameters)`` of a pipeline's UNet."""
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    config = UNet2DConditionModel.load_config(str(pipe / "unet"))
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(config)
+    modules = sum(1 for m in unet.modules() if next(m.parameters(recurse=False), None) is not None)
+    return sum(p.numel() for p in unet.parameters()), len(list(unet.parameters())), modules
+
+
+def fine_grained(work: Path, data: Path, measured: dict | None = None) -> None:
+    """ZeRO-3 against DDP on UNets with the module counts of SD 1.5 and SDXL (and the coarse
+    one of the tables above, from ``measured``), at this package's defaults and at
+    DeepSpeed's; then, on the SD 1.5 shape, each lever set back alone."""
+    from benchmarks.figures import ratio_bars
+
+    runs = dict(measured or {})
+    common = dict(te="replicate", vae="replicate")
+    levers = {}
+    for shape, width in {"tiny": WIDTH, **FINE_GRAINED}.items():
+        pipe, _ = prepare(work, width, shape)
+        if shape not in runs:
+            ddp = measure(pipe, data, work, f"ddp-{shape}", zero3=False, **common)
+            runs[shape] = (ddp, measure(pipe, data, work, f"zero3-{shape}", zero3=True, **common))
+        names = LEVER_RUNS if shape == "sd15" else dict(list(LEVER_RUNS.items())[:1])
+        for label, off in names.items():
+            env = {"DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS": off}
+            levers[(shape, label)] = measure(
+                pipe, data, work, f"zero3-{shape}-{off}", zero3=True, env=env, **common
+            )
+    rows = []
+    for shape, (ddp, ours) in runs.items():
+        width = {"tiny": WIDTH, **FINE_GRAINED}[shape]
+        params, tensors, modules = module_counts(work / f"pipe-{shape}-{width}")
+        ds = levers.get((shape, next(iter(LEVER_RUNS))))
+        rows.append(
+            {
+                "UNet shape": f"{shape} (width {width})",
+                "M params": f"{params / 1e6:.1f}",
+                "tensors / modules": f"{tensors} / {modules}",
+                "DDP s / step": f"{ddp['step_s']:.3f}",
+                "ZeRO-3 s / step": f"{ours['step_s']:.3f}",
+                "time vs DDP (goal <= 1.5)": f"{ours['step_s'] / ddp['step_s']:.2f}",
+                "DeepSpeed's defaults vs DDP": f"{ds['step_s'] / ddp['step_s']:.2f}" if ds else "",
+                "DDP peak MiB": f"{ddp['peak']:.0f}",
+                "ZeRO-3 peak MiB": f"{ours['peak']:.0f}",
+                "RSS vs DDP (goal <= 0.9)": f"{ours['peak'] / ddp['peak']:.2f}",
+            }
+        )
+    print_section(
+        "ZeRO-3 per module: UNets shaped like the published ones, N=2 CPU ranks, fp32, batch 2 per rank, 32 px "
+        "(frozen models replicated)",
+        markdown_table(rows, list(rows[0])),
+    )
+    ddp, ours = runs["sd15"]
+    lever_rows = [{"run (SD 1.5 shape)": "this package's defaults", "s / step": f"{ours['step_s']:.3f}",
+                   "vs DDP": f"{ours['step_s'] / ddp['step_s']:.2f}", "peak RSS MiB": f"{ours['peak']:.0f}"}]  # fmt: skip
+    for label in LEVER_RUNS:
+        res = levers[("sd15", label)]
+        lever_rows.append(
+            {
+                "run (SD 1.5 shape)": label,
+                "s / step": f"{res['step_s']:.3f}",
+                "vs DDP": f"{res['step_s'] / ddp['step_s']:.2f}",
+                "peak RSS MiB": f"{res['peak']:.0f}",
+            }
+        )
+    print_section(
+        "Each lever set back to DeepSpeed's own, SD 1.5 shape",
+        markdown_table(lever_rows, list(lever_rows[0])),
+    )
+    labels = [r["UNet shape"] for r in rows]
+    series = {
+        "this package": [float(r["time vs DDP (goal <= 1.5)"]) for r in rows],
+        "DeepSpeed's defaults": [float(r["DeepSpeed's defaults vs DDP"] or "nan") for r in rows],
+    }
+    print(ratio_bars("end_to_end_time", labels, series, goal=1.5, ylabel="ZeRO-3 time per step / DDP's",
+                     title="ZeRO-3 time per step against DDP (N=2, CPU)"))  # fmt: skip
+    rss = {"this package": [float(r["RSS vs DDP (goal <= 0.9)"]) for r in rows]}
+    print(ratio_bars("end_to_end_rss", labels, rss, goal=0.9, ylabel="ZeRO-3 peak RSS per rank / DDP's",
+                     title="ZeRO-3 peak RSS per rank against DDP (N=2, CPU)"))  # fmt: skip
 
 
 def size_sweep(work: Path, data: Path, measured: dict | None = None) -> None:
@@ -222,7 +323,7 @@ def size_sweep(work: Path, data: Path, measured: dict | None = None) -> None:
         )
     rows, default, freed = [], [], []
     for width, (d, z, f) in sorted(runs.items()):
-        pipe = work / f"pipe-{width}"
+        pipe = work / f"pipe-tiny-{width}"
         n = make_plan(str(pipe), PlanOptions(num_processes=2))["components"]["unet"]["parameters"]
         default.append((n, z["peak"] / d["peak"]))
         freed.append((n, f["peak"] / d["peak"]))
@@ -245,6 +346,12 @@ def size_sweep(work: Path, data: Path, measured: dict | None = None) -> None:
         + crossover(freed),
         markdown_table(rows, list(rows[0])),
     )
+    from benchmarks.figures import ratio_lines
+
+    xs = [n / 1e6 for n, _ in default]
+    series = {"default allocator": [r for _, r in default], "--return_freed_memory": [r for _, r in freed]}
+    print(ratio_lines("size_sweep_rss", xs, series, goal=0.9, xlabel="UNet parameters (M)",
+                      ylabel="ZeRO-3 peak RSS per rank / DDP's", title="Peak RSS per rank by UNet size (N=2, CPU)"))  # fmt: skip
 
 
 def _row(name: str, res: dict, ddp: dict) -> dict:
@@ -263,5 +370,8 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["sweep"]:  # the size sweep alone
         with tempfile.TemporaryDirectory() as tmp:
             size_sweep(Path(tmp), prepare(Path(tmp), SIZES[0])[1])
+    elif sys.argv[1:] == ["fine"]:  # the fine-grained shapes alone
+        with tempfile.TemporaryDirectory() as tmp:
+            fine_grained(Path(tmp), prepare(Path(tmp), SIZES[0])[1])
     else:
         main()

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .families import FAMILY_NAMES, family_named
-from .families.sd import build_tiny_components, save_tiny_pipeline, tiny_component_configs
+from .families.sd import UNET_SHAPES, build_tiny_components, save_tiny_pipeline, tiny_component_configs
 from .families.tiny import write_clip_tokenizer, write_t5_tokenizer
 
 COLOURS = {
@@ -314,6 +314,7 @@ __all__ = [
     "COLOURS",
     "MODELS",
     "SHAPES",
+    "UNET_SHAPES",
     "VARIED_SIZES",
     "build_tiny_components",
     "prepare_default",

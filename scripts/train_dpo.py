@@ -211,6 +211,8 @@ class DPOTrainer(TextToImageTrainer):
                     y_range=(0.0, 1.0),
                     reference=0.5,
                     smooth=10,
+                    ylabel="implicit accuracy (share of pairs)",
+                    reference_label="chance (0.5)",
                 )
                 log_rank_zero(f"implicit accuracy curve: {path}")
         if self.reference is not None:

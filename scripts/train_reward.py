@@ -253,7 +253,8 @@ class RewardTrainer:
             title = "mean reward per step"
             if self.rewards:
                 title += f": {self.rewards[0]:.3f} -> {self.rewards[-1]:.3f} (max {max(self.rewards):.3f})"
-            plot_curve(self.rewards, out / "rewards.png", title)
+            plot_curve(self.rewards, out / "rewards.png", title, ylabel="mean reward of the step's samples",
+                       smooth=min(10, max(1, len(self.rewards) // 5)))  # fmt: skip
             k, first, last = first_last_means(self.rewards)
             log_rank_zero(
                 f"mean reward: first {k} steps {first:.4f} -> last {k} steps "

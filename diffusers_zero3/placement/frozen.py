@@ -26,6 +26,7 @@ from ..runtime.zero3 import (
     is_zero3_param,
     restore_rotary_buffers,
     set_moe_leaf_modules,
+    trim_zero3_overhead,
 )
 
 if TYPE_CHECKING:
@@ -308,6 +309,7 @@ def _shard(model, placement, accelerator, ds_config, micro_batch_size, dtype, na
         # where they were, and DeepSpeed's engine does not move a partitioned model.
         _buffers_to(model, torch.device(get_accelerator().current_device_name()))
     engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    trim_zero3_overhead(engine)
     _register_zero3_engine()
     engine.eval()
     return FrozenModel(engine.module, placement, engine=engine, name=name)

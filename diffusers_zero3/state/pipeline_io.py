@@ -91,46 +91,42 @@ def plot_curve(
     y_range: tuple[float, float] | None = None,
     reference: float | None = None,
     smooth: int | None = None,
+    ylabel: str = "value",
+    reference_label: str = "reference",
     size: tuple[int, int] = (640, 360),
 ):
-    """A per-step line chart of ``values`` as a PNG at ``path`` (PIL only; matplotlib is not a
-    dependency); returns ``path``.
+    """A per-step line chart of ``values`` as a PNG at ``path`` (matplotlib); returns ``path``.
 
-    ``y_range`` defaults to the values' own range; ``reference`` draws a dashed horizontal line
-    (e.g. chance level); ``smooth`` adds a moving average over that many steps in a darker line.
+    The x axis is the optimizer step (from 1), the y axis ``ylabel``, within ``y_range``
+    (default: the values' own range); ``reference`` draws a dashed horizontal line labelled
+    ``reference_label`` (e.g. chance level); ``smooth`` adds a moving average over that many
+    steps. ``size`` is in pixels. Call on one process (it writes a file).
     """
-    from PIL import Image, ImageDraw
+    import matplotlib
 
-    w, h = size
-    m = 40
-    img = Image.new("RGB", size, "white")
-    draw = ImageDraw.Draw(img)
-    lo, hi = y_range or (min(values, default=0.0), max(values, default=1.0))
-    span = (hi - lo) or 1.0
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-    def xy(i: int, v: float) -> tuple[float, float]:
-        x = m + (w - 2 * m) * i / max(1, len(values) - 1)
-        return x, h - m - (h - 2 * m) * (min(max(v, lo), hi) - lo) / span
-
-    draw.rectangle([m, m, w - m, h - m], outline="black")
+    dpi = 100
+    fig, ax = plt.subplots(figsize=(size[0] / dpi, size[1] / dpi), dpi=dpi)
+    steps = list(range(1, len(values) + 1))
+    ax.plot(steps, values, color="tab:blue", alpha=0.45 if smooth else 1.0, linewidth=1.2, label="per step")
+    if smooth and values:
+        window = [values[max(0, i - smooth + 1) : i + 1] for i in range(len(values))]
+        ax.plot(steps, [sum(v) / len(v) for v in window], color="tab:blue", linewidth=2.2,
+                label=f"mean of the last {smooth} steps")  # fmt: skip
     if reference is not None:
-        y = xy(0, reference)[1]
-        for x in range(m, w - m, 12):
-            draw.line([(x, y), (x + 6, y)], fill="grey")
-    if len(values) > 1:
-        draw.line(
-            [xy(i, v) for i, v in enumerate(values)],
-            fill=(170, 190, 230) if smooth else (20, 60, 160),
-            width=2,
-        )
-        if smooth:
-            window = [values[max(0, i - smooth + 1) : i + 1] for i in range(len(values))]
-            draw.line([xy(i, sum(v) / len(v)) for i, v in enumerate(window)], fill=(20, 60, 160), width=3)
-    draw.text((m, 12), title, fill="black")
-    draw.text((6, m - 6), f"{hi:.3g}", fill="black")
-    draw.text((6, h - m - 6), f"{lo:.3g}", fill="black")
-    draw.text((w - m - 60, h - m + 8), f"{len(values)} steps", fill="black")
-    img.save(path)
+        ax.axhline(reference, color="grey", linestyle="--", linewidth=1, label=reference_label)
+    if y_range is not None:
+        ax.set_ylim(*y_range)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
     return path
 
 

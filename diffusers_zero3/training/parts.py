@@ -36,7 +36,7 @@ import torch
 
 from ..runtime.distributed import log_rank_zero
 from ..runtime.ds_config import zero3_bucket_sizes
-from ..runtime.zero3 import share_fp32_master_weights
+from ..runtime.zero3 import share_fp32_master_weights, trim_zero3_overhead
 
 MIB = 2**20
 
@@ -112,6 +112,7 @@ def prepare_first_part(
     objects += [lr_scheduler] if lr_scheduler is not None else []
     prepared = list(accelerator.prepare(*objects))
     engine, optimizer = prepared[0], prepared[1]
+    _log_trimmed(name, engine)
     loader = prepared[2] if dataloader is not None else None
     lr_scheduler = prepared[-1] if lr_scheduler is not None else None
     freed = share_fp32_master_weights(optimizer)
@@ -166,9 +167,21 @@ def prepare_extra_part(
         model=model, optimizer=optimizer, config=config, lr_scheduler=lr_scheduler
     )
     share_fp32_master_weights(ds_optimizer)
+    _log_trimmed(name, engine)
     return TrainedModel(
         name, engine.module, engine, ds_optimizer, lr_scheduler, max_grad_norm, own_engine=True
     )
+
+
+def _log_trimmed(name: str, engine: Any) -> None:
+    """``trim_zero3_overhead`` on a part's engine (all ranks), logged once."""
+    dropped = trim_zero3_overhead(engine)
+    if dropped:
+        total = sum(1 for _ in engine.module.modules())
+        log_rank_zero(
+            f"{name}: ZeRO-3 hooks dropped on {dropped} of {total} modules "
+            "(parameters kept whole, or none of their own)"
+        )
 
 
 def cut_outputs(outputs: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
