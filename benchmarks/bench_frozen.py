@@ -90,12 +90,23 @@ def case_placement(placement: str, tmp: str):
 
 def main() -> None:
     rows, base = [], None
-    for placement in ("replicate", "shard", "offload", "cache"):
+    defaults = "shard, DeepSpeed's defaults"  # the per-module levers set back (bench_end_to_end)
+    for placement in ("replicate", "shard", defaults, "offload", "cache"):
         if placement == "offload":
             rows.append({"placement": "offload", "frozen MiB / rank": "n/a: needs a GPU (CPU here)"})
             continue
+        env = (
+            {"DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS": "persistence,hooks,nvtx"}
+            if placement == defaults
+            else None
+        )
         with tempfile.TemporaryDirectory() as tmp:  # shared by the ranks (the cache folder)
-            res = run_case("benchmarks.bench_frozen:case_placement", placement=placement, tmp=tmp)
+            res = run_case(
+                "benchmarks.bench_frozen:case_placement",
+                placement="shard" if placement == defaults else placement,
+                tmp=tmp,
+                env=env,
+            )
         held, secs = max(r["held"] for r in res), max(r["seconds"] for r in res)
         text = max(r["text_seconds"] for r in res)
         many = max(r["text_many_seconds"] for r in res)

@@ -28,6 +28,7 @@ from .runtime.zero3 import (
     is_zero3_param,
     set_moe_leaf_modules,
     share_fp32_master_weights,
+    trim_zero3_overhead,
     zero3_init_disabled,
 )
 from .state.ema import ShardedEMA
@@ -70,6 +71,7 @@ __all__ = [
     "log_rank_zero",
     "zero3_init_disabled",
     "share_fp32_master_weights",
+    "trim_zero3_overhead",
     "set_moe_leaf_modules",
     "MemoryLog",
     "model_state_bytes",
