@@ -189,3 +189,16 @@ def worker_load_and_save(pipe_dir: str, work: str):
 def test_partitioned_load_and_streamed_save(tiny_pipeline, tmp_path):
     outs = run_on_ranks(worker_load_and_save, pipe_dir=tiny_pipeline, work=str(tmp_path))
     assert all("OK load-save" in o for o in outs)
+
+
+@pytest.mark.unit
+def test_skip_torch_init_leaves_tensors_as_they_are_and_restores_the_initialisers():
+    from diffusers_zero3.state.pretrained import skip_torch_init
+
+    with skip_torch_init():
+        inside = torch.nn.init.kaiming_uniform_(torch.zeros(8, 8))
+        layer = torch.nn.Linear(4, 4)  # built without its reset_parameters' writes
+    assert torch.count_nonzero(inside) == 0
+    outside = torch.nn.init.kaiming_uniform_(torch.zeros(8, 8))  # positive control: restored
+    assert torch.count_nonzero(outside) > 0
+    assert layer.weight.shape == (4, 4)
