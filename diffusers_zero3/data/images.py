@@ -170,7 +170,28 @@ def transform_image(
     return transform_image_with_crop(image, resolution, center_crop, random_flip, rng)[0]
 
 
-class ImageCaptionDataset(torch.utils.data.Dataset):
+class SeededRows(torch.utils.data.Dataset):
+    """A dataset over the rows of ``self.dataset`` whose random draws (crop, flip, empty
+    prompt, clip start) come from ``(self.seed, epoch, row index)``: the same whichever rank
+    reads a row and however many there are, and what a cache built at epoch 0 read."""
+
+    dataset: Any
+    seed: int
+    epoch: int
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the random draws of ``epoch``."""
+        self.epoch = epoch
+
+    def _rng(self, index: int, epoch: int | None = None) -> random.Random:
+        """Row ``index``'s draws at ``epoch`` (default: the current one)."""
+        return random.Random(f"{self.seed}-{self.epoch if epoch is None else epoch}-{index}")
+
+
+class ImageCaptionDataset(SeededRows):
     """Rows of a ``datasets`` dataset as ``{"pixel_values", "input_ids", "index"}``, plus
     ``"original_size"`` and ``"crop_top_left"`` (SDXL's micro-conditioning) with the images.
 
@@ -209,16 +230,6 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         self.unreadable_rows = set(unreadable_rows)
         self._tokenize = tokenize
         self.empty_prompt_probability = empty_prompt_probability
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select the random draws of ``epoch``."""
-        self.epoch = epoch
-
-    def _rng(self, index: int) -> random.Random:
-        return random.Random(f"{self.seed}-{self.epoch}-{index}")
 
     def tokenize(self, captions: Sequence[str]) -> torch.Tensor:
         """Token ids padded to the tokenizer's max length, as upstream."""

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..runtime.distributed import logger
-from .images import DataError, pick_caption
+from .images import DataError, SeededRows, pick_caption
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v", ".gif")
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -283,7 +283,7 @@ def check_video_shape(num_frames: int, height: int, width: int, family, vae_conf
 # -------------------------------------------------------------------------------- the dataset
 
 
-class VideoCaptionDataset(torch.utils.data.Dataset):
+class VideoCaptionDataset(SeededRows):
     """Rows of a video folder (``load_video_caption_dataset``) as ``{"pixel_values": (3, F, H, W)
     in [-1, 1], <token ids and masks>, "index"}``.
 
@@ -340,16 +340,6 @@ class VideoCaptionDataset(torch.utils.data.Dataset):
         self.empty_prompt_probability = empty_prompt_probability
         self.skipped_rows: set[int] = set()
 
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select the random draws of ``epoch``."""
-        self.epoch = epoch
-
-    def _rng(self, index: int) -> random.Random:
-        return random.Random(f"{self.seed}-{self.epoch}-{index}")
-
     def source(self, row: dict) -> ClipSource:
         fps = row.get("fps")
         return ClipSource(Path(row[self.video_column]), float(fps) if fps not in (None, "") else None)
@@ -380,7 +370,7 @@ class VideoCaptionDataset(torch.utils.data.Dataset):
         """Row ``index``'s clip as epoch 0 of training reads it (its start and crop; never flipped:
         a cache keeps both orientations), ``(3, F, H, W)``; None when it does not decode or is
         too short. For the frozen models' cache."""
-        row, rng = self.dataset[index], random.Random(f"{self.seed}-0-{index}")
+        row, rng = self.dataset[index], self._rng(index, epoch=0)
         pick_caption(row[self.caption_column], rng)  # the same draws as __getitem__, in order
         try:
             frames = self.clip_frames(row, rng)

@@ -23,6 +23,7 @@ from ..runtime.ds_config import base_config, frozen_engine_config, resolve_dtype
 from ..runtime.lockstep import lockstep_check
 from ..runtime.zero3 import (
     _register_zero3_engine,
+    full_numel,
     is_zero3_param,
     restore_rotary_buffers,
     set_moe_leaf_modules,
@@ -119,7 +120,7 @@ def total_parameter_bytes(module: torch.nn.Module) -> int:
     """Bytes of ``module``'s parameters whole (a ZeRO-3 parameter counts its full size)."""
     total = 0
     for p in module.parameters():
-        numel = p.ds_numel if is_zero3_param(p) else p.numel()
+        numel = full_numel(p)
         total += numel * (p.ds_tensor.element_size() if is_zero3_param(p) else p.element_size())
     return total
 
@@ -143,7 +144,7 @@ def placement_bytes_per_rank(
     from ..runtime.ds_config import zero3_bucket_sizes
 
     itemsize = dtype.itemsize
-    numels = [p.ds_numel if is_zero3_param(p) else p.numel() for p in model.parameters()]
+    numels = [full_numel(p) for p in model.parameters()]
     if placement == "replicate":
         return sum(numels) * itemsize
     if placement == "cache":

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import torch
 
 from .distributed import get_world_size
-from .zero3 import is_zero3_param
+from .zero3 import full_numel, is_zero3_param
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -37,7 +39,7 @@ def typical_hidden_size(model: torch.nn.Module) -> int:
     The median matrix (or conv kernel) of the model plays the part of ``hidden^2``.
     """
     sizes = sorted(
-        p.ds_numel if is_zero3_param(p) else p.numel()
+        full_numel(p)
         for p in model.parameters()
         if len(p.ds_shape if is_zero3_param(p) else p.shape) >= 2  # a partitioned parameter's data is 1-D
     )
@@ -60,8 +62,6 @@ LEVERS = ("persistence", "hooks", "nvtx")
 def deepspeed_defaults() -> frozenset[str]:
     """The levers that ``DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS`` turns off (``LEVERS``); an
     unknown name is an error."""
-    import os
-
     names = {
         n.strip() for n in os.environ.get("DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS", "").split(",") if n.strip()
     }
@@ -87,8 +87,6 @@ def persistence_threshold(numels: list[int], hidden: int, share: float = PERSIST
     at most ``share x (1 - 1/N)`` of the parameter bytes per rank. Tensors of one size are
     kept all or none.
     """
-    from collections import Counter
-
     threshold, total, kept = 0, sum(numels), 0
     for size, count in sorted(Counter(numels).items()):  # all tensors of a size or none of them
         if kept + size * count > share * total:
@@ -130,18 +128,14 @@ def zero3_bucket_sizes(model: torch.nn.Module) -> dict[str, int]:
     hidden = typical_hidden_size(model)
 
     def largest(params) -> int:
-        return min(
-            MAX_BUCKET, max((p.ds_numel if is_zero3_param(p) else p.numel() for p in params), default=0)
-        )
+        return min(MAX_BUCKET, max((full_numel(p) for p in params), default=0))
 
     gathered = max(hidden * hidden, largest(model.parameters()))
     reduced = max(hidden * hidden, largest(p for p in model.parameters() if p.requires_grad))
     if "persistence" in deepspeed_defaults():
         persist = 10 * hidden
     else:
-        persist = persistence_threshold(
-            [p.ds_numel if is_zero3_param(p) else p.numel() for p in model.parameters()], hidden
-        )
+        persist = persistence_threshold([full_numel(p) for p in model.parameters()], hidden)
     return {
         "reduce_bucket_size": reduced,
         "stage3_prefetch_bucket_size": gathered,

@@ -91,6 +91,12 @@ def is_zero3_param(param: Any) -> bool:
     return hasattr(param, "ds_id")
 
 
+def full_numel(param: Any) -> int:
+    """A parameter's whole number of elements, also when ZeRO-3 has partitioned it (its data
+    is then a 1-D placeholder or this rank's slice)."""
+    return param.ds_numel if is_zero3_param(param) else param.numel()
+
+
 @contextlib.contextmanager
 def zero3_init_disabled() -> Iterator[None]:
     """Build and load models whole, even while ZeRO-3 is active.
