@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import REPO_ROOT, markdown_table, print_section
+from diffusers_zero3.runtime.ds_config import LEVERS
 from diffusers_zero3.testing import free_port
 
 WIDTH = 224  # a UNet of 38.5 M parameters (demo.tiny_component_configs)
@@ -128,10 +129,12 @@ def prepare(work: Path, width: int = WIDTH, shape: str = "tiny") -> tuple[Path, 
 FINE_GRAINED = {"sd15": 64, "sdxl": 32}
 # Each lever of this package set back to DeepSpeed's own (DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS).
 LEVER_RUNS = {
-    "DeepSpeed's defaults (all three levers off)": "persistence,hooks,nvtx",
+    "DeepSpeed's defaults (every lever off)": ",".join(LEVERS),
     "without the persistence share (10 x hidden)": "persistence",
     "without dropping idle module hooks": "hooks",
     "with NVTX ranges": "nvtx",
+    "10^9 live parameters (the whole model gathered)": "live",
+    "kept-whole parameters gathered one by one after the step": "coalesce",
 }
 
 SIZES = (96, 160)  # smaller UNets, for the size at which ZeRO-3's peak RSS drops below DDP's

@@ -11,6 +11,7 @@ import tempfile
 import time
 
 from benchmarks.common import markdown_table, mib, print_section, report, run_case
+from diffusers_zero3.runtime.ds_config import LEVERS
 
 WIDTH, TEXT_DIM, TEXT_LAYERS, STEPS = 256, 512, 8, 5
 
@@ -96,7 +97,7 @@ def main() -> None:
             rows.append({"placement": "offload", "frozen MiB / rank": "n/a: needs a GPU (CPU here)"})
             continue
         env = (
-            {"DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS": "persistence,hooks,nvtx"}
+            {"DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS": ",".join(LEVERS)}
             if placement == defaults
             else None
         )

@@ -1,9 +1,12 @@
 """The per-module levers of a ZeRO-3 engine (``runtime.zero3.trim_zero3_overhead``,
-``runtime.ds_config.persistence_threshold``): the persistence threshold keeps the smallest
-tensors whole up to a share of the elements, and the hooks of modules that gather nothing are
-dropped without changing a single number of training."""
+``runtime.ds_config.persistence_threshold`` and ``live_parameters``): the persistence
+threshold keeps the smallest tensors whole up to a share of the elements, the hooks of modules
+that gather nothing are dropped, and at most a share of the model is gathered at once, without
+changing a single number of training."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -58,6 +61,43 @@ def test_deepspeed_defaults_names_an_unknown_lever(monkeypatch):
         deepspeed_defaults()
 
 
+@pytest.mark.unit
+def test_live_parameters_are_a_share_of_the_model_between_two_buckets_and_deepspeeds_default(monkeypatch):
+    from diffusers_zero3.runtime.ds_config import DEEPSPEED_LIVE_DEFAULT, live_parameters, zero3_bucket_sizes
+
+    assert live_parameters(34_000_000, 1_000_000) == 3_400_000
+    assert live_parameters(4_000_000, 1_000_000) == 2_000_000  # two buckets: one in use, one in flight
+    assert live_parameters(2_600_000_000, 2**25) == 260_000_000
+    assert live_parameters(24_000_000_000, 2**25) == DEEPSPEED_LIVE_DEFAULT
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(40)])
+    sizes = zero3_bucket_sizes(model)
+    total = sum(p.numel() for p in model.parameters())
+    assert sizes["stage3_max_live_parameters"] == sizes["stage3_max_reuse_distance"] == total // 10
+    monkeypatch.setenv("DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS", "live")
+    assert "stage3_max_live_parameters" not in zero3_bucket_sizes(model)
+
+
+@contextlib.contextmanager
+def count_all_gathers():
+    """The all-gathers DeepSpeed's communication module starts inside the block."""
+    from deepspeed import comm
+
+    calls, own = [], (comm.all_gather_into_tensor, comm.all_gather)
+
+    def counted(fn):
+        def wrapper(*args, **kwargs):
+            calls.append(fn.__name__)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    comm.all_gather_into_tensor, comm.all_gather = map(counted, own)
+    try:
+        yield calls
+    finally:
+        comm.all_gather_into_tensor, comm.all_gather = own
+
+
 def worker_trimmed_hooks_train_alike():
     import os
 
@@ -66,7 +106,12 @@ def worker_trimmed_hooks_train_alike():
 
     from diffusers_zero3.demo import tiny_component_configs
     from diffusers_zero3.runtime.ds_config import zero3_bucket_sizes
-    from diffusers_zero3.runtime.zero3 import gathered_parameters, trim_zero3_overhead, zero3_init_disabled
+    from diffusers_zero3.runtime.zero3 import (
+        full_numel,
+        gathered_parameters,
+        trim_zero3_overhead,
+        zero3_init_disabled,
+    )
     from tests.common import zero3_config
 
     cfg_unet = tiny_component_configs(32, cross_dim=32, unet_shape="sd15")["unet"]
@@ -84,11 +129,12 @@ def worker_trimmed_hooks_train_alike():
         with zero3_init_disabled():
             unet = UNet2DConditionModel(**cfg_unet)
         unet.load_state_dict(initial)
+        live = {k: v for k, v in zero3_bucket_sizes(unet).items() if "max_" in k}
         # SGD: Adam would turn rounding-level gradient differences of near-zero gradients into
         # updates of the size of the learning rate
         optimizer = torch.optim.SGD(unet.parameters(), lr=0.5)
         config = {
-            **zero3_config(stage3_param_persistence_threshold=threshold),
+            **zero3_config(stage3_param_persistence_threshold=threshold, **live),
             "zero_allow_untested_optimizer": True,
         }
         engine, *_ = deepspeed.initialize(model=unet, optimizer=optimizer, config=config)
@@ -105,11 +151,16 @@ def worker_trimmed_hooks_train_alike():
                     batches[0][0], initial["conv_in.weight"], initial["conv_in.bias"], padding=1
                 )
                 torch.testing.assert_close(conv_in(batches[0][0]), expected)
-        losses = []
+        losses, gathered, collectives = [], [], []
+        partitioned = [p for p in engine.module.parameters() if not p.ds_persist]
         for x, text in batches:
             loss = engine(x, torch.tensor([10]), encoder_hidden_states=text).sample.pow(2).mean()
+            # elements held gathered between the forward and the backward
+            gathered.append(sum(p.ds_numel for p in partitioned if p.ds_status.name == "AVAILABLE"))
             engine.backward(loss)
-            engine.step()
+            with count_all_gathers() as calls:
+                engine.step()
+            collectives.append(len(calls))
             losses.append(loss.item())
         with gathered_parameters(list(engine.module.parameters())):
             weights = torch.cat([p.detach().flatten().clone() for p in engine.module.parameters()])
@@ -118,15 +169,27 @@ def worker_trimmed_hooks_train_alike():
             for m in engine.module.modules()
             if any(not getattr(p, "ds_persist", False) for p in m.parameters(recurse=False))
         }
+        persistent = len(engine.optimizer.persistent_parameters)
         engine.destroy()
-        return losses, weights, dropped, hooked
+        return losses, weights, dropped, hooked, gathered, live, sum(p.ds_numel for p in partitioned), collectives, persistent
 
     trimmed = train("")
     assert trimmed[2] > 500, trimmed[2]  # of the UNet's 709 modules
     # every module with a partitioned parameter keeps its hooks
     assert all(h.endswith("-kept") for h in trimmed[3]), trimmed[3]
-    full = train("hooks,nvtx")
-    assert full[2] == 0
+    # From the second step on (the first records the trace) at most the live share is held
+    # gathered, beyond the last module's; DeepSpeed's 10^9 holds the whole model (the control).
+    with torch.device("meta"):
+        largest = max(full_numel(p) for p in UNet2DConditionModel(**cfg_unet).parameters())
+    live, total = trimmed[5]["stage3_max_live_parameters"], trimmed[6]
+    assert live < total / 5 and max(trimmed[4][1:]) <= live + largest, (trimmed[4], live, total)
+    # the kept-whole parameters come back after each step in one all-gather, one per
+    # parameter at DeepSpeed's defaults (the control)
+    assert trimmed[7] == [1, 1, 1], trimmed[7]
+    full = train("hooks,nvtx,live,coalesce")
+    assert full[2] == 0 and not full[5]
+    assert min(full[4][1:]) > 0.9 * total, (full[4], total)
+    assert full[7] == [full[8]] * 3 and full[8] > 100, (full[7], full[8])
     # Equal up to float rounding: without the hooks' autograd functions the graph has fewer
     # nodes, so autograd sums a tensor's gradient contributions in another order (measured:
     # losses agree to 1.5e-7 relative after 3 steps, weights to 3.5e-7 absolute, with SGD).
@@ -143,9 +206,10 @@ def worker_trimmed_hooks_train_alike():
             handle.remove()
 
     mutant = train("", mutate=drop_everything)
+    # (the mutant's parameters, gathered on access, are never released: not checked here)
     torch.testing.assert_close(mutant[0], full[0], rtol=1e-6, atol=0)
     assert any(h.endswith("-dropped") for h in mutant[3]), mutant[3]
-    print("OK trimmed", trimmed[2], trimmed[0])
+    print("OK trimmed", trimmed[2], trimmed[0], "gathered", trimmed[4], "of", total, "live", live, "defaults", full[4], full[7])
 
 
 @pytest.mark.multirank

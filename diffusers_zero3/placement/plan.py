@@ -219,7 +219,7 @@ def denoiser_placements(
     lora: tuple[int, tuple[str, ...]] | None = None,
 ) -> dict[str, dict[str, int]]:
     """Bytes per rank of the trained denoiser by placement (see the module doc)."""
-    from ..runtime.ds_config import typical_hidden_size, zero3_bucket_sizes
+    from ..runtime.ds_config import DEEPSPEED_LIVE_DEFAULT, typical_hidden_size, zero3_bucket_sizes
     from .frozen import sharded_elements
 
     b = _bytes(resolve_dtype(mixed_precision, {}, None))
@@ -240,9 +240,10 @@ def denoiser_placements(
         "gradients": own * b,
         "optimizer": 8 * own + master,
         "ema": 4 * own if use_ema else 0,
-        # the gradient reduce bucket, and the fp32 copy of one optimizer sub-group's gradients
-        # that DeepSpeed makes at each step
-        "buffers": reduced * b + 4 * min(reduced, own),
+        # the gradient reduce bucket, the fp32 copy of one optimizer sub-group's gradients
+        # that DeepSpeed makes at each step, and the parameters gathered at once beyond the
+        # running module (stage3_max_live_parameters, ds_config.live_parameters)
+        "buffers": reduced * b + 4 * min(reduced, own) + min(psi, sizes.get("stage3_max_live_parameters", DEEPSPEED_LIVE_DEFAULT)) * b,
     }
     out = {
         "shard": {**zero, "host_bytes_per_rank": 0},

@@ -398,15 +398,85 @@ def set_nvtx_ranges(enabled: bool) -> None:
     deepspeed.utils.nvtx.enable_nvtx = enabled
 
 
+@torch.no_grad()
+def all_gather_coalesced(params: list) -> None:
+    """Gather the partitioned ZeRO-3 ``params`` whole, in one collective per dtype and
+    process group (DeepSpeed's blocking ``param.all_gather(param_list)`` runs one per
+    parameter). Each parameter gets a tensor of its own, as DeepSpeed gives it. Collective:
+    every rank of the parameters' groups calls it with the same list. Parameters already
+    whole or in flight are left alone; where a parameter is quantised, held on NVMe, or its
+    group's partitions are uneven, the list goes to DeepSpeed's own gather instead."""
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    missing = [p for p in params if p.ds_status.name == "NOT_AVAILABLE"]
+    if not missing:
+        return
+    if any(hasattr(p.ds_tensor, "ds_quant_scale") or getattr(p, "nvme_swapper", None) for p in missing):
+        missing[0].all_gather(param_list=missing)
+        return
+    device = torch.device(get_accelerator().current_device_name())
+    groups: dict[tuple, list] = {}
+    for p in missing:
+        groups.setdefault((p.ds_tensor.dtype, id(p.ds_process_group)), []).append(p)
+    for (dtype, _), group_params in groups.items():
+        group = group_params[0].ds_process_group
+        world = dist.get_world_size(group=group)
+        sizes = [p.ds_tensor.ds_numel for p in group_params]
+        if any(s * world < p.ds_numel for s, p in zip(sizes, group_params)):
+            group_params[0].all_gather(param_list=group_params)
+            continue
+        local = torch.cat([p.ds_tensor.data.to(device).view(-1) for p in group_params])
+        out = torch.empty(local.numel() * world, dtype=dtype, device=device)
+        dist.all_gather_into_tensor(out, local, group=group)
+        by_rank = out.view(world, -1)  # row r: rank r's partitions of every parameter, in order
+        offset = 0
+        for p, size in zip(group_params, sizes):
+            whole = by_rank[:, offset : offset + size].reshape(-1)  # a copy of its own
+            p.data = whole.narrow(0, 0, p.ds_numel).view(p.ds_shape)
+            p.ds_status = type(p.ds_status).AVAILABLE
+            offset += size
+
+
+def gather_kept_whole_in_one_collective(engine: Any) -> bool:
+    """Make a trained ZeRO-3 ``engine`` gather its kept-whole (persistent) parameters after
+    each optimizer step in one collective (``all_gather_coalesced``) instead of one per
+    parameter; returns whether it did. DeepSpeed partitions every parameter for the step
+    and then gathers the persistent ones back one by one: with the persistence share of
+    ``ds_config.persistence_threshold`` that is 522 collectives per step in an SD 1.5
+    UNet (6 % of a ZeRO-3 step of a fine-grained UNet on CPU, measured). Call on every rank
+    before the first step. ``DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS=coalesce`` keeps DeepSpeed's."""
+    from .ds_config import deepspeed_defaults
+
+    optimizer = zero3_optimizer(getattr(engine, "optimizer", None))
+    persistent = getattr(optimizer, "persistent_parameters", None)
+    if not persistent or "coalesce" in deepspeed_defaults():
+        return False
+    first = persistent[0]
+    own_gather = first.all_gather
+
+    def all_gather(param_list=None, async_op=False, hierarchy=0):
+        # the optimizer's post-step call; any other goes to DeepSpeed's own
+        if param_list is persistent and not async_op and not hierarchy:
+            return all_gather_coalesced(param_list)
+        return own_gather(param_list=param_list, async_op=async_op, hierarchy=hierarchy)
+
+    first.all_gather = all_gather
+    return True
+
+
 def trim_zero3_overhead(engine: Any) -> int:
     """The per-module levers on a ZeRO-3 ``engine`` (trained or frozen): its idle module
-    hooks dropped (``drop_idle_module_hooks``) and DeepSpeed's NVTX ranges off unless
-    ``DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS`` names ``nvtx``; returns the number of modules
-    whose hooks were dropped. Call on every rank right after ``deepspeed.initialize`` /
-    ``accelerator.prepare``, before the first forward. A no-op on other engines."""
+    hooks dropped (``drop_idle_module_hooks``), its kept-whole parameters gathered in one
+    collective after each step (``gather_kept_whole_in_one_collective``) and DeepSpeed's
+    NVTX ranges off, each unless ``DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS`` names it; returns
+    the number of modules whose hooks were dropped. Call on every rank right after
+    ``deepspeed.initialize`` / ``accelerator.prepare``, before the first forward. A no-op on
+    other engines."""
     from .ds_config import deepspeed_defaults
 
     if _zero3_offload(engine) is None:
         return 0
     set_nvtx_ranges("nvtx" in deepspeed_defaults())
+    gather_kept_whole_in_one_collective(engine)
     return drop_idle_module_hooks(engine)
