@@ -83,6 +83,7 @@ _PHASE = re.compile(
     r"^\s+(.+?)\s+RSS\s+([\d.]+) MiB\s+peak\s+([\d.]+) MiB \(\+\s*[\d.]+\)\s+([\d.]+) s(?:\s+device peak .*)?$"
 )
 _STATES = re.compile(r"model states per rank: (.*) \(total ([\d.]+) MiB\)")
+_HEAP = re.compile(r"glibc heap per rank at the end: in use ([\d.]+) MiB, freed but held ([\d.]+) MiB, mmapped ([\d.]+) MiB")
 
 
 def parse_memory(output: str) -> dict:
@@ -96,7 +97,9 @@ def parse_memory(output: str) -> dict:
     if not phases or not states_line:
         raise RuntimeError(f"no memory report in the run's log:\n{output[-3000:]}")
     states = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) MiB", states_line.group(1))}
-    return {"phases": phases, "states": states, "state_total": float(states_line.group(2))}
+    heap = _HEAP.search(output)  # absent without glibc's mallinfo2
+    heap = {"in_use": float(heap.group(1)) + float(heap.group(3)), "held": float(heap.group(2))} if heap else None
+    return {"phases": phases, "states": states, "state_total": float(states_line.group(2)), "heap": heap}
 
 
 def measure(
@@ -269,6 +272,8 @@ def fine_grained(work: Path, data: Path, measured: dict | None = None) -> None:
                 "DDP peak MiB": f"{ddp['peak']:.0f}",
                 "ZeRO-3 peak MiB": f"{ours['peak']:.0f}",
                 "RSS vs DDP (goal <= 0.9)": f"{ours['peak'] / ddp['peak']:.2f}",
+                "in use at the end, DDP / ZeRO-3 MiB": _heap(ddp, ours, "in_use"),
+                "freed but held by glibc, DDP / ZeRO-3 MiB": _heap(ddp, ours, "held"),
             }
         )
     print_section(
@@ -355,6 +360,13 @@ def size_sweep(work: Path, data: Path, measured: dict | None = None) -> None:
     series = {"default allocator": [r for _, r in default], "--return_freed_memory": [r for _, r in freed]}
     print(ratio_lines("size_sweep_rss", xs, series, goal=0.9, xlabel="UNet parameters (M)",
                       ylabel="ZeRO-3 peak RSS per rank / DDP's", title="Peak RSS per rank by UNet size (N=2, CPU)"))  # fmt: skip
+
+
+def _heap(ddp: dict, ours: dict, key: str) -> str:
+    """``DDP / ZeRO-3`` of one of the runs' glibc heap numbers (``memory.heap_bytes``)."""
+    if not (ddp["heap"] and ours["heap"]):
+        return "n/a"
+    return f"{ddp['heap'][key]:.0f} / {ours['heap'][key]:.0f}"
 
 
 def _row(name: str, res: dict, ddp: dict) -> dict:

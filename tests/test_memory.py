@@ -1,4 +1,4 @@
-"""Memory instruments: the per-phase RSS log, model-state bytes, and glibc's mmap threshold."""
+"""Memory instruments: the per-phase RSS log, model-state bytes, glibc's mmap threshold and its heap."""
 
 from __future__ import annotations
 
@@ -36,6 +36,35 @@ def _freed_mib(mode: str) -> float:
 def test_return_large_frees_to_os_hands_freed_blocks_back():
     assert _freed_mib("on") > 200  # the 256 MiB freed leave the process
     assert _freed_mib("off") < 64  # control: glibc's default keeps them
+
+
+_HEAP = """
+import sys, torch
+from diffusers_zero3.runtime.memory import heap_bytes, return_large_frees_to_os
+if sys.argv[1] == "on":
+    assert return_large_frees_to_os()
+x = torch.ones(8 * 2**20 // 4)
+del x
+blocks = [torch.ones(2**20) for _ in range(64)]  # 64 x 4 MiB, from the heap (see _FREED)
+pin = torch.ones(2**18)
+used, held, mapped = heap_bytes()
+del blocks
+used2, held2, mapped2 = heap_bytes()
+print(used - used2, held2 - held, mapped - mapped2)
+"""
+
+
+def test_heap_bytes_count_the_blocks_glibc_keeps_after_a_free():
+    def deltas(mode):
+        out = subprocess.run(
+            [sys.executable, "-c", _HEAP, mode], capture_output=True, text=True, cwd=REPO_ROOT, check=True
+        )
+        return [int(v) / 2**20 for v in out.stdout.split()]
+
+    freed_in_heap, held, unmapped = deltas("off")
+    assert freed_in_heap > 250 and held > 250 and abs(unmapped) < 8  # 256 MiB freed, kept by the heap
+    freed_in_heap, held, unmapped = deltas("on")  # control: served by mmap, handed back
+    assert abs(freed_in_heap) < 8 and held < 8 and unmapped > 250
 
 
 def test_memory_log_marks_phases():

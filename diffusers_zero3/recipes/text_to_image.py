@@ -39,7 +39,7 @@ from ..placement.frozen_inputs import place_frozen_models, resolve_component_sou
 from ..placement.plan import resolve_auto_placements
 from ..runtime.distributed import log_rank_zero, max_over_ranks
 from ..runtime.ds_config import fill_auto_bucket_sizes
-from ..runtime.memory import MIB, MemoryLog, model_state_bytes, return_large_frees_to_os
+from ..runtime.memory import MIB, MemoryLog, heap_bytes, model_state_bytes, return_large_frees_to_os
 from ..state.ema import ShardedEMA
 from ..state.pipeline_io import (
     check_output_dir,
@@ -648,6 +648,13 @@ class TextToImageTrainer:
             + ", ".join(f"{k} {v / MIB:.1f} MiB" for k, v in states.items())
             + f" (total {sum(states.values()) / MIB:.1f} MiB)"
         )
+        heap = heap_bytes()
+        heap = max_over_ranks(list(heap) if heap is not None else [-1, -1, -1])  # every rank the same call
+        if heap[0] >= 0:
+            log_rank_zero(
+                f"glibc heap per rank at the end: in use {heap[0] / MIB:.1f} MiB, freed but held "
+                f"{heap[1] / MIB:.1f} MiB, mmapped {heap[2] / MIB:.1f} MiB (the RSS counts all three)"
+            )
         # On a GPU the states live in device memory: what torch's allocator held right after
         # the first optimizer step (marked just before the states above were counted) is the
         # device-side number to compare the planner's with (it also holds frozen models on the GPU).

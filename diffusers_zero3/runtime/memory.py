@@ -61,6 +61,34 @@ def return_large_frees_to_os(threshold_bytes: int = MIB) -> bool:
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes)))
 
 
+class _MallInfo2(ctypes.Structure):
+    # glibc's struct mallinfo2 (malloc.h, glibc >= 2.33)
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost"
+        )
+    ]  # fmt: skip
+
+
+def heap_bytes() -> tuple[int, int, int] | None:
+    """glibc's view of this process's allocations, in bytes: ``(in use, freed but held,
+    mmapped)``, i.e. the heap's allocated and free blocks (all arenas) and the blocks served
+    by ``mmap``; None without glibc's ``mallinfo2`` (glibc < 2.33, or another libc).
+
+    The second number is memory the program has freed and the RSS still counts: on a CPU
+    host ZeRO-3 frees a gathered parameter or gradient at every module, and glibc keeps the
+    freed blocks (``return_large_frees_to_os``)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallinfo2 = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return int(info.uordblks), int(info.fordblks), int(info.hblkhd)
+
+
 def device_memory_bytes() -> tuple[int, int, int]:
     """This rank's GPU memory in torch's CUDA allocator, in bytes: ``(allocated now, peak
     allocated so far, peak reserved so far)`` on the current device; zeros without CUDA (and
