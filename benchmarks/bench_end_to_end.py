@@ -83,7 +83,9 @@ _PHASE = re.compile(
     r"^\s+(.+?)\s+RSS\s+([\d.]+) MiB\s+peak\s+([\d.]+) MiB \(\+\s*[\d.]+\)\s+([\d.]+) s(?:\s+device peak .*)?$"
 )
 _STATES = re.compile(r"model states per rank: (.*) \(total ([\d.]+) MiB\)")
-_HEAP = re.compile(r"glibc heap per rank at the end: in use ([\d.]+) MiB, freed but held ([\d.]+) MiB, mmapped ([\d.]+) MiB")
+_HEAP = re.compile(
+    r"glibc heap per rank at the end: in use ([\d.]+) MiB, freed but held ([\d.]+) MiB, mmapped ([\d.]+) MiB"
+)
 
 
 def parse_memory(output: str) -> dict:
@@ -98,7 +100,11 @@ def parse_memory(output: str) -> dict:
         raise RuntimeError(f"no memory report in the run's log:\n{output[-3000:]}")
     states = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) MiB", states_line.group(1))}
     heap = _HEAP.search(output)  # absent without glibc's mallinfo2
-    heap = {"in_use": float(heap.group(1)) + float(heap.group(3)), "held": float(heap.group(2))} if heap else None
+    heap = (
+        {"in_use": float(heap.group(1)) + float(heap.group(3)), "held": float(heap.group(2))}
+        if heap
+        else None
+    )
     return {"phases": phases, "states": states, "state_total": float(states_line.group(2)), "heap": heap}
 
 

@@ -96,11 +96,7 @@ def main() -> None:
         if placement == "offload":
             rows.append({"placement": "offload", "frozen MiB / rank": "n/a: needs a GPU (CPU here)"})
             continue
-        env = (
-            {"DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS": ",".join(LEVERS)}
-            if placement == defaults
-            else None
-        )
+        env = {"DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS": ",".join(LEVERS)} if placement == defaults else None
         with tempfile.TemporaryDirectory() as tmp:  # shared by the ranks (the cache folder)
             res = run_case(
                 "benchmarks.bench_frozen:case_placement",

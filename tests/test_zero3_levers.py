@@ -171,7 +171,17 @@ def worker_trimmed_hooks_train_alike():
         }
         persistent = len(engine.optimizer.persistent_parameters)
         engine.destroy()
-        return losses, weights, dropped, hooked, gathered, live, sum(p.ds_numel for p in partitioned), collectives, persistent
+        return (
+            losses,
+            weights,
+            dropped,
+            hooked,
+            gathered,
+            live,
+            sum(p.ds_numel for p in partitioned),
+            collectives,
+            persistent,
+        )
 
     trimmed = train("")
     assert trimmed[2] > 500, trimmed[2]  # of the UNet's 709 modules
@@ -209,7 +219,20 @@ def worker_trimmed_hooks_train_alike():
     # (the mutant's parameters, gathered on access, are never released: not checked here)
     torch.testing.assert_close(mutant[0], full[0], rtol=1e-6, atol=0)
     assert any(h.endswith("-dropped") for h in mutant[3]), mutant[3]
-    print("OK trimmed", trimmed[2], trimmed[0], "gathered", trimmed[4], "of", total, "live", live, "defaults", full[4], full[7])
+    print(
+        "OK trimmed",
+        trimmed[2],
+        trimmed[0],
+        "gathered",
+        trimmed[4],
+        "of",
+        total,
+        "live",
+        live,
+        "defaults",
+        full[4],
+        full[7],
+    )
 
 
 @pytest.mark.multirank
