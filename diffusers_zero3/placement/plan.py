@@ -234,6 +234,8 @@ def denoiser_placements(
     # LoRA adapters are partitioned like the rest; their shapes are small and many stay whole
     base = sharded_elements(numels, world_size, threshold) * b
     own = math.ceil(trainable / world_size)
+    # the parameters gathered at once beyond the running module (ds_config.live_parameters)
+    window = min(psi, sizes.get("stage3_max_live_parameters", DEEPSPEED_LIVE_DEFAULT))
     master = 4 * own if b != 4 else 0
     zero = {
         "parameters": base + (own * b if lora is not None else 0),
@@ -241,9 +243,8 @@ def denoiser_placements(
         "optimizer": 8 * own + master,
         "ema": 4 * own if use_ema else 0,
         # the gradient reduce bucket, the fp32 copy of one optimizer sub-group's gradients
-        # that DeepSpeed makes at each step, and the parameters gathered at once beyond the
-        # running module (stage3_max_live_parameters, ds_config.live_parameters)
-        "buffers": reduced * b + 4 * min(reduced, own) + min(psi, sizes.get("stage3_max_live_parameters", DEEPSPEED_LIVE_DEFAULT)) * b,
+        # that DeepSpeed makes at each step, and the gathered window
+        "buffers": (reduced + window) * b + 4 * min(reduced, own),
     }
     out = {
         "shard": {**zero, "host_bytes_per_rank": 0},

@@ -162,12 +162,13 @@ def zero3_bucket_sizes(model: torch.nn.Module) -> dict[str, int]:
     def largest(params) -> int:
         return min(MAX_BUCKET, max((full_numel(p) for p in params), default=0))
 
+    numels = [full_numel(p) for p in model.parameters()]
     gathered = max(hidden * hidden, largest(model.parameters()))
     reduced = max(hidden * hidden, largest(p for p in model.parameters() if p.requires_grad))
     if "persistence" in deepspeed_defaults():
         persist = 10 * hidden
     else:
-        persist = persistence_threshold([full_numel(p) for p in model.parameters()], hidden)
+        persist = persistence_threshold(numels, hidden)
     sizes = {
         "reduce_bucket_size": reduced,
         "stage3_prefetch_bucket_size": gathered,
@@ -175,7 +176,7 @@ def zero3_bucket_sizes(model: torch.nn.Module) -> dict[str, int]:
         "sub_group_size": reduced,
     }
     if "live" not in deepspeed_defaults():
-        live = live_parameters(sum(full_numel(p) for p in model.parameters()), gathered)
+        live = live_parameters(sum(numels), gathered)
         sizes["stage3_max_live_parameters"] = sizes["stage3_max_reuse_distance"] = live
     return sizes
 

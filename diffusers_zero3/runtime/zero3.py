@@ -380,12 +380,9 @@ def drop_idle_module_hooks(engine: Any) -> int:
     return len(idle)
 
 
-@torch.no_grad()
 def _gather_kept_whole(module: torch.nn.Module, *args: Any) -> None:
     # Collective when it gathers: every rank runs the same modules in the same order.
-    missing = [p for p in module.parameters(recurse=False) if p.ds_status.name == "NOT_AVAILABLE"]
-    if missing:
-        missing[0].all_gather(param_list=missing)
+    all_gather_coalesced(list(module.parameters(recurse=False)))
 
 
 def set_nvtx_ranges(enabled: bool) -> None:
@@ -404,8 +401,8 @@ def all_gather_coalesced(params: list) -> None:
     process group (DeepSpeed's blocking ``param.all_gather(param_list)`` runs one per
     parameter). Each parameter gets a tensor of its own, as DeepSpeed gives it. Collective:
     every rank of the parameters' groups calls it with the same list. Parameters already
-    whole or in flight are left alone; where a parameter is quantised, held on NVMe, or its
-    group's partitions are uneven, the list goes to DeepSpeed's own gather instead."""
+    whole or in flight are left alone; where a parameter is quantised or held on NVMe, the
+    list goes to DeepSpeed's own gather instead."""
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator
 
@@ -422,10 +419,7 @@ def all_gather_coalesced(params: list) -> None:
     for (dtype, _), group_params in groups.items():
         group = group_params[0].ds_process_group
         world = dist.get_world_size(group=group)
-        sizes = [p.ds_tensor.ds_numel for p in group_params]
-        if any(s * world < p.ds_numel for s, p in zip(sizes, group_params)):
-            group_params[0].all_gather(param_list=group_params)
-            continue
+        sizes = [p.ds_tensor.ds_numel for p in group_params]  # ceil(numel / world), padded
         local = torch.cat([p.ds_tensor.data.to(device).view(-1) for p in group_params])
         out = torch.empty(local.numel() * world, dtype=dtype, device=device)
         dist.all_gather_into_tensor(out, local, group=group)
