@@ -111,9 +111,34 @@ def worker_load_and_save(pipe_dir: str, work: str):
         reads.append((hi - lo, info["shape"]))
         return real_read(path, start, info, lo, hi, out=out)
 
+    # ... and no parameter broadcast whole from rank 0 (zero.Init's default, counted by the
+    # control: a plain zero.Init build broadcasts every parameter).
+    from deepspeed.runtime.zero import partition_parameters
+
+    broadcasts = []
+    real_broadcast = partition_parameters.dist.broadcast
+
+    def count_broadcast(tensor, *args, **kwargs):
+        broadcasts.append(tensor.numel())
+        return real_broadcast(tensor, *args, **kwargs)
+
     ckpt._read_flat_range = spy
-    ours = load_pretrained_zero3(UNet2DConditionModel, pipe_dir, "unet", ds_config=cfg)
-    ckpt._read_flat_range = real_read
+    partition_parameters.dist.broadcast = count_broadcast
+    try:
+        ours = load_pretrained_zero3(UNet2DConditionModel, pipe_dir, "unet", ds_config=cfg)
+        assert broadcasts == [], len(broadcasts)
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            control = UNet2DConditionModel.from_config(
+                UNet2DConditionModel.load_config(pipe_dir, subfolder="unet")
+            )
+        assert len(broadcasts) == len(list(control.parameters())), (
+            len(broadcasts),
+            len(list(control.parameters())),
+        )
+    finally:
+        ckpt._read_flat_range = real_read
+        partition_parameters.dist.broadcast = real_broadcast
+    del control
     big_reads = [(n, shape) for n, shape in reads if torch.Size(shape).numel() > 200]
     assert big_reads and all(n <= (torch.Size(s).numel() + 1) // 2 for n, s in big_reads), big_reads[:5]
 
