@@ -18,6 +18,7 @@ from pathlib import Path
 
 from benchmarks.common import REPO_ROOT, markdown_table, print_section
 from diffusers_zero3.runtime.ds_config import LEVERS
+from diffusers_zero3.runtime.huge_pages import HUGE_PAGES_ENV
 from diffusers_zero3.testing import free_port
 
 WIDTH = 224  # a UNet of 38.5 M parameters (demo.tiny_component_configs)
@@ -137,13 +138,15 @@ def prepare(work: Path, width: int = WIDTH, shape: str = "tiny") -> tuple[Path, 
 # ZeRO-3's per-module hooks and collectives show. width -> 34.0 M (SD 1.5 shape), 23.4 M (SDXL).
 FINE_GRAINED = {"sd15": 64, "sdxl": 32}
 # Each lever of this package set back to DeepSpeed's own (DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS).
-LEVER_RUNS = {
-    "DeepSpeed's defaults (every lever off)": ",".join(LEVERS),
-    "without the persistence share (10 x hidden)": "persistence",
-    "without dropping idle module hooks": "hooks",
-    "with NVTX ranges": "nvtx",
-    "10^9 live parameters (the whole model gathered)": "live",
-    "kept-whole parameters gathered one by one after the step": "coalesce",
+_DS = "DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS"
+LEVER_RUNS = {  # label: the environment of the run
+    "DeepSpeed's defaults (every lever off)": {_DS: ",".join(LEVERS), HUGE_PAGES_ENV: "0"},
+    "without the persistence share (10 x hidden)": {_DS: "persistence"},
+    "without dropping idle module hooks": {_DS: "hooks"},
+    "with NVTX ranges": {_DS: "nvtx"},
+    "10^9 live parameters (the whole model gathered)": {_DS: "live"},
+    "kept-whole parameters gathered one by one after the step": {_DS: "coalesce"},
+    "host tensors without huge pages (THP_MEM_ALLOC_ENABLE=0)": {HUGE_PAGES_ENV: "0"},
 }
 
 SIZES = (96, 160)  # smaller UNets, for the size at which ZeRO-3's peak RSS drops below DDP's
@@ -256,10 +259,9 @@ def fine_grained(work: Path, data: Path, measured: dict | None = None) -> None:
             ddp = measure(pipe, data, work, f"ddp-{shape}", zero3=False, **common)
             runs[shape] = (ddp, measure(pipe, data, work, f"zero3-{shape}", zero3=True, **common))
         names = LEVER_RUNS if shape == "sd15" else dict(list(LEVER_RUNS.items())[:1])
-        for label, off in names.items():
-            env = {"DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS": off}
+        for index, (label, env) in enumerate(names.items()):
             levers[(shape, label)] = measure(
-                pipe, data, work, f"zero3-{shape}-{off}", zero3=True, env=env, **common
+                pipe, data, work, f"zero3-{shape}-lever{index}", zero3=True, env=env, **common
             )
     rows = []
     for shape, (ddp, ours) in runs.items():

@@ -12,6 +12,7 @@ import time
 
 from benchmarks.common import markdown_table, mib, print_section, report, run_case
 from diffusers_zero3.runtime.ds_config import LEVERS
+from diffusers_zero3.runtime.huge_pages import HUGE_PAGES_ENV
 
 WIDTH, TEXT_DIM, TEXT_LAYERS, STEPS = 256, 512, 8, 5
 
@@ -96,7 +97,11 @@ def main() -> None:
         if placement == "offload":
             rows.append({"placement": "offload", "frozen MiB / rank": "n/a: needs a GPU (CPU here)"})
             continue
-        env = {"DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS": ",".join(LEVERS)} if placement == defaults else None
+        env = (
+            {"DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS": ",".join(LEVERS), HUGE_PAGES_ENV: "0"}
+            if placement == defaults
+            else None
+        )
         with tempfile.TemporaryDirectory() as tmp:  # shared by the ranks (the cache folder)
             res = run_case(
                 "benchmarks.bench_frozen:case_placement",

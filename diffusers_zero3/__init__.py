@@ -1,5 +1,11 @@
 """diffusers_zero3: DeepSpeed ZeRO-3 for diffusers training with several models at once."""
 
+# ruff: noqa: E402 (huge pages are asked for before the imports below create any tensor)
+
+from .runtime.huge_pages import use_huge_pages_for_host_tensors
+
+use_huge_pages_for_host_tensors()  # first: torch reads it at the process's first tensor
+
 from .placement.cache import CachedOutputs, precompute_frozen_outputs
 from .placement.frozen import (
     PLACEMENTS,
@@ -38,6 +44,7 @@ from .state.resume import load_training_checkpoint, resume_training, save_traini
 __version__ = "0.1.0"
 
 __all__ = [
+    "use_huge_pages_for_host_tensors",
     "ParallelReward",
     "ShardedEMA",
     "CheckpointError",

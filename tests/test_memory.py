@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -191,3 +193,33 @@ def test_trainer_logs_device_bytes_beside_the_model_states(monkeypatch, caplog):
     assert re.search(r"device peak\s+90\.0 MiB \(reserved\s+128\.0 MiB\)", text), text
     text = log_of_a_run(cuda=False)  # control: a CPU run logs no device line
     assert "model states per rank" in text and "device" not in text
+
+
+_HUGE = """
+import os, diffusers_zero3, torch
+x = torch.ones(2**24)  # 64 MiB, touched
+huge = [l.split()[1] for l in open("/proc/self/smaps_rollup") if l.startswith("AnonHugePages")]
+print(os.environ.get("THP_MEM_ALLOC_ENABLE"), huge[0] if huge else -1)
+"""
+
+
+def test_importing_the_package_puts_large_host_tensors_on_huge_pages():
+    def run(**env):
+        base = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+        out = subprocess.run(
+            [sys.executable, "-c", _HUGE],
+            capture_output=True,
+            text=True,
+            cwd=REPO_ROOT,
+            check=True,
+            env={**base, **env},
+        )
+        flag, huge_kb = out.stdout.split()
+        return flag, int(huge_kb)
+
+    flag, huge_kb = run()
+    off_flag, off_huge_kb = run(THP_MEM_ALLOC_ENABLE="0")  # control: the user's choice is kept
+    assert (flag, off_flag) == ("1", "0")
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if mode.exists() and "[madvise]" in mode.read_text():  # huge pages only where torch asks for them
+        assert huge_kb >= 32 * 1024 and off_huge_kb == 0, (huge_kb, off_huge_kb)
