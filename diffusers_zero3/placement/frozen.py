@@ -26,6 +26,7 @@ from ..runtime.zero3 import (
     full_numel,
     is_zero3_param,
     restore_rotary_buffers,
+    set_block_leaf_modules,
     set_moe_leaf_modules,
     trim_zero3_overhead,
 )
@@ -299,6 +300,7 @@ def _shard(model, placement, accelerator, ds_config, micro_batch_size, dtype, na
         model, base, micro_batch_size=micro_batch_size or 1, dtype=resolved, offload=placement == "offload"
     )
     set_moe_leaf_modules(model)  # experts gathered together: eval-mode MoE routes by data
+    set_block_leaf_modules(model)
     if not any(is_zero3_param(p) for p in model.parameters()):
         # A model loaded whole: cast it where it lies and partition it parameter by parameter
         # (each goes to the device alone, then its partition to where the placement says).

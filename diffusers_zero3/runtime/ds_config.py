@@ -65,8 +65,9 @@ DEEPSPEED_LIVE_DEFAULT = 10**9
 # "nvtx" (DeepSpeed's profiler ranges around its hooks: ``zero3.set_nvtx_ranges``), "live"
 # (10^9 elements gathered ahead and kept for reuse: ``live_parameters``), "coalesce" (the
 # kept-whole parameters gathered one by one after each step:
-# ``zero3.gather_kept_whole_in_one_collective``).
-LEVERS = ("persistence", "hooks", "nvtx", "live", "coalesce")
+# ``zero3.gather_kept_whole_in_one_collective``), "leaves" (every module its own fetch unit:
+# ``zero3.set_block_leaf_modules``).
+LEVERS = ("persistence", "hooks", "nvtx", "live", "coalesce", "leaves")
 
 
 def deepspeed_defaults() -> frozenset[str]:
