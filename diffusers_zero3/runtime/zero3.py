@@ -329,28 +329,31 @@ def takes_and_returns_tensors(module: torch.nn.Module) -> bool:
 
 
 def set_block_leaf_modules(model: torch.nn.Module, max_elements: int | None = None) -> int:
-    """Make each block of ``model`` a ZeRO-3 leaf module, gathered in one fetch with one set
-    of hooks; returns the number of blocks. Call before the model's engine is built.
+    """Make each block of a frozen ``model`` a ZeRO-3 leaf module, gathered in one fetch with
+    one set of hooks; returns the number of blocks. Call before the model's engine is built
+    (``prepare_frozen`` does).
 
     A block is an outermost module, other than the root and containers (``ModuleList``,
     ``Sequential``, ``ModuleDict``), whose forward takes and returns tensors
     (``takes_and_returns_tensors``) and that holds at most ``max_elements`` parameter elements
     (default: the model's live share, ``ds_config.live_parameters``, so that a block fits the
     window ZeRO-3 may hold gathered) in at least ``MIN_BLOCK_MODULES`` modules that own
-    parameters: a UNet's resnet and transformer blocks, a text encoder's layers, the
-    feed-forward and attention modules of a dual-stream transformer block (Flux, SD3: the
-    blocks themselves return two streams). ZeRO-3's cost is per module: each fetch
-    unit runs four Python hooks, two autograd functions and one collective at every call, and
-    an SDXL UNet has 1,048 modules with parameters (measured on its shape at small width,
-    N=2 CPU ranks: a step 26 % shorter with blocks as leaves, the same losses to 1.5e-8).
+    parameters: a text encoder's layers, a UNet's resnet and transformer blocks, the
+    feed-forward and attention modules of a dual-stream transformer block. ZeRO-3's cost is
+    per module: each fetch unit runs Python hooks and one collective at every call.
 
-    Training is unchanged: a leaf is gathered before its forward and again before its backward,
-    and released once the gradients of all of its inputs that require one are computed; the
-    gradient of every parameter inside it is computed before that (autograd runs the nodes
-    created later in the forward first). Modules already leaves (mixture-of-experts blocks,
-    ``set_moe_leaf_modules``) stay as they are, inside a block or not.
-    ``DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS=leaves`` makes none. Not a collective: every rank
-    decides alike from the shapes.
+    Frozen engines only, where there is no backward. In training, DeepSpeed 0.19.8's
+    backward hooks on a leaf release its parameters before all of their gradients exist in
+    LoRA training, in transformer families (Flux, SD3, Qwen-Image, ...), in a trained text
+    encoder and in Diffusion-DPO ("The size of tensor a (0) must match the size of tensor b
+    (4)", "unknown parameter type": 23 end-to-end tests of this package failed with blocks as
+    leaves in trained engines). A full fine-tune of a UNet trains alike with them (2-rank
+    test against DeepSpeed's defaults) and steps about 20 % faster on an SDXL-shaped UNet
+    (1,049 hooked modules -> 130), but is not made so by default either.
+
+    Modules already leaves (mixture-of-experts blocks, ``set_moe_leaf_modules``) stay as they
+    are, inside a block or not. ``DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS=leaves`` makes none. Not a
+    collective: every rank decides alike from the shapes.
     """
     from deepspeed.utils import set_z3_leaf_module, z3_leaf_module
 
