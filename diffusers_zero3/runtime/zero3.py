@@ -308,7 +308,7 @@ def takes_and_returns_tensors(module: torch.nn.Module) -> bool:
     """
     try:
         signature = inspect.signature(type(module).forward, eval_str=True)
-    except (TypeError, ValueError, NameError):
+    except (TypeError, ValueError, NameError, AttributeError, SyntaxError):  # annotations it cannot read
         return False
     returned = signature.return_annotation
     if not (isinstance(returned, type) and issubclass(returned, torch.Tensor)):
