@@ -16,8 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import REPO_ROOT, markdown_table, print_section
-from diffusers_zero3.runtime.ds_config import LEVERS
+from benchmarks.common import DEEPSPEED_DEFAULTS_ENV, LEVERS_ENV, REPO_ROOT, markdown_table, print_section
 from diffusers_zero3.runtime.huge_pages import HUGE_PAGES_ENV
 from diffusers_zero3.testing import free_port
 
@@ -138,14 +137,13 @@ def prepare(work: Path, width: int = WIDTH, shape: str = "tiny") -> tuple[Path, 
 # ZeRO-3's per-module hooks and collectives show. width -> 34.0 M (SD 1.5 shape), 23.4 M (SDXL).
 FINE_GRAINED = {"sd15": 64, "sdxl": 32}
 # Each lever of this package set back to DeepSpeed's own (DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS).
-_DS = "DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS"
 LEVER_RUNS = {  # label: the environment of the run
-    "DeepSpeed's defaults (every lever off)": {_DS: ",".join(LEVERS), HUGE_PAGES_ENV: "0"},
-    "without the persistence share (10 x hidden)": {_DS: "persistence"},
-    "without dropping idle module hooks": {_DS: "hooks"},
-    "with NVTX ranges": {_DS: "nvtx"},
-    "10^9 live parameters (the whole model gathered)": {_DS: "live"},
-    "kept-whole parameters gathered one by one after the step": {_DS: "coalesce"},
+    "DeepSpeed's defaults (every lever off)": DEEPSPEED_DEFAULTS_ENV,
+    "without the persistence share (10 x hidden)": {LEVERS_ENV: "persistence"},
+    "without dropping idle module hooks": {LEVERS_ENV: "hooks"},
+    "with NVTX ranges": {LEVERS_ENV: "nvtx"},
+    "10^9 live parameters (the whole model gathered)": {LEVERS_ENV: "live"},
+    "kept-whole parameters gathered one by one after the step": {LEVERS_ENV: "coalesce"},
     "host tensors without huge pages (THP_MEM_ALLOC_ENABLE=0)": {HUGE_PAGES_ENV: "0"},
 }
 

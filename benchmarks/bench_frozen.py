@@ -10,9 +10,7 @@ from __future__ import annotations
 import tempfile
 import time
 
-from benchmarks.common import markdown_table, mib, print_section, report, run_case
-from diffusers_zero3.runtime.ds_config import LEVERS
-from diffusers_zero3.runtime.huge_pages import HUGE_PAGES_ENV
+from benchmarks.common import DEEPSPEED_DEFAULTS_ENV, markdown_table, mib, print_section, report, run_case
 
 WIDTH, TEXT_DIM, TEXT_LAYERS, STEPS = 256, 512, 8, 5
 
@@ -97,11 +95,7 @@ def main() -> None:
         if placement == "offload":
             rows.append({"placement": "offload", "frozen MiB / rank": "n/a: needs a GPU (CPU here)"})
             continue
-        env = (
-            {"DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS": ",".join(LEVERS), HUGE_PAGES_ENV: "0"}
-            if placement == defaults
-            else None
-        )
+        env = DEEPSPEED_DEFAULTS_ENV if placement == defaults else None
         with tempfile.TemporaryDirectory() as tmp:  # shared by the ranks (the cache folder)
             res = run_case(
                 "benchmarks.bench_frozen:case_placement",

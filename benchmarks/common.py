@@ -15,11 +15,18 @@ from pathlib import Path
 
 import torch
 
+from diffusers_zero3.runtime.ds_config import LEVERS
+from diffusers_zero3.runtime.huge_pages import HUGE_PAGES_ENV
 from diffusers_zero3.runtime.memory import current_rss_bytes, peak_rss_bytes  # noqa: F401 (the benchmarks' readers)
 from diffusers_zero3.testing import run_function_on_ranks
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _MARK = "BENCH_RESULT "
+
+LEVERS_ENV = "DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS"
+# The environment of a run at DeepSpeed's own behaviour, the benchmarks' "DeepSpeed's defaults"
+# rows: every lever of this package set back, and no huge pages for host tensors.
+DEEPSPEED_DEFAULTS_ENV = {LEVERS_ENV: ",".join(LEVERS), HUGE_PAGES_ENV: "0"}
 
 
 def reset_peak_rss() -> bool:
