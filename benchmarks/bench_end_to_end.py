@@ -145,7 +145,11 @@ LEVER_RUNS = {  # label: the environment of the run
     "10^9 live parameters (the whole model gathered)": {LEVERS_ENV: "live"},
     "kept-whole parameters gathered one by one after the step": {LEVERS_ENV: "coalesce"},
     "host tensors without huge pages (THP_MEM_ALLOC_ENABLE=0)": {HUGE_PAGES_ENV: "0"},
+    "without blocks as leaf modules (a fetch unit per module)": {LEVERS_ENV: "leaves"},
 }
+# the runs of the other shapes: DeepSpeed's defaults and the one lever that depends most on
+# the module count
+SHAPE_LEVERS = [next(iter(LEVER_RUNS)), "without blocks as leaf modules (a fetch unit per module)"]
 
 SIZES = (96, 160)  # smaller UNets, for the size at which ZeRO-3's peak RSS drops below DDP's
 
@@ -256,7 +260,7 @@ def fine_grained(work: Path, data: Path, measured: dict | None = None) -> None:
         if shape not in runs:
             ddp = measure(pipe, data, work, f"ddp-{shape}", zero3=False, **common)
             runs[shape] = (ddp, measure(pipe, data, work, f"zero3-{shape}", zero3=True, **common))
-        names = LEVER_RUNS if shape == "sd15" else dict(list(LEVER_RUNS.items())[:1])
+        names = LEVER_RUNS if shape == "sd15" else {label: LEVER_RUNS[label] for label in SHAPE_LEVERS}
         for index, (label, env) in enumerate(names.items()):
             levers[(shape, label)] = measure(
                 pipe, data, work, f"zero3-{shape}-lever{index}", zero3=True, env=env, **common
@@ -265,7 +269,7 @@ def fine_grained(work: Path, data: Path, measured: dict | None = None) -> None:
     for shape, (ddp, ours) in runs.items():
         width = {"tiny": WIDTH, **FINE_GRAINED}[shape]
         params, tensors, modules = module_counts(work / f"pipe-{shape}-{width}")
-        ds = levers.get((shape, next(iter(LEVER_RUNS))))
+        ds, leafless = (levers.get((shape, label)) for label in SHAPE_LEVERS)
         rows.append(
             {
                 "UNet shape": f"{shape} (width {width})",
@@ -275,6 +279,7 @@ def fine_grained(work: Path, data: Path, measured: dict | None = None) -> None:
                 "ZeRO-3 s / step": f"{ours['step_s']:.3f}",
                 "time vs DDP (goal <= 1.5)": f"{ours['step_s'] / ddp['step_s']:.2f}",
                 "DeepSpeed's defaults vs DDP": f"{ds['step_s'] / ddp['step_s']:.2f}" if ds else "",
+                "without leaf blocks vs DDP": f"{leafless['step_s'] / ddp['step_s']:.2f}" if leafless else "",
                 "DDP peak MiB": f"{ddp['peak']:.0f}",
                 "ZeRO-3 peak MiB": f"{ours['peak']:.0f}",
                 "RSS vs DDP (goal <= 0.9)": f"{ours['peak'] / ddp['peak']:.2f}",

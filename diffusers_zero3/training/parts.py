@@ -36,7 +36,7 @@ import torch
 
 from ..runtime.distributed import log_rank_zero
 from ..runtime.ds_config import zero3_bucket_sizes
-from ..runtime.zero3 import share_fp32_master_weights, trim_zero3_overhead
+from ..runtime.zero3 import set_block_leaf_modules, share_fp32_master_weights, trim_zero3_overhead
 
 MIB = 2**20
 
@@ -108,6 +108,8 @@ def prepare_first_part(
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None and micro_batch_size is not None:
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    if plugin is not None and plugin.deepspeed_config.get("zero_optimization", {}).get("stage") == 3:
+        set_block_leaf_modules(model)
     objects = [model, optimizer] + ([dataloader] if dataloader is not None else [])
     objects += [lr_scheduler] if lr_scheduler is not None else []
     prepared = list(accelerator.prepare(*objects))
@@ -163,6 +165,7 @@ def prepare_extra_part(
     import deepspeed
 
     config = trained_engine_config(first_engine.config, model, max_grad_norm)
+    set_block_leaf_modules(model)
     engine, ds_optimizer, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=config, lr_scheduler=lr_scheduler
     )
