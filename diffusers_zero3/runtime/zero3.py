@@ -363,8 +363,10 @@ def make_leaf_backward_wait_for_its_gradients(module: torch.nn.Module) -> None:
     transformer's attention modules, ``attn(hidden_states=...)``) and of the first block after
     frozen layers (LoRA). Such a leaf was released only at the end of the backward (LoRA on a
     Flux transformer, 2 CPU ranks: 146,784 elements held gathered during the backward against
-    51,264 with this hook and 54,976 without leaves), and an expert block's gradients reduced
-    before they existed ("The size of tensor a (0) must match the size of tensor b (4)"). This
+    51,264 with this hook and 54,976 without leaves), and where DeepSpeed reduces a leaf's
+    gradients together (mixture-of-experts leaves; blocks did before
+    ``reduce_block_gradients_per_parameter``) they were reduced before they existed (LoRA on
+    an SD 1.5-shaped UNet: "The size of tensor a (0) must match the size of tensor b (4)"). This
     forward pre-hook, run before DeepSpeed's, passes named inputs by position and, where no
     floating-point input requires a gradient, a detached copy of the first one that does: its
     gradient (one more product at the leaf's first layer) is what DeepSpeed waits for. It does
