@@ -109,7 +109,7 @@ def prepare_first_part(
     if plugin is not None and micro_batch_size is not None:
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
     if plugin is not None and plugin.deepspeed_config.get("zero_optimization", {}).get("stage") == 3:
-        set_block_leaf_modules(model)
+        _log_blocks(name, set_block_leaf_modules(model))
     objects = [model, optimizer] + ([dataloader] if dataloader is not None else [])
     objects += [lr_scheduler] if lr_scheduler is not None else []
     prepared = list(accelerator.prepare(*objects))
@@ -165,7 +165,7 @@ def prepare_extra_part(
     import deepspeed
 
     config = trained_engine_config(first_engine.config, model, max_grad_norm)
-    set_block_leaf_modules(model)
+    _log_blocks(name, set_block_leaf_modules(model))
     engine, ds_optimizer, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=config, lr_scheduler=lr_scheduler
     )
@@ -174,6 +174,13 @@ def prepare_extra_part(
     return TrainedModel(
         name, engine.module, engine, ds_optimizer, lr_scheduler, max_grad_norm, own_engine=True
     )
+
+
+def _log_blocks(name: str, blocks: int) -> None:
+    if blocks:
+        log_rank_zero(
+            f"{name}: {blocks} blocks gathered whole, one ZeRO-3 fetch each (set_block_leaf_modules)"
+        )
 
 
 def _log_trimmed(name: str, engine: Any) -> None:
