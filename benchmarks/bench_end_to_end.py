@@ -137,6 +137,7 @@ def prepare(work: Path, width: int = WIDTH, shape: str = "tiny") -> tuple[Path, 
 # ZeRO-3's per-module hooks and collectives show. width -> 34.0 M (SD 1.5 shape), 23.4 M (SDXL).
 FINE_GRAINED = {"sd15": 64, "sdxl": 32}
 # Each lever of this package set back to DeepSpeed's own (DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS).
+WITHOUT_LEAVES = "without blocks as leaf modules (a fetch unit per module)"
 LEVER_RUNS = {  # label: the environment of the run
     "DeepSpeed's defaults (every lever off)": DEEPSPEED_DEFAULTS_ENV,
     "without the persistence share (10 x hidden)": {LEVERS_ENV: "persistence"},
@@ -145,11 +146,11 @@ LEVER_RUNS = {  # label: the environment of the run
     "10^9 live parameters (the whole model gathered)": {LEVERS_ENV: "live"},
     "kept-whole parameters gathered one by one after the step": {LEVERS_ENV: "coalesce"},
     "host tensors without huge pages (THP_MEM_ALLOC_ENABLE=0)": {HUGE_PAGES_ENV: "0"},
-    "without blocks as leaf modules (a fetch unit per module)": {LEVERS_ENV: "leaves"},
+    WITHOUT_LEAVES: {LEVERS_ENV: "leaves"},
 }
 # the runs of the other shapes: DeepSpeed's defaults and the one lever that depends most on
 # the module count
-SHAPE_LEVERS = [next(iter(LEVER_RUNS)), "without blocks as leaf modules (a fetch unit per module)"]
+SHAPE_LEVERS = [next(iter(LEVER_RUNS)), WITHOUT_LEAVES]
 
 SIZES = (96, 160)  # smaller UNets, for the size at which ZeRO-3's peak RSS drops below DDP's
 

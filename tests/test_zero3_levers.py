@@ -431,7 +431,7 @@ def worker_blocks_as_leaves_train_like_single_modules():
             joint_attention_dim=32,
             pooled_projection_dim=32,
             axes_dims_rope=(4, 4, 8),
-        ),  # fmt: skip
+        ),
         trainable=lambda m: add_lora_adapters(m, rank=4, target_modules=["to_q", "to_k", "to_v"]),
         batches=[
             (
@@ -452,7 +452,7 @@ def worker_blocks_as_leaves_train_like_single_modules():
             )
             .sample.pow(2)
             .mean()
-        ),  # fmt: skip
+        ),
         blocks=12,
     )
     leafy, modules = train(**flux, leaves=True), train(**flux, leaves=False)

@@ -8,6 +8,7 @@ functions that need them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import inspect
 import sys
@@ -334,13 +335,16 @@ _LEAF_INPUT_HOOK = "_diffusers_zero3_leaf_input_hook"
 BLOCK_LEAF = "_diffusers_zero3_block_leaf"
 
 
-def _leaf_inputs_carry_a_gradient(module: torch.nn.Module, args: tuple, kwargs: dict):
-    """Forward pre-hook of a leaf module (``make_leaf_backward_wait_for_its_gradients``)."""
+def _leaf_inputs_carry_a_gradient(
+    signature: inspect.Signature, module: torch.nn.Module, args: tuple, kwargs: dict
+):
+    """Forward pre-hook of a leaf module (``make_leaf_backward_wait_for_its_gradients``);
+    ``signature`` is its forward's, read once."""
     if not torch.is_grad_enabled() or not any(p.requires_grad for p in module.parameters()):
         return None
     if kwargs:  # hooks see positional inputs only: bind the named ones to their positions
         try:
-            bound = inspect.signature(module.forward).bind(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
         except TypeError:
             return None  # the forward would raise the same error itself
         args, kwargs = bound.args, bound.kwargs
@@ -373,9 +377,8 @@ def make_leaf_backward_wait_for_its_gradients(module: torch.nn.Module) -> None:
     nothing without autograd or without trainable parameters in ``module``.
     """
     if getattr(module, _LEAF_INPUT_HOOK, None) is None:
-        handle = module.register_forward_pre_hook(
-            _leaf_inputs_carry_a_gradient, prepend=True, with_kwargs=True
-        )
+        hook = functools.partial(_leaf_inputs_carry_a_gradient, inspect.signature(module.forward))
+        handle = module.register_forward_pre_hook(hook, prepend=True, with_kwargs=True)
         setattr(module, _LEAF_INPUT_HOOK, handle)
 
 
