@@ -147,6 +147,7 @@ LEVER_RUNS = {  # label: the environment of the run
     "kept-whole parameters gathered one by one after the step": {LEVERS_ENV: "coalesce"},
     "host tensors without huge pages (THP_MEM_ALLOC_ENABLE=0)": {HUGE_PAGES_ENV: "0"},
     WITHOUT_LEAVES: {LEVERS_ENV: "leaves"},
+    "gradient reduce-scatters blocking the backward": {LEVERS_ENV: "overlap"},
 }
 # the runs of the other shapes: DeepSpeed's defaults and the one lever that depends most on
 # the module count

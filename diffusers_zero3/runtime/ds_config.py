@@ -66,8 +66,9 @@ DEEPSPEED_LIVE_DEFAULT = 10**9
 # (10^9 elements gathered ahead and kept for reuse: ``live_parameters``), "coalesce" (the
 # kept-whole parameters gathered one by one after each step:
 # ``zero3.gather_kept_whole_in_one_collective``), "leaves" (every module its own fetch unit:
-# ``zero3.set_block_leaf_modules``).
-LEVERS = ("persistence", "hooks", "nvtx", "live", "coalesce", "leaves")
+# ``zero3.set_block_leaf_modules``), "overlap" (each gradient bucket's reduce-scatter blocking
+# the backward on the CPU: ``async_reduce.overlap_gradient_reduction``).
+LEVERS = ("persistence", "hooks", "nvtx", "live", "coalesce", "leaves", "overlap")
 
 
 def deepspeed_defaults() -> frozenset[str]:

@@ -688,8 +688,10 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
 def trim_zero3_overhead(engine: Any) -> int:
     """The per-module levers on a ZeRO-3 ``engine`` (trained or frozen): its idle module
     hooks dropped (``drop_idle_module_hooks``), its kept-whole parameters gathered in one
-    collective after each step (``gather_kept_whole_in_one_collective``) and DeepSpeed's
-    NVTX ranges off, each unless ``DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS`` names it, and its blocks'
+    collective after each step (``gather_kept_whole_in_one_collective``), its gradient
+    reduce-scatters overlapping the backward on the CPU (``async_reduce.overlap_gradient_reduction``)
+    and DeepSpeed's NVTX ranges off, each unless ``DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS`` names
+    it, and its blocks'
     gradients reduced per parameter (``reduce_block_gradients_per_parameter``); returns
     the number of modules whose hooks were dropped. Call on every rank right after
     ``deepspeed.initialize`` / ``accelerator.prepare``, before the first forward. A no-op on
@@ -698,7 +700,10 @@ def trim_zero3_overhead(engine: Any) -> int:
 
     if _zero3_offload(engine) is None:
         return 0
+    from .async_reduce import overlap_gradient_reduction
+
     set_nvtx_ranges("nvtx" in deepspeed_defaults())
     reduce_block_gradients_per_parameter(engine)
     gather_kept_whole_in_one_collective(engine)
+    overlap_gradient_reduction(engine)
     return drop_idle_module_hooks(engine)
