@@ -13,6 +13,7 @@ import time
 SUITES = [
     "plan",
     "end_to_end",
+    "collectives",
     "rss_baseline",
     "frozen",
     "frozen_sdxl",
