@@ -52,8 +52,8 @@ def worker_overlapped_reduction_trains_like_blocking():
     cfg_unet = tiny_component_configs(32, cross_dim=32, unet_shape="sd15")["unet"]
     with zero3_init_disabled():
         torch.manual_seed(0)
-        initial = UNet2DConditionModel(**cfg_unet).state_dict()
-        sizes = zero3_bucket_sizes(UNet2DConditionModel(**cfg_unet))
+        first = UNet2DConditionModel(**cfg_unet)
+        initial, sizes = first.state_dict(), zero3_bucket_sizes(first)
     gen = torch.Generator().manual_seed(1 + int(os.environ["RANK"]))
     batches = [
         (torch.randn(1, 4, 16, 16, generator=gen), torch.randn(1, 5, 32, generator=gen)) for _ in range(2)

@@ -50,8 +50,8 @@ def overlap_gradient_reduction(engine_or_optimizer: Any) -> bool:
     DeepSpeed's ``overlap_comm`` stream does this already. Buckets it cannot take the same
     way (gradient post-scaling, expert-parallel averaging, ZenFlow, all-to-all reduction) go
     to DeepSpeed's own code. The same sums as DeepSpeed's: the collective, its input layout,
-    its dtypes and the copy into the partitions are DeepSpeed's. Idempotent. Call on every rank right after the engine is
-    built, before the first backward; not a collective.
+    its dtypes and the copy into the partitions are DeepSpeed's. Idempotent. Call on every
+    rank right after the engine is built, before the first backward; not a collective.
     ``DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS=overlap`` keeps DeepSpeed's blocking reduction."""
     from deepspeed import comm as ds_dist
     from deepspeed.accelerator import get_accelerator

@@ -689,11 +689,11 @@ def trim_zero3_overhead(engine: Any) -> int:
     """The per-module levers on a ZeRO-3 ``engine`` (trained or frozen): its idle module
     hooks dropped (``drop_idle_module_hooks``), its kept-whole parameters gathered in one
     collective after each step (``gather_kept_whole_in_one_collective``), its gradient
-    reduce-scatters overlapping the backward on the CPU (``async_reduce.overlap_gradient_reduction``)
-    and DeepSpeed's NVTX ranges off, each unless ``DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS`` names
-    it, and its blocks'
-    gradients reduced per parameter (``reduce_block_gradients_per_parameter``); returns
-    the number of modules whose hooks were dropped. Call on every rank right after
+    reduce-scatters overlapping the backward on the CPU
+    (``async_reduce.overlap_gradient_reduction``) and DeepSpeed's NVTX ranges off, each unless
+    ``DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS`` names it, and its blocks' gradients reduced per
+    parameter (``reduce_block_gradients_per_parameter``); returns the number of modules whose
+    hooks were dropped. Call on every rank right after
     ``deepspeed.initialize`` / ``accelerator.prepare``, before the first forward. A no-op on
     other engines."""
     from .ds_config import deepspeed_defaults
