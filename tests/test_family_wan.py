@@ -387,18 +387,21 @@ def test_lora_attaches_at_the_wan_targets_and_round_trips(folders, pipes, tmp_pa
         torch.testing.assert_close(WAN.predict(pipe.transformer, x, t, cond), after)
 
 
-def test_rotary_tables_rounded_by_a_bf16_cast_are_recomputed(folders):
-    """A bare ``.to(bf16)`` (what a bf16 engine does) rounds the transformer's non-persistent
-    rotary tables; ``restore_rope_buffers`` recomputes them in fp32 (the control: the cast rounds)."""
+def test_a_frozen_bf16_replica_keeps_the_rotary_tables_from_pretrained_computes(folders):
+    """A frozen placement casts the parameters to bf16, not the non-persistent rotary tables
+    (what ``from_pretrained(torch_dtype=bf16)`` keeps in fp32); the control: a bare
+    ``.to(bf16)`` rounds them."""
     from diffusers import WanTransformer3DModel
 
-    from diffusers_zero3.families.wan import restore_rope_buffers
+    from diffusers_zero3 import prepare_frozen
 
     reference = WanTransformer3DModel.from_pretrained(folders["wan"], subfolder="transformer").rope
-    model = WanTransformer3DModel.from_pretrained(folders["wan"], subfolder="transformer").to(torch.bfloat16)
-    assert model.rope.freqs_cos.dtype == torch.bfloat16
-    assert (model.rope.freqs_sin.float() - reference.freqs_sin).abs().max() > 1e-3
-    assert restore_rope_buffers(model) == ["rope"] and restore_rope_buffers(model) == []
+    rounded = WanTransformer3DModel.from_pretrained(folders["wan"], subfolder="transformer").to(
+        torch.bfloat16
+    )
+    assert (rounded.rope.freqs_sin.float() - reference.freqs_sin).abs().max() > 1e-3
+    model = WanTransformer3DModel.from_pretrained(folders["wan"], subfolder="transformer")
+    frozen = prepare_frozen(model, "replicate", dtype=torch.bfloat16)
+    assert next(frozen.module.parameters()).dtype == torch.bfloat16
     for key in ("freqs_cos", "freqs_sin"):
-        assert getattr(model.rope, key).dtype == torch.float32
-        torch.testing.assert_close(getattr(model.rope, key), getattr(reference, key))
+        assert torch.equal(getattr(frozen.module.rope, key), getattr(reference, key))

@@ -128,15 +128,16 @@ def test_prompt_text_is_the_tokenizers_chat_template(tiny_zimage):
 
 
 def test_encode_texts_in_bf16_and_empty_batches(tiny_zimage):
+    from diffusers_zero3 import prepare_frozen
     from diffusers_zero3.families import ZIMAGE
     from diffusers_zero3.placement.frozen_inputs import conditioning_on
-    from diffusers_zero3.runtime.zero3 import restore_rotary_buffers
 
     pipe = load(tiny_zimage)
     outputs, _ = family_conditioning(pipe, tiny_zimage, PROMPTS, 32)
     ids = ZIMAGE.tokenize(ZIMAGE.load_tokenizers(tiny_zimage), PROMPTS, 32)
-    encoder = copy.deepcopy(pipe.text_encoder).to(torch.bfloat16)
-    assert restore_rotary_buffers(encoder)  # .to(bf16) rounded inv_freq; the package recomputes it
+    # a frozen bf16 placement casts the weights, not the rotary table computed in __init__
+    encoder = prepare_frozen(copy.deepcopy(pipe.text_encoder), "replicate", dtype=torch.bfloat16).module
+    assert encoder.rotary_emb.inv_freq.dtype == torch.float32
     with torch.no_grad():
         bf16 = ZIMAGE.encode_texts({"text_encoder": encoder}, ids)
     assert bf16["prompt_embeds"].dtype == torch.bfloat16

@@ -80,28 +80,6 @@ def expert_of_step(seed: int, step: int, p_high: float) -> str:
     return HIGH if random.Random(digest).random() < p_high else LOW
 
 
-def restore_rope_buffers(model: torch.nn.Module) -> list[str]:
-    """Recompute in fp32 the rotary tables (``freqs_cos`` / ``freqs_sin``) of each
-    ``WanRotaryPosEmbed`` in ``model`` that a cast rounded (``model.to(bf16)``, a bf16 engine;
-    diffusers' ``from_pretrained(torch_dtype=bf16)`` keeps them fp32: ``rope`` is in
-    ``_keep_in_fp32_modules``); returns the modules' names. Non-persistent buffers: no
-    checkpoint restores them. Not a collective."""
-    from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
-
-    restored = []
-    for name, module in model.named_modules():
-        if not isinstance(module, WanRotaryPosEmbed):
-            continue
-        cos = module._buffers.get("freqs_cos")
-        if cos is None or cos.is_meta or cos.dtype == torch.float32:
-            continue
-        fresh = WanRotaryPosEmbed(module.attention_head_dim, module.patch_size, module.max_seq_len)
-        for key in ("freqs_cos", "freqs_sin"):
-            module._buffers[key] = fresh._buffers[key].to(cos.device, torch.float32)
-        restored.append(name)
-    return restored
-
-
 # -------------------------------------------------------------------------------- objective
 
 

@@ -25,11 +25,11 @@ from ..runtime.zero3 import (
     _register_zero3_engine,
     full_numel,
     is_zero3_param,
-    restore_rotary_buffers,
     set_block_leaf_modules,
     set_moe_leaf_modules,
     trim_zero3_overhead,
 )
+from ..state.pretrained import cast_persistent_buffers
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -169,19 +169,26 @@ def _freeze(model: torch.nn.Module) -> None:
 
 
 def _cast(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """``model.to(dtype)`` where it is not already: diffusers warns on every dtype cast of a
-    model with ``_keep_in_fp32_modules`` (the VAE), even a no-op one."""
-    first = next(iter(model.parameters()), None)
-    if first is not None and first.dtype != dtype:
-        model.to(dtype=dtype)
+    """Cast ``model``'s floating parameters to ``dtype`` where they lie, and its persistent
+    buffers as ``from_pretrained(torch_dtype=dtype)`` would (``cast_persistent_buffers``).
+
+    Not ``model.to(dtype)``: that also casts the non-persistent buffers a module computed in
+    ``__init__`` (rotary tables, kept fp32 by ``from_pretrained``), which no checkpoint
+    restores, and diffusers warns on every cast of a model with ``_keep_in_fp32_modules`` (the
+    VAE), even a no-op one.
+    """
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+        cast_persistent_buffers(model, dtype)
 
 
 def _move(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """``model.to(device, dtype)``, cast where it lies first: a T5-XXL loaded in fp32 and moved
-    before its cast to bf16 would hold 19 GB on the GPU for a moment instead of 9.5 GB."""
+    """``model`` to ``device`` in ``dtype``, cast where it lies first: a T5-XXL loaded in fp32
+    and moved before its cast to bf16 would hold 19 GB on the GPU for a moment instead of 9.5 GB."""
     _cast(model, dtype)
     model.to(device=device)
-    restore_rotary_buffers(model)
 
 
 def _buffers_to(model: torch.nn.Module, device: torch.device) -> None:
@@ -306,7 +313,6 @@ def _shard(model, placement, accelerator, ds_config, micro_batch_size, dtype, na
         # (each goes to the device alone, then its partition to where the placement says).
         # DeepSpeed's engine would move the whole module to the device first.
         _cast(model, resolved)
-        restore_rotary_buffers(model)
         deepspeed.zero.Init(module=model, config_dict_or_path=cfg, mem_efficient_linear=False)
         # zero.Init builds a new model's buffers on the device; a converted one keeps them
         # where they were, and DeepSpeed's engine does not move a partitioned model.

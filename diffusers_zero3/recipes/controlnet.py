@@ -154,10 +154,8 @@ def new_controlnet_from_unet(
             return ControlNetModel.from_unet(
                 unet, conditioning_embedding_out_channels=conditioning_embedding_out_channels
             )
-    import deepspeed
-
     from ..runtime.distributed import init_distributed_if_needed
-    from ..state.pretrained import zero_init_config
+    from ..state.pretrained import build_partitioned, zero_init_config
 
     with zero3_init_disabled(), torch.device("meta"):  # the config from_unet makes, from the UNet's
         unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(unet_folder))
@@ -170,8 +168,9 @@ def new_controlnet_from_unet(
         )
     init_distributed_if_needed()
     torch.manual_seed(seed)
-    with deepspeed.zero.Init(config_dict_or_path=zero_init_config(None, accelerator)):
-        controlnet = ControlNetModel.from_config(config)
+    controlnet = build_partitioned(
+        lambda: ControlNetModel.from_config(config), zero_init_config(None, accelerator)
+    )
     copied = load_partitions_from(controlnet, unet_folder, FROM_UNET)
     with torch.no_grad():
         # zero_module() in ControlNetModel.__init__ zeroed empty placeholders: the partitions

@@ -460,46 +460,6 @@ def inside_leaf_modules(model: torch.nn.Module) -> set[int]:
     return inside
 
 
-def restore_rotary_buffers(model: torch.nn.Module) -> list[str]:
-    """Recompute in fp32 the rotary-embedding tables (``inv_freq``) of a transformers model
-    that a cast or ``zero.Init`` rounded to bf16/fp16; returns the modules' names.
-
-    The LLM text encoders (Qwen2.5-VL, Qwen3, Llama, Mistral) compute ``inv_freq`` in their
-    rotary module's ``__init__`` as a non-persistent buffer: no checkpoint restores it.
-    ``model.to(bf16)`` and a bf16 ``zero.Init`` round it (relative error up to 4e-3: for the
-    real Qwen2.5-VL up to 0.6 rad of angle at position 545), while transformers' own
-    ``from_pretrained(torch_dtype=bf16)`` keeps it fp32. Not a collective.
-    """
-    restored = []
-    for name, module in model.named_modules():
-        inv_freq = module._buffers.get("inv_freq")
-        config = getattr(module, "config", None)
-        if inv_freq is None or config is None or inv_freq.dtype == torch.float32 or inv_freq.is_meta:
-            continue
-        init = rope_init_function(module)
-        if init is None:
-            continue
-        fresh, _ = init(config, device=inv_freq.device)
-        module._buffers["inv_freq"] = fresh.to(inv_freq.device, torch.float32)
-        if "original_inv_freq" in module._buffers:
-            module._buffers["original_inv_freq"] = module._buffers["inv_freq"].clone()
-        restored.append(name)
-    return restored
-
-
-def rope_init_function(module: torch.nn.Module):
-    """The function a transformers rotary module computed its ``inv_freq`` with: its own
-    ``compute_<rope_type>_rope_parameters`` (``default``, a vision tower's ``axial``), else
-    transformers' table for that rope type; None when neither exists."""
-    rope_type = getattr(module, "rope_type", "default")
-    own = getattr(module, f"compute_{rope_type}_rope_parameters", None)
-    if own is not None:
-        return own
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    return ROPE_INIT_FUNCTIONS.get(rope_type)
-
-
 def _zero3_offload(engine: Any) -> Any:
     """The ``DeepSpeedZeRoOffload`` that holds a ZeRO-3 engine's module hooks (a training
     engine's optimizer owns it; an inference engine's "optimizer" is one)."""

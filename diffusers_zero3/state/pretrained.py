@@ -31,11 +31,10 @@ from ..runtime.distributed import (
     get_world_size,
     is_main_process,
 )
-from ..runtime.ds_config import zero_init_config
+from ..runtime.ds_config import base_config, zero_init_config
 from ..runtime.zero3 import (
     _register_zero3_engine,
     is_zero3_param,
-    restore_rotary_buffers,
     zero3_init_disabled,
 )
 from .folders import CheckpointError, publish_folder
@@ -215,23 +214,97 @@ def skip_torch_init() -> Iterator[None]:
             setattr(init, name, fn)
 
 
-def partition_without_broadcast(init) -> None:
-    """Make a ``deepspeed.zero.Init`` partition each new parameter without broadcasting it.
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Within it, torch's default floating dtype is ``dtype`` (restored on exit): the dtype
+    diffusers' and transformers' ``from_pretrained(torch_dtype=...)`` build a model in."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
 
-    ``zero.Init`` broadcasts every parameter whole from rank 0 before partitioning it, so
-    that the ranks' random initialisations agree; a model built to be overwritten by a
-    checkpoint has none to agree on (``skip_torch_init``), and the broadcasts were 45 % of a
-    partitioned load (a 201 M-parameter UNet on 2 CPU ranks: 0.8-1.0 s of 1.8-2.3 s). Only
-    for a model whose every parameter is read next (``_load_partitions`` refuses a missing
-    one). Takes effect when ``init`` is the outermost ``zero.Init`` (an outer one builds the
-    modules, and broadcasts as before).
+
+def build_partitioned(
+    build: Callable[[], torch.nn.Module], cfg: dict, *, broadcast: bool = True
+) -> torch.nn.Module:
+    """``build()`` under ``deepspeed.zero.Init(cfg)``, each module partitioned as it is built,
+    with every tensor it computes in ``__init__`` equal to ``from_pretrained``'s. Collective:
+    call on every rank.
+
+    ``zero.Init`` by default wraps torch's tensor factories (``torch.arange``, ``zeros``,
+    ``empty``, ...) and casts their floating results to the partitions' dtype. A module that
+    computes a table in ``__init__`` (rotary frequencies from ``arange``, position tables)
+    then builds it from bf16-rounded values, even where the table itself is fp32, and no
+    checkpoint overwrites a non-persistent buffer or a plain tensor attribute (Wan's rotary
+    table at head dim 128 and 1024 positions: off by up to 2.0). Here the factories are left
+    alone (``tensor_overrides=[]``) and the model is built under the partitions' dtype as the
+    default dtype, which is how ``from_pretrained(torch_dtype=...)`` builds it: each tensor is
+    computed as it would be there, and only parameters are cast to the partitions' dtype, as
+    they are partitioned. Buffers are then moved to the accelerator (the factories no longer
+    put them there); plain tensor attributes stay where ``from_pretrained`` leaves them.
+
+    ``broadcast=False`` partitions each new parameter without broadcasting it from rank 0
+    first: for a model whose every parameter is read from a checkpoint next (there is no
+    random initialisation to agree on; the broadcasts were 45 % of a partitioned load), which
+    then builds under ``skip_torch_init`` too.
     """
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
-    def zero_init_param(param: torch.nn.Parameter) -> None:
-        init._convert_to_deepspeed_param(param)
-        param.partition()
+    init = deepspeed.zero.Init(config_dict_or_path=cfg, tensor_overrides=[])
+    dtype = init.dtype
+    zero_init_param = init._zero_init_param
 
-    init._zero_init_param = zero_init_param
+    def cast_and_partition(param: torch.nn.Parameter) -> None:
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+        if broadcast:
+            zero_init_param(param)
+        else:
+            init._convert_to_deepspeed_param(param)
+            param.partition()
+
+    init._zero_init_param = cast_and_partition
+    with default_dtype(dtype), init:
+        model = build()
+    device = torch.device(get_accelerator().current_device_name())
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
+    return model
+
+
+def keeps_fp32(model: torch.nn.Module, name: str, dtype: torch.dtype) -> bool:
+    """Whether ``from_pretrained(torch_dtype=dtype)`` keeps the tensor ``name`` of ``model`` in
+    fp32: a module the class names in ``_keep_in_fp32_modules`` (diffusers: always; transformers:
+    under fp16 only) or ``_keep_in_fp32_modules_strict`` (transformers), matched by name part."""
+    if dtype == torch.float32:
+        return True
+    keep = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    if dtype == torch.float16 or hasattr(model, "save_config"):  # save_config: a diffusers model
+        keep += list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    parts = name.split(".")
+    return any(k in parts for k in keep)
+
+
+def cast_persistent_buffers(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast ``model``'s floating persistent buffers to ``dtype`` as ``from_pretrained`` does
+    with the checkpoint's values (not those it keeps in fp32: ``keeps_fp32``). Non-persistent
+    buffers keep the dtype they were computed in. Not a collective."""
+    for prefix, module in model.named_modules():
+        for key, buffer in module._buffers.items():
+            name = f"{prefix}.{key}" if prefix else key
+            if (
+                buffer is not None
+                and buffer.is_floating_point()
+                and buffer.dtype != dtype
+                and key not in module._non_persistent_buffers_set
+                and not keeps_fp32(model, name, dtype)
+            ):
+                module._buffers[key] = buffer.to(dtype)
 
 
 def _build_model(model_cls, folder: Path):
@@ -305,26 +378,23 @@ def load_pretrained_zero3(
         >>> unet = load_pretrained_zero3(UNet2DConditionModel, "path/to/sd", "unet", accelerator=accelerator)
         >>> unet, optimizer = accelerator.prepare(unet, torch.optim.AdamW(unet.parameters()))
     """
-    cfg = zero_init_config(ds_config, accelerator, offload=offload_param, dtype=torch_dtype)
     folder = resolve_model_folder(pretrained_model_name_or_path, subfolder, revision, cache_dir)
-    if cfg.get("zero_optimization", {}).get("stage") != 3:
+    if base_config(ds_config, accelerator).get("zero_optimization", {}).get("stage") != 3:
         with zero3_init_disabled():
             return model_cls.from_pretrained(folder, torch_dtype=torch_dtype, variant=variant)
 
-    import deepspeed
-
-    files = weight_files(folder, variant)
-    build = _build_model(model_cls, folder)
     from ..runtime.distributed import init_distributed_if_needed
 
-    init_distributed_if_needed()  # this rank's GPU first, then the process group
-    init = deepspeed.zero.Init(config_dict_or_path=cfg)  # the dtype is the config's (zero_init_config)
-    partition_without_broadcast(init)
-    with init:
-        model = build()
+    # this rank's GPU first, then the process group: zero_init_config reads the world size
+    # (a custom script may call this before anything else has started it)
+    init_distributed_if_needed()
+    cfg = zero_init_config(ds_config, accelerator, offload=offload_param, dtype=torch_dtype)
+    files = weight_files(folder, variant)
+    build = _build_model(model_cls, folder)
+    model = build_partitioned(build, cfg, broadcast=False)  # the dtype is the config's (zero_init_config)
+    cast_persistent_buffers(model, next(model.parameters()).dtype)
     _register_zero3_engine()
     _load_partitions(model, checkpoint_names(model, files))
-    restore_rotary_buffers(model)  # zero.Init rounded them to the partitions' dtype
     return model
 
 
