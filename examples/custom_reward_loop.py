@@ -4,8 +4,13 @@ a sharded reward model scores them on every rank, and the loss trains a ZeRO-3 U
     accelerate launch --config_file configs/accelerate_zero3.yaml --num_processes 2 \\
         examples/custom_reward_loop.py SD_PIPELINE_FOLDER REWARD_MODEL_FOLDER
 """
+# ruff: noqa: E402 (the imports below come after the huge-pages call)
 
 import sys
+
+from diffusers_zero3 import use_huge_pages_for_host_tensors
+
+use_huge_pages_for_host_tensors()  # first: torch reads it at the process's first tensor, and imports make tensors
 
 import torch
 from diffusers import DDPMScheduler

@@ -11,8 +11,13 @@ weights, or --controlnet_model_name_or_path), the UNet is frozen and placed with
 --unet_placement replicate|shard|offload (see diffusers_zero3.recipes.controlnet); the output is
 OUTPUT_DIR/controlnet.
 """
+# ruff: noqa: E402 (the imports below come after the huge-pages call)
 
 import sys
+
+from diffusers_zero3 import use_huge_pages_for_host_tensors
+
+use_huge_pages_for_host_tensors()  # first: torch reads it at the process's first tensor, and imports make tensors
 
 from diffusers_zero3.recipes.controlnet import ControlNetTrainer, parse_controlnet_args
 from diffusers_zero3.training.recipe import run_trainer

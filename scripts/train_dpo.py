@@ -23,12 +23,17 @@ dropped), ``--dataset_split_name``, plus every flag of ``scripts/train_text_to_i
 Implicit accuracy, the implicit rewards of the chosen and rejected images and their margin,
 and both denoisers' errors are logged every step (log and TensorBoard).
 """
+# ruff: noqa: E402 (the imports below come after the huge-pages call)
 
 from __future__ import annotations
 
 import contextlib
 import sys
 from pathlib import Path
+
+from diffusers_zero3 import use_huge_pages_for_host_tensors
+
+use_huge_pages_for_host_tensors()  # first: torch reads it at the process's first tensor, and imports make tensors
 
 import torch
 

@@ -10,8 +10,13 @@ SD 1.x/2.x, SDXL and Flux.1 pipelines; ``--train_text_encoder`` trains the text 
 (SDXL: both CLIPs; Flux: CLIP) as ZeRO-3 engines of their own beside the denoiser's, and
 ``--rank`` trains LoRA adapters on all of them (see diffusers_zero3.recipes.dreambooth).
 """
+# ruff: noqa: E402 (the imports below come after the huge-pages call)
 
 import sys
+
+from diffusers_zero3 import use_huge_pages_for_host_tensors
+
+use_huge_pages_for_host_tensors()  # first: torch reads it at the process's first tensor, and imports make tensors
 
 from diffusers_zero3.recipes.dreambooth import DreamBoothTrainer, parse_dreambooth_args
 from diffusers_zero3.training.recipe import run_trainer

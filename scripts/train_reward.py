@@ -14,6 +14,7 @@ the last K UNet calls into the UNet, a ZeRO-3 engine.
 ``make train-reward`` runs it on the embedded default (a tiny pipeline and a reward model
 that scores how red an image is) on 2 CPU ranks; the mean reward rises over the run.
 """
+# ruff: noqa: E402 (the imports below come after the huge-pages call)
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+from diffusers_zero3 import use_huge_pages_for_host_tensors
+
+use_huge_pages_for_host_tensors()  # first: torch reads it at the process's first tensor, and imports make tensors
 
 import torch
 

@@ -30,10 +30,15 @@ What differs from upstream, and why:
 * every collective (checkpoint save, final save, validation) runs on every rank;
 * checkpoints are atomic and resume the exact trajectory (RNG, data position, EMA).
 """
+# ruff: noqa: E402 (the imports below come after the huge-pages call)
 
 from __future__ import annotations
 
 import sys
+
+from diffusers_zero3 import use_huge_pages_for_host_tensors
+
+use_huge_pages_for_host_tensors()  # first: torch reads it at the process's first tensor, and imports make tensors
 
 from diffusers_zero3.args import parse_args
 from diffusers_zero3.recipes.text_to_image import TextToImageTrainer

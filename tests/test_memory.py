@@ -196,30 +196,47 @@ def test_trainer_logs_device_bytes_beside_the_model_states(monkeypatch, caplog):
 
 
 _HUGE = """
-import os, diffusers_zero3, torch
+import os, sys
+import diffusers_zero3
+imported = sorted(m for m in ("torch", "diffusers", "transformers", "accelerate", "deepspeed") if m in sys.modules)
+print("after import:", os.environ.get("THP_MEM_ALLOC_ENABLE"), imported)
+if sys.argv[1] == "late":
+    import diffusers.models.unets.unet_2d_condition
+print("in effect:", diffusers_zero3.use_huge_pages_for_host_tensors())
+import torch
 x = torch.ones(2**24)  # 64 MiB, touched
 huge = [l.split()[1] for l in open("/proc/self/smaps_rollup") if l.startswith("AnonHugePages")]
-print(os.environ.get("THP_MEM_ALLOC_ENABLE"), huge[0] if huge else -1)
+print("huge kB:", os.environ.get("THP_MEM_ALLOC_ENABLE"), huge[0] if huge else -1)
 """
 
 
-def test_importing_the_package_puts_large_host_tensors_on_huge_pages():
-    def run(**env):
+def test_huge_pages_are_an_explicit_first_call_that_says_when_it_comes_too_late():
+    """``import diffusers_zero3`` imports nothing and sets nothing; the call, made first, puts
+    large host tensors on huge pages; made after a diffusers model module was imported (which
+    creates tensors) it returns False with one warning line; ``THP_MEM_ALLOC_ENABLE=0`` is kept."""
+
+    def run(when: str, **env):
         base = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
         out = subprocess.run(
-            [sys.executable, "-c", _HUGE],
+            [sys.executable, "-c", _HUGE, when],
             capture_output=True,
             text=True,
             cwd=REPO_ROOT,
             check=True,
             env={**base, **env},
         )
-        flag, huge_kb = out.stdout.split()
-        return flag, int(huge_kb)
+        lines = {line.split(":")[0]: line.split(":", 1)[1].strip() for line in out.stdout.splitlines()}
+        return lines, out.stderr
 
-    flag, huge_kb = run()
-    off_flag, off_huge_kb = run(THP_MEM_ALLOC_ENABLE="0")  # control: the user's choice is kept
-    assert (flag, off_flag) == ("1", "0")
+    first, first_err = run("first")
+    assert first["after import"] == "None []", first  # no variable set, nothing imported
+    late, late_err = run("late")
+    off, _ = run("first", THP_MEM_ALLOC_ENABLE="0")  # the user's choice is kept
+    assert off["in effect"] == "False" and off["huge kB"].startswith("0 ")
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if mode.exists() and "[madvise]" in mode.read_text():  # huge pages only where torch asks for them
-        assert huge_kb >= 32 * 1024 and off_huge_kb == 0, (huge_kb, off_huge_kb)
+        assert first["in effect"] == "True" and "warning" not in first_err, (first, first_err)
+        assert int(first["huge kB"].split()[1]) >= 32 * 1024, first
+        assert late["in effect"] == "False" and int(late["huge kB"].split()[1]) == 0, late
+        warnings = [line for line in late_err.splitlines() if "too late" in line]
+        assert len(warnings) == 1 and warnings[0].startswith("warning: huge pages"), late_err
