@@ -388,3 +388,24 @@ def test_a_cached_video_vae_is_counted_per_clip():
 
     with pytest.raises(ValueError, match="--num_frames must be at least 1"):
         options_from_args(parser().parse_args(["Wan-AI/Wan2.1-T2V-14B-Diffusers", "--num_frames", "0"]))
+
+
+@pytest.mark.unit
+def test_the_planner_answers_under_each_of_its_command_names(capsys, tiny_pipeline):
+    """The console entry point (setup.cfg) and the first module path ``python -m
+    diffusers_zero3.plan`` (a user's command from an older README) print the plan that
+    ``python -m diffusers_zero3.placement.plan`` (``main``) prints."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.distributed_harness import REPO_ROOT
+
+    argv = [str(tiny_pipeline), "--num_processes", "2", "--json"]
+    assert main(argv) == 0
+    expected = capsys.readouterr().out
+    entry_point = shutil.which("diffusers-zero3-plan")
+    assert entry_point, "the console entry point is not installed: pip install -e ."
+    for command in ([sys.executable, "-m", "diffusers_zero3.plan"], [entry_point]):
+        out = subprocess.run([*command, *argv], capture_output=True, text=True, cwd=REPO_ROOT, check=True)
+        assert out.stdout == expected, command
