@@ -43,9 +43,11 @@ train-dreambooth:
 train-controlnet:
 	PYTHON=$(PYTHON) bash scripts/train_controlnet_default.sh
 
-# GPU hosts: each training script for a few steps on every GPU (families, placements, bf16, reward,
-# DPO, offload), each under a timeout; a table to outputs/smoke-gpu/table.md. SMOKE_CASES=a,b runs a
-# subset (python scripts/smoke_gpu.py --list). Exits 2 on a host without CUDA.
+# GPU hosts: each training script for a few steps on every GPU (every model family, placements, bf16,
+# reward, DPO, DreamBooth, ControlNet, offload, resume on the same and on another number of GPUs), and
+# SD 1.5's UNet at its real size under ZeRO-3 against DDP at N=1 (time per step, device peak), each
+# under a timeout; a table to outputs/smoke-gpu/table.md. SMOKE_CASES=a,b runs a subset
+# (python scripts/smoke_gpu.py --list). Exits 2 on a host without CUDA.
 smoke-gpu:
 	@$(PYTHON) scripts/smoke_gpu.py
 
