@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from diffusers_zero3.runtime.ds_config import LEVERS
+from diffusers_zero3.runtime.deepspeed_internals import LEVERS
 from diffusers_zero3.runtime.huge_pages import HUGE_PAGES_ENV
 from diffusers_zero3.runtime.memory import current_rss_bytes, peak_rss_bytes  # noqa: F401 (the benchmarks' readers)
 from diffusers_zero3.testing import run_function_on_ranks

@@ -10,7 +10,7 @@ huge-pages switch at the process's first tensor).
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 __version__ = "0.1.0"
 
@@ -49,8 +49,8 @@ _EXPORTS: dict[str, str] = {
     "is_zero3_enabled": ".runtime.zero3",
     "is_zero3_param": ".runtime.zero3",
     "zero3_init_disabled": ".runtime.zero3",
-    "share_fp32_master_weights": ".runtime.zero3",
-    "trim_zero3_overhead": ".runtime.zero3",
+    "share_fp32_master_weights": ".runtime.deepspeed_internals.levers",
+    "trim_zero3_overhead": ".runtime.deepspeed_internals.levers",
     "set_moe_leaf_modules": ".runtime.zero3",
     "MemoryLog": ".runtime.memory",
     "model_state_bytes": ".runtime.memory",
@@ -71,41 +71,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
-
-
-if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eagerly
-    from .placement.cache import CachedOutputs, precompute_frozen_outputs
-    from .placement.frozen import (
-        PLACEMENTS,
-        FrozenModel,
-        frozen_engine_config,
-        local_parameter_bytes,
-        placement_bytes_per_rank,
-        prepare_frozen,
-    )
-    from .placement.rewards import ParallelReward
-    from .runtime.accelerator import build_accelerator
-    from .runtime.distributed import (
-        barrier,
-        enable_nccl_error_handling,
-        get_rank,
-        get_world_size,
-        init_distributed_if_needed,
-        is_main_process,
-        log_rank_zero,
-    )
-    from .runtime.huge_pages import use_huge_pages_for_host_tensors
-    from .runtime.lockstep import LockstepError, lockstep_check, lockstep_map
-    from .runtime.memory import MemoryLog, model_state_bytes, return_large_frees_to_os
-    from .runtime.zero3 import (
-        gathered_parameters,
-        is_zero3_enabled,
-        is_zero3_param,
-        set_moe_leaf_modules,
-        share_fp32_master_weights,
-        trim_zero3_overhead,
-        zero3_init_disabled,
-    )
-    from .state.ema import ShardedEMA
-    from .state.pretrained import CheckpointError, load_pretrained_zero3, publish_folder, save_pretrained_zero3
-    from .state.resume import load_training_checkpoint, resume_training, save_training_checkpoint

@@ -1,4 +1,4 @@
-"""Gradient reduce-scatters that overlap the backward (``runtime.async_reduce``): the backward
+"""Gradient reduce-scatters that overlap the backward (``runtime.deepspeed_internals.async_reduce``): the backward
 goes on while a bucket is reduced, and training is bit for bit DeepSpeed's own, in fp32 and
 bf16."""
 
@@ -16,7 +16,7 @@ def test_the_interleaved_copy_reduces_to_each_ranks_partition_of_every_gradient(
     """The layout of DeepSpeed's reduce_scatter_coalesced, padding included: after the sum over
     ranks (what the reduce-scatter does), rank r's slice holds the r-th ceil(numel / world)
     chunk of each gradient's mean, zero-padded."""
-    from diffusers_zero3.runtime.async_reduce import _interleaved
+    from diffusers_zero3.runtime.deepspeed_internals.async_reduce import _interleaved
 
     gen = torch.Generator().manual_seed(0)
     shapes = [(5,), (2, 3), (4,), (1,)]  # 5, 6, 4 and 1 elements: odd sizes are padded
@@ -45,8 +45,9 @@ def worker_overlapped_reduction_trains_like_blocking():
     from diffusers import UNet2DConditionModel
 
     from diffusers_zero3.demo import tiny_component_configs
+    from diffusers_zero3.runtime.deepspeed_internals.levers import trim_zero3_overhead
     from diffusers_zero3.runtime.ds_config import zero3_bucket_sizes
-    from diffusers_zero3.runtime.zero3 import gathered_parameters, trim_zero3_overhead, zero3_init_disabled
+    from diffusers_zero3.runtime.zero3 import gathered_parameters, zero3_init_disabled
     from tests.common import zero3_config
 
     cfg_unet = tiny_component_configs(32, cross_dim=32, unet_shape="sd15")["unet"]

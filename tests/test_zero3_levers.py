@@ -1,4 +1,4 @@
-"""The per-module levers of a ZeRO-3 engine (``runtime.zero3.trim_zero3_overhead``,
+"""The per-module levers of a ZeRO-3 engine (``runtime.deepspeed_internals.levers.trim_zero3_overhead``,
 ``runtime.ds_config.persistence_threshold`` and ``live_parameters``): the persistence
 threshold keeps the smallest tensors whole up to a share of the elements, the hooks of modules
 that gather nothing are dropped, and at most a share of the model is gathered at once, without
@@ -44,11 +44,12 @@ def test_persistence_of_an_sd15_unet_keeps_its_many_small_tensors_and_few_elemen
 
 
 @pytest.mark.unit
-def test_deepspeed_defaults_names_an_unknown_lever(monkeypatch):
-    from diffusers_zero3.runtime.ds_config import deepspeed_defaults, zero3_bucket_sizes
+def test_levers_turned_off_names_an_unknown_lever(monkeypatch):
+    from diffusers_zero3.runtime.deepspeed_internals import levers_turned_off
+    from diffusers_zero3.runtime.ds_config import zero3_bucket_sizes
 
     monkeypatch.setenv("DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS", "hooks, nvtx")
-    assert deepspeed_defaults() == {"hooks", "nvtx"}
+    assert levers_turned_off() == {"hooks", "nvtx"}
     # hidden 64 (the median matrix is 32 x 32): 10 x hidden = 640, while the 32 tensors of
     # 1,024 elements hold 1.5 % of them
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(30)], torch.nn.Linear(1024, 1024))
@@ -58,7 +59,7 @@ def test_deepspeed_defaults_names_an_unknown_lever(monkeypatch):
     assert zero3_bucket_sizes(model)["stage3_param_persistence_threshold"] == 640 < ours
     monkeypatch.setenv("DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS", "hooks,prefetch")
     with pytest.raises(ValueError, match="unknown lever.*prefetch"):
-        deepspeed_defaults()
+        levers_turned_off()
 
 
 @pytest.mark.unit
@@ -86,7 +87,7 @@ def test_blocks_become_leaf_modules_where_they_take_and_return_tensors(monkeypat
     from transformers import CLIPTextConfig, CLIPTextModel
 
     from diffusers_zero3.demo import tiny_component_configs
-    from diffusers_zero3.runtime.zero3 import set_block_leaf_modules
+    from diffusers_zero3.runtime.deepspeed_internals.levers import set_block_leaf_modules
 
     def leaves(model):
         return Counter(type(m).__name__ for m in model.modules() if z3_leaf_module(m))
@@ -96,7 +97,7 @@ def test_blocks_become_leaf_modules_where_they_take_and_return_tensors(monkeypat
         encoder = CLIPTextModel(CLIPTextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3))
     # Not the up and down blocks (tuples in or out), not the time embedding (inputs without
     # annotations), not a text encoder's embeddings (token ids in): DeepSpeed's backward hooks
-    # release those too early (zero3.takes_and_returns_tensors)
+    # release those too early (levers.takes_and_returns_tensors)
     assert set_block_leaf_modules(unet) == 87
     assert leaves(unet) == {"BasicTransformerBlock": 70, "ResnetBlock2D": 17}
     assert set_block_leaf_modules(encoder) == 3 and leaves(encoder) == {"CLIPEncoderLayer": 3}
@@ -176,14 +177,9 @@ def worker_trimmed_hooks_train_alike():
     from diffusers import UNet2DConditionModel
 
     from diffusers_zero3.demo import tiny_component_configs
+    from diffusers_zero3.runtime.deepspeed_internals.levers import set_block_leaf_modules, trim_zero3_overhead
     from diffusers_zero3.runtime.ds_config import zero3_bucket_sizes
-    from diffusers_zero3.runtime.zero3 import (
-        full_numel,
-        gathered_parameters,
-        set_block_leaf_modules,
-        trim_zero3_overhead,
-        zero3_init_disabled,
-    )
+    from diffusers_zero3.runtime.zero3 import full_numel, gathered_parameters, zero3_init_disabled
     from tests.common import zero3_config
 
     cfg_unet = tiny_component_configs(32, cross_dim=32, unet_shape="sd15")["unet"]
@@ -334,6 +330,7 @@ def worker_blocks_as_leaves_train_like_single_modules():
 
     from diffusers_zero3.demo import tiny_component_configs
     from diffusers_zero3.runtime import zero3
+    from diffusers_zero3.runtime.deepspeed_internals import levers
     from diffusers_zero3.runtime.ds_config import zero3_bucket_sizes
     from diffusers_zero3.training.lora import add_lora_adapters
     from tests.common import zero3_config
@@ -349,13 +346,13 @@ def worker_blocks_as_leaves_train_like_single_modules():
         torch.manual_seed(5)
         params = trainable(model)
         if leaves:
-            assert zero3.set_block_leaf_modules(model) == blocks
+            assert levers.set_block_leaf_modules(model) == blocks
         live = {k: v for k, v in zero3_bucket_sizes(model).items() if "max_" in k}
         config = {**zero3_config(**live), "zero_allow_untested_optimizer": True}
         engine, *_ = deepspeed.initialize(
             model=model, optimizer=torch.optim.SGD(params, lr=0.5), config=config
         )
-        zero3.trim_zero3_overhead(engine)
+        levers.trim_zero3_overhead(engine)
         partitioned = [p for p in engine.module.parameters() if not p.ds_persist]
         held = [0]
 
@@ -413,7 +410,7 @@ def worker_blocks_as_leaves_train_like_single_modules():
     )
     alike(train(**clip, leaves=True), train(**clip, leaves=False))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(zero3, "reduce_block_gradients_per_parameter", lambda engine: 0)
+        patch.setattr(levers, "reduce_block_gradients_per_parameter", lambda engine: 0)
         with pytest.raises(RuntimeError, match="unknown parameter type"):
             train(**clip, leaves=True)
 
@@ -459,7 +456,7 @@ def worker_blocks_as_leaves_train_like_single_modules():
     alike(leafy, modules)
     assert leafy[2] <= 1.1 * modules[2], (leafy[2], modules[2])
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(zero3, "make_leaf_backward_wait_for_its_gradients", lambda module: None)
+        patch.setattr(levers, "make_leaf_backward_wait_for_its_gradients", lambda module: None)
         unhooked = train(**flux, leaves=True)
     assert unhooked[2] > 2 * leafy[2], (unhooked[2], leafy[2])
     print("OK leaves", leafy[2], modules[2], unhooked[2], flush=True)

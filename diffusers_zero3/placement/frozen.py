@@ -19,16 +19,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from ..runtime.deepspeed_internals.levers import set_block_leaf_modules, trim_zero3_overhead
 from ..runtime.ds_config import base_config, frozen_engine_config, resolve_dtype
 from ..runtime.lockstep import lockstep_check
-from ..runtime.zero3 import (
-    _register_zero3_engine,
-    full_numel,
-    is_zero3_param,
-    set_block_leaf_modules,
-    set_moe_leaf_modules,
-    trim_zero3_overhead,
-)
+from ..runtime.zero3 import _register_zero3_engine, full_numel, is_zero3_param, set_moe_leaf_modules
 from ..state.pretrained import cast_persistent_buffers
 
 if TYPE_CHECKING:

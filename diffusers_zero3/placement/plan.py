@@ -16,7 +16,7 @@ of the training dtype, the trained model's persistence threshold and bucket size
 * trained denoiser, ``shard`` (a ZeRO-3 engine): parameters ``b·Ψ/N`` (plus the whole of the
   parameters under the persistence threshold), gradient partitions ``b·Ψ/N``, optimizer
   Adam moments ``8Ψ/N`` and, under bf16/fp16, fp32 master partitions ``4Ψ/N`` (under fp32
-  the parameters are the master weights: ``zero3.share_fp32_master_weights``); EMA ``4Ψ/N``;
+  the parameters are the master weights: ``deepspeed_internals.levers.share_fp32_master_weights``); EMA ``4Ψ/N``;
   buffers (below). ``offload``: the same with the gradients, optimizer
   state and master weights in host memory. ``replicate`` (plain DDP, for comparison): ``4Ψ``
   parameters, ``4Ψ`` gradients, ``4Ψ`` of DDP's gradient buckets, ``8Ψ`` Adam, ``4Ψ`` EMA.

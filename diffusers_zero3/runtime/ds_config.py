@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 from collections import Counter
 from typing import TYPE_CHECKING
 
 import torch
 
+from .deepspeed_internals import levers_turned_off
 from .distributed import get_world_size
 from .zero3 import full_numel, is_zero3_param
 
@@ -59,32 +59,6 @@ LIVE_SHARE = 0.1
 # DeepSpeed's default ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance``.
 DEEPSPEED_LIVE_DEFAULT = 10**9
 
-# Levers of this package that ``DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS`` (a comma-separated list)
-# turns back to DeepSpeed's own behaviour, to measure each one: "persistence" (accelerate's
-# 10 x hidden), "hooks" (ZeRO-3's hooks on every module: ``zero3.drop_idle_module_hooks``),
-# "nvtx" (DeepSpeed's profiler ranges around its hooks: ``zero3.set_nvtx_ranges``), "live"
-# (10^9 elements gathered ahead and kept for reuse: ``live_parameters``), "coalesce" (the
-# kept-whole parameters gathered one by one after each step:
-# ``zero3.gather_kept_whole_in_one_collective``), "leaves" (every module its own fetch unit:
-# ``zero3.set_block_leaf_modules``), "overlap" (each gradient bucket's reduce-scatter blocking
-# the backward on the CPU: ``async_reduce.overlap_gradient_reduction``).
-LEVERS = ("persistence", "hooks", "nvtx", "live", "coalesce", "leaves", "overlap")
-
-
-def deepspeed_defaults() -> frozenset[str]:
-    """The levers that ``DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS`` turns off (``LEVERS``); an
-    unknown name is an error."""
-    names = {
-        n.strip() for n in os.environ.get("DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS", "").split(",") if n.strip()
-    }
-    unknown = names - set(LEVERS)
-    if unknown:
-        raise ValueError(
-            f"DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS: unknown lever(s) {', '.join(sorted(unknown))} "
-            f"(known: {', '.join(LEVERS)})"
-        )
-    return frozenset(names)
-
 
 def persistence_threshold(numels: list[int], hidden: int, share: float = PERSISTENT_SHARE) -> int:
     """The ``stage3_param_persistence_threshold`` for parameters of ``numels`` elements: the
@@ -93,7 +67,7 @@ def persistence_threshold(numels: list[int], hidden: int, share: float = PERSIST
 
     A parameter at or below the threshold is kept whole on every rank: it is never gathered,
     and a module whose own parameters are all kept whole needs no ZeRO-3 hooks
-    (``zero3.drop_idle_module_hooks``). In a UNet the small tensors are many and hold
+    (``deepspeed_internals.levers.drop_idle_module_hooks``). In a UNet the small tensors are many and hold
     little: in SD 1.5's, 522 of 686 tensors hold 4.0 % of the elements (threshold 614,400),
     which leaves 165 of its 709 modules with something to gather. Keeping them whole costs
     at most ``share x (1 - 1/N)`` of the parameter bytes per rank. Tensors of one size are
@@ -167,7 +141,7 @@ def zero3_bucket_sizes(model: torch.nn.Module) -> dict[str, int]:
     numels = [full_numel(p) for p in model.parameters()]
     gathered = max(hidden * hidden, largest(model.parameters()))
     reduced = max(hidden * hidden, largest(p for p in model.parameters() if p.requires_grad))
-    if "persistence" in deepspeed_defaults():
+    if "persistence" in levers_turned_off():
         persist = 10 * hidden
     else:
         persist = persistence_threshold(numels, hidden)
@@ -177,7 +151,7 @@ def zero3_bucket_sizes(model: torch.nn.Module) -> dict[str, int]:
         "stage3_param_persistence_threshold": persist,
         "sub_group_size": reduced,
     }
-    if "live" not in deepspeed_defaults():
+    if "live" not in levers_turned_off():
         live = live_parameters(sum(numels), gathered)
         sizes["stage3_max_live_parameters"] = sizes["stage3_max_reuse_distance"] = live
     return sizes

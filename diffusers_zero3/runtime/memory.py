@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .zero3 import is_zero3_param, zero3_optimizer
+from .deepspeed_internals.levers import zero3_optimizer, zero3_optimizer_bytes
+from .zero3 import is_zero3_param
 
 MIB = 2**20
 
@@ -205,24 +206,16 @@ def model_state_bytes(model: torch.nn.Module, optimizer=None, ema=None) -> dict[
     # the torch optimizer holding the state: ZeRO's inner one, or the one accelerate wraps
     torch_opt = zero.optimizer if zero is not None else getattr(optimizer, "optimizer", optimizer)
     if zero is not None:
-        grads = _tensor_bytes(getattr(zero, "grad_partitions_flat_buffer", None))
+        grads, masters, buffers = zero3_optimizer_bytes(zero)
     else:
         grads = sum(_tensor_bytes(p.grad) for p in module.parameters() if not is_zero3_param(p))
-    opt, seen = 0, set()
+        masters, buffers = 0, 0
+    opt, seen = masters, set()
     for state in getattr(torch_opt, "state", {}).values():
         for value in state.values():
             if torch.is_tensor(value) and value.dim() > 0 and id(value) not in seen:
                 seen.add(id(value))
                 opt += _tensor_bytes(value)
-    buffers = 0
-    if zero is not None:
-        low = {t.untyped_storage().data_ptr() for t in zero.fp16_partitioned_groups_flat if t is not None}
-        for master in zero.fp32_partitioned_groups_flat:  # a separate copy unless shared
-            if master.numel() and master.untyped_storage().data_ptr() not in low:
-                opt += _tensor_bytes(master)
-        buffers = sum(
-            _tensor_bytes(getattr(b, "buffer", None)) for b in getattr(zero, "ipg_buckets", {}).values()
-        )
     ema_bytes = 0
     if ema is not None:
         ema_bytes = ema.local_bytes() if hasattr(ema, "local_bytes") else local_parameter_bytes(ema)

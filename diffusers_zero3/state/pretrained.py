@@ -247,26 +247,19 @@ def build_partitioned(
 
     ``broadcast=False`` partitions each new parameter without broadcasting it from rank 0
     first: for a model whose every parameter is read from a checkpoint next (there is no
-    random initialisation to agree on; the broadcasts were 45 % of a partitioned load), which
-    then builds under ``skip_torch_init`` too.
+    random initialisation to agree on), which then builds under ``skip_torch_init`` too. Both
+    the cast and the skipped broadcast are the ``fastload`` lever
+    (``runtime.deepspeed_internals``); where it is off, DeepSpeed partitions as it does.
     """
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    from ..runtime.deepspeed_internals.zero_init import partition_new_parameters
+
+    bf16, fp16 = (cfg.get(k, {}).get("enabled", False) for k in ("bf16", "fp16"))
+    dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32  # as zero.Init reads cfg
     init = deepspeed.zero.Init(config_dict_or_path=cfg, tensor_overrides=[])
-    dtype = init.dtype
-    zero_init_param = init._zero_init_param
-
-    def cast_and_partition(param: torch.nn.Parameter) -> None:
-        if param.is_floating_point() and param.dtype != dtype:
-            param.data = param.data.to(dtype)
-        if broadcast:
-            zero_init_param(param)
-        else:
-            init._convert_to_deepspeed_param(param)
-            param.partition()
-
-    init._zero_init_param = cast_and_partition
+    partition_new_parameters(init, dtype, broadcast)
     with default_dtype(dtype), init:
         model = build()
     device = torch.device(get_accelerator().current_device_name())

@@ -34,9 +34,13 @@ from typing import Any
 
 import torch
 
+from ..runtime.deepspeed_internals.levers import (
+    set_block_leaf_modules,
+    share_fp32_master_weights,
+    trim_zero3_overhead,
+)
 from ..runtime.distributed import log_rank_zero
 from ..runtime.ds_config import zero3_bucket_sizes
-from ..runtime.zero3 import set_block_leaf_modules, share_fp32_master_weights, trim_zero3_overhead
 
 MIB = 2**20
 

@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
-from .zero3 import zero3_optimizer
+from . import lever_in_force
+from .levers import zero3_optimizer
 
-# name-mangled private of DeepSpeedZeroOptimizer_Stage3 (DeepSpeed 0.19.8, constraints.txt)
+# name-mangled private of DeepSpeedZeroOptimizer_Stage3 (PRIVATE_NAMES, lever "overlap")
 _REDUCE = "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"
 _OVERLAPPED = "_diffusers_zero3_overlapped_reduction"
 
@@ -56,10 +57,8 @@ def overlap_gradient_reduction(engine_or_optimizer: Any) -> bool:
     from deepspeed import comm as ds_dist
     from deepspeed.accelerator import get_accelerator
 
-    from .ds_config import deepspeed_defaults
-
     optimizer = zero3_optimizer(getattr(engine_or_optimizer, "optimizer", engine_or_optimizer))
-    if optimizer is None or not hasattr(optimizer, _REDUCE) or "overlap" in deepspeed_defaults():
+    if optimizer is None or not lever_in_force("overlap") or not hasattr(optimizer, "ipg_buckets"):
         return False
     if getattr(optimizer, _OVERLAPPED, False):
         return True
