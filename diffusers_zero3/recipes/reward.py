@@ -1,0 +1,264 @@
+"""Reward fine-tuning of a Stable Diffusion UNet under DeepSpeed ZeRO-3 (AlignProp / DRaFT-K):
+the trainer behind ``scripts/train_reward.py``.
+
+Every rank samples its own prompts, runs the DDIM sampler (the last K denoising steps with
+gradients), decodes with the VAE, and scores the images with a reward model that is itself
+sharded as a ZeRO-3 inference engine (``ParallelReward``, called on every rank in lockstep).
+The loss ``-mean(reward)`` is backpropagated through the reward model, the VAE decode and
+the last K UNet calls into the UNet, a ZeRO-3 engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from ..args import (
+    ArgumentError,
+    add_checkpoint_args,
+    add_optimizer_args,
+    add_placement_args,
+    add_tracking_args,
+    validate_args,
+    validate_launch,
+)
+from ..families import SD, detect_family
+from ..placement.rewards import ParallelReward
+from ..runtime.distributed import log_rank_zero
+from ..runtime.memory import return_large_frees_to_os
+from ..state.pipeline_io import (
+    check_output_dir,
+    model_card,
+    pipeline_components,
+    plot_curve,
+    save_final_pipeline,
+)
+from ..state.pretrained import resolve_model_folder
+from ..state.resume import resume_training, save_training_checkpoint
+from ..training.parts import adamw, prepare_first_part, step_part
+from ..training.recipe import (
+    accelerator_from_args,
+    clear_interrupted_writes,
+    finish_trackers,
+    load_frozen_component,
+    load_trainable_denoiser,
+    weight_dtype,
+)
+from ..training.schedule import first_last_means
+
+
+def reward_parser() -> argparse.ArgumentParser:
+    """The reward fine-tuning flags."""
+    p = argparse.ArgumentParser(
+        description="Reward fine-tuning of a Stable Diffusion UNet under DeepSpeed ZeRO-3 (AlignProp / DRaFT-K)."
+    )
+    a = p.add_argument
+    a("--pretrained_model_name_or_path", required=True, help="Pipeline folder or hub id.")
+    a("--reward_model_name_or_path", required=True, help="Folder of a diffusers ModelMixin reward model.")
+    a("--reward_model_class", default="diffusers_zero3.demo:RednessRewardModel", help="module:Class of it.")
+    a("--prompts", nargs="+", required=True, help="Prompts to sample from.")
+    a("--output_dir", default="sd-model-reward-finetuned")
+    a("--seed", type=int, default=0)
+    a("--resolution", type=int, default=512)
+    a("--train_batch_size", type=int, default=2, help="Samples per rank per step.")
+    a("--max_train_steps", type=int, default=100)
+    a("--num_inference_steps", type=int, default=20, help="DDIM steps of each sample.")
+    a("--truncated_backprop_steps", type=int, default=1, help="K: last denoising steps with gradients.")
+    add_optimizer_args(p)
+    add_tracking_args(p, "reward-fine-tune")
+    add_checkpoint_args(p)
+    add_placement_args(
+        p,
+        {
+            "text_encoder": "Where the text encoder lives.",
+            "vae": "Where the VAE lives.",
+            "reward": "Where the reward model lives (default shard).",
+        },
+        choices=("replicate", "shard", "offload"),
+    )
+    p.set_defaults(reward_placement="shard")
+    a("--reward_micro_batch_size", type=int, default=4)
+    a("--reward_normalize", default=None, choices=["batch", "per_prompt"])
+    return p
+
+
+def parse_reward_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and check the reward fine-tuning flags (a bad combination exits as argparse does)."""
+    p = reward_parser()
+    args = p.parse_args(argv)
+    if not 1 <= args.truncated_backprop_steps <= args.num_inference_steps:
+        p.error("--truncated_backprop_steps must be between 1 and --num_inference_steps")
+    return args
+
+
+def load_reward_model(args, accelerator) -> ParallelReward:
+    """The reward model as a ParallelReward (sharded by default). Every rank."""
+    import importlib
+
+    module_name, class_name = args.reward_model_class.split(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    folder = resolve_model_folder(args.reward_model_name_or_path)
+    frozen = load_frozen_component(accelerator, folder.parent, folder.name, args.reward_placement, cls)
+    return ParallelReward(
+        frozen,
+        accelerator=accelerator,
+        micro_batch_size=args.reward_micro_batch_size,
+        normalize=args.reward_normalize,
+        differentiable=True,
+        name="reward",
+    )
+
+
+class RewardTrainer:
+    """setup() -> train() -> save()."""
+
+    def __init__(self, args):
+        self.args = args
+        self.global_step = 0
+        self.rewards: list[float] = []
+        self.rewards_per_rank: list[list[float]] = []
+        self.trained_steps = 0
+
+    def setup(self) -> None:
+        from accelerate.utils import set_seed
+        from diffusers import AutoencoderKL, DDIMScheduler
+        from transformers import CLIPTextModel, CLIPTokenizer
+
+        args = self.args
+        validate_args(args)
+        if args.return_freed_memory:
+            return_large_frees_to_os()
+        self.source = resolve_model_folder(args.pretrained_model_name_or_path)
+        check_output_dir(args.output_dir, self.source)
+        pipeline_components(self.source)
+        if detect_family(self.source) is not SD:
+            raise ArgumentError(
+                f"{args.pretrained_model_name_or_path} is not a StableDiffusionPipeline; this script samples "
+                "with SD 1.x/2.x pipelines only"
+            )
+        self.accelerator = acc = accelerator_from_args(args)
+        validate_launch(
+            args, deepspeed_active=acc.state.deepspeed_plugin is not None, on_cpu=acc.device.type == "cpu"
+        )
+        clear_interrupted_writes(args.output_dir)
+        # A seed per rank: each rank samples its own prompts and initial latents (the same
+        # seed everywhere would make N-1 ranks repeat rank 0's samples).
+        set_seed(args.seed, device_specific=True)
+        self.dtype = weight_dtype(acc)
+        self.tokenizer = CLIPTokenizer.from_pretrained(self.source, subfolder="tokenizer")
+        self.scheduler = DDIMScheduler.from_pretrained(self.source, subfolder="scheduler")
+        self.scheduler.set_timesteps(args.num_inference_steps)
+        unet = load_trainable_denoiser(acc, self.source)
+        self.text_encoder = load_frozen_component(
+            acc, self.source, "text_encoder", args.text_encoder_placement, CLIPTextModel
+        )
+        self.vae = load_frozen_component(acc, self.source, "vae", args.vae_placement, AutoencoderKL)
+        self.reward = load_reward_model(args, acc)
+        # the UNet as the job's trained part: its engine, AdamW, clipping at --max_grad_norm, EMA
+        self.part, _ = prepare_first_part(
+            acc, "unet", unet, adamw(unet, args), micro_batch_size=args.train_batch_size,
+            max_grad_norm=args.max_grad_norm, use_ema=bool(args.use_ema),
+        )  # fmt: skip
+        self.unet, self.ema = self.part.engine, self.part.ema
+        if acc.is_main_process and args.report_to != "none":
+            acc.init_trackers(
+                args.tracker_project_name, {k: v for k, v in vars(args).items() if not isinstance(v, list)}
+            )
+        resumed = resume_training(acc, args.output_dir, args.resume_from_checkpoint, ema=self.ema)
+        if resumed is not None:
+            path, state = resumed
+            self.global_step, self.rewards = state["global_step"], state["rewards"]
+            self.rewards_per_rank = state.get("rewards_per_rank", [])
+            if int(state["world_size"]) != acc.num_processes:
+                log_rank_zero(
+                    f"{path} was written by {state['world_size']} processes; resharded for {acc.num_processes}"
+                )
+            log_rank_zero(f"resumed from {path} at step {self.global_step}")
+
+    def _sample_images(self, prompts: list[str]) -> torch.Tensor:
+        """DDIM samples decoded to images; gradients only through the last K UNet calls."""
+        args, device = self.args, self.accelerator.device
+        ids = self.tokenizer(
+            prompts,
+            max_length=self.tokenizer.model_max_length,
+            padding="max_length",
+            truncation=True,
+            return_tensors="pt",
+        ).input_ids.to(device)
+        with torch.no_grad():
+            states = self.text_encoder(ids, return_dict=False)[0].to(self.dtype)
+        size = args.resolution // (2 ** (len(self.vae.config.block_out_channels) - 1))
+        channels = self.part.module.config.in_channels
+        latents = torch.randn(len(prompts), channels, size, size, device=device)
+        timesteps = self.scheduler.timesteps
+        for i, t in enumerate(timesteps):
+            with torch.set_grad_enabled(i >= len(timesteps) - args.truncated_backprop_steps):
+                eps = self.unet(latents.to(self.dtype), t.expand(len(prompts)).to(device), states).sample
+                latents = self.scheduler.step(eps.float(), t, latents).prev_sample
+        return self.vae.decode((latents / self.vae.config.scaling_factor).to(self.dtype)).sample.float()
+
+    def train(self) -> None:
+        args, acc = self.args, self.accelerator
+        while self.global_step < args.max_train_steps:
+            pick = torch.randint(0, len(args.prompts), (args.train_batch_size,))  # CPU: indexes a list
+            prompts = [args.prompts[i] for i in pick]
+            images = self._sample_images(prompts)
+            rewards = self.reward(images, prompts)
+            loss = -rewards.mean()
+            acc.backward(loss)
+            step_part(self.part, acc, sync=True)
+            if self.ema is not None:
+                self.ema.step()
+            self.global_step += 1
+            self.trained_steps += 1
+            per_rank = acc.gather(rewards.detach()).view(acc.num_processes, -1).mean(dim=1)
+            mean_reward = per_rank.mean().item()
+            self.rewards.append(mean_reward)
+            self.rewards_per_rank.append(per_rank.tolist())
+            acc.log({"reward": mean_reward, "loss": loss.item()}, step=self.global_step)
+            log_rank_zero(f"step {self.global_step} reward {mean_reward:.6f}")
+            if self.global_step % args.checkpointing_steps == 0:
+                save_training_checkpoint(
+                    acc,
+                    args.output_dir,
+                    self.global_step,
+                    {
+                        "epoch": 0,
+                        "batches_in_epoch": 0,
+                        "rewards": self.rewards,
+                        "rewards_per_rank": self.rewards_per_rank,
+                    },
+                    ema=self.ema,
+                    total_limit=args.checkpoints_total_limit,
+                )
+
+    def save(self) -> None:
+        """The final pipeline, rewards.json and the reward curve (every rank); kept as is when
+        resuming a finished run trained no step and the folder is complete."""
+        args = self.args
+        if self.trained_steps == 0 and (Path(args.output_dir) / "model_index.json").exists():
+            log_rank_zero(f"pipeline: {Path(args.output_dir).resolve()} (already complete)")
+            finish_trackers(self.accelerator)
+            return
+        card = model_card(args.pretrained_model_name_or_path, "reward: " + args.reward_model_name_or_path,
+                          {k: v for k, v in vars(args).items() if not isinstance(v, list)}, args.prompts)  # fmt: skip
+        save_final_pipeline(self.source, args.output_dir, self.unet, ema=self.ema, readme=card)
+        if self.accelerator.is_main_process:
+            out = Path(args.output_dir)
+            (out / "rewards.json").write_text(
+                json.dumps({"mean": self.rewards, "per_rank": self.rewards_per_rank})
+            )
+            title = "mean reward per step"
+            if self.rewards:
+                title += f": {self.rewards[0]:.3f} -> {self.rewards[-1]:.3f} (max {max(self.rewards):.3f})"
+            plot_curve(self.rewards, out / "rewards.png", title, ylabel="mean reward of the step's samples",
+                       smooth=min(10, max(1, len(self.rewards) // 5)))  # fmt: skip
+            k, first, last = first_last_means(self.rewards)
+            log_rank_zero(
+                f"mean reward: first {k} steps {first:.4f} -> last {k} steps "
+                f"{last:.4f}\npipeline: {out.resolve()}\nreward curve: {out.resolve() / 'rewards.png'}"
+            )
+        finish_trackers(self.accelerator)
