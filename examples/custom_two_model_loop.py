@@ -24,7 +24,7 @@ from diffusers_zero3.state.pipeline_io import save_final_pipeline
 from diffusers_zero3.state.pretrained import load_pretrained_zero3
 from diffusers_zero3.training.objectives import ObjectiveSettings
 from diffusers_zero3.training.parts import (
-    backward_through,
+    backward_parts,
     cut_outputs,
     prepare_extra_part,
     prepare_first_part,
@@ -69,9 +69,9 @@ def main(source: str, data_dir: str, output_dir: str, steps: int = 4) -> None:
             cut, kept = cut_outputs(outputs) if te.own_engine else (outputs, {})  # the UNet sees a leaf
             latents, cond, _ = frozen(batch, accelerator.device, trained_outputs=cut)
             loss = family.loss(unet, scheduler, latents, cond, ObjectiveSettings())
-            accelerator.backward(loss)  # the UNet's engine; the cut's gradient is filled in
-            if te.own_engine:
-                backward_through(te, kept, cut, sync=True)  # the text encoder's engine, from there
+            # the UNet's engine through accelerate, then the text encoder's own engine from the
+            # gradient at the cut (the UNet's fp16 loss scale divided out)
+            backward_parts(accelerator, loss, unet, [(te, kept, cut)])
             step_part(te, accelerator, sync=True)
             step_part(unet, accelerator, sync=True)  # under ZeRO-3 accelerate's backward stepped it
             step += 1

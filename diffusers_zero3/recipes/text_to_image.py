@@ -54,7 +54,7 @@ from ..state.resume import resume_training, save_training_checkpoint
 from ..testing import fault_point
 from ..training.lora import LORA_WEIGHT_NAME, add_lora_adapters, save_lora_zero3
 from ..training.objectives import ObjectiveSettings, sample_generators, timestep_bias_weights
-from ..training.parts import adamw, backward_through, prepare_extra_part, prepare_first_part, step_part
+from ..training.parts import adamw, backward_parts, prepare_extra_part, prepare_first_part, step_part
 from ..training.recipe import (
     accelerator_from_args,
     clear_interrupted_writes,
@@ -515,27 +515,41 @@ class TextToImageTrainer:
 
     def _backward(self, loss: torch.Tensor) -> None:
         """The micro-batch's backward: the first trained model's through accelerate, then the
-        other parts' (``_backward_extra_parts``); on a Wan 2.2 step of the other expert (both
-        trained), that expert's engine alone (backward, and its step at the boundary). Every rank."""
+        other parts' from the gradients at their cut outputs (``parts.backward_parts``; under
+        DDP the one backward reaches them), then their optimizer steps; on a Wan 2.2 step of
+        the other expert (both trained), that expert alone (its backward, and its step at the
+        boundary: its own engine under ZeRO-3, accelerate's backward and its own optimizer
+        under DDP). Every rank, every micro-batch."""
         part = self._expert_part()
         if part is not None and self._expert_of_step() == part.name:
-            part.engine.set_gradient_accumulation_boundary(self.accelerator.sync_gradients)
-            part.engine.backward(loss)
-            part.engine.step()
-            return
-        self.accelerator.backward(loss)
-        self._backward_extra_parts()
-
-    def _backward_extra_parts(self) -> None:
-        """After the denoiser's backward: each other trained model's own backward from the
-        gradients at its cut outputs (``parts.backward_through``; under DDP the one backward
-        reached them already), then its optimizer step (its clipping, its schedule). Every
-        rank, every micro-batch."""
-        sync = self.accelerator.sync_gradients
-        for part, kept, cut in self._cuts:
+            sync = self.accelerator.sync_gradients
             if part.own_engine:
-                backward_through(part, kept, cut, sync)
+                part.engine.set_gradient_accumulation_boundary(sync)
+                part.engine.backward(loss)
+            else:  # DDP: only this expert's module ran forward, so the one backward reaches it alone
+                self.accelerator.backward(loss)
+            step_part(part, self.accelerator, sync)
+            return
+        backward_parts(self.accelerator, loss, self.denoiser_part, self._cuts)
         self._cuts = []
+        self._step_extra_parts()
+
+    def _trains_this_step(self, part) -> bool:
+        """Whether ``part`` trains on this optimizer step: False only for the Wan 2.2 expert that
+        the step did not draw (``--train_experts both``). Its optimizer step, schedule step and
+        EMA step are skipped then: AdamW moves weights even without a gradient (weight decay;
+        its moments, where a gradient is zero rather than absent), a schedule stepped there
+        runs ahead of the steps the expert trained, and an EMA step pulls the average toward
+        weights that did not change. Every rank draws the same expert, so every rank skips
+        alike (each ZeRO-3 engine stays in lockstep)."""
+        if len(self._trained_folders()) < 2:
+            return True
+        return part.name == self._expert_of_step()
+
+    def _step_extra_parts(self) -> None:
+        """After the micro-batch's backward: each other trained model's optimizer step (its
+        clipping, its schedule). Every rank, every micro-batch."""
+        sync = self.accelerator.sync_gradients
         for part in self.extra_parts:
             if not part.extra.get("expert"):  # an expert steps on its own steps only (_backward)
                 step_part(part, self.accelerator, sync)
@@ -575,19 +589,20 @@ class TextToImageTrainer:
                     if first:
                         self.memory.mark("first backward")
                     # clipped at --max_grad_norm as diffusers' script (DeepSpeed: its gradient_clipping)
-                    step_part(
-                        self.denoiser_part,
-                        acc,
-                        acc.sync_gradients,
-                        self._first_step_measures if first else None,
-                    )
+                    if self._trains_this_step(self.denoiser_part):
+                        step_part(
+                            self.denoiser_part,
+                            acc,
+                            acc.sync_gradients,
+                            self._first_step_measures if first else None,
+                        )
+                    elif first:
+                        self._first_step_measures()
                 done_in_epoch += 1
                 if not acc.sync_gradients:
                     continue
-                if self.ema is not None:
-                    self.ema.step()
-                for part in self.extra_parts:
-                    if part.ema is not None:
+                for part in [self.denoiser_part, *self.extra_parts]:
+                    if part.ema is not None and self._trains_this_step(part):
                         part.ema.step()
                 self.global_step += 1
                 self.trained_steps += 1

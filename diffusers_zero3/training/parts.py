@@ -15,7 +15,9 @@ loss, and each other part then runs its own full ``engine.backward`` of the vect
 product ``sum(output * grad_of_cut)`` (``backward_through``): every engine's hooks, gradient
 reduction and accumulation boundary are then its own. Matched plain training to 1e-7 (fp32,
 2 ranks, accumulation 2) where ``loss.backward()`` alone halved the first part's gradients and
-``accelerator.backward`` left the second part unchanged.
+``accelerator.backward`` left the second part unchanged. The cut's gradients carry the first
+engine's fp16 loss scale; ``backward_parts`` reads it before that engine's backward and
+divides it out (each engine divides out only its own).
 
 Without DeepSpeed (plain DDP, or one process) every part is prepared by accelerate and one
 ``accelerator.backward`` reaches all of them; each part is still clipped and stepped alone.
@@ -211,8 +213,52 @@ def cut_outputs(outputs: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
     return cut, kept
 
 
+def loss_scale(engine) -> float:
+    """The factor by which ``engine.backward`` multiplies a loss: DeepSpeed's fp16 loss scale
+    (static, dynamic, or a torch ``GradScaler`` under its ``torch_autocast``), asked of the
+    engine's own optimizer; 1.0 under bf16 and fp32, and for a model that is not a DeepSpeed
+    engine (under DDP one backward reaches every part: nothing is cut). Read it before that
+    engine's backward: at an accumulation boundary accelerate's backward also runs the engine's
+    step, which updates a dynamic scale. Not a collective.
+
+    Example:
+        >>> scale = loss_scale(first.engine)  # 65536.0 at the start of an fp16 run
+    """
+    scale_if_loss = getattr(getattr(engine, "optimizer", None), "scale_if_loss", None)
+    if scale_if_loss is not None:
+        # what DeepSpeed takes for a loss: one element with a graph
+        probe = torch.ones((), device=engine.device, requires_grad=True) * 1.0
+        return float(scale_if_loss(probe).detach())
+    scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
+    return float(scaler.get_scale()) if scaler is not None else 1.0
+
+
+def backward_parts(
+    accelerator,
+    loss: torch.Tensor,
+    first: TrainedModel,
+    cuts: list[tuple[TrainedModel, dict[str, torch.Tensor], dict[str, torch.Tensor]]],
+) -> None:
+    """The micro-batch's backward through every trained part: accelerate's backward of ``loss``
+    (the ``first`` part's engine), then ``backward_through`` of each own-engine part in
+    ``cuts`` (``(part, kept, cut)`` from ``cut_outputs``), with the first engine's loss scale
+    read before its backward (which may step it and change the scale) and divided out of the
+    cut's gradients. Under DDP the one backward reaches every part. Collective: call on every
+    rank, every micro-batch.
+    """
+    upstream_scale = loss_scale(first.engine)
+    accelerator.backward(loss)
+    for part, kept, cut in cuts:
+        if part.own_engine:
+            backward_through(part, kept, cut, accelerator.sync_gradients, upstream_scale=upstream_scale)
+
+
 def backward_through(
-    part: TrainedModel, kept: dict[str, torch.Tensor], cut: dict[str, torch.Tensor], sync: bool
+    part: TrainedModel,
+    kept: dict[str, torch.Tensor],
+    cut: dict[str, torch.Tensor],
+    sync: bool,
+    upstream_scale: float | None = None,
 ) -> None:
     """The backward of one part from the gradients that reached its cut outputs (after the
     downstream part's backward). Collective for a ZeRO-3 part: every rank, every micro-batch.
@@ -220,15 +266,44 @@ def backward_through(
     ``engine.backward`` takes a scalar: ``sum(output * grad)`` has exactly the cut's gradient
     as its gradient, which already carries the 1 / accumulation factor of the first part's
     backward (so it is not scaled again). In fp32 under bf16, as the engines reduce in it.
+
+    ``upstream_scale`` is the factor by which the backward that filled the cut's gradients
+    multiplied its loss (``loss_scale`` of that engine, read before its backward;
+    ``backward_parts`` does so). It is divided out here: this engine multiplies by its own
+    scale and divides only that one back out, so an fp16 run's gradients would otherwise be
+    the first engine's scale (2^16 at the start) too large. Where this engine scales its losses
+    and no ``upstream_scale`` is given: ``ValueError``, on every rank alike (the scale follows
+    from the engines' precision, not from the data).
+
+    Every output that carries a graph is backpropagated, with a zero gradient where its cut
+    got none (it reached no loss on this rank): every rank then runs the same modules'
+    backwards, whose ZeRO-3 gathers and reduce-scatters pair up across ranks, and every
+    gradient has its parameter's full shape (a loss built from partitioned parameters would
+    give 0-element gradients, which DeepSpeed refuses while the other ranks wait).
     """
-    pairs = [(kept[k], cut[k].grad) for k in kept if cut[k].grad is not None]
+    if not kept:
+        raise ValueError(
+            f"{part.name}: none of its outputs carries a graph (did its forward run without "
+            "gradients?): there is nothing to backpropagate into it"
+        )
+    if upstream_scale is None:
+        if loss_scale(part.engine) != 1.0:
+            raise ValueError(
+                f"{part.name}: its engine scales losses (fp16): pass upstream_scale, the loss scale "
+                "of the backward that filled the cut's gradients (backward_parts does)"
+            )
+        upstream_scale = 1.0
+    terms = []
+    for key, out in kept.items():
+        grad = cut[key].grad
+        if grad is None:  # this output reached no loss on this rank
+            terms.append((out.float() * 0.0).sum())
+            continue
+        grad = grad.float() if upstream_scale == 1.0 else grad.float() / upstream_scale
+        terms.append((out.float() * grad).sum())
     engine = part.engine
-    if not pairs:  # nothing of this part reached the loss: the engine still steps in lockstep
-        total = sum(p.sum() * 0.0 for p in part.module.parameters() if p.requires_grad)
-    else:
-        total = sum((out.float() * grad.float()).sum() for out, grad in pairs)
     engine.set_gradient_accumulation_boundary(sync)
-    engine.backward(total, scale_wrt_gas=False)
+    engine.backward(sum(terms), scale_wrt_gas=False)
 
 
 def step_part(
@@ -244,6 +319,12 @@ def step_part(
     DeepSpeed its ``accelerator.backward`` already stepped the engine (clipping by the config's
     ``gradient_clipping``) and these calls do nothing; under DDP they clip at ``max_grad_norm``
     on synchronising steps, update, and step the schedule.
+
+    Under DDP fp16 one GradScaler scaled the loss of every part, and each part's optimizer step
+    ends with the scaler's update, which forgets which optimizers were unscaled. So clipping
+    unscales this part's gradients alone (``accelerator.clip_grad_norm_`` unscales every
+    optimizer's: a part stepped after another's update would be unscaled a second time, its
+    update 2^16 too small at the start of a run).
     """
     if part.own_engine:
         part.engine.step()
@@ -251,7 +332,8 @@ def step_part(
             before_zero_grad()
         return
     if sync and part.max_grad_norm and accelerator.state.deepspeed_plugin is None:
-        accelerator.clip_grad_norm_(part.module.parameters(), part.max_grad_norm)
+        accelerator.unscale_gradients(optimizer=part.optimizer)  # a no-op without fp16's scaler
+        torch.nn.utils.clip_grad_norm_(part.module.parameters(), part.max_grad_norm)
     part.optimizer.step()
     if part.lr_scheduler is not None:
         part.lr_scheduler.step()
