@@ -21,6 +21,7 @@ SUITES = [
     "lora",
     "ema",
     "checkpoint",
+    "universal",
     "reward",
 ]
 

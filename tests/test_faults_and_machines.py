@@ -122,7 +122,8 @@ def test_a_stopped_rank_fails_the_others_within_the_timeout_in_every_phase(defau
         log = tmp_path / f"{phase}.log"
         argv = [*accelerate_launch(T2I), *_t2i_args(pipe, data, tmp_path / phase, 3),
                 "--process_group_timeout", "30", *extra]  # fmt: skip
-        env = {**os.environ, **_test_env({"DIFFUSERS_ZERO3_FAULT": f"{phase}:1"})}
+        env = {**os.environ, **_test_env({"DIFFUSERS_ZERO3_FAULT": f"{phase}:1",
+                                          "DIFFUSERS_ZERO3_PHASE_HOOK": "diffusers_zero3.testing:fault_point"})}  # fmt: skip
         env.pop("DIFFUSERS_ZERO3_PG_TIMEOUT")  # the flag decides
         with open(log, "w") as fh:
             proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
@@ -242,6 +243,25 @@ def test_two_machines_train_checkpoint_rotate_validate_save_and_resume(default_d
         assert "every machine shares" in log and "exitcode  : 2" in log, log[-3000:]
         # The launcher reports the failed child with its own traceback; the script prints none.
         assert "diffusers_zero3/" not in log and 'scripts/train_text_to_image.py", line' not in log
+
+    # Node-local disks when saving: each machine's --output_dir is its own folder (what the
+    # same path on two machines' own disks is). The first checkpoint fails on both machines
+    # with one error line, before any partition is written, and no machine keeps a
+    # temporary folder or a checkpoint that lacks the other machine's files.
+    local0, local1 = tmp_path / "local0", tmp_path / "local1"
+    local = [*args]
+    local[local.index("--output_dir") + 1] = str(local0)
+    local[local.index("--max_train_steps") + 1] = "2"
+    codes, logs = _two_machines(T2I, local, tmp_path, per_machine={1: ["--output_dir", str(local1)]})
+    assert all(code != 0 for code in codes), (codes, "\n=====\n".join(log[-3000:] for log in logs))
+    for log in logs:
+        errors = [line for line in log.splitlines() if "error:" in line]
+        assert len(errors) == 1 and "--output_dir" in errors[0], log[-3000:]
+        assert "storage that every node sees" in errors[0] and "exitcode  : 2" in log, log[-3000:]
+        assert "diffusers_zero3/" not in log and 'scripts/train_text_to_image.py", line' not in log
+    for node in (local0, local1):
+        left = [p.name for p in node.glob("*") if p.name.startswith((".tmp-", "checkpoint-"))]
+        assert left == [], (node, left)
 
     # The reward script across two machines: each rank samples its own prompts and latents.
     reward_args = ["--pretrained_model_name_or_path", pipe, "--reward_model_name_or_path", reward,

@@ -1,9 +1,17 @@
 """Resume on a different number of processes: a checkpoint written by 2 ZeRO-3 ranks, loaded by
-1 and by 4. After the load, every rank's gathered state equals the one saved, exactly: fp32
+4 and by 1. After the load, every rank's gathered state equals the one saved, exactly: fp32
 master weights, both Adam moments, the learning rate and the EMA averages (which are checked
-through the live weights, not through the shards they were re-cut from)."""
+through the live weights, not through the shards they were re-cut from). The universal form
+the ranks convert it into, spread over 2 and over 4 ranks, is DeepSpeed's own single-process
+conversion, tensor for tensor."""
 
 from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,6 +77,61 @@ def worker_save(out: str):
     reference = _gathered_state(engine, scheduler, ema)
     if get_rank() == 0:
         torch.save(reference, f"{out}/reference.pt")
+    _convert_a_copy_on_a_slow_disk(Path(out))
+
+
+SLOW_WRITE_S = 0.25  # per file DeepSpeed's converter writes: a disk (or network filesystem) that is slow
+
+
+@contextmanager
+def _slow_disk_and_timed_collectives(waits: list[float]):
+    """Every file ``ds_to_universal`` writes takes ``SLOW_WRITE_S`` longer; the seconds this
+    rank spends in each collective are appended to ``waits``."""
+    import deepspeed.checkpoint.ds_to_universal as dsu
+    import torch.distributed as dist
+
+    def slow_save(path, obj, _save=dsu._save_checkpoint):
+        time.sleep(SLOW_WRITE_S)
+        _save(path, obj)
+
+    def timed(fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                waits.append(time.perf_counter() - start)
+
+        return wrapper
+
+    saved = dsu._save_checkpoint, dist.all_gather_object, dist.barrier
+    dsu._save_checkpoint, dist.all_gather_object, dist.barrier = slow_save, timed(saved[1]), timed(saved[2])
+    try:
+        yield
+    finally:
+        dsu._save_checkpoint, dist.all_gather_object, dist.barrier = saved
+
+
+def _convert_a_copy_on_a_slow_disk(out: Path) -> None:
+    """Convert a copy of the checkpoint on these 2 ranks (the loads convert the original on 4),
+    on a slow disk: no rank may wait in one collective for half of the conversion or more (one
+    rank converting alone made the others wait for all of it, under the collective timeout)."""
+    from diffusers_zero3.runtime.distributed import all_gather_object, barrier, get_rank
+    from diffusers_zero3.state.resume import convert_to_universal
+
+    copy = out / "copy" / "checkpoint-2"
+    if get_rank() == 0:
+        shutil.copytree(out / "checkpoint-2", copy)
+    barrier()
+    waits: list[float] = []
+    start = time.perf_counter()
+    with _slow_disk_and_timed_collectives(waits):
+        convert_to_universal(copy, ["pytorch_model"])
+    took = time.perf_counter() - start
+    for rank, (longest, seconds) in enumerate(all_gather_object((max(waits), took))):
+        assert longest < 0.5 * seconds, (
+            f"rank {rank} waited {longest:.1f} s in one collective of a {seconds:.1f} s conversion"
+        )
 
 
 def worker_load(out: str, ranks: int):
@@ -99,10 +162,52 @@ def worker_load(out: str, ranks: int):
 @pytest.mark.multirank
 def test_a_two_rank_checkpoint_resumes_on_one_and_on_four_ranks(tmp_path):
     run_on_ranks(worker_save, world_size=2, out=str(tmp_path))
-    for ranks in (1, 4):
+    for ranks in (4, 1):  # converted by the 4 ranks, then reused
         run_on_ranks(worker_load, world_size=ranks, out=str(tmp_path), ranks=ranks)
     assert (tmp_path / "checkpoint-2" / "universal" / "pytorch_model").is_dir()  # converted once, kept
     assert (tmp_path / "checkpoint-2" / "pytorch_model").is_dir()  # the original left as it was
+    # DeepSpeed's own conversion, in this one process: the spread ones are the same.
+    from deepspeed.checkpoint import ds_to_universal
+
+    deepspeed_folder = tmp_path / "deepspeed"
+    ds_to_universal.main(
+        argparse.Namespace(input_folder=str(tmp_path / "checkpoint-2" / "pytorch_model"),
+                           output_folder=str(deepspeed_folder / "pytorch_model"), num_extract_workers=1,
+                           num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
+    )  # fmt: skip
+    for ranks, spread in ((4, tmp_path / "checkpoint-2"), (2, tmp_path / "copy" / "checkpoint-2")):
+        _assert_same_folder(spread / "universal", deepspeed_folder, ranks)
+
+
+def _assert_same_folder(ours: Path, reference: Path, ranks: int) -> None:
+    """The same files, each file's tensors (and other values) equal, exactly."""
+    names = sorted(str(p.relative_to(reference)) for p in reference.rglob("*") if p.is_file())
+    assert sorted(str(p.relative_to(ours)) for p in ours.rglob("*") if p.is_file()) == names, ranks
+    assert len([n for n in names if n.endswith("fp32.pt")]) == 4, names  # every parameter
+    for name in names:
+        if name.endswith(".pt"):
+            _assert_same(torch.load(ours / name, weights_only=False), torch.load(reference / name, weights_only=False),
+                         f"{ranks} ranks: {name}")  # fmt: skip
+        else:
+            assert (ours / name).read_bytes() == (reference / name).read_bytes(), (ranks, name)
+
+
+def _assert_same(a, b, where: str) -> None:
+    assert type(a) is type(b), where
+    if torch.is_tensor(a):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    elif hasattr(a, "__dict__"):  # e.g. DeepSpeed's loss scaler, which has no __eq__
+        _assert_same(vars(a), vars(b), where)
+    else:
+        assert a == b, where
 
 
 @pytest.mark.unit

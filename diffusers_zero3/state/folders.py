@@ -5,7 +5,9 @@
 * ``collective_publish``: every rank writes into one temporary folder (a training
   checkpoint, the frozen-model cache, the final pipeline's staging folder); when every rank
   succeeded, global rank 0 fsyncs it and commits it (a rename, or a swap into an existing
-  folder); when any rank failed, it is removed and every rank raises.
+  folder); when any rank failed, it is removed and every rank raises. Before anything is
+  written, every rank checks that it sees the folder global rank 0 created (node-local
+  disks fail there, with nothing left behind on any node).
 * ``remove_interrupted_writes``: the ``.tmp-*`` / ``.old-*`` leftovers of a killed save.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,6 +26,9 @@ from ..runtime.distributed import all_gather_object, barrier, is_main_process
 
 TMP_PREFIX = ".tmp-"
 OLD_PREFIX = ".old-"
+# Written by global rank 0 into a new temporary folder and read back by every rank: a rank
+# that cannot read it writes somewhere else (another machine's own disk). Removed at once.
+SHARED_TOKEN = ".shared-token"
 
 
 def fsync_tree(folder: str | os.PathLike) -> None:
@@ -117,28 +123,39 @@ def remove_interrupted_writes(folder: str | os.PathLike) -> list[Path]:
 
 @contextmanager
 def collective_publish(
-    final: str | os.PathLike, *, commit: Callable[[Path, Path], None] | None = None
+    final: str | os.PathLike,
+    *,
+    commit: Callable[[Path, Path], None] | None = None,
+    folder_flag: str | None = None,
 ) -> Iterator[Path]:
     """Write a folder on every rank under one temporary name; publish it once all succeeded.
 
     Collective: every rank enters and leaves the block. Global rank 0 creates
     ``.tmp-<name>-<random>`` beside ``final`` (a name of its own, so two jobs never share
-    one) and every rank gets its path. On leaving, the ranks exchange whether their block
-    raised. If none did, rank 0 fsyncs the folder and calls ``commit(tmp, final)`` (default:
-    ``replace_folder``, a rename over any previous ``final``). If any rank raised, or the
-    commit fails, the temporary folder is removed, ``final`` is left as it was, and every rank
-    raises ``CheckpointError`` naming the rank and the error (a failing rank whose error is
-    not an ``OSError`` re-raises it as is, with its traceback).
+    one); each rank gets that name in its own view of ``final``'s parent, which is the same
+    folder when the storage is shared.
+
+    Before the block, every rank checks that it sees the folder: rank 0 writes a random token
+    into it and every rank reads it back; the verdicts are exchanged, so that on node-local
+    disks (where another machine's ranks would write their files into their own disk and
+    rank 0 would publish a folder without them) every rank raises the same
+    ``CheckpointError`` together, before anything is written, and rank 0 removes its
+    temporary folder (the others never had one). ``folder_flag`` names the option that chose
+    the folder in that message (e.g. ``--output_dir``).
+
+    On leaving, the ranks exchange whether their block raised. If none did, rank 0 fsyncs the
+    folder and calls ``commit(tmp, final)`` (default: ``replace_folder``, a rename over any
+    previous ``final``). If any rank raised, or the commit fails, the temporary folder is
+    removed, ``final`` is left as it was, and every rank raises ``CheckpointError`` naming the
+    rank and the error (a failing rank whose error is not an ``OSError`` re-raises it as is,
+    with its traceback).
 
     Example:
         >>> with collective_publish(out / "checkpoint-8") as tmp:    # every rank
         ...     accelerator.save_state(str(tmp))
     """
     final = Path(final)
-    tmp = Path(all_gather_object(str(final.parent / f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"))[0])
-    if is_main_process():
-        tmp.mkdir(parents=True)
-    barrier()
+    tmp = _shared_temporary_folder(final, folder_flag)
     failure: BaseException | None = None
     try:
         yield tmp
@@ -164,3 +181,56 @@ def collective_publish(
     commit_error = all_gather_object(commit_error)[0]
     if commit_error:
         raise CheckpointError(f"publishing {final} failed on rank 0: {commit_error}")
+
+
+def _shared_temporary_folder(final: Path, folder_flag: str | None) -> Path:
+    """Create ``final``'s temporary folder on global rank 0 and check that every rank sees it.
+
+    Collective: call on every rank. Returns the folder in this rank's view; raises
+    ``CheckpointError`` on every rank (and leaves no folder) when rank 0 could not create it
+    or some rank does not see the token rank 0 wrote into it. Costs one small file, a
+    barrier and two exchanges of a few bytes.
+    """
+    name, token = all_gather_object((f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex))[0]
+    tmp = final.parent / name
+    created = None
+    if is_main_process():
+        try:
+            tmp.mkdir(parents=True)
+            (tmp / SHARED_TOKEN).write_text(token)
+        except OSError as e:
+            created = f"{type(e).__name__}: {e}"
+    barrier()
+    verdicts = all_gather_object(created or _sees_token(tmp / SHARED_TOKEN, token))
+    if is_main_process():
+        if all(v is True for v in verdicts):
+            (tmp / SHARED_TOKEN).unlink(missing_ok=True)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if verdicts[0] is not True:
+        raise CheckpointError(f"cannot create a folder beside {final} on rank 0: {verdicts[0]}")
+    blind = [rank for rank, v in enumerate(verdicts) if v is not True]
+    if blind:
+        where = f"{folder_flag} {final.parent}" if folder_flag else str(final.parent)
+        raise CheckpointError(
+            f"{where} is not one folder shared by every node: rank {blind[0]} does not see the folder "
+            f"{name} that global rank 0 created there ({len(blind)} of {len(verdicts)} ranks do not); "
+            f"{folder_flag or 'it'} must be on storage that every node sees (a shared filesystem, at the "
+            "same path on every machine)"
+        )
+    return tmp
+
+
+def _sees_token(path: Path, token: str, tries: int = 3, wait_s: float = 0.5) -> bool:
+    """Whether ``path`` holds ``token`` as this rank sees it. Read again after a short wait
+    when it does not: a network filesystem may show a new file to other clients a moment
+    later (close-to-open consistency is the common case, a lag the rare one)."""
+    for attempt in range(tries):
+        try:
+            if path.read_text() == token:
+                return True
+        except OSError:
+            pass
+        if attempt + 1 < tries:
+            time.sleep(wait_s)
+    return False

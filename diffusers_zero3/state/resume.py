@@ -14,15 +14,19 @@ A training run writes ``OUTPUT_DIR/checkpoint-<step>`` folders. The rules, in on
 * **One answer for every rank.** ``latest`` is resolved on global rank 0 and broadcast, so no
   two ranks can load different steps.
 * **Any world size.** A checkpoint records how many processes wrote it. Resumed with another
-  number, global rank 0 converts each DeepSpeed engine's checkpoint once into DeepSpeed's
+  number, the ranks convert each DeepSpeed engine's checkpoint once into DeepSpeed's
   universal form (``ds_to_universal``: one folder per parameter with its fp32 master weights
-  and Adam moments) inside the checkpoint (``universal/``), and every rank loads its new
-  partitions from it; the EMA partitions are re-cut from every rank's file, the learning-rate
-  schedule is moved to the new process count, and each rank takes the RNG state of rank
-  ``rank % saved processes``. The original files are never changed.
-* **Shared filesystem.** Every rank checks that it sees the files it needs (its own
-  partitions, RNG state, EMA shard, and rank 0's files); a checkpoint on node-local disks
-  fails with one clear error on every rank instead of a hang or a half-loaded state.
+  and Adam moments) inside the checkpoint (``universal/``), each rank its share of the files
+  (``convert_engine_to_universal``), and every rank loads its new partitions from it; the
+  EMA partitions are re-cut from every rank's file, the learning-rate schedule is moved to
+  the new process count, and each rank takes the RNG state of rank ``rank % saved
+  processes``. The original files are never changed.
+* **Shared filesystem.** A save checks first that every rank sees the temporary folder global
+  rank 0 created (``collective_publish``): an ``--output_dir`` on node-local disks fails with
+  one error on every rank before anything is written, and leaves no folder on any node. A
+  resume checks that every rank sees the files it needs (its own partitions, RNG state, EMA
+  shard, and rank 0's files): a checkpoint copied onto node-local disks fails with one clear
+  error on every rank instead of a hang or a half-loaded state.
 
 Checkpoints hold pickles (DeepSpeed's and accelerate's state files): resume only
 checkpoints you trust. The EMA shards are read with ``torch.load(weights_only=True)``.
@@ -30,14 +34,15 @@ checkpoints you trust. The EMA shards are read with ``torch.load(weights_only=Tr
 
 from __future__ import annotations
 
-import argparse
 import json
+import math
 import os
 import shutil
 from pathlib import Path
 
 import torch
 
+from ..runtime.deepspeed_internals.universal import Zero3Layout, convert_whole, load_universal
 from ..runtime.distributed import all_gather_object, barrier, get_rank, get_world_size, is_main_process
 from .folders import CheckpointError, collective_publish, fsync_dir, replace_folder
 
@@ -149,10 +154,13 @@ def save_training_checkpoint(
     trained models of the job (``parts``: each own-engine ``parts.TrainedModel`` as
     ``<name>/`` in DeepSpeed's layout, its schedule and its EMA shards), and
     ``training_state.json`` (``training_state`` plus the step, the world size and the parts'
-    names). Written
-    into ``.tmp-checkpoint-<step>-*``, fsynced and renamed by global rank 0
-    (``collective_publish``), so a crash leaves no partial ``checkpoint-*``. Then, with ``total_limit``, the oldest checkpoints beyond the
-    newest ``total_limit`` are deleted (the new one is the newest, so it always remains).
+    names). Written into ``.tmp-checkpoint-<step>-*``, fsynced and renamed by global rank 0
+    (``collective_publish``), so a crash leaves no partial ``checkpoint-*``. Then, with
+    ``total_limit``, the oldest checkpoints beyond the newest ``total_limit`` are deleted (the
+    new one is the newest, so it always remains). ``output_dir`` must be one folder that every
+    rank sees: on node-local disks each machine would write its partitions into its own disk
+    and rank 0 would publish a checkpoint without them, so that is refused (``CheckpointError``
+    on every rank) before anything is written.
     """
     out = Path(output_dir)
     final = out / f"{CHECKPOINT_PREFIX}{global_step}"
@@ -163,7 +171,7 @@ def save_training_checkpoint(
             prune_checkpoints(out, total_limit)
 
     own = [p for p in parts if p.own_engine]
-    with collective_publish(final, commit=commit) as tmp:
+    with collective_publish(final, commit=commit, folder_flag="--output_dir") as tmp:
         accelerator.save_state(str(tmp))
         if ema is not None:
             torch.save(ema.state_dict(), tmp / f"ema_rank{get_rank()}.pt")
@@ -326,32 +334,103 @@ def convert_to_universal(path: str | os.PathLike, names: list[str]) -> Path:
     """Convert the DeepSpeed checkpoints ``path/<name>`` into DeepSpeed's universal form in
     ``path/universal/<name>``, once; return ``path/universal``. Collective: call on every rank.
 
-    Global rank 0 converts (``deepspeed.checkpoint.ds_to_universal``, in process) into a
-    temporary folder that is renamed when complete; the others wait. A folder converted
-    before is reused. The saved files are only read.
+    Every rank converts its share of each engine (``convert_engine_to_universal``) into a
+    temporary folder that global rank 0 renames when all are done (``collective_publish``). A
+    folder converted before (as global rank 0 sees it) is reused. The saved files are only
+    read.
     """
     path = Path(path)
     final = path / UNIVERSAL_DIR
-    if all((final / name).is_dir() for name in names):
-        barrier()
+    done = all((final / name).is_dir() for name in names) if is_main_process() else None
+    if all_gather_object(done)[0]:
         return final
     with collective_publish(final) as tmp:
-        if is_main_process():
-            from deepspeed.checkpoint import ds_to_universal
-
-            for name in names:
-                ds_to_universal.main(
-                    argparse.Namespace(
-                        input_folder=str(path / name),
-                        output_folder=str(tmp / name),
-                        num_extract_workers=1,  # in process: no fork of a rank that holds a GPU
-                        num_merge_workers=1,
-                        keep_temp_folder=False,
-                        strict=True,
-                        inject_missing_state=False,
-                    )
-                )
+        for name in names:
+            convert_engine_to_universal(path / name, tmp / name)
     return final
+
+
+def convert_engine_to_universal(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Write DeepSpeed's universal form of the ZeRO-3 checkpoint ``src`` into ``dst``, the work
+    spread over the ranks. Collective: call on every rank.
+
+    Why: one process converting everything (``ds_to_universal.main``) writes every parameter's
+    fp32 weights and both Adam moments twice (per-rank fragments, then merged files: about
+    24 bytes per parameter) while the other ranks wait in a collective that fails after the
+    process-group timeout (30 minutes by default). Here DeepSpeed's own per-item functions do
+    the work (``deepspeed_internals.universal.Zero3Layout``), split as DeepSpeed splits it
+    between its worker processes: first each rank extracts the fragments of some saved ranks'
+    optimizer files (saved rank ``i`` on rank ``i % world``), then, once every fragment exists,
+    each rank merges the fragments of its share of the parameters (shares balanced by element
+    count, largest first; DeepSpeed's ``optimizer_state.pt``, a copy of saved rank 0's
+    optimizer file, counted as one more item). So each rank writes about 1/world of the bytes,
+    and waits in a collective only for as long as the slowest share takes beyond its own. The
+    result is DeepSpeed's own, file for file and tensor for tensor. An extracting rank holds
+    one saved rank's optimizer file at a time, as the single process did.
+
+    Tensor- or expert-parallel checkpoints, ZeRO stages 1-2, and any checkpoint where the
+    ``universal`` lever is off go to ``ds_to_universal.main`` on global rank 0 alone.
+    """
+    src, dst = Path(src), Path(dst)
+    rank, world = get_rank(), get_world_size()
+    layout = Zero3Layout.of(src)
+    if layout is None:  # DeepSpeed's converter, in one process
+        _each_rank_then_sync("convert", lambda: is_main_process() and convert_whole(src, dst))
+        return
+    temp, zero = dst / "tmp", dst / "zero"
+
+    def extract() -> None:  # 1. each saved rank's optimizer file cut into per-parameter fragments
+        for i in range(rank, layout.dp_degree, world):
+            layout.extract(temp, i)
+
+    _each_rank_then_sync("extract", extract)
+    sizes = {name: math.prod(shape) for group in layout.shapes for name, shape in group.items()}
+    items = {("param", name): 3 * numel for name, numel in sizes.items()}
+    items[("optimizer_state", "")] = 3 * sum(-(-numel // layout.dp_degree) for numel in sizes.values())
+    mine = _balanced_shares(items, world)[rank]
+
+    def merge() -> None:  # 2. every fragment exists now: whole parameters, and the rest
+        for kind, name in mine:
+            if kind == "param":
+                layout.merge(zero, temp, name)
+            else:
+                layout.save_optimizer_state(dst)
+        if is_main_process():
+            layout.copy_model_states(src, dst)
+
+    _each_rank_then_sync("merge", merge)
+    if is_main_process():
+        shutil.rmtree(temp, ignore_errors=True)
+        (dst.parent / "latest_universal").write_text(dst.name)  # as ds_to_universal.main writes it
+
+
+def _balanced_shares(items: dict, world: int) -> list[list]:
+    """Split ``{item: cost}`` into ``world`` lists of about equal cost: largest first, each to
+    the least loaded rank (ties: the lower rank). The same on every rank (sorted input)."""
+    loads, shares = [0] * world, [[] for _ in range(world)]
+    for item, cost in sorted(items.items(), key=lambda kv: (-kv[1], kv[0])):
+        r = loads.index(min(loads))
+        shares[r].append(item)
+        loads[r] += cost
+    return shares
+
+
+def _each_rank_then_sync(phase: str, work) -> None:
+    """Run ``work()`` on this rank, then exchange outcomes. Collective: call on every rank.
+
+    A rank whose work raised re-raises it; the others raise ``CheckpointError`` naming it, so
+    no rank is left waiting in a collective that a failed rank skipped."""
+    error = None
+    try:
+        work()
+    except Exception as e:  # reported to every rank
+        error = e
+    reports = all_gather_object(f"{type(error).__name__}: {error}" if error is not None else None)
+    if error is not None:
+        raise error
+    failed = [(r, m) for r, m in enumerate(reports) if m]
+    if failed:
+        raise CheckpointError(f"universal conversion ({phase}) failed on rank {failed[0][0]}: {failed[0][1]}")
 
 
 def load_resharded(accelerator, path: str | os.PathLike, saved_world: int, *, ema=None, parts=()) -> None:
@@ -375,21 +454,11 @@ def load_resharded(accelerator, path: str | os.PathLike, saved_world: int, *, em
     if engines or parts:
         universal = convert_to_universal(path, [*names, *(p.name for p in parts)])
     for part in parts:
-        part.engine._config.load_universal_checkpoint = True
-        try:
-            part.engine.load_checkpoint(str(universal), tag=part.name, load_lr_scheduler_states=False)
-        finally:
-            part.engine._config.load_universal_checkpoint = False
-        unshare_optimizer_steps(part.engine)
+        load_universal(part.engine, str(universal), part.name)
         _load_part_state(part, path, saved_world)
     if engines:
         for name, engine in zip(names, engines):
-            engine._config.load_universal_checkpoint = True
-            try:
-                engine.load_checkpoint(str(universal), tag=name, load_lr_scheduler_states=False)
-            finally:
-                engine._config.load_universal_checkpoint = False
-            unshare_optimizer_steps(engine)
+            load_universal(engine, str(universal), name)
         for i, scheduler in enumerate(accelerator._schedulers):
             saved = torch.load(
                 path / ("scheduler.bin" if i == 0 else f"scheduler_{i}.bin"), weights_only=False
@@ -411,30 +480,6 @@ def load_resharded(accelerator, path: str | os.PathLike, saved_world: int, *, em
     _load_rng_states(accelerator, path / f"random_states_{get_rank() % saved_world}.pkl")
     if ema is not None:
         ema.load_resharded([load_ema_shard(path / f"ema_rank{r}.pt") for r in range(saved_world)])
-
-
-def unshare_optimizer_steps(engine) -> int:
-    """Give each optimizer sub-group its own step counter; returns how many were shared.
-
-    DeepSpeed 0.19.8's universal-checkpoint load (``stage3.py``,
-    ``load_hp_checkpoint_state_from_checkpoint_dir_stage3``) assigns one ``step`` tensor to
-    every sub-group's state; torch's Adam increments it in place once per sub-group at each
-    step, so a run resumed on another number of processes counted ``sub-groups`` steps per
-    step (5 instead of 3 after one step with 3 sub-groups) and its bias correction, hence its
-    updates, went wrong from the first step on (the losses drifted from the uninterrupted
-    run's)."""
-    optimizer = getattr(getattr(engine, "optimizer", None), "optimizer", None)
-    if optimizer is None:
-        return 0
-    seen, shared = set(), 0
-    for state in optimizer.state.values():
-        step = state.get("step")
-        if torch.is_tensor(step):
-            if id(step) in seen:
-                state["step"] = step.clone()
-                shared += 1
-            seen.add(id(step))
-    return shared
 
 
 def _load_rng_states(accelerator, file: Path) -> None:

@@ -32,7 +32,15 @@ verified on (the test suite ran on them):
 | ``fastload`` | partitions a model built to be overwritten without broadcasting it, its parameters cast to the partitions' dtype | ``Init._zero_init_param`` (replaced), ``Init._convert_to_deepspeed_param``, ``param.partition`` |
 | ``share_fp32`` | fp32 master weights shared with fp32 parameters | ``fp16_partitioned_groups_flat``, ``fp32_partitioned_groups_flat`` |
 | ``memory`` (read only) | counts a ZeRO-3 optimizer's bytes (``zero3_optimizer_bytes``) | ``grad_partitions_flat_buffer``, ``fp16_partitioned_groups_flat``, ``fp32_partitioned_groups_flat``, ``ipg_buckets`` |
+| ``universal`` | converts a ZeRO-3 checkpoint to the universal form with the work spread over the ranks | ``ds_to_universal``'s ``_get_optim_files``, ``_filter_zero3_optim_files``, ``_get_zero3_model_state_files``, ``_autoep_expert_param_names_by_rank``, ``_build_zero3_rank_grid``, ``_parse_model_states_stage3``, ``extract_zero_shards_stage3``, ``merge_zero3_slices``, ``_save_optimizer_state_stage3``, ``_is_expert_model_state_file`` |
+
+Two uses are not levers but the only way to do what they do, so a missing name there is an
+error naming it (``require_names``), whatever the version:
+
+| use | what it does | private names |
+|---|---|---|
 | ``pause_init`` | ``zero3_init_disabled`` pauses an enclosing ``zero.Init`` | ``partition_parameters.top_level_context``, ``.patched``, ``unpatch_init_and_builtins`` / ``patch_init_and_builtins`` |
+| ``universal_load`` | loads a universal checkpoint into a built engine (resume on another number of processes) | ``DeepSpeedEngine._config.load_universal_checkpoint`` (written) |
 
 (transformers' ``integrations.deepspeed._hf_deepspeed_config_weak_ref`` is read and written
 here too: ``zero_init.py``.)
@@ -62,6 +70,10 @@ _STAGE3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
 _OFFLOAD = "deepspeed.runtime.zero.parameter_offload:DeepSpeedZeRoOffload"
 _INIT = "deepspeed.runtime.zero.partition_parameters:Init"
 _PARTITION = "deepspeed.runtime.zero.partition_parameters"
+_UNIVERSAL = "deepspeed.checkpoint.ds_to_universal"
+_ENGINE = "deepspeed.runtime.engine:DeepSpeedEngine"
+# Uses that have no fallback: checked for names only (``require_names``), not for versions.
+REQUIRED = ("pause_init", "universal_load")
 
 
 @dataclass(frozen=True)
@@ -98,9 +110,20 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("share_fp32", _STAGE3, "fp16_partitioned_groups_flat", on_class=False),
     PrivateName("share_fp32", _STAGE3, "fp32_partitioned_groups_flat", on_class=False),
     PrivateName("memory", _STAGE3, "grad_partitions_flat_buffer", on_class=False),
+    PrivateName("universal", _UNIVERSAL, "_get_optim_files"),
+    PrivateName("universal", _UNIVERSAL, "_filter_zero3_optim_files"),
+    PrivateName("universal", _UNIVERSAL, "_get_zero3_model_state_files"),
+    PrivateName("universal", _UNIVERSAL, "_autoep_expert_param_names_by_rank"),
+    PrivateName("universal", _UNIVERSAL, "_build_zero3_rank_grid"),
+    PrivateName("universal", _UNIVERSAL, "_parse_model_states_stage3"),
+    PrivateName("universal", _UNIVERSAL, "extract_zero_shards_stage3"),
+    PrivateName("universal", _UNIVERSAL, "merge_zero3_slices"),
+    PrivateName("universal", _UNIVERSAL, "_save_optimizer_state_stage3"),
+    PrivateName("universal", _UNIVERSAL, "_is_expert_model_state_file"),
     PrivateName("pause_init", _PARTITION, "top_level_context"),
     PrivateName("pause_init", _INIT, "unpatch_init_and_builtins"),
     PrivateName("pause_init", _INIT, "patch_init_and_builtins"),
+    PrivateName("universal_load", _ENGINE, "_config", on_class=False),
 )
 
 _decided: dict[str, bool] = {}
@@ -174,3 +197,21 @@ def lever_in_force(lever: str) -> bool:
             )
         _decided[lever] = version in VERIFIED_ON and not missing
     return _decided[lever]
+
+
+def require_names(use: str, engine: object | None = None) -> None:
+    """Raise ``RuntimeError`` naming what the installed DeepSpeed lacks for ``use`` (one of
+    ``REQUIRED``: there is no DeepSpeed behaviour to fall back on); ``engine`` checks the
+    instance attributes too. Not a collective."""
+    missing = missing_names(use)
+    if engine is not None:
+        missing += [
+            f"{e.owner.replace(':', '.')}.{e.name}"
+            for e in PRIVATE_NAMES
+            if e.lever == use and not e.on_class and not hasattr(engine, e.name)
+        ]
+    if missing:
+        raise RuntimeError(
+            f"DeepSpeed {deepspeed_version()} lacks {', '.join(missing)}, which diffusers_zero3 needs to {use.replace('_', ' ')}"
+            f" (verified on {', '.join(VERIFIED_ON)})"
+        )

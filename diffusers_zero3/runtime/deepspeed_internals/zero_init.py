@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from . import lever_in_force
+from . import lever_in_force, require_names
 
 _HF_REF = "_hf_deepspeed_config_weak_ref"
 
@@ -44,14 +44,10 @@ def active_zero_init() -> Any:
 def paused_zero_init() -> Iterator[None]:
     """Within it, an enclosing ``deepspeed.zero.Init`` is paused (its patches removed), and put
     back on exit, also when the body raises. Raises ``RuntimeError`` where one is in force and
-    this DeepSpeed cannot be paused (the ``pause_init`` names are missing or unverified)."""
+    this DeepSpeed cannot be paused (``require_names("pause_init")``)."""
     paused = active_zero_init()
-    if paused is not None and not lever_in_force("pause_init"):
-        raise RuntimeError(
-            "zero3_init_disabled() inside deepspeed.zero.Init needs DeepSpeed internals this version lacks"
-            " (diffusers_zero3.runtime.deepspeed_internals): build the model outside zero.Init"
-        )
     if paused is not None:
+        require_names("pause_init")
         paused.unpatch_init_and_builtins()
     try:
         yield
