@@ -90,8 +90,8 @@ def case_load(placement: str, folder: str):
 
     from benchmarks.common import current_rss_bytes, peak_rss_since_reset_bytes, reset_peak_rss
     from diffusers_zero3 import build_accelerator
+    from diffusers_zero3.placement.frozen import load_frozen_component
     from diffusers_zero3.placement.frozen_inputs import cache_placement
-    from diffusers_zero3.training.recipe import load_frozen_component
 
     cfg = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 2, "zero_optimization": {"stage": 3}}
     accelerator = build_accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))

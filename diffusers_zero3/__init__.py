@@ -31,7 +31,7 @@ _EXPORTS: dict[str, str] = {
     "PLACEMENTS": ".placement.frozen",
     "FrozenModel": ".placement.frozen",
     "frozen_engine_config": ".placement.frozen",
-    "local_parameter_bytes": ".placement.frozen",
+    "local_parameter_bytes": ".runtime.memory",
     "placement_bytes_per_rank": ".placement.frozen",
     "prepare_frozen": ".placement.frozen",
     "LockstepError": ".runtime.lockstep",

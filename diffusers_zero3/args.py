@@ -12,7 +12,7 @@ import importlib.util
 import os
 
 from .errors import ArgumentError
-from .training.objectives import TIMESTEP_BIAS_STRATEGIES, WEIGHTING_SCHEMES
+from .families.objectives import TIMESTEP_BIAS_STRATEGIES, WEIGHTING_SCHEMES
 
 PLACEMENT_CHOICES = ("replicate", "shard", "offload", "cache")
 

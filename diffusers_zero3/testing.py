@@ -7,8 +7,10 @@
 * ``count_collectives`` counts calls into ``torch.distributed`` / ``deepspeed.comm``.
 * ``fault_point(name)`` does nothing unless ``DIFFUSERS_ZERO3_FAULT`` names this point and
   this rank (``"<name>:<rank>"``); then the process stops itself with SIGSTOP, as a rank that
-  is frozen (not dead: its sockets stay open) would. The tests use it to show that the other
-  ranks fail within the collective timeout in every phase that waits on a collective.
+  is frozen (not dead: its sockets stay open) would. The tests make it the trainers' phase
+  hook (``DIFFUSERS_ZERO3_PHASE_HOOK=diffusers_zero3.testing:fault_point``,
+  ``runtime.phases``) to show that the other ranks fail within the collective timeout in
+  every phase that waits on a collective.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from diffusers_zero3.demo import RednessRewardModel
 from diffusers_zero3.families import SD
 from diffusers_zero3.placement.frozen_inputs import place_frozen_models
 from diffusers_zero3.runtime.distributed import exit_after_teardown
-from diffusers_zero3.training.recipe import load_trainable_denoiser
+from diffusers_zero3.training.job import load_trainable_denoiser
 
 
 def main(source: str, reward_dir: str, steps: int = 3) -> None:

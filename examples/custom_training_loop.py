@@ -18,11 +18,11 @@ from diffusers import DiffusionPipeline
 from diffusers_zero3 import ShardedEMA, build_accelerator, is_main_process, log_rank_zero
 from diffusers_zero3.data.images import ImageCaptionDataset, collate, load_image_caption_dataset
 from diffusers_zero3.families import detect_family
+from diffusers_zero3.families.objectives import ObjectiveSettings
 from diffusers_zero3.placement.frozen_inputs import place_frozen_models
 from diffusers_zero3.runtime.distributed import exit_after_teardown
 from diffusers_zero3.state.pipeline_io import save_final_pipeline
-from diffusers_zero3.training.objectives import ObjectiveSettings
-from diffusers_zero3.training.recipe import load_trainable_denoiser
+from diffusers_zero3.training.job import load_trainable_denoiser
 
 
 def main(source: str, data_dir: str, output_dir: str, steps: int = 4) -> None:

@@ -23,7 +23,7 @@ from diffusers_zero3 import use_huge_pages_for_host_tensors
 use_huge_pages_for_host_tensors()  # first: torch reads it at the process's first tensor, and imports make tensors
 
 from diffusers_zero3.recipes.reward import RewardTrainer, parse_reward_args
-from diffusers_zero3.training.recipe import run_trainer
+from diffusers_zero3.training.job import run_trainer
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,7 +42,7 @@ use_huge_pages_for_host_tensors()  # first: torch reads it at the process's firs
 
 from diffusers_zero3.args import parse_args
 from diffusers_zero3.recipes.text_to_image import TextToImageTrainer
-from diffusers_zero3.training.recipe import run_trainer
+from diffusers_zero3.training.job import run_trainer
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,8 +19,8 @@ def worker_cache(pipe_dir: str, data_dir: str, cache_dir: str):
 
     from diffusers_zero3 import prepare_frozen
     from diffusers_zero3.data.images import ImageCaptionDataset, collate
+    from diffusers_zero3.families.objectives import diffusion_loss
     from diffusers_zero3.placement.cache import precompute_frozen_outputs
-    from diffusers_zero3.training.objectives import diffusion_loss
     from tests.common import accelerator_with_zero3
     from tests.test_frozen import _load_whole
 

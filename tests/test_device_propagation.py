@@ -29,7 +29,7 @@ def _on_meta(*tensors: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("noise_offset", [0.0, 0.1])
 def test_sample_noise_follows_the_latents(noise_offset):
-    from diffusers_zero3.training.objectives import sample_noise
+    from diffusers_zero3.families.objectives import sample_noise
 
     latents = torch.empty(2, 4, 8, 8, dtype=torch.bfloat16, device=META)
     noise = sample_noise(latents, noise_offset)
@@ -40,7 +40,7 @@ def test_sample_noise_follows_the_latents(noise_offset):
 def test_sample_timesteps_land_on_the_requested_device():
     """Uniform draws are made there; biased ones are drawn from the CPU weights of
     ``timestep_bias_weights`` (a CPU bookkeeping tensor, by design) and then moved."""
-    from diffusers_zero3.training.objectives import sample_timesteps, timestep_bias_weights
+    from diffusers_zero3.families.objectives import sample_timesteps, timestep_bias_weights
 
     weights = timestep_bias_weights(1000, "later", multiplier=2.0)
     for w in (None, weights):
@@ -55,7 +55,7 @@ def test_compute_snr_moves_the_schedulers_table():
     table indexed by meta timesteps gives a CPU tensor; by CUDA timesteps it raises."""
     from diffusers import DDPMScheduler
 
-    from diffusers_zero3.training.objectives import compute_snr
+    from diffusers_zero3.families.objectives import compute_snr
 
     scheduler = DDPMScheduler(num_train_timesteps=1000)
     assert scheduler.alphas_cumprod.device == torch.device("cpu")
@@ -69,7 +69,7 @@ def test_diffusion_loss_stays_on_the_latents_device(prediction_type, snr_gamma):
     ``compute_snr``: each must be moved first."""
     from diffusers import DDPMScheduler
 
-    from diffusers_zero3.training.objectives import diffusion_loss, sample_noise, sample_timesteps
+    from diffusers_zero3.families.objectives import diffusion_loss, sample_noise, sample_timesteps
 
     latents = torch.empty(2, 4, 8, 8, device=META)
     noise = sample_noise(latents, 0.1)
@@ -100,7 +100,7 @@ def test_flow_matching_sampling_meets_the_latents_device(weighting_scheme):
     CPU tables; the timesteps and sigmas must then move to the latents' device."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from diffusers_zero3.training.objectives import flow_matching_loss
+    from diffusers_zero3.families.objectives import flow_matching_loss
 
     latents = torch.empty(2, 4, 8, 8, device=META)
     seen = []

@@ -118,7 +118,7 @@ def test_flow_matching_loss_is_diffusers_rectified_flow(tiny_flux, scheme):
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.training_utils import compute_loss_weighting_for_sd3
 
-    from diffusers_zero3.training.objectives import flow_matching_loss
+    from diffusers_zero3.families.objectives import flow_matching_loss
 
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_flux[0], subfolder="scheduler")
     torch.manual_seed(1)
@@ -240,7 +240,7 @@ def test_objective_matches_diffusers_training_utils(tiny_pipeline, prediction_ty
     import torch.nn.functional as F
     from diffusers.training_utils import compute_snr
 
-    from diffusers_zero3.training.objectives import diffusion_loss
+    from diffusers_zero3.families.objectives import diffusion_loss
 
     unet, scheduler, latents, states, noise, t = _objective_inputs(tiny_pipeline, prediction_type)
     with torch.no_grad():
@@ -270,7 +270,7 @@ def test_noise_offset_input_perturbation_and_dream_match_diffusers(tiny_pipeline
     import torch.nn.functional as F
     from diffusers.training_utils import compute_dream_and_update_latents
 
-    from diffusers_zero3.training.objectives import diffusion_loss, sample_noise
+    from diffusers_zero3.families.objectives import diffusion_loss, sample_noise
 
     unet, scheduler, latents, states, noise, t = _objective_inputs(tiny_pipeline)
     # Noise offset, as diffusers' script draws it: noise + offset * randn(b, c, 1, 1).
@@ -302,7 +302,7 @@ def test_noise_offset_input_perturbation_and_dream_match_diffusers(tiny_pipeline
 
 @pytest.mark.unit
 def test_timestep_bias_weights():
-    from diffusers_zero3.training.objectives import sample_timesteps, timestep_bias_weights
+    from diffusers_zero3.families.objectives import sample_timesteps, timestep_bias_weights
 
     assert timestep_bias_weights(1000) is None
     later = timestep_bias_weights(1000, "later", multiplier=3.0, portion=0.25)
@@ -417,7 +417,7 @@ def test_per_sample_generators_make_a_samples_loss_independent_of_its_batch(obje
     this rank's RNG gives a sample other draws in another batch."""
     from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler
 
-    from diffusers_zero3.training.objectives import (
+    from diffusers_zero3.families.objectives import (
         DDPMObjective,
         FlowMatchingObjective,
         ObjectiveSettings,

@@ -222,7 +222,7 @@ def test_objective_is_diffusers_flux2_dreambooth_loss(variant, weighting_scheme,
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline
     from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
-    from diffusers_zero3.training.objectives import ObjectiveSettings
+    from diffusers_zero3.families.objectives import ObjectiveSettings
 
     family, folder, pipe = _family(variant), folders[variant], pipes[variant]
     noise_scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler")

@@ -158,7 +158,7 @@ def test_objective_is_diffusers_hidream_dreambooth_loss(folders, pipe, weighting
     from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
     from diffusers_zero3.families import HIDREAM
-    from diffusers_zero3.training.objectives import ObjectiveSettings
+    from diffusers_zero3.families.objectives import ObjectiveSettings
 
     folder, _ = folders
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler", shift=3.0)

@@ -112,7 +112,7 @@ def test_objective_is_diffusers_qwen_image_dreambooth_loss(tiny_qwenimage, pipe,
     from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
     from diffusers_zero3.families import QWENIMAGE
-    from diffusers_zero3.training.objectives import ObjectiveSettings
+    from diffusers_zero3.families.objectives import ObjectiveSettings
 
     folder = tiny_qwenimage[0]
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler", shift=3.0)

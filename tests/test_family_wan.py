@@ -174,8 +174,8 @@ def test_objective_is_the_flow_matching_of_wans_recipes(folders, pipes):
     target ``noise - x``, a plain mean squared error."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
+    from diffusers_zero3.families.objectives import ObjectiveSettings
     from diffusers_zero3.families.wan import WAN, WAN22_5B
-    from diffusers_zero3.training.objectives import ObjectiveSettings
 
     pipe = pipes["wan"]
     scheduler = WAN.load_noise_scheduler(folders["wan"])
@@ -211,6 +211,11 @@ def test_objective_is_the_flow_matching_of_wans_recipes(folders, pipes):
 
 
 def test_an_expert_trains_on_its_side_of_the_boundary(folders, pipes):
+    from diffusers_zero3.families.objectives import (
+        FlowMatchingObjective,
+        ObjectiveSettings,
+        sample_generators,
+    )
     from diffusers_zero3.families.wan import (
         HIGH,
         LOW,
@@ -219,11 +224,6 @@ def test_an_expert_trains_on_its_side_of_the_boundary(folders, pipes):
         ExpertFlowMatchingObjective,
         expert_for,
         expert_of_step,
-    )
-    from diffusers_zero3.training.objectives import (
-        FlowMatchingObjective,
-        ObjectiveSettings,
-        sample_generators,
     )
 
     pipe = pipes["wan22"]

@@ -211,7 +211,7 @@ def test_objective_is_the_training_scripts(tiny_zimage, scheme):
     from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
     from diffusers_zero3.families import ZIMAGE
-    from diffusers_zero3.training.objectives import ObjectiveSettings
+    from diffusers_zero3.families.objectives import ObjectiveSettings
 
     pipe = load(tiny_zimage)
     vae, transformer = pipe.vae, pipe.transformer

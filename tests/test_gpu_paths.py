@@ -108,7 +108,7 @@ def test_offload_and_shard_partitions_go_where_the_placement_says():
 def test_load_frozen_component_asks_for_its_placements_offload(monkeypatch, tmp_path):
     """Item 4, the wiring: ``shard`` loads with ``offload_param=False``, ``offload`` with True,
     whatever the training config says; and a bf16 model is partitioned in bf16."""
-    import diffusers_zero3.training.recipe as recipe
+    import diffusers_zero3.placement.frozen as frozen
 
     calls = []
 
@@ -116,11 +116,11 @@ def test_load_frozen_component_asks_for_its_placements_offload(monkeypatch, tmp_
         calls.append(kwargs)
         raise StopIteration  # the load itself is tested elsewhere (2 ranks)
 
-    monkeypatch.setattr(recipe, "load_pretrained_zero3", record)
-    monkeypatch.setattr(recipe, "check_placement_supported", lambda placement, name: None)
+    monkeypatch.setattr(frozen, "load_pretrained_zero3", record)
+    monkeypatch.setattr(frozen, "check_placement_supported", lambda placement, name: None)
     for placement in ("shard", "offload"):
         with pytest.raises(StopIteration):
-            recipe.load_frozen_component(None, tmp_path, "vae", placement, object, dtype=torch.bfloat16)
+            frozen.load_frozen_component(None, tmp_path, "vae", placement, object, dtype=torch.bfloat16)
     assert [c["offload_param"] for c in calls] == [False, True]
     assert all(c["torch_dtype"] == torch.bfloat16 for c in calls)
 

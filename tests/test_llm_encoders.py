@@ -15,8 +15,8 @@ def worker_sharded_llm_encoder(pipe_dir: str):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from diffusers_zero3.families import QWENIMAGE
+    from diffusers_zero3.placement.frozen import load_frozen_component
     from diffusers_zero3.runtime.zero3 import zero3_init_disabled
-    from diffusers_zero3.training.recipe import load_frozen_component
     from tests.common import accelerator_with_zero3
 
     accelerator = accelerator_with_zero3()  # persistence threshold 0: every tensor partitioned

@@ -24,8 +24,8 @@ def worker_lora_save(pipe_dir: str, out: str):
 
     from diffusers_zero3 import gathered_parameters, get_rank
     from diffusers_zero3.families import SD
+    from diffusers_zero3.training.job import load_trainable_denoiser
     from diffusers_zero3.training.lora import LORA_WEIGHT_NAME, add_lora_adapters, save_lora_zero3
-    from diffusers_zero3.training.recipe import load_trainable_denoiser
     from tests.common import accelerator_with_zero3
 
     torch.manual_seed(0)

@@ -262,7 +262,7 @@ def _ranks_resolve_check_and_ddp(work: str):
 
     # The scripts end their trackers with finish_trackers, which keeps the process group for
     # the exit protocol; accelerate's end_training (the control) destroys it.
-    from diffusers_zero3.training.recipe import finish_trackers
+    from diffusers_zero3.training.job import finish_trackers
 
     finish_trackers(accelerator)
     assert torch.distributed.is_initialized()

@@ -327,7 +327,7 @@ class Family:
     def objective(self, noise_scheduler, settings):
         """The family's training objective (``objectives.DDPMObjective`` or
         ``objectives.FlowMatchingObjective``) with ``settings`` (``objectives.ObjectiveSettings``)."""
-        from ..training import objectives
+        from . import objectives
 
         cls = objectives.FlowMatchingObjective if self.flow_matching else objectives.DDPMObjective
         return cls(noise_scheduler, settings)

@@ -151,7 +151,7 @@ class ExpertFlowMatchingObjective:
         then the rectified-flow loss of ``objectives.flow_matching_loss``."""
         from diffusers.training_utils import compute_loss_weighting_for_sd3
 
-        from ..training.objectives import WEIGHTING_SCHEMES, flow_matching_loss, sample_noise
+        from .objectives import WEIGHTING_SCHEMES, flow_matching_loss, sample_noise
 
         s = self.settings
         noise = sample_noise(latents, 0.0, generators) if generators else torch.randn_like(latents)

@@ -15,15 +15,23 @@ prepared engine. Bypassing accelerate avoids both, in any order of preparation.
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from ..runtime.deepspeed_internals.levers import set_block_leaf_modules, trim_zero3_overhead
-from ..runtime.ds_config import base_config, frozen_engine_config, resolve_dtype
+from ..runtime.ds_config import base_config, frozen_engine_config, resolve_dtype, weight_dtype
 from ..runtime.lockstep import lockstep_check
-from ..runtime.zero3 import _register_zero3_engine, full_numel, is_zero3_param, set_moe_leaf_modules
-from ..state.pretrained import cast_persistent_buffers
+from ..runtime.memory import local_parameter_bytes, total_parameter_bytes
+from ..runtime.zero3 import (
+    _register_zero3_engine,
+    full_numel,
+    is_zero3_param,
+    set_moe_leaf_modules,
+    zero3_init_disabled,
+)
+from ..state.pretrained import cast_persistent_buffers, load_pretrained_zero3
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -92,32 +100,6 @@ class FrozenModel:
             self.engine.destroy()
         self.engine = None
         self.module = torch.nn.Module()
-
-
-def local_parameter_bytes(module: torch.nn.Module) -> int:
-    """Bytes of ``module``'s parameters held on this rank.
-
-    A ZeRO-3 parameter counts its partition (``ds_tensor``), plus its full size when the
-    persistence threshold keeps it whole on every rank; any other parameter counts whole.
-    """
-    total = 0
-    for p in module.parameters():
-        if is_zero3_param(p):
-            total += p.ds_tensor.numel() * p.ds_tensor.element_size()
-            if getattr(p, "ds_persist", False):
-                total += p.ds_numel * p.ds_tensor.element_size()
-        else:
-            total += p.numel() * p.element_size()
-    return total
-
-
-def total_parameter_bytes(module: torch.nn.Module) -> int:
-    """Bytes of ``module``'s parameters whole (a ZeRO-3 parameter counts its full size)."""
-    total = 0
-    for p in module.parameters():
-        numel = full_numel(p)
-        total += numel * (p.ds_tensor.element_size() if is_zero3_param(p) else p.element_size())
-    return total
 
 
 def placement_bytes_per_rank(
@@ -316,3 +298,47 @@ def _shard(model, placement, accelerator, ds_config, micro_batch_size, dtype, na
     _register_zero3_engine()
     engine.eval()
     return FrozenModel(engine.module, placement, engine=engine, name=name)
+
+
+def load_frozen_component(
+    accelerator,
+    source: str | Path,
+    name: str,
+    placement: str,
+    model_cls,
+    variant: str | None = None,
+    dtype: torch.dtype | None = None,
+    label: str | None = None,
+):
+    """Load ``source/name`` and place it (``"cache"`` loads a replica, to be cached and freed;
+    ``frozen_inputs.place_frozen_models`` passes ``"shard"`` instead under ZeRO-3).
+
+    ``"shard"``/``"offload"`` models are read straight into partitions, never whole, in their
+    own dtype and into the memory their placement names (``offload``: host memory, ``shard``:
+    the accelerator's), whatever the training config's ``offload_param`` says. ``dtype`` is
+    the dtype it runs in (default: the accelerator's mixed precision); ``label`` names it in
+    logs and errors (default ``name``: a component from another folder keeps its own name).
+    Call on every rank.
+    """
+    dtype = dtype or weight_dtype(accelerator)
+    if placement in ("shard", "offload"):
+        check_placement_supported(placement, label or name)
+        model = load_pretrained_zero3(
+            model_cls,
+            source,
+            name,
+            accelerator=accelerator,
+            variant=variant,
+            torch_dtype=dtype,
+            offload_param=placement == "offload",
+        )
+    else:
+        with zero3_init_disabled():  # in its dtype, as from_pretrained computes its buffers in it
+            model = model_cls.from_pretrained(source, subfolder=name, variant=variant, torch_dtype=dtype)
+    return prepare_frozen(
+        model,
+        "replicate" if placement == "cache" else placement,
+        accelerator=accelerator,
+        dtype=dtype,
+        name=label or name,
+    )

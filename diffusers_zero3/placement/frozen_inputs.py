@@ -20,11 +20,12 @@ import torch
 
 from ..families import Family
 from ..families.sdxl import time_ids
+from ..placement.frozen import load_frozen_component
 from ..runtime.distributed import log_rank_zero
+from ..runtime.ds_config import weight_dtype
+from ..runtime.phases import reached
 from ..runtime.zero3 import is_zero3_enabled
 from ..state.pretrained import CheckpointError
-from ..testing import fault_point
-from ..training.recipe import load_frozen_component, weight_dtype
 from .cache import CachedOutputs, precompute_frozen_outputs
 
 
@@ -100,7 +101,7 @@ class FrozenInputs:
         outputs = {k: v for k, v in cached.items() if k not in ("latents", "original_size", "crop_top_left")}
         live = {spec.name: self.models.get(spec.name) for spec in self.family.text_encoders}
         if any(encoder is not None for encoder in live.values()):
-            fault_point("frozen_forward")
+            reached("frozen_forward")
             outputs.update(self.family.encode_texts(live, batch))
         if trained_outputs:
             with torch.enable_grad():  # the trained encoders' graph goes on into the conditioning

@@ -247,7 +247,7 @@ class ControlNetTrainer(TextToImageTrainer):
         )
 
     def _place_frozen(self) -> None:
-        from ..training.recipe import load_frozen_component
+        from ..placement.frozen import load_frozen_component
 
         super()._place_frozen()
         folder = self.component_sources.get("unet")
@@ -279,7 +279,7 @@ class ControlNetTrainer(TextToImageTrainer):
         return predict
 
     def _loss(self, batch: dict) -> torch.Tensor:
-        from ..training.objectives import sample_generators
+        from ..families.objectives import sample_generators
 
         generators = sample_generators(self.args.seed or 0, self.epoch, batch["index"])
         latents, cond, _ = self.frozen(batch, self.accelerator.device, generators)
@@ -348,7 +348,7 @@ class ControlNetTrainer(TextToImageTrainer):
         into a staging folder and moved into place. Every rank."""
         from ..state.folders import collective_publish
         from ..state.pretrained import save_pretrained_zero3
-        from ..training.recipe import finish_trackers
+        from ..training.job import finish_trackers
 
         args = self.args
         final = Path(args.output_dir) / "controlnet"

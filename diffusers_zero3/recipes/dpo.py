@@ -26,12 +26,12 @@ import torch.nn.functional as F
 from ..args import text_to_image_parser
 from ..data.images import DataError, load_image_caption_dataset, transform_image_with_crop
 from ..errors import ArgumentError
+from ..families.objectives import diffusion_target, sample_generators, sample_noise, sample_timesteps
 from ..placement.cache import model_fingerprint
+from ..placement.frozen import load_frozen_component
 from ..runtime.distributed import log_rank_zero
 from ..runtime.ds_config import weight_dtype
 from ..state.pipeline_io import plot_curve
-from ..training.objectives import diffusion_target, sample_generators, sample_noise, sample_timesteps
-from ..training.recipe import load_frozen_component
 from ..training.schedule import first_last_means
 from .text_to_image import TextToImageTrainer
 

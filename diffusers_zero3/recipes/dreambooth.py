@@ -304,7 +304,7 @@ class DreamBoothTrainer(TextToImageTrainer):
         precision = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(
             args.prior_generation_precision or "", None
         )
-        from ..training.recipe import load_frozen_component
+        from ..placement.frozen import load_frozen_component
 
         # A frozen copy of the denoiser (the trained one gets its engine later), sharded under
         # ZeRO-3 like every other model of the pipeline, freed after.
@@ -392,7 +392,7 @@ class DreamBoothTrainer(TextToImageTrainer):
             )
 
     def _loss(self, batch: dict) -> torch.Tensor:
-        from ..training.objectives import sample_generators
+        from ..families.objectives import sample_generators
         from ..training.parts import cut_outputs
 
         args = self.args

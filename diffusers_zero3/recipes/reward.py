@@ -26,8 +26,10 @@ from ..args import (
     validate_launch,
 )
 from ..families import SD, detect_family
+from ..placement.frozen import load_frozen_component
 from ..placement.rewards import ParallelReward
 from ..runtime.distributed import log_rank_zero
+from ..runtime.ds_config import weight_dtype
 from ..runtime.memory import return_large_frees_to_os
 from ..state.pipeline_io import (
     check_output_dir,
@@ -38,15 +40,13 @@ from ..state.pipeline_io import (
 )
 from ..state.pretrained import resolve_model_folder
 from ..state.resume import resume_training, save_training_checkpoint
-from ..training.parts import adamw, prepare_first_part, step_part
-from ..training.recipe import (
+from ..training.job import (
     accelerator_from_args,
     clear_interrupted_writes,
     finish_trackers,
-    load_frozen_component,
     load_trainable_denoiser,
-    weight_dtype,
 )
+from ..training.parts import adamw, prepare_first_part, step_part
 from ..training.schedule import first_last_means
 
 

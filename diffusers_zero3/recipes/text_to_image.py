@@ -35,11 +35,13 @@ from ..data.images import (
     resolve_columns,
 )
 from ..families import detect_family
+from ..families.objectives import ObjectiveSettings, sample_generators, timestep_bias_weights
 from ..placement.frozen_inputs import place_frozen_models, resolve_component_sources
 from ..placement.plan import resolve_auto_placements
 from ..runtime.distributed import log_rank_zero, max_over_ranks
 from ..runtime.ds_config import fill_auto_bucket_sizes
 from ..runtime.memory import MIB, MemoryLog, heap_bytes, model_state_bytes, return_large_frees_to_os
+from ..runtime.phases import reached
 from ..state.ema import ShardedEMA
 from ..state.pipeline_io import (
     check_output_dir,
@@ -51,16 +53,14 @@ from ..state.pipeline_io import (
 )
 from ..state.pretrained import CheckpointError, resolve_model_folder
 from ..state.resume import resume_training, save_training_checkpoint
-from ..testing import fault_point
-from ..training.lora import LORA_WEIGHT_NAME, add_lora_adapters, save_lora_zero3
-from ..training.objectives import ObjectiveSettings, sample_generators, timestep_bias_weights
-from ..training.parts import adamw, backward_parts, prepare_extra_part, prepare_first_part, step_part
-from ..training.recipe import (
+from ..training.job import (
     accelerator_from_args,
     clear_interrupted_writes,
     finish_trackers,
     load_trainable_denoiser,
 )
+from ..training.lora import LORA_WEIGHT_NAME, add_lora_adapters, save_lora_zero3
+from ..training.parts import adamw, backward_parts, prepare_extra_part, prepare_first_part, step_part
 from ..training.schedule import (
     batches_to_skip,
     epoch_batches,
@@ -584,7 +584,7 @@ class TextToImageTrainer:
                         means = acc.gather(values.unsqueeze(0)).mean(dim=0).tolist()
                         for name, mean in zip(self.batch_metrics, means):
                             metrics[name] = metrics.get(name, 0.0) + mean
-                    fault_point("train_step")
+                    reached("train_step")
                     self._backward(loss)
                     if first:
                         self.memory.mark("first backward")
@@ -682,7 +682,7 @@ class TextToImageTrainer:
         self.model_states = states
 
     def _checkpoint(self, epoch: int, done_in_epoch: int) -> None:
-        fault_point("checkpoint")
+        reached("checkpoint")
         state = resume_position(epoch, done_in_epoch, len(self.loader))
         state["train_batch_size"] = self.args.train_batch_size
         path = save_training_checkpoint(
@@ -701,7 +701,7 @@ class TextToImageTrainer:
         args, acc = self.args, self.accelerator
         if not args.validation_prompts:
             return
-        fault_point("validation")
+        reached("validation")
         with contextlib.ExitStack() as stack:
             modules = stack.enter_context(self.frozen.validation_modules(acc))
             for ema in [self.ema, *(p.ema for p in self.extra_parts)]:
@@ -755,8 +755,8 @@ class TextToImageTrainer:
         if len(experts) < 2:
             yield trained
             return
+        from ..placement.frozen import load_frozen_component
         from ..placement.frozen_inputs import cache_placement
-        from ..training.recipe import load_frozen_component
 
         have = {self.trained_folder: trained, **{n: m for n, m in modules.items() if n in experts}}
         reloaded = []
@@ -805,7 +805,7 @@ class TextToImageTrainer:
         """The final pipeline folder (every rank); kept as is when resuming a finished run
         trained no step and the folder is complete."""
         args = self.args
-        fault_point("final_save")
+        reached("final_save")
         marker = LORA_WEIGHT_NAME if args.rank is not None else "model_index.json"
         if self.trained_steps == 0 and (Path(args.output_dir) / marker).exists():
             log_rank_zero(f"output: {os.path.abspath(args.output_dir)} (already complete)")

@@ -31,7 +31,7 @@ def huge_pages_in_effect() -> bool:
     anyway, under ``never`` never. Reading it fixes torch's setting if no tensor existed yet."""
     import torch
 
-    probe = torch.ones(2 * HUGE_PAGE_BYTES, dtype=torch.uint8)
+    probe = torch.ones(2 * HUGE_PAGE_BYTES, dtype=torch.uint8, device="cpu")  # a host tensor
     address = probe.data_ptr()
     try:
         with open("/proc/self/smaps") as fh:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .deepspeed_internals.levers import zero3_optimizer, zero3_optimizer_bytes
-from .zero3 import is_zero3_param
+from .zero3 import full_numel, is_zero3_param
 
 MIB = 2**20
 
@@ -180,6 +180,32 @@ class MemoryLog:
         return "\n".join(lines)
 
 
+def local_parameter_bytes(module: torch.nn.Module) -> int:
+    """Bytes of ``module``'s parameters held on this rank.
+
+    A ZeRO-3 parameter counts its partition (``ds_tensor``), plus its full size when the
+    persistence threshold keeps it whole on every rank; any other parameter counts whole.
+    """
+    total = 0
+    for p in module.parameters():
+        if is_zero3_param(p):
+            total += p.ds_tensor.numel() * p.ds_tensor.element_size()
+            if getattr(p, "ds_persist", False):
+                total += p.ds_numel * p.ds_tensor.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def total_parameter_bytes(module: torch.nn.Module) -> int:
+    """Bytes of ``module``'s parameters whole (a ZeRO-3 parameter counts its full size)."""
+    total = 0
+    for p in module.parameters():
+        numel = full_numel(p)
+        total += numel * (p.ds_tensor.element_size() if is_zero3_param(p) else p.element_size())
+    return total
+
+
 def _tensor_bytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
@@ -198,8 +224,6 @@ def model_state_bytes(model: torch.nn.Module, optimizer=None, ema=None) -> dict[
 
     ``model`` may be the prepared engine or its module; ``optimizer`` the prepared one.
     """
-    from ..placement.frozen import local_parameter_bytes
-
     module = getattr(model, "module", model)
     params = local_parameter_bytes(module)
     zero = zero3_optimizer(optimizer)

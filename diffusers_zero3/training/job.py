@@ -1,4 +1,6 @@
-"""Pieces shared by the training scripts: the accelerator, the UNet, frozen components.
+"""A training job's setup and exit, shared by the recipes: its accelerator, the denoiser it
+trains, the interrupted writes of its output folder, its trackers, and the exit protocol (one
+``error:`` line for a user error, every rank's exit).
 
 Each is a short function a custom script can call as is.
 """
@@ -15,10 +17,9 @@ from typing import Any
 import torch
 
 from ..errors import UserError
-from ..placement.frozen import check_placement_supported, prepare_frozen
 from ..runtime.accelerator import build_accelerator
 from ..runtime.distributed import exit_after_teardown, log_rank_zero
-from ..runtime.ds_config import fill_auto_bucket_sizes, weight_dtype
+from ..runtime.ds_config import fill_auto_bucket_sizes
 from ..runtime.zero3 import is_zero3_enabled, set_moe_leaf_modules, zero3_init_disabled
 from ..state.pretrained import load_pretrained_zero3
 
@@ -121,50 +122,6 @@ def load_trainable_denoiser(
             model = cls.from_pretrained(parent, subfolder=sub, variant=variant)
     model.train()
     return model
-
-
-def load_frozen_component(
-    accelerator,
-    source: str | Path,
-    name: str,
-    placement: str,
-    model_cls,
-    variant: str | None = None,
-    dtype: torch.dtype | None = None,
-    label: str | None = None,
-):
-    """Load ``source/name`` and place it (``"cache"`` loads a replica, to be cached and freed;
-    ``frozen_inputs.place_frozen_models`` passes ``"shard"`` instead under ZeRO-3).
-
-    ``"shard"``/``"offload"`` models are read straight into partitions, never whole, in their
-    own dtype and into the memory their placement names (``offload``: host memory, ``shard``:
-    the accelerator's), whatever the training config's ``offload_param`` says. ``dtype`` is
-    the dtype it runs in (default: the accelerator's mixed precision); ``label`` names it in
-    logs and errors (default ``name``: a component from another folder keeps its own name).
-    Call on every rank.
-    """
-    dtype = dtype or weight_dtype(accelerator)
-    if placement in ("shard", "offload"):
-        check_placement_supported(placement, label or name)
-        model = load_pretrained_zero3(
-            model_cls,
-            source,
-            name,
-            accelerator=accelerator,
-            variant=variant,
-            torch_dtype=dtype,
-            offload_param=placement == "offload",
-        )
-    else:
-        with zero3_init_disabled():
-            model = model_cls.from_pretrained(source, subfolder=name, variant=variant)
-    return prepare_frozen(
-        model,
-        "replicate" if placement == "cache" else placement,
-        accelerator=accelerator,
-        dtype=dtype,
-        name=label or name,
-    )
 
 
 def clear_interrupted_writes(output_dir: str | Path) -> None:
