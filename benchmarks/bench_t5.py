@@ -10,7 +10,7 @@ encodes the captions once, with the encoder sharded, and frees it: no weights at
 training, and the embeddings on disk.
 
 The measured part loads the encoder at N=2 through the package's own path
-(``recipe.load_frozen_component``): ``replicate`` reads the whole model on every rank, ``shard``
+(``placement.frozen.load_frozen_component``): ``replicate`` reads the whole model on every rank, ``shard``
 and ``cache`` read each rank's partition only. Peak RSS growth per rank during load is
 compared with the encoder's bytes / N, and with bytes / N plus its largest tensor (the
 embedding, which ``zero.Init`` builds whole once before partitioning it). Weights that
@@ -91,7 +91,6 @@ def case_load(placement: str, folder: str):
     from benchmarks.common import current_rss_bytes, peak_rss_since_reset_bytes, reset_peak_rss
     from diffusers_zero3 import build_accelerator
     from diffusers_zero3.placement.frozen import load_frozen_component
-    from diffusers_zero3.placement.frozen_inputs import cache_placement
 
     cfg = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 2, "zero_optimization": {"stage": 3}}
     accelerator = build_accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))
@@ -99,8 +98,9 @@ def case_load(placement: str, folder: str):
     gc.collect()
     reset_peak_rss()
     base = current_rss_bytes()
-    loaded_as = cache_placement() if placement == "cache" else placement
-    model = load_frozen_component(accelerator, folder, "t5", loaded_as, T5EncoderModel)
+    model = load_frozen_component(
+        accelerator, folder, "t5", placement, T5EncoderModel
+    )  # cache: loaded as it runs
     with torch.no_grad():  # page in weights that from_pretrained left memory-mapped (as a forward would)
         for p in model.module.parameters():
             p.sum()

@@ -407,12 +407,11 @@ def validate_family(args: argparse.Namespace, family) -> None:
                 f"--component {name}=...: a {family.pipeline_class} has no component {name} "
                 f"(its components: {', '.join(sorted(known))})"
             )
-    for flag, placement in placement_flags(args).items():
-        component = flag[: -len("_placement")]
+    for component, placement in component_placements(args).items():
         # a script may place the denoiser too (the ControlNet script's frozen --unet_placement)
         if component not in components and component not in ("reward", "reference", family.denoiser):
             raise ArgumentError(
-                f"--{flag} {placement}: a {family.pipeline_class} has no {component} "
+                f"--{component}{PLACEMENT_SUFFIX} {placement}: a {family.pipeline_class} has no {component} "
                 f"(its frozen models: {', '.join(sorted(components))})"
             )
     if not family.video:
@@ -457,9 +456,17 @@ def check_resolution(resolution: int, family, vae_folder: str | os.PathLike) -> 
         )
 
 
-def placement_flags(args: argparse.Namespace) -> dict[str, str]:
-    """``{flag name: placement}`` for every ``--*_placement`` flag of a script's namespace."""
-    return {k: v for k, v in vars(args).items() if k.endswith("_placement") and isinstance(v, str)}
+PLACEMENT_SUFFIX = "_placement"
+
+
+def component_placements(args: argparse.Namespace) -> dict[str, str]:
+    """``{component: placement}`` of every ``--<component>_placement`` flag of a script's
+    namespace: the one place a flag's name becomes a component's."""
+    return {
+        k[: -len(PLACEMENT_SUFFIX)]: v
+        for k, v in vars(args).items()
+        if k.endswith(PLACEMENT_SUFFIX) and isinstance(v, str)
+    }
 
 
 def validate_launch(
@@ -478,10 +485,8 @@ def validate_launch(
         )
     if args.mixed_precision == "fp16" and on_cpu:
         raise ArgumentError("--mixed_precision fp16 does not run on CPU; use bf16 or no")
-    flags = (
-        placement_flags(args) if placements is None else {f"{k}_placement": v for k, v in placements.items()}
-    )
-    for flag, placement in flags.items():
+    for component, placement in (component_placements(args) if placements is None else placements).items():
+        flag = f"{component}{PLACEMENT_SUFFIX}"
         if placement in ("shard", "offload") and not deepspeed_active:
             raise ArgumentError(
                 f"--{flag} {placement} needs DeepSpeed: launch with `accelerate launch --config_file "

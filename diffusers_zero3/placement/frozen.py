@@ -300,6 +300,17 @@ def _shard(model, placement, accelerator, ds_config, micro_batch_size, dtype, na
     return FrozenModel(engine.module, placement, engine=engine, name=name)
 
 
+def loaded_as(placement: str) -> str:
+    """The placement a component placement loads its model in: ``"cache"`` runs the model
+    over the data once, sharded under ZeRO-3 (loaded partitioned: no rank ever holds a T5-XXL
+    whole) and replicated otherwise; the others are themselves."""
+    if placement != "cache":
+        return placement
+    from ..runtime.zero3 import is_zero3_enabled
+
+    return "shard" if is_zero3_enabled() else "replicate"
+
+
 def load_frozen_component(
     accelerator,
     source: str | Path,
@@ -310,8 +321,9 @@ def load_frozen_component(
     dtype: torch.dtype | None = None,
     label: str | None = None,
 ):
-    """Load ``source/name`` and place it (``"cache"`` loads a replica, to be cached and freed;
-    ``frozen_inputs.place_frozen_models`` passes ``"shard"`` instead under ZeRO-3).
+    """Load ``source/name`` and place it. ``placement`` is a component's placement: one of
+    ``PLACEMENTS``, or ``"cache"``, which loads the model as ``loaded_as`` says (to be run over
+    the data and freed, or for validation).
 
     ``"shard"``/``"offload"`` models are read straight into partitions, never whole, in their
     own dtype and into the memory their placement names (``offload``: host memory, ``shard``:
@@ -321,6 +333,7 @@ def load_frozen_component(
     Call on every rank.
     """
     dtype = dtype or weight_dtype(accelerator)
+    placement = loaded_as(placement)
     if placement in ("shard", "offload"):
         check_placement_supported(placement, label or name)
         model = load_pretrained_zero3(
@@ -337,7 +350,7 @@ def load_frozen_component(
             model = model_cls.from_pretrained(source, subfolder=name, variant=variant, torch_dtype=dtype)
     return prepare_frozen(
         model,
-        "replicate" if placement == "cache" else placement,
+        placement,
         accelerator=accelerator,
         dtype=dtype,
         name=label or name,

@@ -24,7 +24,6 @@ from ..placement.frozen import load_frozen_component
 from ..runtime.distributed import log_rank_zero
 from ..runtime.ds_config import weight_dtype
 from ..runtime.phases import reached
-from ..runtime.zero3 import is_zero3_enabled
 from ..state.pretrained import CheckpointError
 from .cache import CachedOutputs, precompute_frozen_outputs
 
@@ -121,8 +120,8 @@ class FrozenInputs:
     def validation_modules(self, accelerator) -> Iterator[dict[str, torch.nn.Module]]:
         """Every frozen component as a module for a pipeline, for the duration of the block.
 
-        Cached ones are reloaded for the occasion (``cache_placement()``: partitioned under
-        ZeRO-3) and released on exit. Collective: every rank enters it (reloading a sharded
+        Cached ones are reloaded for the occasion (``frozen.loaded_as("cache")``: partitioned
+        under ZeRO-3) and released on exit. Collective: every rank enters it (reloading a sharded
         model builds an engine, and sharded modules are called in lockstep).
         """
         modules, reloaded = {}, []
@@ -135,7 +134,7 @@ class FrozenInputs:
                     accelerator,
                     folder,
                     sub,
-                    cache_placement(),
+                    "cache",
                     self.family.component_class(name),
                     self.variant,
                     dtype=self.family.component_dtype(name, self.dtype),
@@ -165,13 +164,6 @@ def conditioning_on(
         k: v.to(device, dtype) if v.is_floating_point() else v.to(device)
         for k, v in family.conditioning(moved).items()
     }
-
-
-def cache_placement() -> str:
-    """How a ``cache`` model runs while it encodes (and for validation images): ``shard``
-    under ZeRO-3, so that it is loaded partitioned and no rank ever holds it whole, else
-    ``replicate``."""
-    return "shard" if is_zero3_enabled() else "replicate"
 
 
 def place_frozen_models(
@@ -231,7 +223,7 @@ def place_frozen_models(
             accelerator,
             folder,
             sub,
-            cache_placement() if placement == "cache" else placement,
+            placement,
             family.component_class(name),
             variant,
             dtype=family.component_dtype(name, dtype),

@@ -21,7 +21,7 @@ from ..args import (
     ArgumentError,
     check_resolution,
     component_overrides,
-    placement_flags,
+    component_placements,
     validate_args,
     validate_family,
     validate_launch,
@@ -133,9 +133,8 @@ class TextToImageTrainer:
             self._check_video_flags()
         self.accelerator = acc = accelerator_from_args(args)
         try:
-            given = {flag[: -len("_placement")]: value for flag, value in placement_flags(args).items()}
             self.placements, self.plan = resolve_auto_placements(
-                given,
+                component_placements(args),
                 self.source,
                 acc,
                 fixed_data=self.cacheable_data,
@@ -756,7 +755,6 @@ class TextToImageTrainer:
             yield trained
             return
         from ..placement.frozen import load_frozen_component
-        from ..placement.frozen_inputs import cache_placement
 
         have = {self.trained_folder: trained, **{n: m for n, m in modules.items() if n in experts}}
         reloaded = []
@@ -764,7 +762,7 @@ class TextToImageTrainer:
             if name not in have:
                 folder = self.component_sources.get(name, Path(self.source) / name)
                 frozen = load_frozen_component(
-                    self.accelerator, Path(folder).parent, Path(folder).name, cache_placement(),
+                    self.accelerator, Path(folder).parent, Path(folder).name, "cache",
                     self.family.denoiser_cls(), self.args.variant, dtype=self.frozen.dtype, label=name,
                 )  # fmt: skip
                 have[name] = frozen.module
