@@ -271,12 +271,9 @@ def make_leaf_backward_wait_for_its_gradients(module: torch.nn.Module) -> None:
     gradient of the leaf's output arrives when none of them requires a gradient, before the
     leaf's own backward. That is the case of a leaf called with its inputs by name (a
     transformer's attention modules, ``attn(hidden_states=...)``) and of the first block after
-    frozen layers (LoRA). Such a leaf was released only at the end of the backward (LoRA on a
-    Flux transformer, 2 CPU ranks: 146,784 elements held gathered during the backward against
-    51,264 with this hook and 54,976 without leaves), and where DeepSpeed reduces a leaf's
-    gradients together (mixture-of-experts leaves; blocks did before
-    ``reduce_block_gradients_per_parameter``) they were reduced before they existed (LoRA on
-    an SD 1.5-shaped UNet: "The size of tensor a (0) must match the size of tensor b (4)"). This
+    frozen layers (LoRA). Such a leaf would be released only at the end of the backward (so
+    gathered weights pile up through it), and where DeepSpeed reduces a leaf's gradients
+    together (mixture-of-experts leaves) they would be reduced before they exist. This
     forward pre-hook, run before DeepSpeed's, passes named inputs by position and, where no
     floating-point input requires a gradient, a detached copy of the first one that does: its
     gradient (one more product at the leaf's first layer) is what DeepSpeed waits for. It does

@@ -194,8 +194,8 @@ def skip_torch_init() -> Iterator[None]:
 
     For a model built only to be overwritten by a checkpoint: under ``zero.Init`` each module
     is built whole and initialised before it is partitioned, and the random initialisation
-    was 90 % of the time of a partitioned load (a 201 M-parameter UNet: 3.0 s of 3.7 s on
-    each of 2 CPU ranks). Every parameter is then read from the checkpoint
+    was most of the time of a partitioned load (docs/benchmarks.md). Every parameter is then
+    read from the checkpoint
     (``_load_partitions`` refuses a missing one). Not thread-safe: it patches the module.
     """
     import torch.nn.init as init

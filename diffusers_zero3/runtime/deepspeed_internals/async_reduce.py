@@ -2,8 +2,8 @@
 
 DeepSpeed's ZeRO-3 optimizer reduce-scatters each full bucket of gradients while the backward
 waits: on a GPU the collective runs on its own stream (``overlap_comm``), but DeepSpeed's CPU
-accelerator has none, so the call blocks. py-spy on 2 CPU ranks, SD 1.5-shaped UNet: 18 % of
-a step's wall time waiting in ``reduce_scatter_single``. DDP's reducer launches its
+accelerator has none, so the call blocks (a large share of a CPU step's wall time:
+docs/benchmarks.md, "ZeRO-3 per module"). DDP's reducer launches its
 all-reduces asynchronously and goes on with the backward. ``overlap_gradient_reduction``
 does the same for a ZeRO-3 optimizer: each bucket's reduce-scatter is started with
 ``async_op=True`` on a copy of the bucket, and finished (waited for and copied into the
@@ -92,7 +92,7 @@ def overlap_gradient_reduction(engine_or_optimizer: Any) -> bool:
         params = list(bucket.params)
         if not params:
             return
-        finish()  # one bucket in flight: more measured no faster (4 against 1, 2 CPU ranks)
+        finish()  # one bucket in flight, as DeepSpeed's stream: more were no faster
         group = optimizer._get_param_partition_group(params[0])
         world = ds_dist.get_world_size(group=group)
         if not takes() or optimizer._gradient_averaging_world_size(params, world) != world:

@@ -96,14 +96,11 @@ def takes_and_returns_tensors(module: torch.nn.Module) -> bool:
 
     DeepSpeed's backward hooks on a leaf that returns several tensors (a UNet down block: its
     output and its skip connections) or takes a tuple of them (an up block) fetch and release
-    it out of the order they recorded, and in training a parameter is released before its
-    gradient is accumulated (2 CPU ranks, SD 1.5- and SDXL-shaped UNets: "output with shape
-    [0] doesn't match the broadcast shape [64, 64, 1, 0]"; the same with DeepSpeed's own
-    ``stage3_module_granularity_threshold``), and so is one whose inputs are not annotated
-    (a UNet's time embedding: "The size of tensor a (0) must match the size of tensor b
-    (128)" at the next forward): a block's inputs must be able to carry a gradient, so that
-    its release after the backward comes from them. A forward without annotations is not a
-    block.
+    it out of the order they recorded, so that a parameter is released before its gradient is
+    accumulated (as with DeepSpeed's own ``stage3_module_granularity_threshold``); the same
+    for a leaf whose inputs cannot carry a gradient (a UNet's time embedding), as its release
+    after the backward comes from them. A forward without annotations is not a block. (The
+    errors each case gave are in docs/benchmarks.md, "ZeRO-3 per module".)
     """
     try:
         signature = inspect.signature(type(module).forward, eval_str=True)
@@ -144,15 +141,12 @@ def set_block_leaf_modules(model: torch.nn.Module, max_elements: int | None = No
     window ZeRO-3 may hold gathered) in at least ``MIN_BLOCK_MODULES`` modules that own
     parameters: a text encoder's layers, a UNet's resnet and transformer blocks, the
     feed-forward and attention modules of a dual-stream transformer block. ZeRO-3's cost is
-    per module: each fetch unit runs Python hooks and one collective at every call (an
-    SDXL-shaped UNet: 1,049 hooked modules -> 130, a training step about 20 % shorter on 2 CPU
-    ranks).
+    per module: each fetch unit runs Python hooks and one collective at every call, and a
+    UNet has about 8 times fewer blocks than modules.
 
-    Training with blocks as leaves is the same as without, to float rounding (2-rank tests: a
-    full fine-tune against DeepSpeed's defaults; LoRA on a UNet, a trained CLIP text encoder
-    and LoRA on a Flux transformer against the same without leaves), given two changes to how
-    DeepSpeed treats a leaf, which crashed 23 end-to-end tests of this package without them:
-    each block's gradients are reduced per parameter (``reduce_block_gradients_per_parameter``,
+    Training with blocks as leaves is the same as without, to float rounding (2-rank tests),
+    given two changes to how DeepSpeed treats a leaf, without which it fails in training: each
+    block's gradients are reduced per parameter (``reduce_block_gradients_per_parameter``,
     run by ``trim_zero3_overhead``), and each block is released after its backward like a
     module (``make_leaf_backward_wait_for_its_gradients``).
 
@@ -272,8 +266,7 @@ def _gather_kept_whole(module: torch.nn.Module, *args: Any) -> None:
 def set_nvtx_ranges(enabled: bool) -> None:
     """Turn DeepSpeed's NVTX ranges (``deepspeed.utils.nvtx``: a push and a pop around each
     of its hooks and collectives) on or off for this process. They name the ranges in an
-    Nsight profile, and otherwise cost Python time at every hook (5 % of a ZeRO-3 step of a
-    fine-grained UNet on CPU, measured)."""
+    Nsight profile, and otherwise cost Python time at every hook."""
     import deepspeed.utils.nvtx
 
     deepspeed.utils.nvtx.enable_nvtx = enabled
@@ -321,8 +314,8 @@ def gather_kept_whole_in_one_collective(engine: Any) -> bool:
     each optimizer step in one collective (``all_gather_coalesced``) instead of one per
     parameter; returns whether it did. DeepSpeed partitions every parameter for the step
     and then gathers the persistent ones back one by one: with the persistence share of
-    ``ds_config.persistence_threshold`` that is 522 collectives per step in an SD 1.5
-    UNet (6 % of a ZeRO-3 step of a fine-grained UNet on CPU, measured). Call on every rank
+    ``ds_config.persistence_threshold`` that is hundreds of collectives per step in a UNet.
+    Call on every rank
     before the first step. ``DIFFUSERS_ZERO3_DEEPSPEED_DEFAULTS=coalesce`` keeps DeepSpeed's."""
     optimizer = zero3_optimizer(getattr(engine, "optimizer", None))
     persistent = getattr(optimizer, "persistent_parameters", None)
@@ -353,7 +346,7 @@ def reduce_block_gradients_per_parameter(engine: Any) -> int:
     gradient reaches the leaf's output through a tensor captured before its backward hooks
     wrap it: transformers records ``output_hidden_states`` that way, and a trained text
     encoder whose penultimate layer feeds the loss (SDXL) kept that layer's gradients
-    unreduced ("unknown parameter type" at the optimizer step, 2 CPU ranks). A block runs all
+    unreduced (DeepSpeed then fails at the optimizer step). A block runs all
     its parameters on every rank, so it needs no such grouping; it stays one fetch unit.
     Mixture-of-experts leaves keep DeepSpeed's hook.
     """
@@ -371,7 +364,7 @@ def reduce_block_gradients_per_parameter(engine: Any) -> int:
     # DeepSpeed's own, on the new grouping, without the gather and re-partition of each
     # parameter it starts with: the parameters are partitioned already, and on torch >= 2.1
     # its hooks are post-accumulate-grad hooks, which need no data; they would cost a
-    # collective per tensor (SD 1.5 shape 0.9 s, SDXL shape 2.3 s per engine on 2 CPU ranks)
+    # collective per tensor
     params = [p for group in optimizer.fp16_groups for p in group]
     kept = [(p.all_gather, p.partition) for p in params]
     for p in params:
