@@ -99,8 +99,8 @@ def component_overrides(args: argparse.Namespace) -> dict[str, str]:
     ``ArgumentError`` for a value without ``=``, a name that is not a plain folder name, or a
     component given twice."""
     overrides: dict[str, str] = {}
-    pairs = list(getattr(args, "component", None) or [])
-    if getattr(args, "pretrained_vae_model_name_or_path", None):
+    pairs = list(args.component or [])
+    if args.pretrained_vae_model_name_or_path:
         pairs.append(f"vae={args.pretrained_vae_model_name_or_path}")
     for pair in pairs:
         name, sep, path = pair.partition("=")
@@ -290,48 +290,70 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-POSITIVE_INT_FLAGS = (
-    "train_batch_size",
+# flags of the groups every script shares (add_*_args) and of text_to_image_parser, by rule
+COMMON_POSITIVE_FLAGS = ("train_batch_size", "max_train_steps", "checkpointing_steps", "resolution")
+TEXT_TO_IMAGE_POSITIVE_FLAGS = (
     "gradient_accumulation_steps",
     "num_train_epochs",
-    "max_train_steps",
     "max_train_samples",
-    "checkpointing_steps",
-    "checkpoints_total_limit",
     "validation_epochs",
     "validation_steps",
     "num_validation_inference_steps",
-    "num_inference_steps",
-    "truncated_backprop_steps",
-    "resolution",
-    "reward_micro_batch_size",
 )
 NON_NEGATIVE_FLAGS = ("lr_warmup_steps", "dataloader_num_workers", "noise_offset", "input_perturbation")
 REPORT_TO = ("tensorboard", "wandb", "all", "none")
 
 
-def validate_args(args: argparse.Namespace) -> None:
-    """Raise ``ArgumentError`` naming the first flag that cannot work as given.
-
-    Checks the flags alone, before anything is built or written (an unknown ``--report_to``
-    would otherwise fail inside accelerate first). Works on any script's namespace: a check
-    applies when the script has that flag.
-    """
-    for flag in POSITIVE_INT_FLAGS:
-        value = getattr(args, flag, None)
+def check_positive(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
+    """Raise ``ArgumentError`` for the first of ``flags`` that is set and not positive."""
+    for flag in flags:
+        value = vars(args)[flag]
         if value is not None and value <= 0:
             raise ArgumentError(f"--{flag} must be a positive number, got {value}")
+
+
+def validate_common_args(args: argparse.Namespace) -> None:
+    """Raise ``ArgumentError`` naming the first flag of the groups every script shares (its
+    batch, steps, resolution, optimizer, tracking, checkpoint and placement flags) that cannot
+    work as given. Checks the flags alone, before anything is built or written (an unknown
+    ``--report_to`` would otherwise fail inside accelerate first)."""
+    check_positive(args, COMMON_POSITIVE_FLAGS)
+    if args.checkpoints_total_limit is not None and args.checkpoints_total_limit <= 0:
+        raise ArgumentError(
+            f"--checkpoints_total_limit must be a positive number, got {args.checkpoints_total_limit}"
+        )
+    if args.process_group_timeout <= 0:
+        raise ArgumentError(f"--process_group_timeout must be positive, got {args.process_group_timeout}")
+    if args.resolution % 8:
+        raise ArgumentError(
+            f"--resolution must be divisible by 8 (the VAE's downsampling and the pipelines need it), "
+            f"got {args.resolution}"
+        )
+    if args.report_to not in REPORT_TO:
+        raise ArgumentError(f"--report_to must be one of {', '.join(REPORT_TO)}, got {args.report_to!r}")
+    if args.report_to in ("wandb", "all") and importlib.util.find_spec("wandb") is None:
+        raise ArgumentError("--report_to wandb needs wandb, which is not installed")
+    if args.report_to in ("tensorboard", "all") and importlib.util.find_spec("tensorboard") is None:
+        raise ArgumentError(
+            "--report_to tensorboard needs tensorboard (pip install tensorboard) or --report_to none"
+        )
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Raise ``ArgumentError`` naming the first flag of a ``text_to_image_parser`` namespace (the
+    text-to-image, DreamBooth, ControlNet and DPO scripts) that cannot work as given: the shared
+    groups (``validate_common_args``), then the text-to-image flags."""
+    validate_common_args(args)
+    check_positive(args, TEXT_TO_IMAGE_POSITIVE_FLAGS)
     for flag in NON_NEGATIVE_FLAGS:
-        value = getattr(args, flag, None)
+        value = vars(args)[flag]
         if value is not None and value < 0:
             raise ArgumentError(f"--{flag} must not be negative, got {value}")
-    if getattr(args, "process_group_timeout", 1) <= 0:
-        raise ArgumentError(f"--process_group_timeout must be positive, got {args.process_group_timeout}")
-    if not 0 <= getattr(args, "proportion_empty_prompts", 0) <= 1:
+    if not 0 <= args.proportion_empty_prompts <= 1:
         raise ArgumentError(
             f"--proportion_empty_prompts must be between 0 and 1, got {args.proportion_empty_prompts}"
         )
-    if getattr(args, "timestep_bias_strategy", "none") != "none":
+    if args.timestep_bias_strategy != "none":
         if args.timestep_bias_multiplier <= 0:
             raise ArgumentError(
                 f"--timestep_bias_multiplier must be positive, got {args.timestep_bias_multiplier}"
@@ -348,52 +370,37 @@ def validate_args(args: argparse.Namespace) -> None:
                 f"--timestep_bias_begin {args.timestep_bias_begin} and --timestep_bias_end {args.timestep_bias_end} "
                 "do not make a range"
             )
-    if getattr(args, "rank", None) is not None and args.rank <= 0:
+    if args.rank is not None and args.rank <= 0:
         raise ArgumentError(f"--rank must be a positive number, got {args.rank}")
-    if getattr(args, "rank", None) is not None and importlib.util.find_spec("peft") is None:
+    if args.rank is not None and importlib.util.find_spec("peft") is None:
         raise ArgumentError(
             "--rank (LoRA) needs peft, which is not installed (pip install 'diffusers_zero3[lora]')"
         )
-    if getattr(args, "rank", None) is None:
+    if args.rank is None:
         for flag, unset in (("lora_alpha", None), ("lora_dropout", 0.0), ("lora_layers", None)):
-            if getattr(args, flag, unset) != unset:
+            if vars(args)[flag] != unset:
                 raise ArgumentError(f"--{flag} applies to LoRA training: add --rank")
-    if not 0 <= getattr(args, "lora_dropout", 0.0) < 1:
+    if not 0 <= args.lora_dropout < 1:
         raise ArgumentError(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
-    if getattr(args, "max_sequence_length", None) is not None and args.max_sequence_length <= 0:
+    if args.max_sequence_length is not None and args.max_sequence_length <= 0:
         raise ArgumentError(
             f"--max_sequence_length must be a positive number, got {args.max_sequence_length}"
         )
-    if args.resolution % 8:
-        raise ArgumentError(
-            f"--resolution must be divisible by 8 (the VAE's downsampling and the pipelines need it), "
-            f"got {args.resolution}"
-        )
-    if hasattr(args, "train_data_dir") and args.dataset_name is None and args.train_data_dir is None:
+    if args.dataset_name is None and args.train_data_dir is None:
         raise ArgumentError("need either --dataset_name or --train_data_dir")
-    if getattr(args, "use_8bit_adam", False) and importlib.util.find_spec("bitsandbytes") is None:
+    if args.use_8bit_adam and importlib.util.find_spec("bitsandbytes") is None:
         raise ArgumentError(
             "--use_8bit_adam needs bitsandbytes, which is not installed (pip install bitsandbytes)"
         )
-    if getattr(args, "enable_xformers_memory_efficient_attention", False) and (
-        importlib.util.find_spec("xformers") is None
-    ):
+    if args.enable_xformers_memory_efficient_attention and importlib.util.find_spec("xformers") is None:
         raise ArgumentError(
             "--enable_xformers_memory_efficient_attention needs xformers, which is not installed"
         )
-    if getattr(args, "push_to_hub", False):
+    if args.push_to_hub:
         raise ArgumentError("--push_to_hub is not supported by this script; upload OUTPUT_DIR yourself")
-    if getattr(args, "prediction_type", None) not in (None, "epsilon", "v_prediction"):
+    if args.prediction_type not in (None, "epsilon", "v_prediction"):
         raise ArgumentError(
             f"--prediction_type must be epsilon or v_prediction, got {args.prediction_type!r}"
-        )
-    if args.report_to not in REPORT_TO:
-        raise ArgumentError(f"--report_to must be one of {', '.join(REPORT_TO)}, got {args.report_to!r}")
-    if args.report_to in ("wandb", "all") and importlib.util.find_spec("wandb") is None:
-        raise ArgumentError("--report_to wandb needs wandb, which is not installed")
-    if args.report_to in ("tensorboard", "all") and importlib.util.find_spec("tensorboard") is None:
-        raise ArgumentError(
-            "--report_to tensorboard needs tensorboard (pip install tensorboard) or --report_to none"
         )
 
 
@@ -417,13 +424,13 @@ def validate_family(args: argparse.Namespace, family) -> None:
     if not family.video:
         for flag, unset in (("num_frames", None), ("frame_stride", 1), ("fps", None), ("height", None),
                             ("width", None)):  # fmt: skip
-            if getattr(args, flag, unset) != unset:
+            if vars(args)[flag] != unset:
                 raise ArgumentError(
                     f"--{flag} applies to video families (Wan), not to a {family.pipeline_class}"
                 )
-    if getattr(args, "train_experts", None) is not None and len(getattr(family, "experts", ())) < 2:
+    if args.train_experts is not None and len(getattr(family, "experts", ())) < 2:
         raise ArgumentError(f"--train_experts applies to Wan 2.2's two experts, not to a {family.title}")
-    if getattr(args, "dream_training", False) and not family.supports_dream:
+    if args.dream_training and not family.supports_dream:
         raise ArgumentError(f"--dream_training is not supported for {family.pipeline_class}")
     objective = "flow matching" if family.flow_matching else "DDPM noise prediction"
     unet_only = {  # flag: its value when not given
@@ -435,7 +442,7 @@ def validate_family(args: argparse.Namespace, family) -> None:
     }
     flow_only = {"weighting_scheme": None, "max_sequence_length": None}
     for flag, unset in (unet_only if family.flow_matching else flow_only).items():
-        value = getattr(args, flag, unset)
+        value = vars(args)[flag]
         if value != unset:
             raise ArgumentError(
                 f"--{flag} {value} does not apply to a {family.pipeline_class}, which trains with {objective}"
@@ -475,11 +482,13 @@ def validate_launch(
     deepspeed_active: bool,
     on_cpu: bool,
     placements: dict[str, str] | None = None,
+    use_8bit_adam: bool = False,
 ) -> None:
     """Raise ``ArgumentError`` for a flag that cannot work under this launch (DeepSpeed or
     not, CPU or GPU). Call once the accelerator exists. ``placements`` (``{component:
-    placement}``, ``auto`` resolved) are checked instead of the flags when given."""
-    if getattr(args, "use_8bit_adam", False) and deepspeed_active:
+    placement}``, ``auto`` resolved) are checked instead of the flags when given;
+    ``use_8bit_adam`` is the script's ``--use_8bit_adam`` where it has one."""
+    if use_8bit_adam and deepspeed_active:
         raise ArgumentError(
             "--use_8bit_adam cannot be used with DeepSpeed ZeRO-3 (its optimizer owns the partitions)"
         )

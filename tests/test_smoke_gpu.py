@@ -83,7 +83,7 @@ def test_every_launch_parses(smoke, tmp_path, num_processes, gpus):
     and the script's own parser and checks (``validate_args``) take its flags."""
     from accelerate.commands.launch import launch_command_parser
 
-    from diffusers_zero3.args import validate_args
+    from diffusers_zero3.args import validate_args, validate_common_args
 
     data = tmp_path / "data"
     (data / "controlnet-shapes-masks").mkdir(parents=True)
@@ -102,7 +102,7 @@ def test_every_launch_parses(smoke, tmp_path, num_processes, gpus):
             assert cli.training_script == smoke.SCRIPTS[case.script]
             assert Path(REPO_ROOT / cli.config_file).is_file() or cli.config_file == str(smoke.DDP_CONFIG)
             args = parsers[case.script](cli.training_script_args)
-            validate_args(args)
+            (validate_common_args if case.script == "reward" else validate_args)(args)
             assert args.max_train_steps == launch.steps, case.name
             # a checkpoint at step STEPS to resume from; none inside the timed steps
             if case.mode == "versus-ddp":

@@ -22,7 +22,8 @@ from ..args import (
     add_optimizer_args,
     add_placement_args,
     add_tracking_args,
-    validate_args,
+    check_positive,
+    validate_common_args,
     validate_launch,
 )
 from ..families import SD, detect_family
@@ -82,6 +83,7 @@ def reward_parser() -> argparse.ArgumentParser:
     p.set_defaults(reward_placement="shard")
     a("--reward_micro_batch_size", type=int, default=4)
     a("--reward_normalize", default=None, choices=["batch", "per_prompt"])
+    p.set_defaults(gradient_accumulation_steps=1)  # one backward per optimizer step
     return p
 
 
@@ -128,7 +130,8 @@ class RewardTrainer:
         from transformers import CLIPTextModel, CLIPTokenizer
 
         args = self.args
-        validate_args(args)
+        validate_common_args(args)
+        check_positive(args, ("num_inference_steps", "reward_micro_batch_size"))
         if args.return_freed_memory:
             return_large_frees_to_os()
         self.source = resolve_model_folder(args.pretrained_model_name_or_path)

@@ -114,7 +114,7 @@ class TextToImageTrainer:
         args = self.args
         # Everything that can be checked before anything is written is checked first.
         validate_args(args)
-        if getattr(args, "return_freed_memory", False):
+        if args.return_freed_memory:
             return_large_frees_to_os()
         self.source = resolve_model_folder(
             args.pretrained_model_name_or_path, None, args.revision, args.cache_dir
@@ -138,13 +138,13 @@ class TextToImageTrainer:
                 self.source,
                 acc,
                 fixed_data=self.cacheable_data,
-                use_ema=bool(getattr(args, "use_ema", False)),
-                rank=getattr(args, "rank", None),
+                use_ema=args.use_ema,
+                rank=args.rank,
                 resolution=args.resolution,
-                max_sequence_length=getattr(args, "max_sequence_length", None),
-                height=getattr(args, "height", None),
-                width=getattr(args, "width", None),
-                num_frames=getattr(args, "num_frames", None) or 1,
+                max_sequence_length=args.max_sequence_length,
+                height=args.height,
+                width=args.width,
+                num_frames=args.num_frames or 1,
             )
         except ValueError as e:
             raise ArgumentError(str(e)) from e
@@ -153,6 +153,7 @@ class TextToImageTrainer:
             deepspeed_active=acc.state.deepspeed_plugin is not None,
             on_cpu=acc.device.type == "cpu",
             placements=self.placements,
+            use_8bit_adam=args.use_8bit_adam,
         )
         clear_interrupted_writes(args.output_dir)
         set_seed(args.seed if args.seed is not None else 0)
@@ -723,8 +724,8 @@ class TextToImageTrainer:
                 num_inference_steps=args.num_validation_inference_steps,
                 seed=args.seed or 0,
                 dtype=self.frozen.dtype,
-                height=getattr(args, "height", None),
-                width=getattr(args, "width", None),
+                height=args.height,
+                width=args.width,
                 **self.family.validation_kwargs(args.max_sequence_length, args.guidance_scale),
             )
         if acc.is_main_process:

@@ -80,12 +80,12 @@ def setup_accelerator(
 
 def accelerator_from_args(args):
     """``setup_accelerator`` from a script's parsed flags (``output_dir``, ``mixed_precision``,
-    ``report_to``, ``logging_dir``, ``max_grad_norm``, ``process_group_timeout`` and, when
-    present, ``gradient_accumulation_steps``)."""
+    ``report_to``, ``logging_dir``, ``max_grad_norm``, ``process_group_timeout``,
+    ``gradient_accumulation_steps``)."""
     return setup_accelerator(
         args.output_dir,
         mixed_precision=args.mixed_precision,
-        gradient_accumulation_steps=getattr(args, "gradient_accumulation_steps", 1),
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
         report_to=args.report_to,
         logging_dir=args.logging_dir,
         max_grad_norm=args.max_grad_norm,
