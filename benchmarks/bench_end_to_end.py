@@ -122,11 +122,11 @@ def measure(
 def prepare(work: Path, width: int = WIDTH, shape: str = "tiny") -> tuple[Path, Path]:
     """A tiny pipeline whose UNet has ``width`` and the layout ``shape``
     (``demo.UNET_SHAPES``), and the shapes dataset."""
-    from diffusers_zero3.demo import save_tiny_pipeline, write_shapes_dataset
+    from diffusers_zero3.demo import save_tiny_sd_pipeline, write_shapes_dataset
 
     pipe = work / f"pipe-{shape}-{width}"
     if not pipe.exists():
-        save_tiny_pipeline(pipe, width=width, unet_shape=shape)
+        save_tiny_sd_pipeline(pipe, width=width, unet_shape=shape)
     data = work / "shapes"
     if not data.exists():
         write_shapes_dataset(data, num_images=32)

@@ -334,9 +334,9 @@ def write_sd15_pipeline(folder: Path) -> Path:
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
+    from diffusers_zero3.demo.pipelines import sd_scheduler, tiny_component_configs, tiny_vae_config
+    from diffusers_zero3.demo.tokenizers import local_clip_tokenizer
     from diffusers_zero3.families import SD
-    from diffusers_zero3.families.sd import sd_scheduler, tiny_component_configs
-    from diffusers_zero3.families.tiny import local_clip_tokenizer, tiny_vae_config
     from diffusers_zero3.runtime.zero3 import zero3_init_disabled
 
     text = tiny_component_configs(width=32, cross_dim=768)["text_encoder"]

@@ -44,9 +44,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_pipeline(tmp_path_factory):
     """A tiny SD pipeline folder saved by the project itself (fp32 safetensors)."""
-    from diffusers_zero3.demo import save_tiny_pipeline
+    from diffusers_zero3.demo import save_tiny_sd_pipeline
 
-    return str(save_tiny_pipeline(tmp_path_factory.mktemp("pipe") / "tiny-sd"))
+    return str(save_tiny_sd_pipeline(tmp_path_factory.mktemp("pipe") / "tiny-sd"))
 
 
 @pytest.fixture(scope="session")
@@ -163,6 +163,7 @@ def tiny_wan22(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_wan22_5b(tmp_path_factory):
     """A tiny Wan 2.2 TI2V-5B-shaped pipeline (one expert, per-token timesteps): the folder."""
+    from diffusers_zero3.demo import save_tiny_pipeline
     from diffusers_zero3.families import WAN22_5B
 
-    return str(WAN22_5B.save_tiny_pipeline(tmp_path_factory.mktemp("wan22-5b") / "tiny-wan22_5b"))
+    return str(save_tiny_pipeline(WAN22_5B, tmp_path_factory.mktemp("wan22-5b") / "tiny-wan22_5b"))

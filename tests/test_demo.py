@@ -68,3 +68,24 @@ def test_the_default_run_script_refuses_an_unknown_model_in_one_line():
         res.stderr
     )
     assert not res.stdout
+
+
+def _family_names() -> list[str]:
+    from diffusers_zero3.families import ALL_FAMILIES
+
+    return [f.name for f in ALL_FAMILIES]
+
+
+@pytest.mark.parametrize("name", _family_names())
+def test_every_family_has_a_tiny_pipeline(name):
+    """The tests and `make train MODEL=<name>` build every family's tiny pipeline from
+    ``demo.pipelines.TINY_PIPELINES``: a family added without one fails here, by name."""
+    from diffusers_zero3.demo import TINY_PIPELINES
+
+    assert name in TINY_PIPELINES, f"{name} has no tiny pipeline in diffusers_zero3/demo/pipelines.py"
+
+
+def test_tiny_pipelines_are_only_of_known_families():
+    from diffusers_zero3.demo import TINY_PIPELINES
+
+    assert set(TINY_PIPELINES) <= set(_family_names())

@@ -41,8 +41,10 @@ def load_pipeline(family, folder):
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
+    from diffusers_zero3.demo import save_tiny_pipeline
+
     root = tmp_path_factory.mktemp("flux2")
-    return {v: _family(v).save_tiny_pipeline(root / v) for v in VARIANTS}
+    return {v: save_tiny_pipeline(_family(v), root / v) for v in VARIANTS}
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,10 @@ PROMPTS = ["a red circle", "a photo of a big blue square shape on a green pictur
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """``(pipeline folder, Llama folder)`` of the tiny pipeline."""
+    from diffusers_zero3.demo import llama_folder_of, save_tiny_pipeline
     from diffusers_zero3.families import HIDREAM
-    from diffusers_zero3.families.hidream import llama_folder_of
 
-    folder = HIDREAM.save_tiny_pipeline(tmp_path_factory.mktemp("hidream") / "tiny-hidream")
+    folder = save_tiny_pipeline(HIDREAM, tmp_path_factory.mktemp("hidream") / "tiny-hidream")
     return folder, llama_folder_of(folder)
 
 

@@ -20,10 +20,11 @@ MAX_LEN = 16
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
+    from diffusers_zero3.demo import save_tiny_pipeline
     from diffusers_zero3.families.wan import WAN, WAN22, WAN22_5B
 
     root = tmp_path_factory.mktemp("wan")
-    return {f.name: str(f.save_tiny_pipeline(root / f"tiny-{f.name}")) for f in (WAN, WAN22, WAN22_5B)}
+    return {f.name: str(save_tiny_pipeline(f, root / f"tiny-{f.name}")) for f in (WAN, WAN22, WAN22_5B)}
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,10 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def tiny_zimage(tmp_path_factory):
+    from diffusers_zero3.demo import save_tiny_pipeline
     from diffusers_zero3.families import ZIMAGE
 
-    return str(ZIMAGE.save_tiny_pipeline(tmp_path_factory.mktemp("zimage") / "tiny-zimage"))
+    return str(save_tiny_pipeline(ZIMAGE, tmp_path_factory.mktemp("zimage") / "tiny-zimage"))
 
 
 def load(folder):

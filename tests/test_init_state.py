@@ -168,11 +168,12 @@ def _save_component(library: str, class_name: str, config: dict, folder: Path) -
 def geometry_components(root: Path) -> list[tuple[str, str, str]]:
     """Every model of every family at its published geometry, saved under ``root``:
     ``[(label, "library:Class", folder)]``."""
+    from diffusers_zero3.demo import save_tiny_pipeline
     from diffusers_zero3.families import ALL_FAMILIES
 
     cases = []
     for family in ALL_FAMILIES:
-        tiny = family.save_tiny_pipeline(root / "tiny" / family.name)
+        tiny = save_tiny_pipeline(family, root / "tiny" / family.name)
         index = json.loads((tiny / "model_index.json").read_text())
         for name, entry in index.items():
             if not (isinstance(entry, list) and (tiny / name / "config.json").exists()):

@@ -266,9 +266,9 @@ def _sd_with_short_clip(folder, positions: int):
 
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-    from diffusers_zero3.demo import save_tiny_pipeline, tiny_component_configs
+    from diffusers_zero3.demo import save_tiny_sd_pipeline, tiny_component_configs
 
-    save_tiny_pipeline(folder)
+    save_tiny_sd_pipeline(folder)
     cfg = dict(tiny_component_configs()["text_encoder"], max_position_embeddings=positions)
     torch.manual_seed(0)
     shutil.rmtree(folder / "text_encoder")

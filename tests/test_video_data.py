@@ -248,7 +248,8 @@ def test_items_carry_the_familys_tokens(tmp_path):
         load_video_caption_dataset,
         write_shapes_videos,
     )
-    from diffusers_zero3.families.wan import WAN, write_umt5_tokenizer
+    from diffusers_zero3.demo.tokenizers import write_umt5_tokenizer
+    from diffusers_zero3.families.wan import WAN
 
     tokenizers = {"text_encoder": WAN.load_tokenizer(write_umt5_tokenizer(tmp_path / "tok"))}
     rows = load_video_caption_dataset(

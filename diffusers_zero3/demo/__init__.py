@@ -1,10 +1,13 @@
 """The embedded default: tiny pipelines of every family and a captioned shapes dataset, all
 generated locally (no model hub, no network; tokenizers written here), plus the preference
-dataset and the reward model of the DPO and reward runs.
+dataset and the reward model of the DPO and reward runs. These are fixtures of the tests, the
+benchmarks and ``make train``; the families (``diffusers_zero3.families``) hold none of them.
 
-Each family's tiny pipeline (``diffusers_zero3.families``, ``Family.save_tiny_pipeline``) has
-the real classes built small from configs and is saved as an ordinary diffusers folder, so
-every loading path the package has (``from_pretrained`` of a folder) is exercised on it.
+Each family's tiny pipeline (``pipelines.py``: ``save_tiny_pipeline(family, folder)``) has the
+real classes built small from configs, with tokenizers written locally (``tokenizers.py``), and
+is saved as an ordinary diffusers folder, so every loading path the package has
+(``from_pretrained`` of a folder) is exercised on it. ``python -m diffusers_zero3.demo`` writes
+a default run's pipeline and data (``__main__.py``).
 """
 
 from __future__ import annotations
@@ -16,9 +19,17 @@ from pathlib import Path
 
 import torch
 
-from .families import FAMILY_NAMES, family_named
-from .families.sd import UNET_SHAPES, build_tiny_components, save_tiny_pipeline, tiny_component_configs
-from .families.tiny import write_clip_tokenizer, write_t5_tokenizer
+from ..families import FAMILY_NAMES, family_named
+from .pipelines import (
+    TINY_PIPELINES,
+    UNET_SHAPES,
+    build_tiny_components,
+    llama_folder_of,
+    save_tiny_pipeline,
+    save_tiny_sd_pipeline,
+    tiny_component_configs,
+)
+from .tokenizers import write_clip_tokenizer, write_t5_tokenizer
 
 COLOURS = {
     "red": (220, 30, 30),
@@ -161,7 +172,7 @@ def prepare_default(folder: str | os.PathLike, num_images: int = 64, model: str 
         if not (data / "metadata.jsonl").exists():
             write_shapes_dataset(data, num_images=num_images, sizes=VARIED_SIZES)
     elif family.video:  # clips of moving shapes (mp4), 9 frames each
-        from .data.video import write_shapes_videos
+        from ..data.video import write_shapes_videos
 
         pipe, data = folder / f"tiny-{model}", folder / "shapes-videos"
         if not (data / "metadata.jsonl").exists():
@@ -171,7 +182,7 @@ def prepare_default(folder: str | os.PathLike, num_images: int = 64, model: str 
         if not (data / "metadata.jsonl").exists():
             write_shapes_dataset(data, num_images=num_images)
     if not (pipe / "model_index.json").exists():
-        family.save_tiny_pipeline(pipe)
+        save_tiny_pipeline(family, pipe)
     reward = folder / "redness-reward"
     if model == "sd" and not (reward / "config.json").exists():
         save_reward_model(reward)
@@ -255,7 +266,7 @@ def __getattr__(name: str):
 
 def save_reward_model(folder: str | os.PathLike, seed: int = 0, hidden: int = 64, layers: int = 3) -> Path:
     """Save a ``RednessRewardModel`` (random conv weights from ``seed``) to ``folder``."""
-    from .runtime.zero3 import zero3_init_disabled
+    from ..runtime.zero3 import zero3_init_disabled
 
     with zero3_init_disabled():
         torch.manual_seed(seed)
@@ -264,62 +275,19 @@ def save_reward_model(folder: str | os.PathLike, seed: int = 0, hidden: int = 64
     return Path(folder)
 
 
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Generate the embedded default's pipeline and data.")
-    parser.add_argument("folder", nargs="?", default="outputs/default")
-    parser.add_argument("--model", default="sd", help=f"a family's short name: {', '.join(MODELS)}")
-    parser.add_argument(
-        "--preferences", action="store_true", help="also a preference dataset (make train-dpo)"
-    )
-    parser.add_argument(
-        "--instances", action="store_true", help="also DreamBooth instance images (make train-dreambooth)"
-    )
-    parser.add_argument(
-        "--controlnet", action="store_true", help="also a ControlNet dataset of masks (make train-controlnet)"
-    )
-    parser.add_argument(
-        "--shell",
-        action="store_true",
-        help="print PIPE, DATA and RUN_ARGS (the family's default placements) as shell assignments",
-    )
-    cli = parser.parse_args()
-    if cli.model not in MODELS:
-        import sys
-
-        print(f"error: MODEL must be one of {', '.join(MODELS)}, got {cli.model!r}", file=sys.stderr)
-        sys.exit(2)
-    p, d = prepare_default(cli.folder, model=cli.model)
-    if cli.shell:
-        import shlex
-
-        run_args = " ".join(
-            shlex.quote(a.format(pipeline=p)) for a in family_named(cli.model).default_run_args
-        )
-        print(f"PIPE={shlex.quote(str(p))}; DATA={shlex.quote(str(d))}; RUN_ARGS=({run_args})")
-    else:
-        print(f"pipeline: {p}\ndataset: {d}")
-    if cli.controlnet and not (Path(cli.folder) / "controlnet-shapes").exists():
-        print(
-            f"controlnet data: {write_controlnet_dataset(Path(cli.folder) / 'controlnet-shapes', num_images=64)}"
-        )
-    if cli.instances and not (Path(cli.folder) / "instances").exists():
-        print(f"instances: {write_instance_images(d, Path(cli.folder) / 'instances')}")
-    if cli.preferences and not (Path(cli.folder) / "preferences").exists():
-        print(f"preferences: {write_preference_dataset(Path(cli.folder) / 'preferences')}")
-
-
 __all__ = [
     "COLOURS",
     "MODELS",
     "SHAPES",
+    "TINY_PIPELINES",
     "UNET_SHAPES",
     "VARIED_SIZES",
     "build_tiny_components",
+    "llama_folder_of",
     "prepare_default",
     "save_reward_model",
     "save_tiny_pipeline",
+    "save_tiny_sd_pipeline",
     "shape_image",
     "tiny_component_configs",
     "write_clip_tokenizer",

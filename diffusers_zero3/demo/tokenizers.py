@@ -1,9 +1,11 @@
-"""Pieces of the families' tiny pipelines: tokenizers written locally and small shared models.
+"""The tokenizers of the tiny pipelines, written locally from a vocabulary.
 
 No model hub is reachable where the tests and the default runs go, so every tokenizer is
-written here from a vocabulary: a byte-level CLIP tokenizer, a unigram T5 tokenizer, and a
-byte-level BPE tokenizer of the kind the LLM text encoders use (Qwen, Llama, Mistral), each
-loadable with ``AutoTokenizer.from_pretrained`` of the folder.
+written here: a byte-level CLIP tokenizer, a unigram T5 tokenizer (and umT5, Wan's), and
+byte-level BPE tokenizers of the kind the LLM text encoders use (Qwen2.5-VL, Qwen3, Llama 3,
+Mistral 3), each with the special tokens and chat template of the published one, loadable
+with ``AutoTokenizer.from_pretrained`` of the folder. The prompt templates they must encode
+are the families' own (imported from ``diffusers_zero3.families``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import shutil
 import string
 from collections.abc import Callable
 from pathlib import Path
+
+from ..families.flux2 import SYSTEM_MESSAGE
+from ..families.qwenimage import DROPPED_TEMPLATE_TOKENS, PROMPT_TEMPLATE
 
 CLIP_SPECIAL_TOKENS = ("<|startoftext|>", "<|endoftext|>")
 CLIP_VOCAB_SIZE = 256 * 2 + len(CLIP_SPECIAL_TOKENS)
@@ -99,71 +104,6 @@ def local_t5_tokenizer(folder: Path):
     return read_back(write_t5_tokenizer, folder)
 
 
-def tiny_clip_config(hidden_size: int = 32, projection_dim: int = 32, layers: int = 2) -> dict:
-    """A tiny CLIP text config for the byte-level CLIP tokenizer."""
-    return dict(
-        vocab_size=CLIP_VOCAB_SIZE,
-        hidden_size=hidden_size,
-        intermediate_size=37,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        max_position_embeddings=77,
-        bos_token_id=CLIP_VOCAB_SIZE - 2,
-        eos_token_id=CLIP_VOCAB_SIZE - 1,
-        pad_token_id=CLIP_VOCAB_SIZE - 1,
-        projection_dim=projection_dim,
-    )
-
-
-def tiny_t5_encoder(d_model: int, vocab_size: int, layers: int = 2):
-    """A tiny ``T5EncoderModel`` (gated-gelu, as T5 v1.1 / T5-XXL)."""
-    from transformers import T5Config, T5EncoderModel
-
-    return T5EncoderModel(
-        T5Config(
-            vocab_size=vocab_size,
-            d_model=d_model,
-            d_kv=8,
-            d_ff=d_model * 2,
-            num_layers=layers,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            feed_forward_proj="gated-gelu",
-            is_encoder_decoder=False,
-            pad_token_id=0,
-            eos_token_id=1,
-        )
-    )
-
-
-def tiny_vae_config(width: int = 32, latent_channels: int = 4) -> dict:
-    """A tiny ``AutoencoderKL`` config: two blocks (8x8 latents of 32 px images... x2 down)."""
-    return dict(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        block_out_channels=(width, width * 2),
-        latent_channels=latent_channels,
-        layers_per_block=1,
-        norm_num_groups=min(32, width // 2),
-        sample_size=32,
-    )
-
-
-def tiny_flow_vae(latent_channels: int, width: int = 32):
-    """A tiny ``AutoencoderKL`` as the SD3 and Flux.1 VAEs: no quant convs, a shift factor."""
-    from diffusers import AutoencoderKL
-
-    return AutoencoderKL(
-        **tiny_vae_config(width, latent_channels),
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        shift_factor=0.0609,
-        scaling_factor=1.5035,
-    )
-
-
 def qwen_pretokenizer():
     """The byte-level pre-tokenizer of Qwen2's tokenizer (its split regex), as the LLM
     tokenizers of Qwen2/2.5/3, Llama 3 and Mistral split text."""
@@ -239,3 +179,200 @@ def write_qwen2_tokenizer(
     folder = Path(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+# -------------------------------------------------------------------------------- per family
+
+
+# Wan (umT5): a few non-ASCII letters, as umT5's vocabulary is multilingual (a caption in them tokenizes)
+UMT5_EXTRA_CHARS = "àáâäçèéêëíîïñóôöúùûüßæøåœ中文日本語한국어"
+
+
+def write_umt5_tokenizer(folder: str | os.PathLike, model_max_length: int = 512) -> Path:
+    """Write a small unigram umT5 tokenizer (``T5TokenizerFast``, ids of google/umt5-xxl's
+    special tokens: ``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2) to ``folder`` and return the path:
+    T5's construction (``write_t5_tokenizer``: letters, digits and punctuation alone and
+    after ``▁``, whole caption words) plus accented and CJK characters."""
+    from transformers import T5TokenizerFast
+
+    folder = Path(folder)
+    chars = string.ascii_lowercase + string.digits + ",.!?'-:;()" + UMT5_EXTRA_CHARS
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    pieces += [("\u2581" + c, -3.0) for c in chars]
+    pieces += [(c, -4.0) for c in chars + string.ascii_uppercase]
+    pieces += [("\u2581" + w, -1.0) for w in (*CAPTION_WORDS, "moving", "left", "right", "up", "down")]
+    tok = T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
+    tok.save_pretrained(folder)
+    return folder
+
+
+# Qwen-Image (Qwen2.5-VL)
+QWEN_VL_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+
+def write_qwenimage_tokenizer(folder: str | os.PathLike) -> Path:
+    """A small byte-level ``Qwen2Tokenizer`` with Qwen2.5-VL's special tokens whose learnt merges
+    make every word of the prompt template one token, as in the real vocabulary: the template's
+    prefix is then exactly the 34 tokens that the pipeline drops (checked here)."""
+    folder = write_qwen2_tokenizer(
+        folder, QWEN_VL_SPECIAL_TOKENS, texts=(PROMPT_TEMPLATE.replace("{}", " "),)
+    )
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prefix = PROMPT_TEMPLATE.split("{}")[0]
+    if len(tokenizer(prefix).input_ids) != DROPPED_TEMPLATE_TOKENS:
+        raise AssertionError(f"the template prefix is not {DROPPED_TEMPLATE_TOKENS} tokens")
+    return folder
+
+
+# Z-Image and Flux.2 [klein] (Qwen3)
+QWEN3_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
+
+# Z-Image's: renders [system?, user...] + generation prompt as Qwen3's chat template does for such
+# conversations (no tools, no assistant turns): ZImagePipeline passes enable_thinking=True,
+# which adds no <think> block, so a caption becomes
+# "<|im_start|>user\n{caption}<|im_end|>\n<|im_start|>assistant\n".
+ZIMAGE_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def write_zimage_tokenizer(folder: str | os.PathLike) -> Path:
+    """A small byte-level ``Qwen2Tokenizer`` (Qwen3's class) with Qwen3's special tokens, its pad
+    (``<|endoftext|>``) and eos (``<|im_end|>``), right padding and a chat template that
+    renders a user message as Qwen3-4B's does."""
+    return write_qwen2_tokenizer(
+        folder, QWEN3_SPECIAL_TOKENS, texts=("user", "assistant"), chat_template=ZIMAGE_CHAT_TEMPLATE
+    )
+
+
+# HiDream-I1 (Llama 3)
+LLAMA3_SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>")
+
+
+def write_llama3_tokenizer(folder: str | os.PathLike) -> Path:
+    """Write a small byte-level BPE tokenizer in Llama-3's layout to ``folder``: the merges of
+    ``byte_bpe_vocab`` (the caption words are one token each), Llama-3's split regex and
+    special tokens, ``<|begin_of_text|>`` prepended (no EOS appended), ``<|eot_id|>`` as EOS
+    (Llama-3.1-Instruct's) and no pad token (the family pads with the EOS, as the pipeline)."""
+    from tokenizers import Tokenizer, decoders, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab, merges = byte_bpe_vocab([])
+    for special in LLAMA3_SPECIAL_TOKENS:
+        vocab.setdefault(special, len(vocab))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
+    backend.pre_tokenizer = qwen_pretokenizer()
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(list(LLAMA3_SPECIAL_TOKENS))
+    bos = LLAMA3_SPECIAL_TOKENS[0]
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=bos, eos_token="<|eot_id|>", model_max_length=131072
+    )
+    folder = Path(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+# Flux.2 [dev] (Mistral 3)
+MISTRAL_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
+                          "[IMG]", "[IMG_BREAK]", "[IMG_END]", "<pad>")  # fmt: skip
+
+# Mistral Small 3.1-style: <s>[SYSTEM_PROMPT]system[/SYSTEM_PROMPT][INST]user[/INST] (text or blocks).
+MISTRAL_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{%- if messages[0]['content'] is string %}{%- set system_message = messages[0]['content'] %}"
+    "{%- else %}{%- set system_message = messages[0]['content'][0]['text'] %}{%- endif %}"
+    "{%- set loop_messages = messages[1:] %}"
+    "{%- else %}{%- set system_message = '' %}{%- set loop_messages = messages %}{%- endif %}"
+    "{{- '[SYSTEM_PROMPT]' + system_message + '[/SYSTEM_PROMPT]' }}"
+    "{%- for message in loop_messages %}"
+    "{%- if message['role'] == 'user' %}"
+    "{%- if message['content'] is string %}{{- '[INST]' + message['content'] + '[/INST]' }}"
+    "{%- else %}{{- '[INST]' }}"
+    "{%- for block in message['content'] %}"
+    "{%- if block['type'] == 'text' %}{{- block['text'] }}"
+    "{%- elif block['type'] in ['image', 'image_url'] %}{{- '[IMG]' }}"
+    "{%- endif %}{%- endfor %}{{- '[/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{%- if message['content'] is string %}{{- message['content'] + eos_token }}"
+    "{%- else %}{{- message['content'][0]['text'] + eos_token }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+)
+
+
+def write_mistral3_tokenizer(folder: str | os.PathLike) -> Path:
+    """Write a small byte-level BPE tokenizer with Mistral's special tokens (ids 0-10) to
+    ``folder``: merges learnt on the system message and caption words (one token each, as in
+    the real vocabulary), left padding with ``<pad>``, a Mistral Small 3.1-style chat template,
+    and a ``<s>`` prepended by a plain call, like the published tokenizer."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    bpe_vocab, merges = byte_bpe_vocab([SYSTEM_MESSAGE])
+    offset = len(MISTRAL_SPECIAL_TOKENS)
+    vocab = {t: i for i, t in enumerate(MISTRAL_SPECIAL_TOKENS)}
+    vocab.update({t: offset + i for t, i in bpe_vocab.items()})
+    assert all(ch in vocab for ch in bytes_to_unicode().values())
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=False))
+    tok.pre_tokenizer = qwen_pretokenizer()
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in MISTRAL_SPECIAL_TOKENS])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        padding_side="left",
+        truncation_side="right",
+        model_max_length=131072,
+        chat_template=MISTRAL_CHAT_TEMPLATE,
+    )
+    folder = Path(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+# Flux.2 [klein]'s, Qwen3-style (the same rendering as ZIMAGE_CHAT_TEMPLATE, written apart): with
+# add_generation_prompt=True, enable_thinking=False renders families.flux2.QWEN3_PROMPT.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+def write_qwen3_tokenizer(folder: str | os.PathLike) -> Path:
+    """A small byte-level ``Qwen2Tokenizer`` (Qwen3's class) with Qwen3's special tokens, right
+    padding with ``<|endoftext|>`` and a Qwen3-style chat template that honours
+    ``enable_thinking``."""
+    return write_qwen2_tokenizer(folder, QWEN3_SPECIAL_TOKENS, chat_template=QWEN3_CHAT_TEMPLATE)

@@ -6,9 +6,10 @@ becomes token ids and attention masks (templates included) and each encoder's na
 how they combine into the denoiser's conditioning, how images become normalised latents, the
 objective (DDPM noise prediction or flow matching) behind one ``loss`` signature, the
 denoiser call (packing, position ids, guidance), what its modules need under ZeRO-3 (leaf
-modules), its pipeline class, a tiny pipeline built from configs, and its published configs
-for the planner. Everything else in the package (placements, the cache, EMA, checkpoints,
-load/save, lockstep, the loop) is written once and asks the family.
+modules), its pipeline class, and its published configs for the planner. Everything else
+in the package (placements, the cache, EMA, checkpoints, load/save, lockstep, the loop) is
+written once and asks the family. A family's tiny pipeline is a fixture, built in
+``diffusers_zero3.demo``.
 
 One module per family: ``sd`` (SD 1.x/2.x), ``sdxl``, ``sd3``, ``flux`` (Flux.1),
 ``qwenimage`` (Qwen-Image), ``zimage`` (Z-Image), ``hidream`` (HiDream-I1), ``flux2`` (Flux.2

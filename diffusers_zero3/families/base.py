@@ -7,7 +7,8 @@ what each encoder's outputs are called and how they combine into the denoiser's 
 how images become normalised latents (scale and shift, per-channel mean and std, or the
 VAE's own statistics), the objective (DDPM noise prediction or flow matching) behind one
 signature, the denoiser call (packing, position ids, guidance), what its modules need under
-ZeRO-3, its pipeline class, a tiny pipeline built from configs and its published configs.
+ZeRO-3, its pipeline class and its published configs (tiny pipelines of each family, which
+are test and demo fixtures, live in ``diffusers_zero3.demo``).
 
 Each family lives in a module of its own (``sd.py``, ``sdxl.py``, ...) as a subclass that
 overrides only what differs from the defaults here.
@@ -397,17 +398,6 @@ class Family:
             kwargs[spec.tokenizer] = tokenizers[spec.name]
         return getattr(diffusers, self.pipeline_class)(**kwargs)
 
-    def save_tiny_pipeline(self, folder: str | os.PathLike, seed: int = 0) -> Path:
-        """Save a tiny pipeline of this family (fp32 safetensors, tokenizers written locally)
-        and return its folder. Not a collective: call on one rank and share the folder."""
-        raise NotImplementedError(f"{self.name} has no tiny pipeline")
-
     def published(self) -> tuple[PublishedConfig, ...]:
         """The published pipelines of this family that the planner carries."""
         return ()
-
-
-def save_pipeline(pipeline, folder: str | os.PathLike) -> Path:
-    """``pipeline.save_pretrained(folder)`` in fp32 safetensors; returns the folder."""
-    pipeline.save_pretrained(folder, safe_serialization=True)
-    return Path(folder)

@@ -5,14 +5,10 @@ matching; latents shifted and scaled by the VAE's factors."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import torch
 
 from .base import Family, PublishedConfig, TextEncoderSpec
 from .published import CLIP_L, T5_XXL, VAE_16
-from .tiny import local_clip_tokenizer, local_t5_tokenizer, tiny_clip_config, tiny_flow_vae, tiny_t5_encoder
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
@@ -91,9 +87,6 @@ class Flux(Family):
             kwargs["guidance_scale"] = guidance_scale
         return kwargs
 
-    def save_tiny_pipeline(self, folder, seed=0):
-        return save_tiny_flux_pipeline(folder, seed)
-
     def published(self):
         transformer = dict(
             patch_size=1,
@@ -164,47 +157,3 @@ FLUX = Flux(
     default_weighting_scheme="none",
     lora_target_modules=FLUX_LORA_TARGETS,
 )
-
-
-def save_tiny_flux_pipeline(folder: str | os.PathLike, seed: int = 0, guidance_embeds: bool = True) -> Path:
-    """Save a tiny ``FluxPipeline`` folder (fp32 safetensors) and return its path.
-
-    Flux.1's layout with small shapes: a ``FluxTransformer2DModel`` (double- and single-stream
-    blocks, 2x2-packed latents, rotary ``img_ids``/``txt_ids``, guidance embedding when
-    ``guidance_embeds``) conditioned on CLIP's pooled output and a T5 encoder's hidden states
-    (``text_encoder_2``, with a locally written unigram tokenizer), a 16-channel-latent VAE
-    with ``shift_factor`` and a flow-matching Euler scheduler. Not a collective.
-    """
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel
-
-    from ..runtime.zero3 import zero3_init_disabled
-
-    folder = Path(folder)
-    t5_tokenizer = local_t5_tokenizer(folder)
-    with zero3_init_disabled():
-        torch.manual_seed(seed)
-        transformer = FluxTransformer2DModel(
-            patch_size=1,
-            in_channels=16 * 4,
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            pooled_projection_dim=32,
-            guidance_embeds=guidance_embeds,
-            axes_dims_rope=(4, 4, 8),
-        )
-        text_encoder = CLIPTextModel(CLIPTextConfig(**tiny_clip_config()))
-        text_encoder_2 = tiny_t5_encoder(32, len(t5_tokenizer))
-        vae = tiny_flow_vae(16)
-    pipe = FLUX.pipeline(
-        transformer,
-        vae,
-        {"text_encoder": text_encoder, "text_encoder_2": text_encoder_2},
-        {"text_encoder": local_clip_tokenizer(folder), "text_encoder_2": t5_tokenizer},
-        FlowMatchEulerDiscreteScheduler(shift=3.0),
-    )
-    pipe.save_pretrained(folder, safe_serialization=True)
-    return folder

@@ -19,26 +19,14 @@ by diffusers' model and script.
 from __future__ import annotations
 
 import inspect
-import os
-from pathlib import Path
 
 import torch
 
 from .base import Family, PublishedConfig, TextEncoderSpec
 from .published import CLIP_BIGG, CLIP_L, T5_XXL, VAE_16
-from .tiny import (
-    byte_bpe_vocab,
-    local_clip_tokenizer,
-    local_t5_tokenizer,
-    qwen_pretokenizer,
-    tiny_clip_config,
-    tiny_t5_encoder,
-    tiny_vae_config,
-)
 
 CLIP_MAX_TOKENS = 218  # HiDreamImagePipeline._get_clip_prompt_embeds: min(max_sequence_length, 218)
 CLIP_ENCODERS = ("text_encoder", "text_encoder_2")
-LLAMA3_SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>")
 TRAINING_SHIFT = 3.0  # train_dreambooth_lora_hidream.py: FlowMatchEulerDiscreteScheduler(shift=3.0)
 
 
@@ -155,9 +143,6 @@ class HiDream(Family):
         pipeline.default_sample_size = max(1, resolution // pipeline.vae_scale_factor)
         return pipeline
 
-    def save_tiny_pipeline(self, folder, seed=0):
-        return save_tiny_hidream_pipeline(folder, seed)
-
     def published(self):
         return (
             PublishedConfig(
@@ -268,132 +253,3 @@ PUBLISHED_LLAMA = dict(  # meta-llama/Llama-3.1-8B-Instruct
     },
     tie_word_embeddings=False,
 )
-
-# diffusers tests/pipelines/hidream_image/test_pipeline_hidream.py's tiny transformer
-TINY_TRANSFORMER = dict(
-    patch_size=2,
-    in_channels=4,
-    out_channels=4,
-    num_layers=1,
-    num_single_layers=1,
-    attention_head_dim=8,
-    num_attention_heads=4,
-    caption_channels=[32, 16],  # the tiny T5's d_model, the tiny Llama's hidden size
-    text_emb_dim=64,  # the two tiny CLIPs' projections
-    num_routed_experts=4,
-    num_activated_experts=2,
-    axes_dims_rope=(4, 2, 2),
-    max_resolution=(32, 32),  # latent pixels: 256 patches, up to 64 px images
-    llama_layers=(0, 1),
-)
-
-
-def write_llama3_tokenizer(folder: str | os.PathLike) -> Path:
-    """Write a small byte-level BPE tokenizer in Llama-3's layout to ``folder``: the merges of
-    ``byte_bpe_vocab`` (the caption words are one token each), Llama-3's split regex and
-    special tokens, ``<|begin_of_text|>`` prepended (no EOS appended), ``<|eot_id|>`` as EOS
-    (Llama-3.1-Instruct's) and no pad token (the family pads with the EOS, as the pipeline)."""
-    from tokenizers import Tokenizer, decoders, models, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab, merges = byte_bpe_vocab([])
-    for special in LLAMA3_SPECIAL_TOKENS:
-        vocab.setdefault(special, len(vocab))
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
-    backend.pre_tokenizer = qwen_pretokenizer()
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(list(LLAMA3_SPECIAL_TOKENS))
-    bos = LLAMA3_SPECIAL_TOKENS[0]
-    backend.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
-    )
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token=bos, eos_token="<|eot_id|>", model_max_length=131072
-    )
-    folder = Path(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def llama_folder_of(folder: str | os.PathLike) -> Path:
-    """Where ``save_tiny_hidream_pipeline`` puts the tiny Llama of the pipeline ``folder``."""
-    return Path(str(folder) + "-llama")
-
-
-def save_tiny_hidream_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
-    """Save a tiny ``HiDreamImagePipeline`` folder (fp32 safetensors) and return its path.
-
-    As the published repos, the folder has no Llama (``text_encoder_4`` and ``tokenizer_4``
-    are null in model_index.json, so loading needs them given): the tiny ``LlamaForCausalLM``
-    and its tokenizer are saved at the root of ``<folder>-llama``, as a Llama hub repo. The
-    transformer is diffusers' test config (an MoE of 4 experts in each of its 2 blocks); two
-    CLIPs with projection and 248 positions (first-EOS pooling), a gated-gelu T5, a 2-layer
-    Llama, a Flux-like VAE (no quant convs, 2x downsampling, HiDream's scale and shift) and
-    the training scheduler (Euler, shift 3.0). Not a collective.
-    """
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        HiDreamImagePipeline,
-        HiDreamImageTransformer2DModel,
-    )
-    from transformers import (
-        AutoTokenizer,
-        CLIPTextConfig,
-        CLIPTextModelWithProjection,
-        LlamaConfig,
-        LlamaForCausalLM,
-    )
-
-    from ..runtime.zero3 import zero3_init_disabled
-
-    folder = Path(folder)
-    llama_folder = llama_folder_of(folder)
-    clip_tokenizer = local_clip_tokenizer(folder)
-    t5_tokenizer = local_t5_tokenizer(folder)
-    llama_tokenizer = AutoTokenizer.from_pretrained(write_llama3_tokenizer(llama_folder))
-    clip_config = CLIPTextConfig(**dict(tiny_clip_config(), max_position_embeddings=248))
-    with zero3_init_disabled():
-        torch.manual_seed(seed)
-        transformer = HiDreamImageTransformer2DModel(**TINY_TRANSFORMER)
-        text_encoder = CLIPTextModelWithProjection(clip_config)
-        text_encoder_2 = CLIPTextModelWithProjection(clip_config)
-        text_encoder_3 = tiny_t5_encoder(32, len(t5_tokenizer))
-        text_encoder_4 = LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=len(llama_tokenizer),
-                hidden_size=16,
-                intermediate_size=32,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=2048,
-                rope_theta=500000.0,
-                bos_token_id=llama_tokenizer.bos_token_id,
-                eos_token_id=llama_tokenizer.eos_token_id,
-                tie_word_embeddings=False,
-            )
-        )
-        vae = AutoencoderKL(
-            **tiny_vae_config(16, 4),
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            scaling_factor=0.3611,
-            shift_factor=0.1159,
-        )
-    pipe = HiDreamImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=TRAINING_SHIFT),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=clip_tokenizer,
-        text_encoder_2=text_encoder_2,
-        tokenizer_2=clip_tokenizer,
-        text_encoder_3=text_encoder_3,
-        tokenizer_3=t5_tokenizer,
-        text_encoder_4=None,
-        tokenizer_4=None,
-        transformer=transformer,
-    )
-    pipe.save_pretrained(folder, safe_serialization=True)
-    text_encoder_4.save_pretrained(llama_folder, safe_serialization=True)
-    return folder

@@ -6,13 +6,9 @@ per-channel latent mean and std; 2x2-packed latents; flow matching as diffusers'
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import torch
 
 from .base import ChannelMeanStd, Family, PublishedConfig, TextEncoderSpec
-from .tiny import read_back, write_qwen2_tokenizer
 
 PROMPT_TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
@@ -20,16 +16,6 @@ PROMPT_TEMPLATE = (
     "<|im_start|>assistant\n"
 )
 DROPPED_TEMPLATE_TOKENS = 34  # QwenImagePipeline.prompt_template_encode_start_idx
-QWEN_VL_SPECIAL_TOKENS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
@@ -103,9 +89,6 @@ class QwenImage(Family):
 
     def validation_kwargs(self, max_sequence_length, guidance_scale):
         return {"max_sequence_length": max_sequence_length or self.default_max_sequence_length}
-
-    def save_tiny_pipeline(self, folder, seed=0):
-        return save_tiny_qwenimage_pipeline(folder, seed)
 
     def published(self):
         return (
@@ -224,101 +207,3 @@ QWEN_IMAGE_SCHEDULER = dict(
     use_exponential_sigmas=False,
     use_karras_sigmas=False,
 )
-
-
-def write_qwenimage_tokenizer(folder: str | os.PathLike) -> Path:
-    """A small byte-level ``Qwen2Tokenizer`` with Qwen2.5-VL's special tokens whose learnt merges
-    make every word of the prompt template one token, as in the real vocabulary: the template's
-    prefix is then exactly the 34 tokens that the pipeline drops (checked here)."""
-    folder = write_qwen2_tokenizer(
-        folder, QWEN_VL_SPECIAL_TOKENS, texts=(PROMPT_TEMPLATE.replace("{}", " "),)
-    )
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    prefix = PROMPT_TEMPLATE.split("{}")[0]
-    if len(tokenizer(prefix).input_ids) != DROPPED_TEMPLATE_TOKENS:
-        raise AssertionError(f"the template prefix is not {DROPPED_TEMPLATE_TOKENS} tokens")
-    return folder
-
-
-def save_tiny_qwenimage_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
-    """Save a tiny ``QwenImagePipeline`` folder (fp32 safetensors) and return its path.
-
-    The shapes of diffusers' Qwen-Image pipeline tests (a 2-block transformer, a 2-layer
-    Qwen2.5-VL with a 2-block vision tower), a smaller 4x-downsampling VAE with per-channel
-    statistics that are not 0 and 1 (so that a missing normalisation shows), the published
-    scheduler, and a locally written tokenizer. Not a collective.
-    """
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImageTransformer2DModel,
-    )
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    from ..runtime.zero3 import zero3_init_disabled
-
-    folder = Path(folder)
-    tokenizer = read_back(write_qwenimage_tokenizer, folder)
-    tid = tokenizer.convert_tokens_to_ids
-    with zero3_init_disabled():
-        torch.manual_seed(seed)
-        transformer = QwenImageTransformer2DModel(
-            patch_size=2,
-            in_channels=16,
-            out_channels=4,
-            num_layers=2,
-            attention_head_dim=16,
-            num_attention_heads=3,
-            joint_attention_dim=16,
-            guidance_embeds=False,
-            axes_dims_rope=(8, 4, 4),
-        )
-        vae = AutoencoderKLQwenImage(
-            base_dim=8,
-            z_dim=4,
-            dim_mult=[1, 2, 2],
-            num_res_blocks=1,
-            temperal_downsample=[False, True],
-            latents_mean=[-0.25, 0.1, 0.4, -0.05],
-            latents_std=[1.5, 0.75, 1.25, 2.0],
-        )
-        config = Qwen2_5_VLConfig(
-            text_config=dict(
-                vocab_size=len(tokenizer),
-                hidden_size=16,
-                intermediate_size=16,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                num_key_value_heads=2,
-                max_position_embeddings=2048,
-                rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
-                rope_theta=1000000.0,
-                bos_token_id=tid("<|endoftext|>"),
-                eos_token_id=tid("<|im_end|>"),
-            ),
-            vision_config=dict(
-                depth=2,
-                hidden_size=16,
-                intermediate_size=16,
-                num_heads=2,
-                out_hidden_size=16,
-                fullatt_block_indexes=[1],
-            ),
-            image_token_id=tid("<|image_pad|>"),
-            video_token_id=tid("<|video_pad|>"),
-            vision_start_token_id=tid("<|vision_start|>"),
-            vision_end_token_id=tid("<|vision_end|>"),
-            tie_word_embeddings=False,
-        )
-        text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
-    pipe = QWENIMAGE.pipeline(
-        transformer,
-        vae,
-        {"text_encoder": text_encoder},
-        {"text_encoder": tokenizer},
-        FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
-    )
-    pipe.save_pretrained(folder, safe_serialization=True)
-    return folder

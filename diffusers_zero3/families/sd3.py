@@ -5,14 +5,10 @@ matching (logit-normal timesteps by default, as diffusers' SD3 scripts)."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import torch
 
 from .base import Family, PublishedConfig, TextEncoderSpec
 from .published import CLIP_BIGG, CLIP_L, T5_XXL, VAE_16
-from .tiny import local_clip_tokenizer, local_t5_tokenizer, tiny_clip_config, tiny_flow_vae, tiny_t5_encoder
 
 
 def clip_hidden_and_pooled(encoder, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,9 +47,6 @@ class StableDiffusion3(Family):
 
     def validation_kwargs(self, max_sequence_length, guidance_scale):
         return {"max_sequence_length": max_sequence_length or self.default_max_sequence_length}
-
-    def save_tiny_pipeline(self, folder, seed=0):
-        return save_tiny_sd3_pipeline(folder, seed)
 
     def published(self):
         transformer = dict(
@@ -125,50 +118,3 @@ SD3 = StableDiffusion3(
         "attn.to_v",
     ),  # fmt: skip
 )
-
-
-def save_tiny_sd3_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
-    """Save a tiny ``StableDiffusion3Pipeline`` folder (fp32 safetensors) and return its path.
-
-    SD3's layout with small shapes: an ``SD3Transformer2DModel`` conditioned on two CLIP
-    encoders with projections (pooled outputs concatenated) and a T5 encoder
-    (``text_encoder_3``, whose width the CLIP states are padded to), a VAE with
-    ``shift_factor`` and a flow-matching Euler scheduler. Not a collective.
-    """
-    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
-
-    from ..runtime.zero3 import zero3_init_disabled
-
-    folder = Path(folder)
-    t5_width = 64  # >= the two CLIP widths together (32 + 32), as in SD3 (2048 <= 4096)
-    t5_tokenizer = local_t5_tokenizer(folder)
-    with zero3_init_disabled():
-        torch.manual_seed(seed)
-        transformer = SD3Transformer2DModel(
-            sample_size=16,
-            patch_size=1,
-            in_channels=4,
-            out_channels=4,
-            num_layers=2,
-            attention_head_dim=8,
-            num_attention_heads=4,
-            caption_projection_dim=32,
-            joint_attention_dim=t5_width,
-            pooled_projection_dim=64,
-            pos_embed_max_size=32,
-        )
-        text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**tiny_clip_config()))
-        text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**tiny_clip_config()))
-        text_encoder_3 = tiny_t5_encoder(t5_width, len(t5_tokenizer))
-        vae = tiny_flow_vae(4)
-    clip_tokenizer = local_clip_tokenizer(folder)
-    pipe = SD3.pipeline(
-        transformer,
-        vae,
-        {"text_encoder": text_encoder, "text_encoder_2": text_encoder_2, "text_encoder_3": text_encoder_3},
-        {"text_encoder": clip_tokenizer, "text_encoder_2": clip_tokenizer, "text_encoder_3": t5_tokenizer},
-        FlowMatchEulerDiscreteScheduler(shift=3.0),
-    )
-    pipe.save_pretrained(folder, safe_serialization=True)
-    return folder

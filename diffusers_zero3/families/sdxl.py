@@ -4,15 +4,11 @@ bigG, concatenated; the second encoder's pooled (projected) output as ``text_emb
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import torch
 
 from .base import PublishedConfig, TextEncoderSpec
 from .published import CLIP_BIGG, CLIP_L, VAE_SD
 from .sd import StableDiffusion
-from .tiny import local_clip_tokenizer, tiny_clip_config, tiny_vae_config
 
 
 def time_ids(
@@ -48,9 +44,6 @@ class StableDiffusionXL(StableDiffusion):
 
     def unet_kwargs(self, cond):
         return {"added_cond_kwargs": {"text_embeds": cond["text_embeds"], "time_ids": cond["time_ids"]}}
-
-    def save_tiny_pipeline(self, folder, seed=0):
-        return save_tiny_sdxl_pipeline(folder, seed)
 
     def published(self):
         unet = dict(
@@ -105,59 +98,3 @@ SDXL = StableDiffusionXL(
     supports_dream=False,  # diffusers' SDXL script has no DREAM
     pipeline_kwargs=(("add_watermarker", False),),
 )
-
-
-def save_tiny_sdxl_pipeline(folder: str | os.PathLike, seed: int = 0, width: int = 32) -> Path:
-    """Save a tiny ``StableDiffusionXLPipeline`` folder (fp32 safetensors) and return its path.
-
-    The real SDXL layout: a ``text_time`` UNet conditioned on two CLIP encoders (the second
-    with a projection, whose pooled output is ``text_embeds``), two tokenizers, a VAE and an
-    Euler scheduler, with the shapes of diffusers' own SDXL pipeline tests. Not a collective.
-    """
-    from diffusers import AutoencoderKL, EulerDiscreteScheduler, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-
-    from ..runtime.zero3 import zero3_init_disabled
-
-    folder = Path(folder)
-    text_cfg = tiny_clip_config()
-    time_dim, proj_dim = 8, text_cfg["projection_dim"]
-    with zero3_init_disabled():
-        torch.manual_seed(seed)
-        unet = UNet2DConditionModel(
-            sample_size=16,
-            in_channels=4,
-            out_channels=4,
-            layers_per_block=1,
-            block_out_channels=(width, width * 2),
-            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-            attention_head_dim=(2, 4),
-            use_linear_projection=True,
-            addition_embed_type="text_time",
-            addition_time_embed_dim=time_dim,
-            transformer_layers_per_block=(1, 2),
-            projection_class_embeddings_input_dim=6 * time_dim + proj_dim,
-            cross_attention_dim=2 * text_cfg["hidden_size"],
-            norm_num_groups=min(32, width // 2),
-        )
-        vae = AutoencoderKL(**tiny_vae_config(width))
-        text_encoder = CLIPTextModel(CLIPTextConfig(**text_cfg))
-        text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**text_cfg))
-    tokenizer = local_clip_tokenizer(folder)
-    scheduler = EulerDiscreteScheduler(
-        beta_schedule="scaled_linear",
-        beta_start=0.00085,
-        beta_end=0.012,
-        steps_offset=1,
-        timestep_spacing="leading",
-    )
-    pipe = SDXL.pipeline(
-        unet,
-        vae,
-        {"text_encoder": text_encoder, "text_encoder_2": text_encoder_2},
-        {"text_encoder": tokenizer, "text_encoder_2": tokenizer},
-        scheduler,
-    )
-    pipe.save_pretrained(folder, safe_serialization=True)
-    return folder

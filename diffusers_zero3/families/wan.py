@@ -10,14 +10,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import string
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .base import ChannelMeanStd, Family, PublishedConfig, TextEncoderSpec
-from .tiny import CAPTION_WORDS, read_back
 
 HIGH, LOW = "transformer", "transformer_2"  # Wan 2.2's high-noise and low-noise experts
 TRAIN_EXPERTS = {"high": (HIGH,), "low": (LOW,), "both": (HIGH, LOW)}  # --train_experts
@@ -430,9 +428,6 @@ class Wan(Family):
             expand_timesteps=self.expand_timesteps,
         )
 
-    def save_tiny_pipeline(self, folder, seed=0):
-        return save_tiny_wan_pipeline(self, folder, seed)
-
     def published(self):
         if LOW in self.experts:
             return (
@@ -587,99 +582,3 @@ PUBLISHED_VAE_22 = dict(
     scale_factor_temporal=4,
     scale_factor_spatial=16,
 )
-
-
-# -------------------------------------------------------------------------------- tiny pipelines
-
-# a few non-ASCII letters: umT5's vocabulary is multilingual, and a caption in them tokenizes here too
-UMT5_EXTRA_CHARS = "àáâäçèéêëíîïñóôöúùûüßæøåœ中文日本語한국어"
-
-
-def write_umt5_tokenizer(folder: str | os.PathLike, model_max_length: int = 512) -> Path:
-    """Write a small unigram umT5 tokenizer (``T5TokenizerFast``, ids of google/umt5-xxl's
-    special tokens: ``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2) to ``folder`` and return the path:
-    T5's construction (``tiny.write_t5_tokenizer``: letters, digits and punctuation alone and
-    after ``▁``, whole caption words) plus accented and CJK characters."""
-    from transformers import T5TokenizerFast
-
-    folder = Path(folder)
-    chars = string.ascii_lowercase + string.digits + ",.!?'-:;()" + UMT5_EXTRA_CHARS
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-    pieces += [("\u2581" + c, -3.0) for c in chars]
-    pieces += [(c, -4.0) for c in chars + string.ascii_uppercase]
-    pieces += [("\u2581" + w, -1.0) for w in (*CAPTION_WORDS, "moving", "left", "right", "up", "down")]
-    tok = T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
-    tok.save_pretrained(folder)
-    return folder
-
-
-TINY_LATENTS_MEAN = [-0.25, 0.1, 0.4, -0.05, 0.3, -0.6, 0.15, 0.0]
-TINY_LATENTS_STD = [1.5, 0.75, 1.25, 2.0, 0.5, 1.1, 0.9, 1.7]
-
-
-def tiny_wan_components(family: Wan, vocab_size: int, seed: int = 0) -> dict:
-    """The tiny models of ``family``: diffusers' Wan pipeline-test transformer (2 blocks, 2
-    heads of 12) on a tiny causal VAE of the published structure (8x spatial, 4x temporal;
-    TI2V-5B: Wan 2.2's residual VAE with 2x2 patchify, 16x spatial) with per-channel statistics
-    that are not 0 and 1, and a 2-layer umT5; two experts for Wan 2.2 A14B (seeds differ)."""
-    from diffusers import AutoencoderKLWan, WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    from ..runtime.zero3 import zero3_init_disabled
-
-    z_dim = len(TINY_LATENTS_MEAN)
-    with zero3_init_disabled():
-        torch.manual_seed(seed)
-        if family.expand_timesteps:
-            vae = AutoencoderKLWan(
-                base_dim=8, decoder_base_dim=8, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
-                patch_size=2, scale_factor_temporal=4, scale_factor_spatial=16,
-                latents_mean=TINY_LATENTS_MEAN, latents_std=TINY_LATENTS_STD,
-            )  # fmt: skip
-        else:
-            vae = AutoencoderKLWan(
-                base_dim=4, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                temperal_downsample=[False, True, True], latents_mean=TINY_LATENTS_MEAN,
-                latents_std=TINY_LATENTS_STD,
-            )  # fmt: skip
-        experts = {}
-        for i, name in enumerate(family.experts):
-            torch.manual_seed(seed + 1 + i)
-            experts[name] = WanTransformer3DModel(
-                patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=z_dim,
-                out_channels=z_dim, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2,
-                cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
-            )  # fmt: skip
-        torch.manual_seed(seed + 10)
-        text_encoder = UMT5EncoderModel(
-            UMT5Config(
-                vocab_size=vocab_size, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", is_encoder_decoder=False,
-                pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-            )
-        ).eval()  # fmt: skip
-    return {"vae": vae, "text_encoder": text_encoder, **experts}
-
-
-def save_tiny_wan_pipeline(family: Wan, folder: str | os.PathLike, seed: int = 0) -> Path:
-    """Save a tiny ``WanPipeline`` folder of ``family`` (fp32 safetensors; Wan 2.2 A14B with
-    both experts and ``boundary_ratio``, TI2V-5B with ``expand_timesteps``), the published UniPC
-    scheduler and a locally written umT5 tokenizer, and return its path. Not a collective."""
-    from diffusers import UniPCMultistepScheduler
-
-    folder = Path(folder)
-    tokenizer = read_back(write_umt5_tokenizer, folder)
-    parts = tiny_wan_components(family, len(tokenizer), seed)
-    scheduler = UniPCMultistepScheduler(
-        **dict(WAN_SCHEDULER, flow_shift=5.0 if family.expand_timesteps else 3.0)
-    )
-    pipe = family.pipeline(
-        {name: parts[name] for name in family.experts},
-        parts["vae"],
-        {"text_encoder": parts["text_encoder"]},
-        {"text_encoder": tokenizer},
-        scheduler,
-    )
-    pipe.save_pretrained(folder, safe_serialization=True)
-    return folder

@@ -12,31 +12,11 @@ Neither the transformer (it reads ``x[0]``) nor Qwen3 can take an empty batch: f
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import torch
 
 from .base import Family, PublishedConfig, TextEncoderSpec
 from .published import VAE_16
-from .tiny import read_back, tiny_vae_config, write_qwen2_tokenizer
 
-QWEN3_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
-# Renders [system?, user...] + generation prompt as Qwen3's chat template does for such
-# conversations (no tools, no assistant turns): ZImagePipeline passes enable_thinking=True,
-# which adds no <think> block, so a caption becomes
-# "<|im_start|>user\n{caption}<|im_end|>\n<|im_start|>assistant\n".
-QWEN3_CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}"
-    "{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- endif %}"
-    "{%- endif %}"
-)
 QWEN3_PROMPT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"  # what the template renders
 
 
@@ -105,9 +85,6 @@ class ZImage(Family):
     def validation_kwargs(self, max_sequence_length, guidance_scale):
         # --guidance_scale is Flux's distilled guidance: the script validates at the pipeline's CFG
         return {"max_sequence_length": max_sequence_length or self.default_max_sequence_length}
-
-    def save_tiny_pipeline(self, folder, seed=0):
-        return save_tiny_zimage_pipeline(folder, seed)
 
     def published(self):
         components = {
@@ -188,85 +165,3 @@ PUBLISHED_TEXT_ENCODER = dict(  # Qwen3-4B
 )
 # Tongyi-MAI/Z-Image-Turbo's scheduler (the base model's shift is 6.0).
 ZIMAGE_TURBO_SCHEDULER = dict(num_train_timesteps=1000, use_dynamic_shifting=False, shift=3.0)
-
-
-def write_zimage_tokenizer(folder: str | os.PathLike) -> Path:
-    """A small byte-level ``Qwen2Tokenizer`` (Qwen3's class) with Qwen3's special tokens, its pad
-    (``<|endoftext|>``) and eos (``<|im_end|>``), right padding and a chat template that
-    renders a user message as Qwen3-4B's does."""
-    return write_qwen2_tokenizer(
-        folder, QWEN3_SPECIAL_TOKENS, texts=("user", "assistant"), chat_template=QWEN3_CHAT_TEMPLATE
-    )
-
-
-def save_tiny_zimage_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
-    """Save a tiny ``ZImagePipeline`` folder (fp32 safetensors) and return its path.
-
-    The transformer of diffusers' Z-Image pipeline tests (2 blocks and 1 refiner block of each
-    kind, pad tokens of ones) with a caption RoPE axis long enough for 512-token prompts, a
-    3-layer ``Qwen3Model`` (so ``hidden_states[-2]`` is neither the first nor the last layer's
-    output), a 16-channel-latent VAE with Z-Image's scale and shift, Turbo's scheduler and a
-    locally written tokenizer. Not a collective.
-    """
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
-    from transformers import Qwen3Config, Qwen3Model
-
-    from ..runtime.zero3 import zero3_init_disabled
-
-    folder = Path(folder)
-    tokenizer = read_back(write_zimage_tokenizer, folder)
-    tid = tokenizer.convert_tokens_to_ids
-    with zero3_init_disabled():
-        torch.manual_seed(seed)
-        transformer = ZImageTransformer2DModel(
-            all_patch_size=(2,),
-            all_f_patch_size=(1,),
-            in_channels=16,
-            dim=32,
-            n_layers=2,
-            n_refiner_layers=1,
-            n_heads=2,
-            n_kv_heads=2,
-            norm_eps=1e-5,
-            qk_norm=True,
-            cap_feat_dim=16,
-            rope_theta=256.0,
-            t_scale=1000.0,
-            axes_dims=[8, 4, 4],
-            axes_lens=[1024, 32, 32],  # caption positions 1..ceil32(L), then the image: L up to 512 fits
-        )
-        with torch.no_grad():  # as diffusers' test: pad tokens that are not zero
-            transformer.x_pad_token.fill_(1.0)
-            transformer.cap_pad_token.fill_(1.0)
-        vae = AutoencoderKL(
-            **tiny_vae_config(16, latent_channels=16),
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            scaling_factor=0.3611,
-            shift_factor=0.1159,
-        )
-        text_encoder = Qwen3Model(
-            Qwen3Config(
-                vocab_size=len(tokenizer),
-                hidden_size=16,
-                intermediate_size=32,
-                num_hidden_layers=3,
-                num_attention_heads=2,
-                num_key_value_heads=1,
-                head_dim=8,
-                max_position_embeddings=1024,
-                rope_theta=1000000,
-                tie_word_embeddings=True,
-                bos_token_id=tid("<|endoftext|>"),
-                eos_token_id=tid("<|im_end|>"),
-            )
-        ).eval()
-    pipe = ZIMAGE.pipeline(
-        transformer,
-        vae,
-        {"text_encoder": text_encoder},
-        {"text_encoder": tokenizer},
-        FlowMatchEulerDiscreteScheduler(**ZIMAGE_TURBO_SCHEDULER),
-    )
-    pipe.save_pretrained(folder, safe_serialization=True)
-    return folder

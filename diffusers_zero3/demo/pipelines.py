@@ -1,0 +1,944 @@
+"""Every family's tiny pipeline: the real classes built small from configs, with locally
+written tokenizers (``tokenizers.py``), saved as an ordinary diffusers folder (fp32
+safetensors), so that every loading path of the package (``from_pretrained`` of a folder) runs
+on it. They are the tests' and the default runs' fixtures, kept out of the families (a family
+holds what differs between real pipelines: ``diffusers_zero3.families``).
+
+``save_tiny_pipeline(family, folder, seed=0)`` saves the tiny pipeline of any family, by its
+short name in ``TINY_PIPELINES``; a family without one there fails ``tests/test_demo.py`` by
+name. Each builder is seeded (the same seed gives the same files) and is not a collective:
+call it on one rank (or before launching) and share the folder.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from ..families import (
+    FLUX,
+    FLUX2,
+    FLUX2_KLEIN,
+    QWENIMAGE,
+    SD,
+    SD3,
+    SDXL,
+    WAN,
+    WAN22,
+    WAN22_5B,
+    ZIMAGE,
+    Family,
+)
+from ..families.flux2 import FLUX2_SCHEDULER
+from ..families.hidream import TRAINING_SHIFT
+from ..families.qwenimage import QWEN_IMAGE_SCHEDULER
+from ..families.wan import WAN_SCHEDULER, Wan
+from ..families.zimage import ZIMAGE_TURBO_SCHEDULER
+from .tokenizers import (
+    CLIP_VOCAB_SIZE,
+    local_clip_tokenizer,
+    local_t5_tokenizer,
+    read_back,
+    write_llama3_tokenizer,
+    write_mistral3_tokenizer,
+    write_qwen3_tokenizer,
+    write_qwenimage_tokenizer,
+    write_umt5_tokenizer,
+    write_zimage_tokenizer,
+)
+
+# -------------------------------------------------------------------------------- shared tiny models
+
+
+def tiny_clip_config(hidden_size: int = 32, projection_dim: int = 32, layers: int = 2) -> dict:
+    """A tiny CLIP text config for the byte-level CLIP tokenizer."""
+    return dict(
+        vocab_size=CLIP_VOCAB_SIZE,
+        hidden_size=hidden_size,
+        intermediate_size=37,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        max_position_embeddings=77,
+        bos_token_id=CLIP_VOCAB_SIZE - 2,
+        eos_token_id=CLIP_VOCAB_SIZE - 1,
+        pad_token_id=CLIP_VOCAB_SIZE - 1,
+        projection_dim=projection_dim,
+    )
+
+
+def tiny_t5_encoder(d_model: int, vocab_size: int, layers: int = 2):
+    """A tiny ``T5EncoderModel`` (gated-gelu, as T5 v1.1 / T5-XXL)."""
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(
+        T5Config(
+            vocab_size=vocab_size,
+            d_model=d_model,
+            d_kv=8,
+            d_ff=d_model * 2,
+            num_layers=layers,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            feed_forward_proj="gated-gelu",
+            is_encoder_decoder=False,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+    )
+
+
+def tiny_vae_config(width: int = 32, latent_channels: int = 4) -> dict:
+    """A tiny ``AutoencoderKL`` config: two blocks (8x8 latents of 32 px images... x2 down)."""
+    return dict(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(width, width * 2),
+        latent_channels=latent_channels,
+        layers_per_block=1,
+        norm_num_groups=min(32, width // 2),
+        sample_size=32,
+    )
+
+
+def tiny_flow_vae(latent_channels: int, width: int = 32):
+    """A tiny ``AutoencoderKL`` as the SD3 and Flux.1 VAEs: no quant convs, a shift factor."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        **tiny_vae_config(width, latent_channels),
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0609,
+        scaling_factor=1.5035,
+    )
+
+
+# -------------------------------------------------------------------------------- SD 1.x / 2.x
+
+
+# UNet layouts for tiny pipelines. "tiny" is the smallest that trains (116 modules with
+# parameters); "sd15" and "sdxl" have the block structure of the published UNets at any width,
+# hence their number of parameter tensors and of modules holding parameters (what ZeRO-3's
+# per-module hooks and collectives scale with): SD 1.5's 686 tensors in 391 modules, and
+# SDXL's 1,676 in 1,048 (the published SDXL UNet's 1,680 in 1,050 less its two-layer
+# ``add_embedding``, which takes SDXL's time ids that an SD pipeline does not pass).
+UNET_SHAPES = ("tiny", "sd15", "sdxl")
+
+
+def _unet_config(width: int, cross_dim: int, shape: str) -> dict:
+    common = dict(sample_size=16, in_channels=4, out_channels=4, cross_attention_dim=cross_dim)
+    groups = min(32, width // 2)
+    if shape == "tiny":
+        return dict(
+            common,
+            layers_per_block=1,
+            block_out_channels=(width, width * 2),
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            attention_head_dim=max(1, width // 8),
+            norm_num_groups=groups,
+        )
+    if shape == "sd15":  # runwayml/stable-diffusion-v1-5's unet/config.json at width 320
+        return dict(
+            common,
+            layers_per_block=2,
+            block_out_channels=(width, width * 2, width * 4, width * 4),
+            down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+            up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+            attention_head_dim=8,
+            norm_num_groups=groups,
+        )
+    if shape == "sdxl":  # stable-diffusion-xl-base-1.0's unet/config.json at width 320
+        return dict(
+            common,
+            layers_per_block=2,
+            block_out_channels=(width, width * 2, width * 4),
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+            transformer_layers_per_block=(1, 2, 10),
+            attention_head_dim=(1, 2, 4),
+            norm_num_groups=groups,
+        )
+    raise ValueError(f"unknown UNet shape {shape!r}: one of {', '.join(UNET_SHAPES)}")
+
+
+def tiny_component_configs(
+    width: int = 32, text_layers: int = 2, cross_dim: int | None = None, unet_shape: str = "tiny"
+) -> dict[str, dict]:
+    """Configs of a tiny SD-style UNet, VAE and CLIP text encoder.
+
+    ``width`` scales every model (32 gives a pipeline of about 1M parameters that trains on a
+    CPU in seconds; 256 gives tens of millions, for benchmarks). ``unet_shape`` picks the
+    UNet's layout (``UNET_SHAPES``): ``"sd15"`` and ``"sdxl"`` have the module counts of
+    the published UNets.
+    """
+    cross_dim = cross_dim or width
+    return {
+        "unet": _unet_config(width, cross_dim, unet_shape),
+        "vae": tiny_vae_config(width),
+        "text_encoder": dict(
+            vocab_size=CLIP_VOCAB_SIZE,
+            hidden_size=cross_dim,
+            intermediate_size=cross_dim * 2,
+            num_hidden_layers=text_layers,
+            num_attention_heads=max(1, cross_dim // 16),
+            max_position_embeddings=77,
+            bos_token_id=CLIP_VOCAB_SIZE - 2,
+            eos_token_id=CLIP_VOCAB_SIZE - 1,
+            pad_token_id=CLIP_VOCAB_SIZE - 1,
+        ),
+    }
+
+
+def build_tiny_components(
+    seed: int = 0,
+    width: int = 32,
+    text_layers: int = 2,
+    cross_dim: int | None = None,
+    unet_shape: str = "tiny",
+) -> dict:
+    """Build the tiny UNet, VAE and text encoder (whole, ordinary modules) from configs."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from ..runtime.zero3 import zero3_init_disabled
+
+    cfg = tiny_component_configs(width, text_layers, cross_dim, unet_shape)
+    with zero3_init_disabled():
+        torch.manual_seed(seed)
+        unet = UNet2DConditionModel(**cfg["unet"])
+        vae = AutoencoderKL(**cfg["vae"])
+        text_encoder = CLIPTextModel(CLIPTextConfig(**cfg["text_encoder"]))
+    return {"unet": unet, "vae": vae, "text_encoder": text_encoder}
+
+
+def sd_scheduler():
+    """SD 1.5's ``DDPMScheduler`` settings."""
+    from diffusers import DDPMScheduler
+
+    return DDPMScheduler(
+        beta_schedule="scaled_linear",
+        beta_start=0.00085,
+        beta_end=0.012,
+        num_train_timesteps=1000,
+        steps_offset=1,
+        clip_sample=False,
+    )
+
+
+def save_tiny_sd_pipeline(
+    folder: str | os.PathLike, seed: int = 0, width: int = 32, text_layers: int = 2, unet_shape: str = "tiny"
+) -> Path:
+    """Save a tiny ``StableDiffusionPipeline`` folder (fp32 safetensors) and return its path.
+
+    Not a collective: call it on one rank (or before launching) and share the folder.
+    """
+    folder = Path(folder)
+    parts = build_tiny_components(seed, width, text_layers, unet_shape=unet_shape)
+    pipe = SD.pipeline(
+        parts["unet"],
+        parts["vae"],
+        {"text_encoder": parts["text_encoder"]},
+        {"text_encoder": local_clip_tokenizer(folder)},
+        sd_scheduler(),
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+# -------------------------------------------------------------------------------- SDXL
+
+
+def save_tiny_sdxl_pipeline(folder: str | os.PathLike, seed: int = 0, width: int = 32) -> Path:
+    """Save a tiny ``StableDiffusionXLPipeline`` folder (fp32 safetensors) and return its path.
+
+    The real SDXL layout: a ``text_time`` UNet conditioned on two CLIP encoders (the second
+    with a projection, whose pooled output is ``text_embeds``), two tokenizers, a VAE and an
+    Euler scheduler, with the shapes of diffusers' own SDXL pipeline tests. Not a collective.
+    """
+    from diffusers import AutoencoderKL, EulerDiscreteScheduler, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    from ..runtime.zero3 import zero3_init_disabled
+
+    folder = Path(folder)
+    text_cfg = tiny_clip_config()
+    time_dim, proj_dim = 8, text_cfg["projection_dim"]
+    with zero3_init_disabled():
+        torch.manual_seed(seed)
+        unet = UNet2DConditionModel(
+            sample_size=16,
+            in_channels=4,
+            out_channels=4,
+            layers_per_block=1,
+            block_out_channels=(width, width * 2),
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            attention_head_dim=(2, 4),
+            use_linear_projection=True,
+            addition_embed_type="text_time",
+            addition_time_embed_dim=time_dim,
+            transformer_layers_per_block=(1, 2),
+            projection_class_embeddings_input_dim=6 * time_dim + proj_dim,
+            cross_attention_dim=2 * text_cfg["hidden_size"],
+            norm_num_groups=min(32, width // 2),
+        )
+        vae = AutoencoderKL(**tiny_vae_config(width))
+        text_encoder = CLIPTextModel(CLIPTextConfig(**text_cfg))
+        text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**text_cfg))
+    tokenizer = local_clip_tokenizer(folder)
+    scheduler = EulerDiscreteScheduler(
+        beta_schedule="scaled_linear",
+        beta_start=0.00085,
+        beta_end=0.012,
+        steps_offset=1,
+        timestep_spacing="leading",
+    )
+    pipe = SDXL.pipeline(
+        unet,
+        vae,
+        {"text_encoder": text_encoder, "text_encoder_2": text_encoder_2},
+        {"text_encoder": tokenizer, "text_encoder_2": tokenizer},
+        scheduler,
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+# -------------------------------------------------------------------------------- SD3
+
+
+def save_tiny_sd3_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
+    """Save a tiny ``StableDiffusion3Pipeline`` folder (fp32 safetensors) and return its path.
+
+    SD3's layout with small shapes: an ``SD3Transformer2DModel`` conditioned on two CLIP
+    encoders with projections (pooled outputs concatenated) and a T5 encoder
+    (``text_encoder_3``, whose width the CLIP states are padded to), a VAE with
+    ``shift_factor`` and a flow-matching Euler scheduler. Not a collective.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    from ..runtime.zero3 import zero3_init_disabled
+
+    folder = Path(folder)
+    t5_width = 64  # >= the two CLIP widths together (32 + 32), as in SD3 (2048 <= 4096)
+    t5_tokenizer = local_t5_tokenizer(folder)
+    with zero3_init_disabled():
+        torch.manual_seed(seed)
+        transformer = SD3Transformer2DModel(
+            sample_size=16,
+            patch_size=1,
+            in_channels=4,
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            caption_projection_dim=32,
+            joint_attention_dim=t5_width,
+            pooled_projection_dim=64,
+            pos_embed_max_size=32,
+        )
+        text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(**tiny_clip_config()))
+        text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**tiny_clip_config()))
+        text_encoder_3 = tiny_t5_encoder(t5_width, len(t5_tokenizer))
+        vae = tiny_flow_vae(4)
+    clip_tokenizer = local_clip_tokenizer(folder)
+    pipe = SD3.pipeline(
+        transformer,
+        vae,
+        {"text_encoder": text_encoder, "text_encoder_2": text_encoder_2, "text_encoder_3": text_encoder_3},
+        {"text_encoder": clip_tokenizer, "text_encoder_2": clip_tokenizer, "text_encoder_3": t5_tokenizer},
+        FlowMatchEulerDiscreteScheduler(shift=3.0),
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+# -------------------------------------------------------------------------------- Flux.1
+
+
+def save_tiny_flux_pipeline(folder: str | os.PathLike, seed: int = 0, guidance_embeds: bool = True) -> Path:
+    """Save a tiny ``FluxPipeline`` folder (fp32 safetensors) and return its path.
+
+    Flux.1's layout with small shapes: a ``FluxTransformer2DModel`` (double- and single-stream
+    blocks, 2x2-packed latents, rotary ``img_ids``/``txt_ids``, guidance embedding when
+    ``guidance_embeds``) conditioned on CLIP's pooled output and a T5 encoder's hidden states
+    (``text_encoder_2``, with a locally written unigram tokenizer), a 16-channel-latent VAE
+    with ``shift_factor`` and a flow-matching Euler scheduler. Not a collective.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from ..runtime.zero3 import zero3_init_disabled
+
+    folder = Path(folder)
+    t5_tokenizer = local_t5_tokenizer(folder)
+    with zero3_init_disabled():
+        torch.manual_seed(seed)
+        transformer = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=16 * 4,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            pooled_projection_dim=32,
+            guidance_embeds=guidance_embeds,
+            axes_dims_rope=(4, 4, 8),
+        )
+        text_encoder = CLIPTextModel(CLIPTextConfig(**tiny_clip_config()))
+        text_encoder_2 = tiny_t5_encoder(32, len(t5_tokenizer))
+        vae = tiny_flow_vae(16)
+    pipe = FLUX.pipeline(
+        transformer,
+        vae,
+        {"text_encoder": text_encoder, "text_encoder_2": text_encoder_2},
+        {"text_encoder": local_clip_tokenizer(folder), "text_encoder_2": t5_tokenizer},
+        FlowMatchEulerDiscreteScheduler(shift=3.0),
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+# -------------------------------------------------------------------------------- Qwen-Image
+
+
+def save_tiny_qwenimage_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
+    """Save a tiny ``QwenImagePipeline`` folder (fp32 safetensors) and return its path.
+
+    The shapes of diffusers' Qwen-Image pipeline tests (a 2-block transformer, a 2-layer
+    Qwen2.5-VL with a 2-block vision tower), a smaller 4x-downsampling VAE with per-channel
+    statistics that are not 0 and 1 (so that a missing normalisation shows), the published
+    scheduler, and a locally written tokenizer. Not a collective.
+    """
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from ..runtime.zero3 import zero3_init_disabled
+
+    folder = Path(folder)
+    tokenizer = read_back(write_qwenimage_tokenizer, folder)
+    tid = tokenizer.convert_tokens_to_ids
+    with zero3_init_disabled():
+        torch.manual_seed(seed)
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=16,
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=3,
+            joint_attention_dim=16,
+            guidance_embeds=False,
+            axes_dims_rope=(8, 4, 4),
+        )
+        vae = AutoencoderKLQwenImage(
+            base_dim=8,
+            z_dim=4,
+            dim_mult=[1, 2, 2],
+            num_res_blocks=1,
+            temperal_downsample=[False, True],
+            latents_mean=[-0.25, 0.1, 0.4, -0.05],
+            latents_std=[1.5, 0.75, 1.25, 2.0],
+        )
+        config = Qwen2_5_VLConfig(
+            text_config=dict(
+                vocab_size=len(tokenizer),
+                hidden_size=16,
+                intermediate_size=16,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                max_position_embeddings=2048,
+                rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
+                rope_theta=1000000.0,
+                bos_token_id=tid("<|endoftext|>"),
+                eos_token_id=tid("<|im_end|>"),
+            ),
+            vision_config=dict(
+                depth=2,
+                hidden_size=16,
+                intermediate_size=16,
+                num_heads=2,
+                out_hidden_size=16,
+                fullatt_block_indexes=[1],
+            ),
+            image_token_id=tid("<|image_pad|>"),
+            video_token_id=tid("<|video_pad|>"),
+            vision_start_token_id=tid("<|vision_start|>"),
+            vision_end_token_id=tid("<|vision_end|>"),
+            tie_word_embeddings=False,
+        )
+        text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+    pipe = QWENIMAGE.pipeline(
+        transformer,
+        vae,
+        {"text_encoder": text_encoder},
+        {"text_encoder": tokenizer},
+        FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+# -------------------------------------------------------------------------------- Z-Image
+
+
+def save_tiny_zimage_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
+    """Save a tiny ``ZImagePipeline`` folder (fp32 safetensors) and return its path.
+
+    The transformer of diffusers' Z-Image pipeline tests (2 blocks and 1 refiner block of each
+    kind, pad tokens of ones) with a caption RoPE axis long enough for 512-token prompts, a
+    3-layer ``Qwen3Model`` (so ``hidden_states[-2]`` is neither the first nor the last layer's
+    output), a 16-channel-latent VAE with Z-Image's scale and shift, Turbo's scheduler and a
+    locally written tokenizer. Not a collective.
+    """
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    from ..runtime.zero3 import zero3_init_disabled
+
+    folder = Path(folder)
+    tokenizer = read_back(write_zimage_tokenizer, folder)
+    tid = tokenizer.convert_tokens_to_ids
+    with zero3_init_disabled():
+        torch.manual_seed(seed)
+        transformer = ZImageTransformer2DModel(
+            all_patch_size=(2,),
+            all_f_patch_size=(1,),
+            in_channels=16,
+            dim=32,
+            n_layers=2,
+            n_refiner_layers=1,
+            n_heads=2,
+            n_kv_heads=2,
+            norm_eps=1e-5,
+            qk_norm=True,
+            cap_feat_dim=16,
+            rope_theta=256.0,
+            t_scale=1000.0,
+            axes_dims=[8, 4, 4],
+            axes_lens=[1024, 32, 32],  # caption positions 1..ceil32(L), then the image: L up to 512 fits
+        )
+        with torch.no_grad():  # as diffusers' test: pad tokens that are not zero
+            transformer.x_pad_token.fill_(1.0)
+            transformer.cap_pad_token.fill_(1.0)
+        vae = AutoencoderKL(
+            **tiny_vae_config(16, latent_channels=16),
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            scaling_factor=0.3611,
+            shift_factor=0.1159,
+        )
+        text_encoder = Qwen3Model(
+            Qwen3Config(
+                vocab_size=len(tokenizer),
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=3,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=8,
+                max_position_embeddings=1024,
+                rope_theta=1000000,
+                tie_word_embeddings=True,
+                bos_token_id=tid("<|endoftext|>"),
+                eos_token_id=tid("<|im_end|>"),
+            )
+        ).eval()
+    pipe = ZIMAGE.pipeline(
+        transformer,
+        vae,
+        {"text_encoder": text_encoder},
+        {"text_encoder": tokenizer},
+        FlowMatchEulerDiscreteScheduler(**ZIMAGE_TURBO_SCHEDULER),
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+# -------------------------------------------------------------------------------- HiDream-I1
+
+
+# diffusers tests/pipelines/hidream_image/test_pipeline_hidream.py's tiny transformer
+HIDREAM_TRANSFORMER = dict(
+    patch_size=2,
+    in_channels=4,
+    out_channels=4,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=8,
+    num_attention_heads=4,
+    caption_channels=[32, 16],  # the tiny T5's d_model, the tiny Llama's hidden size
+    text_emb_dim=64,  # the two tiny CLIPs' projections
+    num_routed_experts=4,
+    num_activated_experts=2,
+    axes_dims_rope=(4, 2, 2),
+    max_resolution=(32, 32),  # latent pixels: 256 patches, up to 64 px images
+    llama_layers=(0, 1),
+)
+
+
+def llama_folder_of(folder: str | os.PathLike) -> Path:
+    """Where ``save_tiny_hidream_pipeline`` puts the tiny Llama of the pipeline ``folder``."""
+    return Path(str(folder) + "-llama")
+
+
+def save_tiny_hidream_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
+    """Save a tiny ``HiDreamImagePipeline`` folder (fp32 safetensors) and return its path.
+
+    As the published repos, the folder has no Llama (``text_encoder_4`` and ``tokenizer_4``
+    are null in model_index.json, so loading needs them given): the tiny ``LlamaForCausalLM``
+    and its tokenizer are saved at the root of ``<folder>-llama``, as a Llama hub repo. The
+    transformer is diffusers' test config (an MoE of 4 experts in each of its 2 blocks); two
+    CLIPs with projection and 248 positions (first-EOS pooling), a gated-gelu T5, a 2-layer
+    Llama, a Flux-like VAE (no quant convs, 2x downsampling, HiDream's scale and shift) and
+    the training scheduler (Euler, shift 3.0). Not a collective.
+    """
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        HiDreamImagePipeline,
+        HiDreamImageTransformer2DModel,
+    )
+    from transformers import (
+        AutoTokenizer,
+        CLIPTextConfig,
+        CLIPTextModelWithProjection,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    from ..runtime.zero3 import zero3_init_disabled
+
+    folder = Path(folder)
+    llama_folder = llama_folder_of(folder)
+    clip_tokenizer = local_clip_tokenizer(folder)
+    t5_tokenizer = local_t5_tokenizer(folder)
+    llama_tokenizer = AutoTokenizer.from_pretrained(write_llama3_tokenizer(llama_folder))
+    clip_config = CLIPTextConfig(**dict(tiny_clip_config(), max_position_embeddings=248))
+    with zero3_init_disabled():
+        torch.manual_seed(seed)
+        transformer = HiDreamImageTransformer2DModel(**HIDREAM_TRANSFORMER)
+        text_encoder = CLIPTextModelWithProjection(clip_config)
+        text_encoder_2 = CLIPTextModelWithProjection(clip_config)
+        text_encoder_3 = tiny_t5_encoder(32, len(t5_tokenizer))
+        text_encoder_4 = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=len(llama_tokenizer),
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=2048,
+                rope_theta=500000.0,
+                bos_token_id=llama_tokenizer.bos_token_id,
+                eos_token_id=llama_tokenizer.eos_token_id,
+                tie_word_embeddings=False,
+            )
+        )
+        vae = AutoencoderKL(
+            **tiny_vae_config(16, 4),
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            scaling_factor=0.3611,
+            shift_factor=0.1159,
+        )
+    pipe = HiDreamImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=TRAINING_SHIFT),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=clip_tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=clip_tokenizer,
+        text_encoder_3=text_encoder_3,
+        tokenizer_3=t5_tokenizer,
+        text_encoder_4=None,
+        tokenizer_4=None,
+        transformer=transformer,
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    text_encoder_4.save_pretrained(llama_folder, safe_serialization=True)
+    return folder
+
+
+# -------------------------------------------------------------------------------- Flux.2
+
+
+FLUX2_TEXT_HIDDEN = 16
+
+
+def _flux2_vae(seed: int):
+    """Two blocks (2x down), 4 latent channels (16 patchified), batch-norm statistics that are
+    not 0 and 1 (so that a missing normalisation shows)."""
+    from diffusers import AutoencoderKLFlux2
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLFlux2(
+        sample_size=32,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+    )
+    # Statistics that are not 0 and 1 make a missing normalisation show.
+    generator = torch.Generator().manual_seed(seed + 1)  # CPU: the tiny VAE is built there and saved
+    with torch.no_grad():
+        # CPU: as the generator
+        vae.bn.running_mean.copy_(0.1 * torch.randn(vae.bn.num_features, generator=generator))
+        # CPU: as the generator
+        vae.bn.running_var.copy_(0.5 + torch.rand(vae.bn.num_features, generator=generator))
+    return vae
+
+
+def _flux2_transformer(seed: int, guidance_embeds: bool):
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(seed)
+    return Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=3 * FLUX2_TEXT_HIDDEN,
+        timestep_guidance_channels=256,
+        mlp_ratio=3.0,
+        axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=guidance_embeds,
+    )
+
+
+def _flux2_text_config(layers: int) -> dict:
+    """Width 16 and enough layers that the default stacked layers are intermediate states
+    before the final norm, as on the published models. No pad_token_id, as published."""
+    return dict(
+        hidden_size=FLUX2_TEXT_HIDDEN,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=2048,
+        pad_token_id=None,
+    )
+
+
+def save_tiny_flux2_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
+    """Save a tiny ``Flux2Pipeline`` folder (fp32 safetensors) and return its path: a 1+1-block
+    guidance-embedded transformer, a 31-layer Mistral 3 VLM (a 1-layer Pixtral tower that never
+    runs) with a locally written tokenizer saved as a plain tokenizer (a ``PixtralProcessor``
+    needs torchvision), the VAE of ``_flux2_vae`` and FLUX.2's scheduler. Not a collective."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    from ..runtime.zero3 import zero3_init_disabled
+
+    folder = Path(folder)
+    tokenizer = read_back(write_mistral3_tokenizer, folder)
+    tid = tokenizer.convert_tokens_to_ids
+    with zero3_init_disabled():
+        transformer = _flux2_transformer(seed, guidance_embeds=True)
+        vae = _flux2_vae(seed)
+        config = Mistral3Config(
+            text_config=dict(
+                _flux2_text_config(31),
+                model_type="mistral",
+                vocab_size=len(tokenizer),
+                rms_norm_eps=1e-5,
+                rope_theta=1000000000.0,
+                sliding_window=None,
+                bos_token_id=tid("<s>"),
+                eos_token_id=tid("</s>"),
+                tie_word_embeddings=False,
+            ),
+            vision_config=dict(
+                model_type="pixtral",
+                hidden_size=8,
+                intermediate_size=8,
+                num_hidden_layers=1,
+                num_attention_heads=1,
+                head_dim=8,
+                image_size=16,
+                patch_size=8,
+                num_channels=3,
+                hidden_act="silu",
+            ),
+            image_token_index=tid("[IMG]"),
+            spatial_merge_size=1,
+            projector_hidden_act="gelu",
+            multimodal_projector_bias=False,
+            vision_feature_layer=-1,
+            tie_word_embeddings=False,
+            bos_token_id=tid("<s>"),
+            eos_token_id=tid("</s>"),
+            pad_token_id=None,
+        )
+        torch.manual_seed(seed)
+        text_encoder = Mistral3ForConditionalGeneration(config).eval()
+    pipe = FLUX2.pipeline(
+        transformer,
+        vae,
+        {"text_encoder": text_encoder},
+        {"text_encoder": tokenizer},
+        FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER),
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def save_tiny_flux2_klein_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
+    """Save a tiny ``Flux2KleinPipeline`` folder (fp32 safetensors, a base model: not
+    ``is_distilled``) and return its path: a 1+1-block transformer without guidance embedding,
+    a 28-layer Qwen3 (tied embeddings, as Qwen3-4B) with a locally written tokenizer, the VAE
+    of ``_flux2_vae`` and FLUX.2's scheduler. Not a collective."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from ..runtime.zero3 import zero3_init_disabled
+
+    folder = Path(folder)
+    tokenizer = read_back(write_qwen3_tokenizer, folder)
+    with zero3_init_disabled():
+        transformer = _flux2_transformer(seed, guidance_embeds=False)
+        vae = _flux2_vae(seed)
+        config = Qwen3Config(
+            **_flux2_text_config(28),
+            vocab_size=len(tokenizer),
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            bos_token_id=None,
+            eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        )
+        torch.manual_seed(seed)
+        text_encoder = Qwen3ForCausalLM(config).eval()
+    pipe = FLUX2_KLEIN.pipeline(
+        transformer,
+        vae,
+        {"text_encoder": text_encoder},
+        {"text_encoder": tokenizer},
+        FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER),
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+# -------------------------------------------------------------------------------- Wan
+
+
+WAN_LATENTS_MEAN = [-0.25, 0.1, 0.4, -0.05, 0.3, -0.6, 0.15, 0.0]
+WAN_LATENTS_STD = [1.5, 0.75, 1.25, 2.0, 0.5, 1.1, 0.9, 1.7]
+
+
+def tiny_wan_components(family: Wan, vocab_size: int, seed: int = 0) -> dict:
+    """The tiny models of ``family``: diffusers' Wan pipeline-test transformer (2 blocks, 2
+    heads of 12) on a tiny causal VAE of the published structure (8x spatial, 4x temporal;
+    TI2V-5B: Wan 2.2's residual VAE with 2x2 patchify, 16x spatial) with per-channel statistics
+    that are not 0 and 1, and a 2-layer umT5; two experts for Wan 2.2 A14B (seeds differ)."""
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from ..runtime.zero3 import zero3_init_disabled
+
+    z_dim = len(WAN_LATENTS_MEAN)
+    with zero3_init_disabled():
+        torch.manual_seed(seed)
+        if family.expand_timesteps:
+            vae = AutoencoderKLWan(
+                base_dim=8, decoder_base_dim=8, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
+                patch_size=2, scale_factor_temporal=4, scale_factor_spatial=16,
+                latents_mean=WAN_LATENTS_MEAN, latents_std=WAN_LATENTS_STD,
+            )  # fmt: skip
+        else:
+            vae = AutoencoderKLWan(
+                base_dim=4, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                temperal_downsample=[False, True, True], latents_mean=WAN_LATENTS_MEAN,
+                latents_std=WAN_LATENTS_STD,
+            )  # fmt: skip
+        experts = {}
+        for i, name in enumerate(family.experts):
+            torch.manual_seed(seed + 1 + i)
+            experts[name] = WanTransformer3DModel(
+                patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=z_dim,
+                out_channels=z_dim, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2,
+                cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+            )  # fmt: skip
+        torch.manual_seed(seed + 10)
+        text_encoder = UMT5EncoderModel(
+            UMT5Config(
+                vocab_size=vocab_size, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", is_encoder_decoder=False,
+                pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+            )
+        ).eval()  # fmt: skip
+    return {"vae": vae, "text_encoder": text_encoder, **experts}
+
+
+def save_tiny_wan_pipeline(family: Wan, folder: str | os.PathLike, seed: int = 0) -> Path:
+    """Save a tiny ``WanPipeline`` folder of ``family`` (fp32 safetensors; Wan 2.2 A14B with
+    both experts and ``boundary_ratio``, TI2V-5B with ``expand_timesteps``), the published UniPC
+    scheduler and a locally written umT5 tokenizer, and return its path. Not a collective."""
+    from diffusers import UniPCMultistepScheduler
+
+    folder = Path(folder)
+    tokenizer = read_back(write_umt5_tokenizer, folder)
+    parts = tiny_wan_components(family, len(tokenizer), seed)
+    scheduler = UniPCMultistepScheduler(
+        **dict(WAN_SCHEDULER, flow_shift=5.0 if family.expand_timesteps else 3.0)
+    )
+    pipe = family.pipeline(
+        {name: parts[name] for name in family.experts},
+        parts["vae"],
+        {"text_encoder": parts["text_encoder"]},
+        {"text_encoder": tokenizer},
+        scheduler,
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+# -------------------------------------------------------------------------------- by family
+
+# Every family's tiny pipeline, by short name: ``builder(folder, seed)``.
+TINY_PIPELINES: dict[str, Callable[[str | os.PathLike, int], Path]] = {
+    "sd": save_tiny_sd_pipeline,
+    "sdxl": save_tiny_sdxl_pipeline,
+    "sd3": save_tiny_sd3_pipeline,
+    "flux": save_tiny_flux_pipeline,
+    "qwenimage": save_tiny_qwenimage_pipeline,
+    "zimage": save_tiny_zimage_pipeline,
+    "hidream": save_tiny_hidream_pipeline,
+    "flux2": save_tiny_flux2_pipeline,
+    "flux2-klein": save_tiny_flux2_klein_pipeline,
+    "wan": partial(save_tiny_wan_pipeline, WAN),
+    "wan22": partial(save_tiny_wan_pipeline, WAN22),
+    "wan22_5b": partial(save_tiny_wan_pipeline, WAN22_5B),
+}
+
+
+def save_tiny_pipeline(family: Family, folder: str | os.PathLike, seed: int = 0) -> Path:
+    """Save the tiny pipeline of ``family`` (its builder in ``TINY_PIPELINES``) to ``folder``
+    and return the folder. Not a collective: call it on one rank and share the folder."""
+    if family.name not in TINY_PIPELINES:
+        raise NotImplementedError(
+            f"{family.name} has no tiny pipeline: add one to demo.pipelines.TINY_PIPELINES"
+        )
+    return TINY_PIPELINES[family.name](folder, seed)
