@@ -4,7 +4,7 @@ PYTHON ?= python3
 # constraints.txt pins the versions the suite was run with (torch is not pinned there).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test test-unit test-gpu train train-reward train-dpo train-dreambooth train-controlnet smoke-gpu bench style quality clean
+.PHONY: install test test-unit test-fast test-gpu train train-reward train-dpo train-dreambooth train-controlnet smoke-gpu bench style quality clean
 
 install:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH_SPEC)"
@@ -13,9 +13,13 @@ install:
 test:
 	$(PYTHON) -m pytest tests -q
 
-# the fast tier alone (single process, about a minute)
+# the unit tier alone (single process, under two minutes)
 test-unit:
 	$(PYTHON) -m pytest tests -q -m unit
+
+# the fast tier: unit and multirank (real ranks through the harness), no script launches
+test-fast:
+	$(PYTHON) -m pytest tests -q -m "unit or multirank"
 
 # GPU hosts: the gpu tier alone (bf16 ZeRO-3 end to end on every GPU, NCCL); skipped without CUDA.
 # `make test` runs it too; the other tiers keep their ranks on the CPU there.
