@@ -291,7 +291,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # flags of the groups every script shares (add_*_args) and of text_to_image_parser, by rule
-COMMON_POSITIVE_FLAGS = ("train_batch_size", "max_train_steps", "checkpointing_steps", "resolution")
+COMMON_POSITIVE_FLAGS = (
+    "train_batch_size",
+    "max_train_steps",
+    "checkpointing_steps",
+    "checkpoints_total_limit",
+    "resolution",
+)
 TEXT_TO_IMAGE_POSITIVE_FLAGS = (
     "gradient_accumulation_steps",
     "num_train_epochs",
@@ -318,10 +324,6 @@ def validate_common_args(args: argparse.Namespace) -> None:
     work as given. Checks the flags alone, before anything is built or written (an unknown
     ``--report_to`` would otherwise fail inside accelerate first)."""
     check_positive(args, COMMON_POSITIVE_FLAGS)
-    if args.checkpoints_total_limit is not None and args.checkpoints_total_limit <= 0:
-        raise ArgumentError(
-            f"--checkpoints_total_limit must be a positive number, got {args.checkpoints_total_limit}"
-        )
     if args.process_group_timeout <= 0:
         raise ArgumentError(f"--process_group_timeout must be positive, got {args.process_group_timeout}")
     if args.resolution % 8:

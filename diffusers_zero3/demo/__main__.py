@@ -20,6 +20,9 @@ from . import (
 
 
 def main(argv: list[str] | None = None) -> None:
+    """``python -m diffusers_zero3.demo [FOLDER] --model NAME [...]``: write the embedded
+    default's tiny pipeline and data into FOLDER (with ``--shell``, print them as shell
+    assignments); an unknown model is one ``error:`` line and exit 2."""
     parser = argparse.ArgumentParser(description="Generate the embedded default's pipeline and data.")
     parser.add_argument("folder", nargs="?", default="outputs/default")
     parser.add_argument("--model", default="sd", help=f"a family's short name: {', '.join(MODELS)}")

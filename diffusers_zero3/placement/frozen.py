@@ -31,7 +31,7 @@ from ..runtime.zero3 import (
     set_moe_leaf_modules,
     zero3_init_disabled,
 )
-from ..state.pretrained import cast_persistent_buffers, load_pretrained_zero3
+from ..state.pretrained import buffers_to, cast_persistent_buffers, load_pretrained_zero3
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -167,14 +167,6 @@ def _move(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> N
     model.to(device=device)
 
 
-def _buffers_to(model: torch.nn.Module, device: torch.device) -> None:
-    """Move ``model``'s buffers (not its parameters) to ``device``."""
-    for module in model.modules():
-        for name, buffer in module._buffers.items():
-            if buffer is not None and buffer.device != device:
-                module._buffers[name] = buffer.to(device)
-
-
 def _default_device(accelerator: Accelerator | None) -> torch.device:
     if accelerator is not None:
         return accelerator.device
@@ -292,7 +284,7 @@ def _shard(model, placement, accelerator, ds_config, micro_batch_size, dtype, na
         deepspeed.zero.Init(module=model, config_dict_or_path=cfg, mem_efficient_linear=False)
         # zero.Init builds a new model's buffers on the device; a converted one keeps them
         # where they were, and DeepSpeed's engine does not move a partitioned model.
-        _buffers_to(model, torch.device(get_accelerator().current_device_name()))
+        buffers_to(model, torch.device(get_accelerator().current_device_name()))
     engine, *_ = deepspeed.initialize(model=model, config=cfg)
     trim_zero3_overhead(engine)
     _register_zero3_engine()

@@ -262,12 +262,17 @@ def build_partitioned(
     partition_new_parameters(init, dtype, broadcast)
     with default_dtype(dtype), init:
         model = build()
-    device = torch.device(get_accelerator().current_device_name())
+    buffers_to(model, torch.device(get_accelerator().current_device_name()))
+    return model
+
+
+def buffers_to(model: torch.nn.Module, device: torch.device) -> None:
+    """Move ``model``'s buffers (not its parameters) to ``device``: a partitioned model's
+    buffers, which DeepSpeed's engine does not move. Not a collective."""
     for module in model.modules():
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.device != device:
                 module._buffers[name] = buffer.to(device)
-    return model
 
 
 def keeps_fp32(model: torch.nn.Module, name: str, dtype: torch.dtype) -> bool:
