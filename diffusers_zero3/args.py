@@ -1,4 +1,12 @@
-"""Command line of ``scripts/train_text_to_image.py``: diffusers' flags, plus placements.
+"""Command line of the training scripts: each recipe's settings as one typed object.
+
+A recipe's settings are a dataclass (``TextToImageSettings`` here; DreamBooth's, ControlNet's,
+DPO's and the reward recipe's in ``recipes/``) whose fields are its flags: name, type, default,
+help, choices. ``settings_parser(cls)`` turns the class into an ``argparse`` parser (as trl's
+``HfArgumentParser`` turns its configs), ``cls.parse(argv)`` returns the typed object, and
+library code reads attributes of it. Shared groups (optimizer, tracking, checkpoints,
+placements) are base classes, so a flag is defined once for every recipe; a recipe changes a
+shared flag's default with ``redefault``.
 
 Every flag of diffusers' ``examples/text_to_image/train_text_to_image.py`` is accepted with
 the same name, default and meaning, so an existing launch command works unchanged; a flag
@@ -8,92 +16,240 @@ that cannot apply here fails in ``validate_args`` with one clear message.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
+import types
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, TypeVar
 
 from .errors import ArgumentError
 from .families.objectives import TIMESTEP_BIAS_STRATEGIES, WEIGHTING_SCHEMES
 
 PLACEMENT_CHOICES = ("replicate", "shard", "offload", "cache")
+FROZEN_PLACEMENT_CHOICES = (*PLACEMENT_CHOICES, "auto")
+ENGINE_PLACEMENT_CHOICES = ("replicate", "shard", "offload")  # a model called live (no cache)
+
+S = TypeVar("S", bound="Settings")
 
 
-def add_optimizer_args(parser: argparse.ArgumentParser, learning_rate: float = 1e-4) -> None:
+def flag(
+    default: Any = None,
+    help: str | Callable[[], str] = "",
+    *,
+    choices: Sequence[str] | None = None,
+    nargs: str | None = None,
+    required: bool = False,
+    metavar: str | None = None,
+    append: bool = False,
+    group: str | None = None,
+) -> Any:
+    """A settings field that is a command-line flag ``--<field name>``.
+
+    Args:
+        default: its value when not given (a list default is copied per object).
+        help: the help text, or a function returning it (computed when the parser is built).
+        choices: the values it accepts.
+        nargs: ``argparse``'s nargs for a list field (default ``"+"``).
+        required: the command line must give it.
+        metavar: the value's name in the help.
+        append: a list field that takes one value per repetition (``--component A --component B``).
+        group: the help section (default: the ``GROUP`` of the class that defines the field).
+
+    Example:
+        >>> @dataclasses.dataclass
+        ... class Mine(Settings):
+        ...     steps: int = flag(10, "Optimisation steps.")
+        >>> Mine.parse(["--steps", "3"]).steps
+        3
+    """
+    metadata = {"help": help, "choices": choices, "nargs": nargs, "required": required,
+                "metavar": metavar, "append": append, "group": group}  # fmt: skip
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def redefault(settings: type, name: str, default: Any) -> Any:
+    """The field ``name`` of ``settings`` (help, choices, group) with another default: a
+    recipe's own default of a shared flag, e.g. DreamBooth's ``learning_rate = redefault(
+    TextToImageSettings, "learning_rate", 5e-6)``."""
+    return flag(default, **settings.__dataclass_fields__[name].metadata)
+
+
+def _value_type(hint: Any) -> tuple[Any, bool]:
+    """``(type without None, whether None is allowed)`` of a field's annotation."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        members = [t for t in typing.get_args(hint) if t is not type(None)]
+        return members[0], len(members) < len(typing.get_args(hint))
+    return hint, False
+
+
+def _argparse_kwargs(field: dataclasses.Field, hint: Any) -> dict[str, Any]:
+    """``add_argument`` keywords of one settings field."""
+    m = field.metadata
+    default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+    kind, _ = _value_type(hint)
+    kwargs: dict[str, Any] = {"default": default, "help": m["help"]() if callable(m["help"]) else m["help"]}
+    if kind is bool:
+        if default is not False:
+            raise TypeError(f"the boolean flag --{field.name} must default to False (it is store_true)")
+        return {**kwargs, "action": "store_true"}
+    if typing.get_origin(kind) is list:
+        kwargs["type"] = typing.get_args(kind)[0]
+        if m["append"]:
+            kwargs["action"] = "append"
+        else:
+            kwargs["nargs"] = m["nargs"] or "+"
+    else:
+        kwargs["type"] = kind
+    for key in ("choices", "metavar"):
+        if m[key] is not None:
+            kwargs[key] = m[key]
+    if m["required"]:
+        kwargs["required"] = True
+    return kwargs
+
+
+@dataclasses.dataclass
+class Settings:
+    """Base of every recipe's settings: a dataclass whose fields (made with ``flag``) are its
+    command-line flags. ``DESCRIPTION`` is the parser's description, ``GROUP`` the help
+    section of the fields a class defines."""
+
+    DESCRIPTION: ClassVar[str] = ""
+    GROUP: ClassVar[str | None] = None
+
+    @classmethod
+    def parser(cls) -> argparse.ArgumentParser:
+        """The ``argparse`` parser of these settings (see ``settings_parser``)."""
+        return settings_parser(cls)
+
+    @classmethod
+    def parse(cls: type[S], argv: Sequence[str] | None = None) -> S:
+        """The settings from ``argv`` (default ``sys.argv``), resolved by ``resolve`` (which
+        may raise ``ArgumentError``); a malformed command line exits as argparse does."""
+        settings = cls(**vars(settings_parser(cls).parse_args(argv)))
+        settings.resolve()
+        return settings
+
+    def resolve(self) -> None:
+        """Fill the values that derive from others and check the recipe's own combinations
+        (raise ``ArgumentError``). A subclass extends it; the base does nothing."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{flag: value}`` (e.g. for a tracker's hyper-parameters)."""
+        return dataclasses.asdict(self)
+
+
+def settings_parser(settings: type[Settings]) -> argparse.ArgumentParser:
+    """An ``argparse`` parser with one ``--<name>`` flag per field of ``settings``, in field
+    order, in help sections by the ``GROUP`` of the class that first defines each field."""
+    parser = argparse.ArgumentParser(description=settings.DESCRIPTION)
+    hints = typing.get_type_hints(settings)
+    sections: dict[str, argparse._ArgumentGroup] = {}
+    for field in dataclasses.fields(settings):
+        title = field.metadata.get("group")
+        if title is None:
+            owner = next(
+                c for c in reversed(settings.__mro__) if field.name in vars(c).get("__annotations__", {})
+            )
+            title = vars(owner).get("GROUP")
+        target = parser if title is None else sections.setdefault(title, parser.add_argument_group(title))
+        target.add_argument(f"--{field.name}", **_argparse_kwargs(field, hints[field.name]))
+    return parser
+
+
+# ------------------------------------------------------------------ the groups every recipe shares
+
+
+@dataclasses.dataclass
+class OptimizerSettings(Settings):
     """AdamW and clipping flags, with diffusers' names and defaults."""
-    a = parser.add_argument_group("optimizer").add_argument
-    a("--learning_rate", type=float, default=learning_rate)
-    a("--adam_beta1", type=float, default=0.9)
-    a("--adam_beta2", type=float, default=0.999)
-    a("--adam_weight_decay", type=float, default=1e-2)
-    a("--adam_epsilon", type=float, default=1e-08)
-    a("--max_grad_norm", default=1.0, type=float)
+
+    GROUP: ClassVar[str | None] = "optimizer"
+    learning_rate: float = flag(1e-4, "Learning rate (after warmup).")
+    adam_beta1: float = flag(0.9)
+    adam_beta2: float = flag(0.999)
+    adam_weight_decay: float = flag(1e-2)
+    adam_epsilon: float = flag(1e-08)
+    max_grad_norm: float = flag(1.0)
 
 
-def add_tracking_args(parser: argparse.ArgumentParser, tracker_project_name: str) -> None:
+@dataclasses.dataclass
+class TrackingSettings(Settings):
     """Precision, trackers and logs, with diffusers' names and defaults."""
-    a = parser.add_argument_group("precision and logging").add_argument
-    a("--mixed_precision", type=str, default=None, choices=["no", "fp16", "bf16"])
-    a("--report_to", type=str, default="tensorboard", help="tensorboard, wandb, all or none.")
-    a("--logging_dir", type=str, default="logs", help="TensorBoard folder, inside --output_dir.")
-    a("--tracker_project_name", type=str, default=tracker_project_name)
+
+    GROUP: ClassVar[str | None] = "precision and logging"
+    mixed_precision: str | None = flag(None, choices=["no", "fp16", "bf16"])
+    report_to: str = flag("tensorboard", "tensorboard, wandb, all or none.")
+    logging_dir: str = flag("logs", "TensorBoard folder, inside --output_dir.")
+    tracker_project_name: str = flag("text2image-fine-tune")
 
 
-def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+@dataclasses.dataclass
+class CheckpointSettings(Settings):
     """Checkpoints, rotation, resume and EMA (see ``diffusers_zero3.state.resume`` for the rules)."""
-    a = parser.add_argument_group("checkpoints and EMA").add_argument
-    a("--checkpointing_steps", type=int, default=500, help="Save a resumable checkpoint every N steps.")
-    a("--checkpoints_total_limit", type=int, default=None, help="Keep the newest N checkpoints (N >= 1).")
-    a("--resume_from_checkpoint", type=str, default=None, help="'latest' or a checkpoint folder.")
-    a("--use_ema", action="store_true", help="Keep an EMA of the trained model (ShardedEMA under ZeRO-3).")
+
+    GROUP: ClassVar[str | None] = "checkpoints and EMA"
+    checkpointing_steps: int = flag(500, "Save a resumable checkpoint every N steps.")
+    checkpoints_total_limit: int | None = flag(None, "Keep the newest N checkpoints (N >= 1).")
+    resume_from_checkpoint: str | None = flag(None, "'latest' or a checkpoint folder.")
+    use_ema: bool = flag(False, "Keep an EMA of the trained model (ShardedEMA under ZeRO-3).")
 
 
-def add_placement_args(
-    parser: argparse.ArgumentParser, components: dict[str, str], choices=PLACEMENT_CHOICES
-) -> None:
-    """One ``--<component>_placement`` flag per frozen model (``{component: help}``),
-    ``--process_group_timeout`` and ``--return_freed_memory``."""
-    group = parser.add_argument_group("placements of frozen models")
-    for name, help_text in components.items():
-        default = "replicate" if name in ("text_encoder", "vae") else None  # others: families that have them
-        group.add_argument(f"--{name}_placement", default=default, choices=choices, help=help_text)
-    group.add_argument(
-        "--process_group_timeout", type=float, default=1800, help="Seconds before a collective gives up."
-    )
-    group.add_argument(
-        "--return_freed_memory",
-        action="store_true",
-        help="Have glibc hand freed blocks of 1 MiB or more back to the OS (memory.return_large_frees_to_os): "
+PLACEMENTS_GROUP = "placements of frozen models"
+
+
+@dataclasses.dataclass
+class ProcessSettings(Settings):
+    """The process group's timeout and the host-memory lever every recipe has."""
+
+    GROUP: ClassVar[str | None] = PLACEMENTS_GROUP
+    process_group_timeout: float = flag(1800, "Seconds before a collective gives up.")
+    return_freed_memory: bool = flag(
+        False,
+        "Have glibc hand freed blocks of 1 MiB or more back to the OS (memory.return_large_frees_to_os): "
         "a lower peak RSS per rank for ZeRO-3 on CPU hosts, at the cost of page faults (slower steps).",
     )
 
 
-def frozen_placement_help() -> dict[str, str]:
-    """``{frozen component: help}`` for every frozen model folder of any family (each gets a
-    ``--<name>_placement`` flag; a family without that component refuses the flag)."""
-    from .families import ALL_FAMILIES, FROZEN_COMPONENTS
+def _frozen_placement_help(name: str) -> Callable[[], str]:
+    """The help of ``--<name>_placement``: which families have ``name`` (read when the parser
+    is built, so that importing this module imports no family)."""
 
-    helps = {}
-    for name in FROZEN_COMPONENTS:
+    def text() -> str:
+        from .families import ALL_FAMILIES
+
         owners = [
             f"{f.title}: {f.component_library(name)[1]}" for f in ALL_FAMILIES if name in f.frozen_components
         ]
-        helps[name] = f"Where {name} lives ({'; '.join(owners)})."
-    return helps
+        return f"Where {name} lives ({'; '.join(owners)})."
+
+    return text
 
 
-def add_component_arg(parser: argparse.ArgumentParser) -> None:
+def placement_flag(
+    default: str | None, help: str | Callable[[], str], choices=FROZEN_PLACEMENT_CHOICES
+) -> Any:
+    """A ``--<component>_placement`` field (in the placements' help section)."""
+    return flag(default, help, choices=choices, group=PLACEMENTS_GROUP)
+
+
+def component_pairs_flag() -> Any:
     """``--component NAME=PATH`` (repeatable): a pipeline component from another folder."""
-    parser.add_argument(
-        "--component",
-        action="append",
-        default=[],
-        metavar="NAME=PATH",
-        help="Load the pipeline component NAME (e.g. text_encoder_4, tokenizer_4, vae, transformer) from "
+    return flag(
+        [],
+        "Load the pipeline component NAME (e.g. text_encoder_4, tokenizer_4, vae, transformer) from "
         "PATH, a folder or hub id that holds it, instead of the pipeline's own folder; repeatable. A text "
         "encoder's folder also gives its tokenizer when the pipeline has none. The output pipeline holds it.",
+        append=True,
+        metavar="NAME=PATH",
     )
 
 
-def component_overrides(args: argparse.Namespace) -> dict[str, str]:
+def component_overrides(args: TextToImageSettings) -> dict[str, str]:
     """``{component: path}`` from ``--component NAME=PATH`` (and
     ``--pretrained_vae_model_name_or_path``, the same as ``--component vae=PATH``); raises
     ``ArgumentError`` for a value without ``=``, a name that is not a plain folder name, or a
@@ -115,182 +271,145 @@ def component_overrides(args: argparse.Namespace) -> dict[str, str]:
     return overrides
 
 
-def text_to_image_parser() -> argparse.ArgumentParser:
-    """The argument parser: diffusers' text-to-image flags and this package's own."""
-    p = argparse.ArgumentParser(description="Fine-tune a Stable Diffusion UNet under DeepSpeed ZeRO-3.")
-    add_optimizer_args(p)
-    add_tracking_args(p, "text2image-fine-tune")
-    add_checkpoint_args(p)
-    add_placement_args(p, frozen_placement_help(), choices=(*PLACEMENT_CHOICES, "auto"))
-    a = p.add_argument
+@dataclasses.dataclass
+class CommonSettings(ProcessSettings, CheckpointSettings, TrackingSettings, OptimizerSettings):
+    """What every training recipe has: the model, the output folder, the seed, the resolution,
+    the batch and the number of steps, with the shared groups (optimizer, tracking,
+    checkpoints, process). ``validate_common_args`` checks them."""
+
+    pretrained_model_name_or_path: str | None = flag(None, "Pipeline folder or hub id.", required=True)
+    output_dir: str = flag("sd-model-finetuned", "Where checkpoints and the pipeline go.")
+    seed: int | None = flag(None, "A seed for reproducible training.")
+    resolution: int = flag(512, "Training image resolution.")
+    train_batch_size: int = flag(16, "Batch size per device.")
+    max_train_steps: int | None = flag(None, "Total optimisation steps; overrides epochs.")
+
+
+# ------------------------------------------------------------------ text to image
+
+
+@dataclasses.dataclass
+class TextToImageSettings(CommonSettings):
+    """The settings of ``scripts/train_text_to_image.py``: diffusers' text-to-image flags
+    (also those of its SDXL, SD3, Flux and LoRA scripts) and this package's own. The
+    DreamBooth, ControlNet and DPO settings extend it."""
+
+    DESCRIPTION: ClassVar[str] = "Fine-tune a diffusion pipeline's denoiser under DeepSpeed ZeRO-3."
+    # --- where each frozen model lives (a family without the component refuses its flag)
+    text_encoder_placement: str | None = placement_flag("replicate", _frozen_placement_help("text_encoder"))
+    text_encoder_2_placement: str | None = placement_flag(None, _frozen_placement_help("text_encoder_2"))
+    text_encoder_3_placement: str | None = placement_flag(None, _frozen_placement_help("text_encoder_3"))
+    text_encoder_4_placement: str | None = placement_flag(None, _frozen_placement_help("text_encoder_4"))
+    vae_placement: str | None = placement_flag("replicate", _frozen_placement_help("vae"))
     # --- diffusers' flags (same names, defaults and meanings)
-    a(
-        "--input_perturbation",
-        type=float,
-        default=0,
-        help="The scale of input perturbation (0.1 recommended).",
-    )
-    a(
-        "--pretrained_model_name_or_path",
-        type=str,
-        default=None,
-        required=True,
-        help="Pipeline folder or hub id.",
-    )
-    a("--revision", type=str, default=None, help="Revision of the pretrained model.")
-    a("--variant", type=str, default=None, help="Variant of the model files, e.g. fp16.")
-    a("--dataset_name", type=str, default=None, help="A datasets hub name or local dataset path.")
-    a("--dataset_config_name", type=str, default=None, help="The config of the dataset.")
-    a("--train_data_dir", type=str, default=None, help="An imagefolder with metadata.jsonl captions.")
-    a("--image_column", type=str, default="image", help="The column holding images.")
-    a("--caption_column", type=str, default="text", help="The column holding captions.")
-    a("--max_train_samples", type=int, default=None, help="Truncate the training set (debugging).")
-    a("--validation_prompts", type=str, default=None, nargs="+", help="Prompts for validation images.")
-    a("--output_dir", type=str, default="sd-model-finetuned", help="Where checkpoints and the pipeline go.")
-    a("--cache_dir", type=str, default=None, help="Where downloaded models and datasets are stored.")
-    a("--seed", type=int, default=None, help="A seed for reproducible training.")
-    a("--resolution", type=int, default=512, help="Training image resolution.")
-    a("--center_crop", default=False, action="store_true", help="Center crop instead of random crop.")
-    a("--random_flip", action="store_true", help="Randomly flip images horizontally.")
-    a("--train_batch_size", type=int, default=16, help="Batch size per device.")
-    a("--num_train_epochs", type=int, default=100)
-    a("--max_train_steps", type=int, default=None, help="Total optimisation steps; overrides epochs.")
-    a("--gradient_accumulation_steps", type=int, default=1)
-    a("--gradient_checkpointing", action="store_true", help="Trade compute for memory in the UNet.")
-    a("--scale_lr", action="store_true", default=False, help="Scale lr by GPUs, accumulation and batch size.")
-    a("--lr_scheduler", type=str, default="constant", help="A diffusers.optimization scheduler name.")
-    a("--lr_warmup_steps", type=int, default=500)
-    a("--snr_gamma", type=float, default=None, help="Min-SNR weighting gamma (5.0 recommended).")
-    a("--dream_training", action="store_true", help="DREAM training (arXiv:2312.00210).")
-    a("--dream_detail_preservation", type=float, default=1.0)
-    a("--use_8bit_adam", action="store_true", help="bitsandbytes 8-bit Adam.")
-    a("--allow_tf32", action="store_true", help="Allow TF32 on Ampere GPUs.")
-    a("--offload_ema", action="store_true", help="Keep the EMA partitions in CPU memory.")
-    a("--foreach_ema", action="store_true", help="Accepted for compatibility: ShardedEMA gathers nothing.")
-    a("--non_ema_revision", type=str, default=None, help="Revision of the UNet to train from.")
-    a("--dataloader_num_workers", type=int, default=0)
-    a("--push_to_hub", action="store_true", help="Not supported here (no hub access is assumed).")
-    a("--hub_token", type=str, default=None)
-    a("--hub_model_id", type=str, default=None)
-    a(
-        "--prediction_type",
-        type=str,
-        default=None,
-        help="'epsilon' or 'v_prediction'; default: the scheduler's.",
-    )
-    a("--local_rank", type=int, default=-1, help="Set by launchers.")
-    a("--enable_xformers_memory_efficient_attention", action="store_true")
-    a("--noise_offset", type=float, default=0, help="The scale of noise offset.")
-    a("--validation_epochs", type=int, default=5, help="Run validation every X epochs.")
+    input_perturbation: float = flag(0, "The scale of input perturbation (0.1 recommended).")
+    revision: str | None = flag(None, "Revision of the pretrained model.")
+    variant: str | None = flag(None, "Variant of the model files, e.g. fp16.")
+    dataset_name: str | None = flag(None, "A datasets hub name or local dataset path.")
+    dataset_config_name: str | None = flag(None, "The config of the dataset.")
+    train_data_dir: str | None = flag(None, "An imagefolder with metadata.jsonl captions.")
+    image_column: str = flag("image", "The column holding images.")
+    caption_column: str = flag("text", "The column holding captions.")
+    max_train_samples: int | None = flag(None, "Truncate the training set (debugging).")
+    validation_prompts: list[str] | None = flag(None, "Prompts for validation images.")
+    cache_dir: str | None = flag(None, "Where downloaded models and datasets are stored.")
+    center_crop: bool = flag(False, "Center crop instead of random crop.")
+    random_flip: bool = flag(False, "Randomly flip images horizontally.")
+    num_train_epochs: int = flag(100)
+    gradient_accumulation_steps: int = flag(1)
+    gradient_checkpointing: bool = flag(False, "Trade compute for memory in the UNet.")
+    scale_lr: bool = flag(False, "Scale lr by GPUs, accumulation and batch size.")
+    lr_scheduler: str = flag("constant", "A diffusers.optimization scheduler name.")
+    lr_warmup_steps: int = flag(500)
+    snr_gamma: float | None = flag(None, "Min-SNR weighting gamma (5.0 recommended).")
+    dream_training: bool = flag(False, "DREAM training (arXiv:2312.00210).")
+    dream_detail_preservation: float = flag(1.0)
+    use_8bit_adam: bool = flag(False, "bitsandbytes 8-bit Adam.")
+    allow_tf32: bool = flag(False, "Allow TF32 on Ampere GPUs.")
+    offload_ema: bool = flag(False, "Keep the EMA partitions in CPU memory.")
+    foreach_ema: bool = flag(False, "Accepted for compatibility: ShardedEMA gathers nothing.")
+    non_ema_revision: str | None = flag(None, "Revision of the UNet to train from (default --revision).")
+    dataloader_num_workers: int = flag(0)
+    push_to_hub: bool = flag(False, "Not supported here (no hub access is assumed).")
+    hub_token: str | None = flag(None)
+    hub_model_id: str | None = flag(None)
+    prediction_type: str | None = flag(None, "'epsilon' or 'v_prediction'; default: the scheduler's.")
+    local_rank: int = flag(-1, "Set by launchers (LOCAL_RANK wins).")
+    enable_xformers_memory_efficient_attention: bool = flag(False)
+    noise_offset: float = flag(0, "The scale of noise offset.")
+    validation_epochs: int | None = flag(5, "Run validation every X epochs.")
     # --- diffusers' SDXL script's own flags (train_text_to_image_sdxl.py)
-    a(
-        "--pretrained_vae_model_name_or_path",
-        type=str,
-        default=None,
-        help="A VAE folder (or hub id) to use instead of the pipeline's, e.g. an fp16-safe SDXL VAE "
+    pretrained_vae_model_name_or_path: str | None = flag(
+        None,
+        "A VAE folder (or hub id) to use instead of the pipeline's, e.g. an fp16-safe SDXL VAE "
         "(the same as --component vae=PATH).",
     )
-    a(
-        "--proportion_empty_prompts",
-        type=float,
-        default=0,
-        help="Proportion of captions replaced by empty strings (0 to 1).",
-    )
-    a(
-        "--timestep_bias_strategy",
-        type=str,
-        default="none",
+    proportion_empty_prompts: float = flag(0, "Proportion of captions replaced by empty strings (0 to 1).")
+    timestep_bias_strategy: str = flag(
+        "none", "Bias timestep sampling toward earlier or later timesteps, or a range.",
         choices=TIMESTEP_BIAS_STRATEGIES,
-        help="Bias timestep sampling toward earlier or later timesteps, or a range.",
-    )
-    a(
-        "--timestep_bias_multiplier",
-        type=float,
-        default=1.0,
-        help="Weight multiplier of the biased timesteps.",
-    )
-    a("--timestep_bias_begin", type=int, default=0, help="First timestep of the 'range' bias.")
-    a("--timestep_bias_end", type=int, default=1000, help="End (exclusive) of the 'range' bias.")
-    a(
-        "--timestep_bias_portion",
-        type=float,
-        default=0.25,
-        help="Portion of timesteps 'earlier'/'later' bias.",
-    )
+    )  # fmt: skip
+    timestep_bias_multiplier: float = flag(1.0, "Weight multiplier of the biased timesteps.")
+    timestep_bias_begin: int = flag(0, "First timestep of the 'range' bias.")
+    timestep_bias_end: int = flag(1000, "End (exclusive) of the 'range' bias.")
+    timestep_bias_portion: float = flag(0.25, "Portion of timesteps 'earlier'/'later' bias.")
     # --- diffusers' SD3 and Flux scripts' flags (train_dreambooth_sd3.py, train_dreambooth_flux.py)
-    a(
-        "--weighting_scheme",
-        type=str,
-        default=None,
+    weighting_scheme: str | None = flag(
+        None,
+        "Flow matching's timestep density and loss weighting (default: logit_normal for SD3, none for Flux).",
         choices=WEIGHTING_SCHEMES,
-        help="Flow matching's timestep density and loss weighting (default: logit_normal for SD3, none for Flux).",
     )
-    a("--logit_mean", type=float, default=0.0, help="Mean of the logit_normal weighting scheme.")
-    a("--logit_std", type=float, default=1.0, help="Std of the logit_normal weighting scheme.")
-    a("--mode_scale", type=float, default=1.29, help="Scale of the mode weighting scheme.")
-    a(
-        "--guidance_scale",
-        type=float,
-        default=3.5,
-        help="Guidance value of guidance-distilled Flux (transformer.config.guidance_embeds), in training and validation.",
+    logit_mean: float = flag(0.0, "Mean of the logit_normal weighting scheme.")
+    logit_std: float = flag(1.0, "Std of the logit_normal weighting scheme.")
+    mode_scale: float = flag(1.29, "Scale of the mode weighting scheme.")
+    guidance_scale: float = flag(
+        3.5,
+        "Guidance value of guidance-distilled Flux (transformer.config.guidance_embeds), in training and validation.",
     )
-    a(
-        "--max_sequence_length",
-        type=int,
-        default=None,
-        help="T5 tokens per caption (default: 77 for SD3, 512 for Flux, as diffusers' scripts).",
+    max_sequence_length: int | None = flag(
+        None, "T5 tokens per caption (default: 77 for SD3, 512 for Flux, as diffusers' scripts)."
     )
     # --- diffusers' LoRA scripts' flags (train_text_to_image_lora.py, train_dreambooth_lora_*.py)
-    a(
-        "--rank",
-        type=int,
-        default=None,
-        help="Train LoRA adapters of this rank on the frozen denoiser instead of the whole denoiser "
+    rank: int | None = flag(
+        None,
+        "Train LoRA adapters of this rank on the frozen denoiser instead of the whole denoiser "
         "(diffusers' LoRA scripts use 4); the output is pytorch_lora_weights.safetensors.",
     )
-    a("--lora_alpha", type=float, default=None, help="LoRA alpha (default: the rank).")
-    a("--lora_dropout", type=float, default=0.0, help="Dropout of the LoRA layers.")
-    a(
-        "--lora_layers",
-        type=str,
-        default=None,
-        help="Comma-separated modules to adapt (default: the family's, as diffusers' LoRA scripts).",
+    lora_alpha: float | None = flag(None, "LoRA alpha (default: the rank).")
+    lora_dropout: float = flag(0.0, "Dropout of the LoRA layers.")
+    lora_layers: str | None = flag(
+        None, "Comma-separated modules to adapt (default: the family's, as diffusers' LoRA scripts)."
     )
     # --- video families (Wan)
-    v = p.add_argument_group("video (Wan)").add_argument
-    v("--num_frames", type=int, default=None, help="Frames per clip (1 + 4k for Wan; default 81).")
-    v("--frame_stride", type=int, default=1, help="Source frames between two frames of a clip.")
-    v("--fps", type=float, default=None, help="Take frames at this rate instead of --frame_stride.")
-    v("--height", type=int, default=None, help="Clip height (default --resolution).")
-    v("--width", type=int, default=None, help="Clip width (default --resolution).")
-    v("--train_experts", default=None, choices=["high", "low", "both"],
-      help="Wan 2.2: train the high-noise expert (transformer), the low-noise one (transformer_2) or "
-      "both, each its own ZeRO-3 engine (default both).")  # fmt: skip
-    # --- this package's flags
-    add_component_arg(p)
-    a(
-        "--frozen_cache_dir",
-        type=str,
-        default=None,
-        help="Folder of 'cache' outputs (default: OUTPUT_DIR/frozen_cache).",
+    num_frames: int | None = flag(None, "Frames per clip (1 + 4k for Wan; default 81).", group="video (Wan)")
+    frame_stride: int = flag(1, "Source frames between two frames of a clip.", group="video (Wan)")
+    fps: float | None = flag(None, "Take frames at this rate instead of --frame_stride.", group="video (Wan)")
+    height: int | None = flag(None, "Clip height (default --resolution).", group="video (Wan)")
+    width: int | None = flag(None, "Clip width (default --resolution).", group="video (Wan)")
+    train_experts: str | None = flag(
+        None,
+        "Wan 2.2: train the high-noise expert (transformer), the low-noise one (transformer_2) or "
+        "both, each its own ZeRO-3 engine (default both).",
+        choices=["high", "low", "both"],
+        group="video (Wan)",
     )
-    a("--validation_steps", type=int, default=None, help="Also validate every N steps.")
-    a("--num_validation_inference_steps", type=int, default=20, help="Denoising steps of validation images.")
-    return p
+    # --- this package's flags
+    component: list[str] = component_pairs_flag()
+    frozen_cache_dir: str | None = flag(None, "Folder of 'cache' outputs (default: OUTPUT_DIR/frozen_cache).")
+    validation_steps: int | None = flag(None, "Also validate every N steps.")
+    num_validation_inference_steps: int = flag(20, "Denoising steps of validation images.")
+
+    def resolve(self) -> None:
+        """``LOCAL_RANK`` wins over ``--local_rank`` and ``--non_ema_revision`` defaults to
+        ``--revision``, as diffusers' ``parse_args`` does."""
+        env_local_rank = int(os.environ.get("LOCAL_RANK", -1))
+        if env_local_rank != -1 and env_local_rank != self.local_rank:
+            self.local_rank = env_local_rank
+        if self.non_ema_revision is None:
+            self.non_ema_revision = self.revision
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse ``argv`` (default ``sys.argv``) and apply ``LOCAL_RANK`` like upstream."""
-    args = text_to_image_parser().parse_args(argv)
-    env_local_rank = int(os.environ.get("LOCAL_RANK", -1))
-    if env_local_rank != -1 and env_local_rank != args.local_rank:
-        args.local_rank = env_local_rank
-    if args.non_ema_revision is None:
-        args.non_ema_revision = args.revision
-    return args
-
-
-# flags of the groups every script shares (add_*_args) and of text_to_image_parser, by rule
+# flags of the shared settings groups and of TextToImageSettings, by rule
 COMMON_POSITIVE_FLAGS = (
     "train_batch_size",
     "max_train_steps",
@@ -310,15 +429,15 @@ NON_NEGATIVE_FLAGS = ("lr_warmup_steps", "dataloader_num_workers", "noise_offset
 REPORT_TO = ("tensorboard", "wandb", "all", "none")
 
 
-def check_positive(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
+def check_positive(args: Settings, flags: tuple[str, ...]) -> None:
     """Raise ``ArgumentError`` for the first of ``flags`` that is set and not positive."""
-    for flag in flags:
-        value = vars(args)[flag]
+    for name in flags:
+        value = vars(args)[name]
         if value is not None and value <= 0:
-            raise ArgumentError(f"--{flag} must be a positive number, got {value}")
+            raise ArgumentError(f"--{name} must be a positive number, got {value}")
 
 
-def validate_common_args(args: argparse.Namespace) -> None:
+def validate_common_args(args: CommonSettings) -> None:
     """Raise ``ArgumentError`` naming the first flag of the groups every script shares (its
     batch, steps, resolution, optimizer, tracking, checkpoint and placement flags) that cannot
     work as given. Checks the flags alone, before anything is built or written (an unknown
@@ -341,16 +460,16 @@ def validate_common_args(args: argparse.Namespace) -> None:
         )
 
 
-def validate_args(args: argparse.Namespace) -> None:
-    """Raise ``ArgumentError`` naming the first flag of a ``text_to_image_parser`` namespace (the
+def validate_args(args: TextToImageSettings) -> None:
+    """Raise ``ArgumentError`` naming the first flag of ``TextToImageSettings`` (or its subclasses': the
     text-to-image, DreamBooth, ControlNet and DPO scripts) that cannot work as given: the shared
     groups (``validate_common_args``), then the text-to-image flags."""
     validate_common_args(args)
     check_positive(args, TEXT_TO_IMAGE_POSITIVE_FLAGS)
-    for flag in NON_NEGATIVE_FLAGS:
-        value = vars(args)[flag]
+    for name in NON_NEGATIVE_FLAGS:
+        value = vars(args)[name]
         if value is not None and value < 0:
-            raise ArgumentError(f"--{flag} must not be negative, got {value}")
+            raise ArgumentError(f"--{name} must not be negative, got {value}")
     if not 0 <= args.proportion_empty_prompts <= 1:
         raise ArgumentError(
             f"--proportion_empty_prompts must be between 0 and 1, got {args.proportion_empty_prompts}"
@@ -379,9 +498,9 @@ def validate_args(args: argparse.Namespace) -> None:
             "--rank (LoRA) needs peft, which is not installed (pip install 'diffusers_zero3[lora]')"
         )
     if args.rank is None:
-        for flag, unset in (("lora_alpha", None), ("lora_dropout", 0.0), ("lora_layers", None)):
-            if vars(args)[flag] != unset:
-                raise ArgumentError(f"--{flag} applies to LoRA training: add --rank")
+        for name, unset in (("lora_alpha", None), ("lora_dropout", 0.0), ("lora_layers", None)):
+            if vars(args)[name] != unset:
+                raise ArgumentError(f"--{name} applies to LoRA training: add --rank")
     if not 0 <= args.lora_dropout < 1:
         raise ArgumentError(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
     if args.max_sequence_length is not None and args.max_sequence_length <= 0:
@@ -406,7 +525,7 @@ def validate_args(args: argparse.Namespace) -> None:
         )
 
 
-def validate_family(args: argparse.Namespace, family) -> None:
+def validate_family(args: TextToImageSettings, family) -> None:
     """Raise ``ArgumentError`` for a flag that does not apply to the pipeline's family."""
     components = set(family.frozen_components)
     known = {family.denoiser, *components, *family.tokenizer_folders}
@@ -424,11 +543,11 @@ def validate_family(args: argparse.Namespace, family) -> None:
                 f"(its frozen models: {', '.join(sorted(components))})"
             )
     if not family.video:
-        for flag, unset in (("num_frames", None), ("frame_stride", 1), ("fps", None), ("height", None),
+        for name, unset in (("num_frames", None), ("frame_stride", 1), ("fps", None), ("height", None),
                             ("width", None)):  # fmt: skip
-            if vars(args)[flag] != unset:
+            if vars(args)[name] != unset:
                 raise ArgumentError(
-                    f"--{flag} applies to video families (Wan), not to a {family.pipeline_class}"
+                    f"--{name} applies to video families (Wan), not to a {family.pipeline_class}"
                 )
     if args.train_experts is not None and len(getattr(family, "experts", ())) < 2:
         raise ArgumentError(f"--train_experts applies to Wan 2.2's two experts, not to a {family.title}")
@@ -443,11 +562,11 @@ def validate_family(args: argparse.Namespace, family) -> None:
         "timestep_bias_strategy": "none",
     }
     flow_only = {"weighting_scheme": None, "max_sequence_length": None}
-    for flag, unset in (unet_only if family.flow_matching else flow_only).items():
-        value = vars(args)[flag]
+    for name, unset in (unet_only if family.flow_matching else flow_only).items():
+        value = vars(args)[name]
         if value != unset:
             raise ArgumentError(
-                f"--{flag} {value} does not apply to a {family.pipeline_class}, which trains with {objective}"
+                f"--{name} {value} does not apply to a {family.pipeline_class}, which trains with {objective}"
             )
 
 
@@ -468,9 +587,9 @@ def check_resolution(resolution: int, family, vae_folder: str | os.PathLike) -> 
 PLACEMENT_SUFFIX = "_placement"
 
 
-def component_placements(args: argparse.Namespace) -> dict[str, str]:
-    """``{component: placement}`` of every ``--<component>_placement`` flag of a script's
-    namespace: the one place a flag's name becomes a component's."""
+def component_placements(args: Settings) -> dict[str, str]:
+    """``{component: placement}`` of every ``--<component>_placement`` flag of a
+    recipe's settings: the one place a flag's name becomes a component's."""
     return {
         k[: -len(PLACEMENT_SUFFIX)]: v
         for k, v in vars(args).items()
@@ -479,7 +598,7 @@ def component_placements(args: argparse.Namespace) -> dict[str, str]:
 
 
 def validate_launch(
-    args: argparse.Namespace,
+    args: CommonSettings,
     *,
     deepspeed_active: bool,
     on_cpu: bool,
@@ -497,11 +616,11 @@ def validate_launch(
     if args.mixed_precision == "fp16" and on_cpu:
         raise ArgumentError("--mixed_precision fp16 does not run on CPU; use bf16 or no")
     for component, placement in (component_placements(args) if placements is None else placements).items():
-        flag = f"{component}{PLACEMENT_SUFFIX}"
+        name = f"{component}{PLACEMENT_SUFFIX}"
         if placement in ("shard", "offload") and not deepspeed_active:
             raise ArgumentError(
-                f"--{flag} {placement} needs DeepSpeed: launch with `accelerate launch --config_file "
+                f"--{name} {placement} needs DeepSpeed: launch with `accelerate launch --config_file "
                 "configs/accelerate_zero3.yaml ...`, or choose replicate"
             )
         if placement == "offload" and on_cpu:
-            raise ArgumentError(f"--{flag} offload needs a GPU (the weights are already in CPU memory here)")
+            raise ArgumentError(f"--{name} offload needs a GPU (the weights are already in CPU memory here)")

@@ -19,12 +19,12 @@ from diffusers_zero3 import use_huge_pages_for_host_tensors
 
 use_huge_pages_for_host_tensors()  # first: torch reads it at the process's first tensor, and imports make tensors
 
-from diffusers_zero3.recipes.controlnet import ControlNetTrainer, parse_controlnet_args
+from diffusers_zero3.recipes.controlnet import ControlNetSettings, ControlNetTrainer
 from diffusers_zero3.training.job import run_trainer
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_trainer(lambda: ControlNetTrainer(parse_controlnet_args(argv)))
+    return run_trainer(lambda: ControlNetTrainer(ControlNetSettings.parse(argv)))
 
 
 if __name__ == "__main__":

@@ -33,12 +33,12 @@ from diffusers_zero3 import use_huge_pages_for_host_tensors
 
 use_huge_pages_for_host_tensors()  # first: torch reads it at the process's first tensor, and imports make tensors
 
-from diffusers_zero3.recipes.dpo import DPOTrainer, parse_dpo_args
+from diffusers_zero3.recipes.dpo import DPOSettings, DPOTrainer
 from diffusers_zero3.training.job import run_trainer
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_trainer(lambda: DPOTrainer(parse_dpo_args(argv)))
+    return run_trainer(lambda: DPOTrainer(DPOSettings.parse(argv)))
 
 
 if __name__ == "__main__":

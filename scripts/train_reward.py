@@ -22,12 +22,12 @@ from diffusers_zero3 import use_huge_pages_for_host_tensors
 
 use_huge_pages_for_host_tensors()  # first: torch reads it at the process's first tensor, and imports make tensors
 
-from diffusers_zero3.recipes.reward import RewardTrainer, parse_reward_args
+from diffusers_zero3.recipes.reward import RewardSettings, RewardTrainer
 from diffusers_zero3.training.job import run_trainer
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_trainer(lambda: RewardTrainer(parse_reward_args(argv)))
+    return run_trainer(lambda: RewardTrainer(RewardSettings.parse(argv)))
 
 
 if __name__ == "__main__":

@@ -40,13 +40,13 @@ from diffusers_zero3 import use_huge_pages_for_host_tensors
 
 use_huge_pages_for_host_tensors()  # first: torch reads it at the process's first tensor, and imports make tensors
 
-from diffusers_zero3.args import parse_args
+from diffusers_zero3.args import TextToImageSettings
 from diffusers_zero3.recipes.text_to_image import TextToImageTrainer
 from diffusers_zero3.training.job import run_trainer
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_trainer(lambda: TextToImageTrainer(parse_args(argv)))
+    return run_trainer(lambda: TextToImageTrainer(TextToImageSettings.parse(argv)))
 
 
 if __name__ == "__main__":

@@ -34,12 +34,14 @@ def test_every_familys_default_run_flags_are_valid_for_its_pipeline():
     """`make train MODEL=<name>` passes the family's ``default_run_args`` to the training script:
     each set parses and applies to its family (a flag naming a component the family lacks, or a
     flag of the other objective, would fail the run after the pipeline was generated)."""
-    from diffusers_zero3.args import component_overrides, parse_args, validate_args, validate_family
+    from diffusers_zero3.args import TextToImageSettings, component_overrides, validate_args, validate_family
     from diffusers_zero3.families import ALL_FAMILIES
 
     for family in ALL_FAMILIES:
         run_args = [a.format(pipeline="/tmp/tiny") for a in family.default_run_args]
-        args = parse_args(["--pretrained_model_name_or_path", "p", "--train_data_dir", "d", *run_args])
+        args = TextToImageSettings.parse(
+            ["--pretrained_model_name_or_path", "p", "--train_data_dir", "d", *run_args]
+        )
         validate_args(args)
         validate_family(args, family)
         placed = {k[: -len("_placement")] for k, v in vars(args).items() if k.endswith("_placement") and v}

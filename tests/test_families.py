@@ -151,11 +151,13 @@ def test_flow_matching_loss_is_diffusers_rectified_flow(tiny_flux, scheme):
 
 @pytest.mark.unit
 def test_flags_that_do_not_apply_to_a_family_are_refused(tiny_flux, tiny_pipeline):
-    from diffusers_zero3.args import ArgumentError, check_resolution, parse_args, validate_family
+    from diffusers_zero3.args import ArgumentError, TextToImageSettings, check_resolution, validate_family
     from diffusers_zero3.families import FLUX, SD
 
     def args(*extra):
-        return parse_args(["--pretrained_model_name_or_path", "p", "--train_data_dir", "d", *extra])
+        return TextToImageSettings.parse(
+            ["--pretrained_model_name_or_path", "p", "--train_data_dir", "d", *extra]
+        )
 
     validate_family(args("--weighting_scheme", "cosmap", "--max_sequence_length", "64"), FLUX)
     validate_family(args("--snr_gamma", "5"), SD)

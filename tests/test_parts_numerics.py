@@ -317,7 +317,7 @@ def _diff(a, b) -> str:
 
 
 def _wan_both_experts_idle_expert_stays(pipe: str, data: str, out: str, mixed_precision: str):
-    from diffusers_zero3.args import parse_args
+    from diffusers_zero3.args import TextToImageSettings
     from diffusers_zero3.recipes.text_to_image import TextToImageTrainer
 
     # seed 3: the steps draw low, low, high, low (p_high = 1/8): both experts sit idle at least once,
@@ -329,7 +329,7 @@ def _wan_both_experts_idle_expert_stays(pipe: str, data: str, out: str, mixed_pr
             "--adam_weight_decay", "0.1", "--seed", "3", "--report_to", "none", "--max_sequence_length", "16",
             "--use_ema", "--train_experts", "both", "--checkpointing_steps", "100", "--mixed_precision", mixed_precision,
             "--output_dir", out]  # fmt: skip
-    trainer = TextToImageTrainer(parse_args(argv))
+    trainer = TextToImageTrainer(TextToImageSettings.parse(argv))
     trainer.setup()
     parts = {p.name: p for p in [trainer.denoiser_part, *trainer.extra_parts]}
     assert sorted(parts) == ["transformer", "transformer_2"], parts

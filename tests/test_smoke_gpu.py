@@ -38,18 +38,18 @@ def smoke():
 
 def _parsers() -> dict:
     """Each script's own parser (with its own checks), by the case's script key."""
-    from diffusers_zero3.args import parse_args
-    from diffusers_zero3.recipes.controlnet import parse_controlnet_args
-    from diffusers_zero3.recipes.dpo import parse_dpo_args
-    from diffusers_zero3.recipes.dreambooth import parse_dreambooth_args
-    from diffusers_zero3.recipes.reward import parse_reward_args
+    from diffusers_zero3.args import TextToImageSettings
+    from diffusers_zero3.recipes.controlnet import ControlNetSettings
+    from diffusers_zero3.recipes.dpo import DPOSettings
+    from diffusers_zero3.recipes.dreambooth import DreamBoothSettings
+    from diffusers_zero3.recipes.reward import RewardSettings
 
     return {
-        "t2i": parse_args,
-        "reward": parse_reward_args,
-        "dpo": parse_dpo_args,
-        "dreambooth": parse_dreambooth_args,
-        "controlnet": parse_controlnet_args,
+        "t2i": TextToImageSettings.parse,
+        "reward": RewardSettings.parse,
+        "dpo": DPOSettings.parse,
+        "dreambooth": DreamBoothSettings.parse,
+        "controlnet": ControlNetSettings.parse,
     }
 
 

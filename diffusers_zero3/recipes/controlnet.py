@@ -10,13 +10,15 @@ like every frozen model (``--unet_placement replicate|shard|offload``). SD 1.x/2
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
-from ..args import text_to_image_parser
+from ..args import ENGINE_PLACEMENT_CHOICES, TextToImageSettings, flag, placement_flag, redefault
 from ..data.images import DataError, transform_image
 from ..errors import ArgumentError
 from ..runtime.distributed import is_main_process, log_rank_zero
@@ -39,67 +41,67 @@ FROM_UNET = (
 ZERO_INIT = ("controlnet_down_blocks.", "controlnet_mid_block.", "controlnet_cond_embedding.conv_out.")
 
 
-def controlnet_parser():
-    """The text-to-image parser with diffusers' ControlNet flags and defaults."""
-    p = text_to_image_parser()
-    p.description = "ControlNet training under DeepSpeed ZeRO-3, beside a frozen (placeable) denoiser."
-    # diffusers' ControlNet scripts validate every --validation_steps (100) only
-    p.set_defaults(learning_rate=5e-6, train_batch_size=4, num_train_epochs=1, output_dir="controlnet-model",
-                   validation_steps=100, validation_epochs=None)  # fmt: skip
-    a = p.add_argument_group("ControlNet").add_argument
-    a("--controlnet_model_name_or_path", type=str, default=None,
-      help="A ControlNet to go on training; default: a new one from the denoiser's weights.")  # fmt: skip
-    a(
-        "--conditioning_image_column",
-        type=str,
-        default="conditioning_image",
-        help="The conditioning images' column.",
-    )
-    a(
-        "--validation_image",
-        type=str,
-        default=None,
-        nargs="+",
-        help="Conditioning images of --validation_prompt.",
-    )
-    a(
-        "--validation_prompt",
-        type=str,
-        default=None,
-        nargs="+",
-        help="Validation prompts (one per image, or one).",
-    )
-    a("--num_validation_images", type=int, default=1, help="Images per validation prompt.")
-    a("--unet_placement", default="replicate", choices=["replicate", "shard", "offload"],
-      help="Where the frozen denoiser lives (shard: a ZeRO-3 inference engine, 1/N per rank).")  # fmt: skip
-    return p
+_T2I = TextToImageSettings
 
 
-def parse_controlnet_args(argv: list[str] | None = None):
-    """Parse and check the ControlNet flags; raises ``ArgumentError``."""
-    args = controlnet_parser().parse_args(argv)
-    if args.rank is not None:
-        raise ArgumentError("train_controlnet.py trains the whole ControlNet (--rank is for LoRA scripts)")
-    if args.validation_prompts is not None:
-        raise ArgumentError("train_controlnet.py takes --validation_prompt and --validation_image")
-    if (args.validation_prompt is None) != (args.validation_image is None):
-        raise ArgumentError("--validation_prompt and --validation_image go together")
-    if args.validation_prompt is not None:
-        prompts, images = args.validation_prompt, args.validation_image
-        if len(prompts) == 1 and len(images) > 1:
-            prompts = prompts * len(images)
-        elif len(images) == 1 and len(prompts) > 1:
-            images = images * len(prompts)
-        if len(prompts) != len(images):
-            raise ArgumentError("give one --validation_image, one --validation_prompt, or as many of each")
-        for path in images:
-            if not os.path.isfile(path):
-                raise ArgumentError(f"--validation_image {path!r} is not a file")
-        args.validation_prompt, args.validation_image = prompts, images
-        args.validation_prompts = prompts  # turns validation on in the loop
-    if args.random_flip:
-        raise ArgumentError("--random_flip does not apply: a conditioning image keeps its orientation")
-    return args
+@dataclasses.dataclass
+class ControlNetSettings(TextToImageSettings):
+    """The settings of ``scripts/train_controlnet.py``: the text-to-image settings with
+    diffusers' ControlNet flags and defaults (its scripts validate every
+    ``--validation_steps``, 100, only)."""
+
+    DESCRIPTION: ClassVar[str] = (
+        "ControlNet training under DeepSpeed ZeRO-3, beside a frozen (placeable) denoiser."
+    )
+    GROUP: ClassVar[str | None] = "ControlNet"
+    learning_rate: float = redefault(_T2I, "learning_rate", 5e-6)
+    train_batch_size: int = redefault(_T2I, "train_batch_size", 4)
+    num_train_epochs: int = redefault(_T2I, "num_train_epochs", 1)
+    output_dir: str = redefault(_T2I, "output_dir", "controlnet-model")
+    validation_steps: int | None = redefault(_T2I, "validation_steps", 100)
+    validation_epochs: int | None = redefault(_T2I, "validation_epochs", None)
+    controlnet_model_name_or_path: str | None = flag(
+        None, "A ControlNet to go on training; default: a new one from the denoiser's weights."
+    )
+    conditioning_image_column: str = flag("conditioning_image", "The conditioning images' column.")
+    validation_image: list[str] | None = flag(None, "Conditioning images of --validation_prompt.")
+    validation_prompt: list[str] | None = flag(None, "Validation prompts (one per image, or one).")
+    num_validation_images: int = flag(1, "Images per validation prompt.")
+    unet_placement: str = placement_flag(
+        "replicate",
+        "Where the frozen denoiser lives (shard: a ZeRO-3 inference engine, 1/N per rank).",
+        choices=ENGINE_PLACEMENT_CHOICES,
+    )
+
+    def resolve(self) -> None:
+        """Check the ControlNet flags (raise ``ArgumentError``) and pair the validation prompts
+        with their conditioning images."""
+        super().resolve()
+        if self.rank is not None:
+            raise ArgumentError(
+                "train_controlnet.py trains the whole ControlNet (--rank is for LoRA scripts)"
+            )
+        if self.validation_prompts is not None:
+            raise ArgumentError("train_controlnet.py takes --validation_prompt and --validation_image")
+        if (self.validation_prompt is None) != (self.validation_image is None):
+            raise ArgumentError("--validation_prompt and --validation_image go together")
+        if self.validation_prompt is not None:
+            prompts, images = self.validation_prompt, self.validation_image
+            if len(prompts) == 1 and len(images) > 1:
+                prompts = prompts * len(images)
+            elif len(images) == 1 and len(prompts) > 1:
+                images = images * len(prompts)
+            if len(prompts) != len(images):
+                raise ArgumentError(
+                    "give one --validation_image, one --validation_prompt, or as many of each"
+                )
+            for path in images:
+                if not os.path.isfile(path):
+                    raise ArgumentError(f"--validation_image {path!r} is not a file")
+            self.validation_prompt, self.validation_image = prompts, images
+            self.validation_prompts = prompts  # turns validation on in the loop
+        if self.random_flip:
+            raise ArgumentError("--random_flip does not apply: a conditioning image keeps its orientation")
 
 
 def conditioning_pixels(image, resolution: int) -> torch.Tensor:
@@ -184,6 +186,8 @@ def new_controlnet_from_unet(
 
 class ControlNetTrainer(TextToImageTrainer):
     """The text-to-image trainer with a ControlNet trained beside the frozen denoiser."""
+
+    args: ControlNetSettings
 
     cacheable_data = True  # the latents and text are fixed per row; conditioning images are read live
 

@@ -8,22 +8,24 @@ preferred ones first; the trained and the reference denoisers each see both halv
 same noise and timesteps, and the loss compares how much better the trained one got on the
 preferred image than on the rejected one, relative to the reference.
 
-``DPOTrainer`` (with ``dpo_parser`` / ``parse_dpo_args``) is the trainer behind
+``DPOTrainer`` (with its ``DPOSettings``) is the trainer behind
 ``scripts/train_dpo.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from ..args import text_to_image_parser
+from ..args import ENGINE_PLACEMENT_CHOICES, TextToImageSettings, flag, redefault
 from ..data.images import DataError, load_image_caption_dataset, transform_image_with_crop
 from ..errors import ArgumentError
 from ..families.objectives import diffusion_target, sample_generators, sample_noise, sample_timesteps
@@ -176,48 +178,48 @@ def collate_pairs(examples: list[dict]) -> dict:
 # -------------------------------------------------------------------------- the trainer
 
 
-def dpo_parser():
-    """The text-to-image flags plus diffusers' Diffusion-DPO ones."""
-    p = text_to_image_parser()
-    p.description = "Diffusion-DPO under DeepSpeed ZeRO-3 (SD 1.x/2.x, SDXL)."
-    g = p.add_argument_group("Diffusion-DPO (diffusers' train_diffusion_dpo.py)")
-    g.add_argument(
-        "--beta_dpo", type=float, default=2500, help="DPO's KL penalty beta (upstream: 2500; 5000 for SDXL)."
-    )
-    g.add_argument("--loss_type", type=str, default="sigmoid", choices=DPO_LOSS_TYPES, help="DPO loss.")
-    g.add_argument(
-        "--reference_placement",
-        type=str,
-        default="replicate",
-        choices=("replicate", "shard", "offload"),
-        help="Where the reference denoiser of --rank 0 lives (shard: a ZeRO-3 inference engine).",
-    )
-    g.add_argument(
-        "--dataset_split_name", type=str, default="train", help="The split of --dataset_name to train on."
-    )
-    p.set_defaults(rank=4, caption_column="caption", image_column="jpg_0", output_dir="diffusion-dpo")
-    return p
+_T2I = TextToImageSettings
 
 
-def parse_dpo_args(argv: list[str] | None = None):
-    """Parse and check the Diffusion-DPO flags; raises ``ArgumentError``."""
-    args = dpo_parser().parse_args(argv)
-    if args.non_ema_revision is None:
-        args.non_ema_revision = args.revision
-    if args.rank == 0:  # the whole denoiser, beside a reference engine
-        args.rank = None
-    elif args.reference_placement != "replicate":
-        raise ArgumentError(
-            f"--reference_placement {args.reference_placement} applies to --rank 0: with LoRA (--rank "
-            f"{args.rank}) the reference is the base with the adapters disabled"
-        )
-    if args.beta_dpo <= 0:
-        raise ArgumentError(f"--beta_dpo must be positive, got {args.beta_dpo}")
-    return args
+@dataclasses.dataclass
+class DPOSettings(TextToImageSettings):
+    """The settings of ``scripts/train_dpo.py``: the text-to-image settings plus diffusers'
+    Diffusion-DPO flags (``train_diffusion_dpo.py``) and defaults."""
+
+    DESCRIPTION: ClassVar[str] = "Diffusion-DPO under DeepSpeed ZeRO-3 (SD 1.x/2.x, SDXL)."
+    GROUP: ClassVar[str | None] = "Diffusion-DPO (diffusers' train_diffusion_dpo.py)"
+    rank: int | None = redefault(_T2I, "rank", 4)
+    caption_column: str = redefault(_T2I, "caption_column", "caption")
+    image_column: str = redefault(_T2I, "image_column", "jpg_0")
+    output_dir: str = redefault(_T2I, "output_dir", "diffusion-dpo")
+    beta_dpo: float = flag(2500, "DPO's KL penalty beta (upstream: 2500; 5000 for SDXL).")
+    loss_type: str = flag("sigmoid", "DPO loss.", choices=DPO_LOSS_TYPES)
+    reference_placement: str = flag(
+        "replicate",
+        "Where the reference denoiser of --rank 0 lives (shard: a ZeRO-3 inference engine).",
+        choices=ENGINE_PLACEMENT_CHOICES,
+    )
+    dataset_split_name: str = flag("train", "The split of --dataset_name to train on.")
+
+    def resolve(self) -> None:
+        """Check the Diffusion-DPO flags (raise ``ArgumentError``); ``--rank 0`` trains the
+        whole denoiser (``rank`` becomes None) beside a reference engine."""
+        super().resolve()
+        if self.rank == 0:
+            self.rank = None
+        elif self.reference_placement != "replicate":
+            raise ArgumentError(
+                f"--reference_placement {self.reference_placement} applies to --rank 0: with LoRA (--rank "
+                f"{self.rank}) the reference is the base with the adapters disabled"
+            )
+        if self.beta_dpo <= 0:
+            raise ArgumentError(f"--beta_dpo must be positive, got {self.beta_dpo}")
 
 
 class DPOTrainer(TextToImageTrainer):
     """The text-to-image trainer with preference pairs, a reference and the DPO loss."""
+
+    args: DPOSettings
 
     cacheable_data = False  # two images per row: the VAE runs live (auto never picks cache)
 

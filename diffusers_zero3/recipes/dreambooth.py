@@ -11,13 +11,15 @@ half's. SD 1.x/2.x (its CLIP trained), SDXL (both CLIPs) and Flux.1 (CLIP traine
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
-from ..args import text_to_image_parser
+from ..args import TextToImageSettings, check_positive, flag, redefault
 from ..data.images import DataError, collate
 from ..errors import ArgumentError
 from ..runtime.distributed import barrier, get_rank, get_world_size, log_rank_zero
@@ -35,82 +37,76 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 CLASS_SAMPLE_OFFSET = 1 << 40  # sample ids of class images, apart from the instance images'
 
 
-def dreambooth_parser():
-    """The text-to-image parser with DreamBooth's flags and defaults (diffusers'
-    ``train_dreambooth*.py``): instance and class data and prompts, prior preservation, class
-    image generation, the text encoder's training and validation prompts."""
-    p = text_to_image_parser()
-    p.description = "DreamBooth fine-tuning under DeepSpeed ZeRO-3."
-    p.set_defaults(
-        learning_rate=5e-6,
-        train_batch_size=4,
-        num_train_epochs=1,
-        output_dir="dreambooth-model",
-        validation_steps=100,  # train_dreambooth.py's; its LoRA scripts validate every 50 epochs
-        validation_epochs=50,
-    )
-    a = p.add_argument_group("DreamBooth").add_argument
-    a("--instance_data_dir", type=str, default=None, help="A folder of the instance images.")
-    a("--instance_prompt", type=str, default=None, help="The prompt with the instance's identifier.")
-    a("--class_data_dir", type=str, default=None, help="A folder of class images (generated when too few).")
-    a("--class_prompt", type=str, default=None, help="The prompt of the class images.")
-    a("--with_prior_preservation", action="store_true", help="Add the prior-preservation loss.")
-    a("--prior_loss_weight", type=float, default=1.0, help="The weight of the prior-preservation loss.")
-    a("--num_class_images", type=int, default=100, help="Class images to have (the missing ones generated).")
-    a("--sample_batch_size", type=int, default=4, help="Batch size per process for generating class images.")
-    a("--prior_generation_precision", type=str, default=None, choices=["no", "fp32", "fp16", "bf16"],
-      help="Precision of the class images' generation (default: the training's).")  # fmt: skip
-    a("--num_class_inference_steps", type=int, default=None,
-      help="Denoising steps per class image (default: the pipeline's).")  # fmt: skip
-    a("--train_text_encoder", action="store_true",
-      help="Train the text encoder(s) too, each its own ZeRO-3 engine with its own optimizer.")  # fmt: skip
-    a(
-        "--text_encoder_lr",
-        type=float,
-        default=None,
-        help="The text encoders' learning rate (default --learning_rate).",
-    )
-    a("--adam_weight_decay_text_encoder", type=float, default=None,
-      help="The text encoders' weight decay (default --adam_weight_decay).")  # fmt: skip
-    a("--validation_prompt", type=str, default=None, help="The prompt of the validation images.")
-    a("--num_validation_images", type=int, default=4, help="Validation images per validation.")
-    a("--offset_noise", action="store_true", help="Offset noise of 0.1 (diffusers' DreamBooth flag).")
-    return p
+_T2I = TextToImageSettings
 
 
-def parse_dreambooth_args(argv: list[str] | None = None):
-    """Parse and check the flags that only DreamBooth has; raises ``ArgumentError``."""
-    import argparse
+@dataclasses.dataclass
+class DreamBoothSettings(TextToImageSettings):
+    """The settings of ``scripts/train_dreambooth.py``: the text-to-image settings with
+    DreamBooth's flags and defaults (diffusers' ``train_dreambooth*.py``): instance and class
+    data and prompts, prior preservation, class image generation, the text encoder's training
+    and validation prompts."""
 
-    args = dreambooth_parser().parse_args(argv)
-    if not args.instance_data_dir or not args.instance_prompt:
-        raise ArgumentError("train_dreambooth.py needs --instance_data_dir and --instance_prompt")
-    if args.train_data_dir is not None or args.dataset_name is not None:
-        raise ArgumentError("train_dreambooth.py reads --instance_data_dir (and --class_data_dir), not "
-                            "--train_data_dir or --dataset_name")  # fmt: skip
-    if args.with_prior_preservation and (args.class_data_dir is None or args.class_prompt is None):
-        raise ArgumentError("--with_prior_preservation needs --class_data_dir and --class_prompt")
-    if args.prior_loss_weight < 0:
-        raise ArgumentError(f"--prior_loss_weight must not be negative, got {args.prior_loss_weight}")
-    for flag in (
-        "num_class_images",
-        "sample_batch_size",
-        "num_validation_images",
-        "num_class_inference_steps",
-    ):
-        value = getattr(args, flag)
-        if value is not None and value <= 0:
-            raise ArgumentError(f"--{flag} must be a positive number, got {value}")
-    if args.validation_prompts is not None:
-        raise ArgumentError("train_dreambooth.py takes --validation_prompt (and --num_validation_images)")
-    if args.offset_noise:
-        args.noise_offset = 0.1
-    args.validation_prompts = (
-        [args.validation_prompt] * args.num_validation_images if args.validation_prompt else None
+    DESCRIPTION: ClassVar[str] = "DreamBooth fine-tuning under DeepSpeed ZeRO-3."
+    GROUP: ClassVar[str | None] = "DreamBooth"
+    learning_rate: float = redefault(_T2I, "learning_rate", 5e-6)
+    train_batch_size: int = redefault(_T2I, "train_batch_size", 4)
+    num_train_epochs: int = redefault(_T2I, "num_train_epochs", 1)
+    output_dir: str = redefault(_T2I, "output_dir", "dreambooth-model")
+    validation_steps: int | None = redefault(
+        _T2I, "validation_steps", 100
+    )  # its LoRA scripts: every 50 epochs
+    validation_epochs: int | None = redefault(_T2I, "validation_epochs", 50)
+    instance_data_dir: str | None = flag(None, "A folder of the instance images.")
+    instance_prompt: str | None = flag(None, "The prompt with the instance's identifier.")
+    class_data_dir: str | None = flag(None, "A folder of class images (generated when too few).")
+    class_prompt: str | None = flag(None, "The prompt of the class images.")
+    with_prior_preservation: bool = flag(False, "Add the prior-preservation loss.")
+    prior_loss_weight: float = flag(1.0, "The weight of the prior-preservation loss.")
+    num_class_images: int = flag(100, "Class images to have (the missing ones generated).")
+    sample_batch_size: int = flag(4, "Batch size per process for generating class images.")
+    prior_generation_precision: str | None = flag(
+        None, "Precision of the class images' generation (default: the training's).",
+        choices=["no", "fp32", "fp16", "bf16"],
+    )  # fmt: skip
+    num_class_inference_steps: int | None = flag(
+        None, "Denoising steps per class image (default: the pipeline's)."
     )
-    args.train_data_dir = args.instance_data_dir  # for the checks of the text-to-image flags
-    assert isinstance(args, argparse.Namespace)
-    return args
+    train_text_encoder: bool = flag(
+        False, "Train the text encoder(s) too, each its own ZeRO-3 engine with its own optimizer."
+    )
+    text_encoder_lr: float | None = flag(None, "The text encoders' learning rate (default --learning_rate).")
+    adam_weight_decay_text_encoder: float | None = flag(
+        None, "The text encoders' weight decay (default --adam_weight_decay)."
+    )
+    validation_prompt: str | None = flag(None, "The prompt of the validation images.")
+    num_validation_images: int = flag(4, "Validation images per validation.")
+    offset_noise: bool = flag(False, "Offset noise of 0.1 (diffusers' DreamBooth flag).")
+
+    def resolve(self) -> None:
+        """Check the flags that only DreamBooth has (raise ``ArgumentError``) and derive the
+        text-to-image ones they stand for (``--offset_noise``, the validation prompts, the
+        data folder)."""
+        super().resolve()
+        if not self.instance_data_dir or not self.instance_prompt:
+            raise ArgumentError("train_dreambooth.py needs --instance_data_dir and --instance_prompt")
+        if self.train_data_dir is not None or self.dataset_name is not None:
+            raise ArgumentError("train_dreambooth.py reads --instance_data_dir (and --class_data_dir), not "
+                                "--train_data_dir or --dataset_name")  # fmt: skip
+        if self.with_prior_preservation and (self.class_data_dir is None or self.class_prompt is None):
+            raise ArgumentError("--with_prior_preservation needs --class_data_dir and --class_prompt")
+        if self.prior_loss_weight < 0:
+            raise ArgumentError(f"--prior_loss_weight must not be negative, got {self.prior_loss_weight}")
+        check_positive(self, ("num_class_images", "sample_batch_size", "num_validation_images",
+                              "num_class_inference_steps"))  # fmt: skip
+        if self.validation_prompts is not None:
+            raise ArgumentError("train_dreambooth.py takes --validation_prompt (and --num_validation_images)")
+        if self.offset_noise:
+            self.noise_offset = 0.1
+        self.validation_prompts = (
+            [self.validation_prompt] * self.num_validation_images if self.validation_prompt else None
+        )
+        self.train_data_dir = self.instance_data_dir  # for the checks of the text-to-image flags
 
 
 def image_files(folder: str | os.PathLike) -> list[Path]:
@@ -211,6 +207,8 @@ def generate_class_images(
 
 class DreamBoothTrainer(TextToImageTrainer):
     """The text-to-image trainer with DreamBooth's data, loss and trained text encoders."""
+
+    args: DreamBoothSettings
 
     cacheable_data = True  # instance and class rows are fixed; the cache keys them by row
 

@@ -10,19 +10,24 @@ the last K UNet calls into the UNet, a ZeRO-3 engine.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
 from ..args import (
+    ENGINE_PLACEMENT_CHOICES,
     ArgumentError,
-    add_checkpoint_args,
-    add_optimizer_args,
-    add_placement_args,
-    add_tracking_args,
+    CheckpointSettings,
+    OptimizerSettings,
+    ProcessSettings,
+    TrackingSettings,
     check_positive,
+    flag,
+    placement_flag,
+    redefault,
     validate_common_args,
     validate_launch,
 )
@@ -51,52 +56,44 @@ from ..training.parts import adamw, prepare_first_part, step_part
 from ..training.schedule import first_last_means
 
 
-def reward_parser() -> argparse.ArgumentParser:
-    """The reward fine-tuning flags."""
-    p = argparse.ArgumentParser(
-        description="Reward fine-tuning of a Stable Diffusion UNet under DeepSpeed ZeRO-3 (AlignProp / DRaFT-K)."
+@dataclasses.dataclass
+class RewardSettings(ProcessSettings, CheckpointSettings, TrackingSettings, OptimizerSettings):
+    """The settings of ``scripts/train_reward.py`` (AlignProp / DRaFT-K)."""
+
+    DESCRIPTION: ClassVar[str] = (
+        "Reward fine-tuning of a Stable Diffusion UNet under DeepSpeed ZeRO-3 (AlignProp / DRaFT-K)."
     )
-    a = p.add_argument
-    a("--pretrained_model_name_or_path", required=True, help="Pipeline folder or hub id.")
-    a("--reward_model_name_or_path", required=True, help="Folder of a diffusers ModelMixin reward model.")
-    a("--reward_model_class", default="diffusers_zero3.demo:RednessRewardModel", help="module:Class of it.")
-    a("--prompts", nargs="+", required=True, help="Prompts to sample from.")
-    a("--output_dir", default="sd-model-reward-finetuned")
-    a("--seed", type=int, default=0)
-    a("--resolution", type=int, default=512)
-    a("--train_batch_size", type=int, default=2, help="Samples per rank per step.")
-    a("--max_train_steps", type=int, default=100)
-    a("--num_inference_steps", type=int, default=20, help="DDIM steps of each sample.")
-    a("--truncated_backprop_steps", type=int, default=1, help="K: last denoising steps with gradients.")
-    add_optimizer_args(p)
-    add_tracking_args(p, "reward-fine-tune")
-    add_checkpoint_args(p)
-    add_placement_args(
-        p,
-        {
-            "text_encoder": "Where the text encoder lives.",
-            "vae": "Where the VAE lives.",
-            "reward": "Where the reward model lives (default shard).",
-        },
-        choices=("replicate", "shard", "offload"),
+    # one backward per optimizer step: not a flag
+    gradient_accumulation_steps: ClassVar[int] = 1
+    tracker_project_name: str = redefault(TrackingSettings, "tracker_project_name", "reward-fine-tune")
+    text_encoder_placement: str = placement_flag(
+        "replicate", "Where the text encoder lives.", ENGINE_PLACEMENT_CHOICES
     )
-    p.set_defaults(reward_placement="shard")
-    a("--reward_micro_batch_size", type=int, default=4)
-    a("--reward_normalize", default=None, choices=["batch", "per_prompt"])
-    p.set_defaults(gradient_accumulation_steps=1)  # one backward per optimizer step
-    return p
+    vae_placement: str = placement_flag("replicate", "Where the VAE lives.", ENGINE_PLACEMENT_CHOICES)
+    reward_placement: str = placement_flag("shard", "Where the reward model lives.", ENGINE_PLACEMENT_CHOICES)
+    pretrained_model_name_or_path: str | None = flag(None, "Pipeline folder or hub id.", required=True)
+    reward_model_name_or_path: str | None = flag(
+        None, "Folder of a diffusers ModelMixin reward model.", required=True
+    )
+    reward_model_class: str = flag("diffusers_zero3.demo:RednessRewardModel", "module:Class of it.")
+    prompts: list[str] | None = flag(None, "Prompts to sample from.", required=True)
+    output_dir: str = flag("sd-model-reward-finetuned")
+    seed: int = flag(0)
+    resolution: int = flag(512)
+    train_batch_size: int = flag(2, "Samples per rank per step.")
+    max_train_steps: int = flag(100)
+    num_inference_steps: int = flag(20, "DDIM steps of each sample.")
+    truncated_backprop_steps: int = flag(1, "K: last denoising steps with gradients.")
+    reward_micro_batch_size: int = flag(4)
+    reward_normalize: str | None = flag(None, choices=["batch", "per_prompt"])
+
+    def resolve(self) -> None:
+        """Check that K fits the sampler's steps (raise ``ArgumentError``)."""
+        if not 1 <= self.truncated_backprop_steps <= self.num_inference_steps:
+            raise ArgumentError("--truncated_backprop_steps must be between 1 and --num_inference_steps")
 
 
-def parse_reward_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse and check the reward fine-tuning flags (a bad combination exits as argparse does)."""
-    p = reward_parser()
-    args = p.parse_args(argv)
-    if not 1 <= args.truncated_backprop_steps <= args.num_inference_steps:
-        p.error("--truncated_backprop_steps must be between 1 and --num_inference_steps")
-    return args
-
-
-def load_reward_model(args, accelerator) -> ParallelReward:
+def load_reward_model(args: RewardSettings, accelerator) -> ParallelReward:
     """The reward model as a ParallelReward (sharded by default). Every rank."""
     import importlib
 
@@ -117,7 +114,7 @@ def load_reward_model(args, accelerator) -> ParallelReward:
 class RewardTrainer:
     """setup() -> train() -> save()."""
 
-    def __init__(self, args):
+    def __init__(self, args: RewardSettings):
         self.args = args
         self.global_step = 0
         self.rewards: list[float] = []

@@ -19,6 +19,7 @@ import torch
 
 from ..args import (
     ArgumentError,
+    TextToImageSettings,
     check_resolution,
     component_overrides,
     component_placements,
@@ -77,7 +78,7 @@ logger = logging.getLogger("diffusers_zero3.recipes.text_to_image")
 class TextToImageTrainer:
     """setup() -> train() -> save(); each step is a short method. All ranks call each.
 
-    ``args`` is ``args.parse_args()``'s namespace. A subclass may replace ``_load_data`` (it
+    ``args`` is a ``TextToImageSettings`` (or a subclass's). A subclass may replace ``_load_data`` (it
     sets ``hf_dataset``, ``train_dataset``, ``collate_fn``, ``image_column``,
     ``caption_column``), ``_loss`` (which may leave per-micro-batch ``batch_metrics``, logged
     per step beside the loss, averaged over ranks) and extend ``_load_models``.
@@ -87,7 +88,7 @@ class TextToImageTrainer:
     # may cache them (--*_placement auto). A trainer whose inputs change sets this False.
     cacheable_data = True
 
-    def __init__(self, args):
+    def __init__(self, args: TextToImageSettings):
         self.args = args
         self.global_step = 0
         self.first_epoch = 0
