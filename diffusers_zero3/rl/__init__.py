@@ -1,0 +1,20 @@
+"""The numerics of online RL for flow-matching models (Flow-GRPO, DiffusionNFT): the SDE step and
+its log-probability, group-relative advantages (also across ranks), which samples each rank
+draws, and the losses. Pure functions of tensors: no trainer, no model."""
+
+from .advantages import gather_group_advantages, group_advantages
+from .groups import group_assignment, samples_per_rank
+from .losses import grpo_loss, nft_loss, nft_optimality, sde_kl
+from .sde import sde_step_with_logprob
+
+__all__ = [
+    "gather_group_advantages",
+    "group_advantages",
+    "group_assignment",
+    "grpo_loss",
+    "nft_loss",
+    "nft_optimality",
+    "samples_per_rank",
+    "sde_kl",
+    "sde_step_with_logprob",
+]
