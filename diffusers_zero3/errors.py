@@ -18,3 +18,8 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A model folder or checkpoint is missing, incomplete or does not fit the model."""
+
+
+class RewardError(UserError):
+    """A reward gave scores that cannot be used (wrong count, NaN, inf) or raised; the message
+    names the reward spec and what is wrong."""

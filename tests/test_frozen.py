@@ -210,3 +210,33 @@ def test_replicate_placement_makes_no_fp32_module_warning(tiny_pipeline):
         assert prepare_frozen(vae, "replicate", dtype=torch.bfloat16).dtype == torch.bfloat16
     finally:
         diffusers_logger.removeHandler(handler)
+
+
+@pytest.mark.unit
+def test_scalar_parameters_become_buffers_of_the_same_name_shape_and_value():
+    """DeepSpeed 0.19's ``zero.Init(module=...)`` refuses a 0-dim parameter (CLIP's
+    ``logit_scale``: "self.dim() cannot be 0 to view Float as Byte"); the shard placement keeps
+    such scalars whole as buffers. The state dict and the forward are unchanged."""
+    from transformers import CLIPConfig, CLIPModel
+
+    from diffusers_zero3.placement.frozen import scalar_parameters_to_buffers
+
+    config = CLIPConfig(
+        text_config={"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2},
+        vision_config={"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "image_size": 16, "patch_size": 8},
+        projection_dim=8,
+    )  # fmt: skip
+    model = CLIPModel(config).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    pixels, ids = torch.randn(2, 3, 16, 16), torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with torch.no_grad():
+        expected = model(input_ids=ids, pixel_values=pixels).logits_per_image
+    assert scalar_parameters_to_buffers(model) == ["logit_scale"]
+    assert all(p.dim() > 0 for p in model.parameters())
+    assert model.logit_scale.shape == () and "logit_scale" in dict(model.named_buffers())
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, pixel_values=pixels).logits_per_image, expected)

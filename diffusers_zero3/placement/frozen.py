@@ -258,6 +258,27 @@ def check_placement_supported(placement: str, name: str) -> None:
         )
 
 
+def scalar_parameters_to_buffers(model: torch.nn.Module) -> list[str]:
+    """Turn every 0-dim parameter of a frozen ``model`` into a buffer of the same name and
+    value; returns their names. Not a collective.
+
+    DeepSpeed 0.19's ``zero.Init(module=...)``, which partitions a model loaded whole,
+    broadcasts each parameter as ``param.data.view(torch.uint8)``, which a 0-dim tensor refuses
+    ("self.dim() cannot be 0 to view Float as Byte"): CLIP's ``logit_scale`` is one. A frozen
+    scalar needs no partition; as a buffer it keeps its shape (a ``[1]`` parameter would change
+    the shape of what it multiplies), its name in the state dict, and moves with the model.
+    """
+    names = []
+    for name, param in list(model.named_parameters()):
+        if param.dim() == 0:
+            owner_name, _, attr = name.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            delattr(owner, attr)
+            owner.register_buffer(attr, param.detach())
+            names.append(name)
+    return names
+
+
 def _shard(model, placement, accelerator, ds_config, micro_batch_size, dtype, name) -> FrozenModel:
     check_placement_supported(placement, name)
     import deepspeed
@@ -280,6 +301,7 @@ def _shard(model, placement, accelerator, ds_config, micro_batch_size, dtype, na
         # A model loaded whole: cast it where it lies and partition it parameter by parameter
         # (each goes to the device alone, then its partition to where the placement says).
         # DeepSpeed's engine would move the whole module to the device first.
+        scalar_parameters_to_buffers(model)
         _cast(model, resolved)
         deepspeed.zero.Init(module=model, config_dict_or_path=cfg, mem_efficient_linear=False)
         # zero.Init builds a new model's buffers on the device; a converted one keeps them

@@ -1,0 +1,12 @@
+"""Rewards for online RL of diffusion models: the command-line specs (``specs``), the
+built-in reward models (``builtin``: PickScore, CLIPScore, the LAION aesthetic predictor, a
+VLM judge), their tensor preprocessing (``images``) and the weighted sum over them
+(``registry``), each reward a ``placement.rewards.ParallelReward``.
+
+Images are float tensors ``[B, 3, H, W]`` in ``[0, 1]`` on the accelerator's device.
+"""
+
+from .registry import WeightedRewards, load_rewards
+from .specs import RewardSpec, parse_reward_specs
+
+__all__ = ["RewardSpec", "WeightedRewards", "load_rewards", "parse_reward_specs"]

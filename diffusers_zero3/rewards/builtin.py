@@ -1,0 +1,491 @@
+"""The built-in reward models, each an ``nn.Module`` built from transformers classes.
+
+Each has ``preprocess(images, prompts)`` (its processor's work on the image tensor, on its
+device: see ``rewards.images``) and ``forward(rows) -> scores [B]``, which is what
+``ParallelReward`` calls per micro-batch, and a ``from_pretrained`` of a local folder or hub
+id. Every model call happens inside the forward of the module or of its submodules, so that a
+ZeRO-3 inference engine gathers each layer's parameters on the way (a parameter read outside
+a forward would be an empty partition). None imports its authors' packages.
+
+* ``pickscore``: PickScore (Kirstain et al. 2023), a CLIP-H fine-tuned on Pick-a-Pic.
+  ``logit_scale.exp() * cos(text, image)``, as the authors' inference code
+  (yuvalkirstain/PickScore, README) computes it. Weights: ``yuvalkirstain/PickScore_v1``
+  with the processor of ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K`` (taken from there when the
+  model folder has none).
+* ``clip_score``: CLIPScore as torchmetrics computes it per sample:
+  ``100 * max(cos(text, image), 0)`` (Hessel et al. use 2.5 instead of 100). Any CLIP,
+  e.g. ``openai/clip-vit-large-patch14``.
+* ``aesthetic``: the LAION aesthetic predictor (christophschuhmann/improved-aesthetic-predictor):
+  the normalised CLIP ViT-L/14 image embedding through an MLP head. A folder with ``clip/``
+  (a CLIP model and its processor config) and the head's weights
+  (``aesthetic_head.safetensors``, or the published ``sac+logos+ava1-l14-linearMSE.pth``).
+* ``vlm``: a Qwen2-VL / Qwen2.5-VL judge: ``P(Yes) / (P(Yes) + P(No))`` from the next-token
+  logits of its answer to a question about the image and the prompt (``VLMJudge.question``).
+* ``hpsv2``, ``imagereward``: named, not built in (they need open_clip / BLIP): asking for
+  them is an ``ArgumentError`` that says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .images import (
+    ClipImageConfig,
+    QwenVLImageConfig,
+    check_images,
+    clip_pixel_values,
+    pack_rows,
+    qwen_vl_patches,
+    unpack_rows,
+)
+
+# The processor PickScore's authors load beside their model (its hub folder has none).
+PUBLISHED_PROCESSORS = {"yuvalkirstain/PickScore_v1": "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"}
+
+
+def _processor_dict(path: str | os.PathLike) -> dict[str, Any]:
+    """The image processor config (``preprocessor_config.json``) of a folder or hub id."""
+    from transformers.image_processing_utils import ImageProcessingMixin
+
+    return ImageProcessingMixin.get_image_processor_dict(str(path))[0]
+
+
+def _empty_rows(images: torch.Tensor) -> torch.Tensor:
+    """The rows of a call with no samples (no forward is made for them)."""
+    return torch.zeros(0, 1, device=images.device)
+
+
+def _check_prompts(name: str, images: torch.Tensor, prompts: Sequence[str] | None) -> list[str]:
+    if prompts is None or len(prompts) != len(images):
+        got = "no prompts" if prompts is None else f"{len(prompts)} prompts"
+        raise ValueError(f"reward '{name}' needs one prompt per image: got {len(images)} images and {got}")
+    return list(prompts)
+
+
+# ------------------------------------------------------------------ CLIP: PickScore, CLIPScore
+
+
+class ClipTextImageReward(nn.Module):
+    """A score of each (image, prompt) pair from a ``transformers.CLIPModel``.
+
+    Rows (``preprocess``): the prompt's token ids and attention mask (padded to the longest
+    prompt of the call, at most 77 tokens, as ``CLIPProcessor(padding=True, truncation=True)``)
+    and the processor's ``pixel_values``, packed by ``images.pack_rows``. The forward runs
+    ``CLIPModel.forward``, whose outputs hold both normalised embeddings and
+    ``logit_scale.exp() * cos`` for every pair.
+
+    Args:
+        clip: the CLIP model.
+        tokenizer: its tokenizer (``CLIPTokenizer``).
+        image_config: its image processor's steps.
+    """
+
+    name = "clip"
+
+    def __init__(self, clip: nn.Module, tokenizer: Any, image_config: ClipImageConfig):
+        super().__init__()
+        self.clip = clip
+        self.tokenizer = tokenizer
+        self.image_config = image_config
+        size = image_config.output_size()
+        if size is None:
+            raise ValueError(
+                f"{self.name}: the image processor must give a fixed size (a crop or a height/width)"
+            )
+        self.pixel_shape = (3, *size)
+        self.max_length = min(
+            int(tokenizer.model_max_length), int(clip.config.text_config.max_position_embeddings)
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        dtype: torch.dtype | None = None,
+        processor_path: str | os.PathLike | None = None,
+    ) -> ClipTextImageReward:
+        """Load the CLIP model of ``path`` and its processor (tokenizer and image processor
+        config) from ``processor_path`` (default: ``path``, or the processor its authors pair
+        with published weights, ``PUBLISHED_PROCESSORS``).
+
+        Not a collective; load inside ``zero3_init_disabled()`` to get the model whole.
+        """
+        from transformers import AutoTokenizer, CLIPModel
+
+        processor_path = processor_path or PUBLISHED_PROCESSORS.get(str(path), path)
+        clip = CLIPModel.from_pretrained(path, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(processor_path)
+        return cls(clip, tokenizer, ClipImageConfig.from_processor_dict(_processor_dict(processor_path)))
+
+    def preprocess(self, images: torch.Tensor, prompts: Sequence[str] | None) -> torch.Tensor:
+        """Packed rows ``[B, D]`` of ``images`` (float ``[B, 3, H, W]`` in ``[0, 1]``, on the
+        accelerator's device) and ``prompts``, on the images' device."""
+        check_images(images, self.name)
+        prompts = _check_prompts(self.name, images, prompts)
+        if not len(images):
+            return _empty_rows(images)
+        text = self.tokenizer(
+            prompts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        )
+        ints = torch.cat([text["input_ids"], text["attention_mask"]], dim=1)
+        pixels = clip_pixel_values(images, self.image_config)
+        return pack_rows(ints, pixels.reshape(len(images), -1))
+
+    def clip_output(self, rows: torch.Tensor) -> Any:
+        """``CLIPModel.forward`` on packed rows: a ``CLIPOutput`` of the B x B pairs."""
+        ints, floats = unpack_rows(rows)
+        length = ints.shape[1] // 2
+        return self.clip(
+            input_ids=ints[:, :length],
+            attention_mask=ints[:, length:],
+            pixel_values=floats.reshape(len(rows), *self.pixel_shape),
+        )
+
+
+class PickScore(ClipTextImageReward):
+    """PickScore: ``logit_scale.exp() * cos(text_embedding, image_embedding)`` per pair, the
+    diagonal of the CLIP logits (yuvalkirstain/PickScore README: ``model.logit_scale.exp() *
+    (text_embs @ image_embs.T)`` of L2-normalised ``get_text_features`` /
+    ``get_image_features``)."""
+
+    name = "pickscore"
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """Scores ``[B]`` of packed rows (``preprocess``)."""
+        return self.clip_output(rows).logits_per_image.diagonal()
+
+
+class ClipScore(ClipTextImageReward):
+    """CLIPScore as torchmetrics' ``CLIPScore`` computes it per sample:
+    ``100 * max(cos(text_embedding, image_embedding), 0)``."""
+
+    name = "clip_score"
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """Scores ``[B]`` of packed rows (``preprocess``)."""
+        out = self.clip_output(rows)
+        return 100 * (out.image_embeds * out.text_embeds).sum(-1).clamp(min=0)
+
+
+# ------------------------------------------------------------------ LAION aesthetic predictor
+
+AESTHETIC_HEAD_FILE = "aesthetic_head.safetensors"
+
+
+class AestheticHead(nn.Module):
+    """The MLP of LAION's improved aesthetic predictor (``simple_inference.py``'s ``MLP``),
+    with its module names, so that the published state dict loads as it is.
+
+    Args:
+        input_size: the CLIP embedding width (768 for ViT-L/14).
+    """
+
+    def __init__(self, input_size: int = 768):
+        super().__init__()
+        self.input_size = input_size
+        self.layers = nn.Sequential(
+            nn.Linear(input_size, 1024),
+            nn.Dropout(0.2),
+            nn.Linear(1024, 128),
+            nn.Dropout(0.2),
+            nn.Linear(128, 64),
+            nn.Dropout(0.1),
+            nn.Linear(64, 16),
+            nn.Linear(16, 1),
+        )
+
+    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """``[B, 1]`` scores of ``[B, input_size]`` normalised embeddings."""
+        return self.layers(embeddings)
+
+
+class AestheticPredictor(nn.Module):
+    """LAION's aesthetic score: a CLIP image embedding, L2-normalised (a zero vector left as
+    it is, as the authors' ``normalized``), through ``AestheticHead``.
+
+    Args:
+        vision: a ``CLIPVisionModelWithProjection`` (its ``image_embeds`` are CLIP's
+            ``encode_image``).
+        head: the MLP head.
+        image_config: the CLIP image processor's steps.
+    """
+
+    name = "aesthetic"
+
+    def __init__(self, vision: nn.Module, head: AestheticHead, image_config: ClipImageConfig):
+        super().__init__()
+        self.vision = vision
+        self.head = head
+        self.image_config = image_config
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | None = None) -> AestheticPredictor:
+        """Load a folder: ``clip/`` (a CLIP or CLIP vision model with its
+        ``preprocessor_config.json``) and the head, ``aesthetic_head.safetensors`` or one
+        ``*.pth`` of LAION's (keys ``layers.N.weight``/``bias``). Not a collective."""
+        from transformers import CLIPVisionModelWithProjection
+
+        path = Path(path)
+        if not (path / "clip").is_dir():
+            raise FileNotFoundError(
+                f"aesthetic reward folder {path} has no clip/ (the CLIP model and its processor)"
+            )
+        vision = CLIPVisionModelWithProjection.from_pretrained(path / "clip", dtype=dtype)
+        state = _load_head_state(path)
+        head = AestheticHead(state["layers.0.weight"].shape[1])
+        head.load_state_dict(state)
+        if dtype is not None:
+            head.to(dtype)
+        return cls(vision, head, ClipImageConfig.from_processor_dict(_processor_dict(path / "clip")))
+
+    def save_pretrained(self, path: str | os.PathLike) -> Path:
+        """Write the folder ``from_pretrained`` reads: ``clip/`` (the vision model and its
+        processor config) and ``aesthetic_head.safetensors``. Not a collective."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        self.vision.save_pretrained(path / "clip")
+        config = json.dumps(self.image_config.to_processor_dict(), indent=2)
+        (path / "clip" / "preprocessor_config.json").write_text(config)
+        save_file(
+            {k: v.contiguous() for k, v in self.head.state_dict().items()}, str(path / AESTHETIC_HEAD_FILE)
+        )
+        return path
+
+    def preprocess(self, images: torch.Tensor, prompts: Sequence[str] | None = None) -> torch.Tensor:
+        """CLIP's ``pixel_values`` ``[B, 3, S, S]`` of ``images`` (float ``[B, 3, H, W]`` in
+        ``[0, 1]``, on the accelerator's device); the prompts are not used."""
+        check_images(images, self.name)
+        return clip_pixel_values(images, self.image_config)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Scores ``[B]`` of CLIP pixel values."""
+        emb = self.vision(pixel_values=pixel_values).image_embeds
+        norm = emb.norm(dim=-1, keepdim=True)
+        emb = emb / torch.where(norm == 0, torch.ones_like(norm), norm)
+        return self.head(emb).squeeze(-1)
+
+
+def _load_head_state(path: Path) -> dict[str, torch.Tensor]:
+    if (path / AESTHETIC_HEAD_FILE).is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(path / AESTHETIC_HEAD_FILE))
+    pth = sorted(path.glob("*.pth"))
+    if len(pth) != 1:
+        raise FileNotFoundError(
+            f"aesthetic reward folder {path} needs {AESTHETIC_HEAD_FILE} or one *.pth of the head, found {len(pth)} *.pth"
+        )
+    return torch.load(pth[0], map_location="cpu", weights_only=True)
+
+
+# ------------------------------------------------------------------ a VLM judge
+
+DEFAULT_VLM_QUESTION = "Does this image match the prompt '{prompt}'? Answer Yes or No."
+# Qwen2-VL's and Qwen2.5-VL's chat template rendered for one user turn (an image, then text)
+# with the generation prompt, as their processors' apply_chat_template gives it.
+QWEN_VL_CHAT = (
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+    "<|vision_start|><|image_pad|><|vision_end|>{question}<|im_end|>\n<|im_start|>assistant\n"
+)
+QWEN_VL_IMAGE_TOKEN = "<|image_pad|>"
+QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+
+class VLMJudge(nn.Module):
+    """A vision-language model's answer as a score: ``P(yes) / (P(yes) + P(no))`` of the next
+    token after ``question`` (about the image and its prompt), from the logits of the last
+    position only.
+
+    Rows (``preprocess``): the grid of image patches, the chat's token ids and attention mask
+    (left-padded to the longest of the call, the image placeholder expanded to one token per
+    merged patch as Qwen2-VL's processor does) and the flattened patches, packed by
+    ``images.pack_rows``.
+
+    Args:
+        model: a ``Qwen2VLForConditionalGeneration`` or ``Qwen2_5_VLForConditionalGeneration``
+            (``AutoModelForImageTextToText`` gives either).
+        tokenizer: its tokenizer.
+        image_config: its image processor's steps.
+        question: the question, ``{prompt}`` standing for the image's prompt.
+        answers: the (yes, no) answers, each one token.
+        template: the chat around the question, ``{question}`` standing for it and
+            ``<|image_pad|>`` for the image.
+    """
+
+    name = "vlm"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        image_config: QwenVLImageConfig,
+        question: str = DEFAULT_VLM_QUESTION,
+        answers: tuple[str, str] = ("Yes", "No"),
+        template: str = QWEN_VL_CHAT,
+    ):
+        super().__init__()
+        if model.config.model_type not in QWEN_VL_MODEL_TYPES:
+            raise ValueError(
+                f"the vlm reward takes a Qwen2-VL or Qwen2.5-VL model (model_type {' or '.join(QWEN_VL_MODEL_TYPES)}),"
+                f" got model_type {model.config.model_type!r}"
+            )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.image_config = image_config
+        self.question, self.template = question, template
+        self.image_token_id = int(model.config.image_token_id)
+        ids = []
+        for answer in answers:
+            tokens = tokenizer.encode(answer, add_special_tokens=False)
+            if len(tokens) != 1:
+                raise ValueError(
+                    f"the vlm reward's answer {answer!r} must be one token, it is {len(tokens)}: {tokens}"
+                )
+            ids.append(tokens[0])
+        self.yes_id, self.no_id = ids
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else tokenizer.eos_token_id or 0)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | os.PathLike, dtype: torch.dtype | None = None, **kwargs: Any
+    ) -> VLMJudge:
+        """Load the model (``AutoModelForImageTextToText``), tokenizer and image processor
+        config of ``path``; ``kwargs`` go to the constructor (``question``, ``answers``,
+        ``template``). Not a collective."""
+        from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        return cls(model, tokenizer, QwenVLImageConfig.from_processor_dict(_processor_dict(path)), **kwargs)
+
+    def chat(self, prompt: str, image_tokens: int) -> str:
+        """The text of one sample: the template around the question about ``prompt``, the
+        image placeholder repeated ``image_tokens`` times."""
+        question = self.question.replace("{prompt}", prompt)
+        text = self.template.replace("{question}", question)
+        return text.replace(QWEN_VL_IMAGE_TOKEN, QWEN_VL_IMAGE_TOKEN * image_tokens)
+
+    def preprocess(self, images: torch.Tensor, prompts: Sequence[str] | None) -> torch.Tensor:
+        """Packed rows ``[B, D]`` of ``images`` (float ``[B, 3, H, W]`` in ``[0, 1]``, on the
+        accelerator's device) and ``prompts``, on the images' device."""
+        check_images(images, self.name)
+        prompts = _check_prompts(self.name, images, prompts)
+        if not len(images):
+            return _empty_rows(images)
+        patches, gh, gw = qwen_vl_patches(images, self.image_config)
+        image_tokens = gh * gw // self.image_config.merge_size**2
+        encoded = self.tokenizer([self.chat(p, image_tokens) for p in prompts])["input_ids"]
+        length = max(len(e) for e in encoded)
+        ids = torch.full((len(prompts), length), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), length), dtype=torch.long)
+        for i, e in enumerate(encoded):  # left padding: the last position is every sample's next token
+            ids[i, length - len(e) :] = torch.tensor(e, dtype=torch.long)
+            mask[i, length - len(e) :] = 1
+        header = torch.tensor([[gh, gw, length]] * len(prompts), dtype=torch.long)
+        return pack_rows(torch.cat([header, ids, mask], dim=1), patches.reshape(len(images), -1))
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """Scores ``[B]`` in ``[0, 1]`` of packed rows (``preprocess``)."""
+        ints, floats = unpack_rows(rows)
+        b = len(rows)
+        gh, gw, length = (int(v) for v in ints[0, :3])
+        ids, mask = ints[:, 3 : 3 + length], ints[:, 3 + length : 3 + 2 * length]
+        grid = torch.tensor([[1, gh, gw]] * b, dtype=torch.long, device=rows.device)
+        logits = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            pixel_values=floats.reshape(b * gh * gw, -1),
+            image_grid_thw=grid,
+            mm_token_type_ids=(ids == self.image_token_id).long(),
+            logits_to_keep=1,
+        ).logits[:, -1]
+        pair = logits[:, [self.yes_id, self.no_id]].float()
+        return pair.softmax(dim=-1)[:, 0]
+
+
+# ------------------------------------------------------------------ the table
+
+
+@dataclass(frozen=True)
+class BuiltinReward:
+    """A built-in reward name.
+
+    Attributes:
+        name: its ``--reward`` name.
+        summary: what it scores, one line.
+        published: the weights to pass as ``--reward_model NAME=...`` for the published model.
+        load: ``load(path, dtype) -> nn.Module`` with ``preprocess``/``forward``; None
+            when not built in.
+        unavailable: why it cannot be used here (then ``load`` is None).
+    """
+
+    name: str
+    summary: str
+    published: str
+    load: Callable[[str, torch.dtype | None], nn.Module] | None = None
+    unavailable: str | None = None
+
+    @property
+    def needs_weights(self) -> bool:
+        """Every built-in model reads its weights from ``--reward_model``."""
+        return True
+
+
+BUILTINS: dict[str, BuiltinReward] = {
+    b.name: b
+    for b in (
+        BuiltinReward(
+            "pickscore",
+            "PickScore: logit_scale.exp() * cos(text, image) of a CLIP-H fine-tuned on Pick-a-Pic",
+            "yuvalkirstain/PickScore_v1",
+            PickScore.from_pretrained,
+        ),
+        BuiltinReward(
+            "clip_score",
+            "CLIPScore: 100 * max(cos(text, image), 0), torchmetrics' convention",
+            "openai/clip-vit-large-patch14",
+            ClipScore.from_pretrained,
+        ),
+        BuiltinReward(
+            "aesthetic",
+            "LAION aesthetic predictor: MLP head on the normalised CLIP ViT-L/14 image embedding",
+            "a folder with clip/ (openai/clip-vit-large-patch14) and sac+logos+ava1-l14-linearMSE.pth",
+            AestheticPredictor.from_pretrained,
+        ),
+        BuiltinReward(
+            "vlm",
+            "VLM judge: P(Yes) / (P(Yes) + P(No)) of a Qwen2-VL / Qwen2.5-VL asked whether the image matches",
+            "Qwen/Qwen2.5-VL-7B-Instruct",
+            VLMJudge.from_pretrained,
+        ),
+        BuiltinReward(
+            "hpsv2",
+            "HPSv2: an open_clip ViT-H-14 fine-tuned on human preferences",
+            "xswu/HPSv2",
+            unavailable="it needs open_clip_torch (pip install open_clip_torch hpsv2), which this package does not"
+            " load yet; score with your own function meanwhile: --reward my_module:my_hps",
+        ),
+        BuiltinReward(
+            "imagereward",
+            "ImageReward: BLIP with an MLP head trained on human preferences",
+            "THUDM/ImageReward",
+            unavailable="it needs BLIP from the image-reward package (pip install image-reward), which this package"
+            " does not load yet; score with your own function meanwhile: --reward my_module:my_imagereward",
+        ),
+    )
+}
+
+
+def describe_builtins() -> str:
+    """One line per built-in reward: name, summary, published weights (for ``--help``)."""
+    return "\n".join(f"{b.name}: {b.summary} (weights: {b.published})" for b in BUILTINS.values())

@@ -1,0 +1,206 @@
+"""Rewards from their specs, summed with their weights, every output checked.
+
+``load_rewards`` turns the parsed ``RewardSpec`` list into a ``WeightedRewards``: each built-in
+model placed through ``prepare_frozen`` with its placement (a ZeRO-3 inference engine for
+``shard``) and wrapped in a ``ParallelReward``, each function wrapped as it is. Calling it
+scores every rank's own samples with every reward, in the specs' order, so that the sharded
+models' forwards stay in lockstep across ranks, then checks the outputs on every rank at once:
+a reward that returns the wrong number of scores, a NaN or an inf on any rank (or a function
+that raises) is one ``RewardError`` on every rank, instead of a rank that stops while the
+others wait in the next collective.
+
+Images are float tensors ``[B, 3, H, W]`` in ``[0, 1]`` on the accelerator's device; each
+built-in resizes and normalises them itself, on that device (``rewards.images``).
+
+Example:
+    >>> specs = parse_reward_specs(args.reward, args.reward_model, args.reward_placement)
+    >>> rewards = load_rewards(specs, accelerator, torch.bfloat16)     # every rank
+    >>> images = (vae.decode(latents).sample / 2 + 0.5).clamp(0, 1)  # [B, 3, H, W] in [0, 1]
+    >>> total, scores = rewards(images, prompts)                     # every rank, B may be 0
+    >>> scores["pickscore"].shape, total.shape
+    (torch.Size([B]), torch.Size([B]))
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import RewardError
+from ..placement.frozen import prepare_frozen
+from ..placement.rewards import ParallelReward
+from ..runtime.distributed import all_gather_object, is_distributed
+from ..runtime.ds_config import base_config, resolve_dtype
+from ..runtime.zero3 import zero3_init_disabled
+from .builtin import BUILTINS
+from .specs import RewardSpec
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+
+class WeightedRewards:
+    """Several rewards and their weights: ``total = sum(weight * scores)``.
+
+    Args:
+        rewards: ``{spec name: ParallelReward}``, in the order they are called.
+        weights: ``{spec name: weight}``.
+
+    Collective: call on every rank, each with its own samples (zero included).
+    """
+
+    def __init__(self, rewards: dict[str, ParallelReward], weights: dict[str, float]):
+        if set(rewards) != set(weights):
+            raise ValueError(f"rewards {sorted(rewards)} and weights {sorted(weights)} name different specs")
+        self.rewards = rewards
+        self.weights = weights
+
+    def __call__(
+        self, images: torch.Tensor, prompts: Sequence[str] | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Score this rank's samples with every reward.
+
+        Args:
+            images: float ``[B, 3, H, W]`` in ``[0, 1]``, on the accelerator's device; ``B``
+                may differ between ranks and be 0.
+            prompts: one prompt per image (the prompt-free rewards ignore them).
+
+        Returns:
+            ``(total, scores)``: ``total`` ``[B]`` float32, the weighted sum; ``scores`` ``{spec
+            name: [B] float32}``, each reward's own scores, on the images' device.
+
+        Raises:
+            RewardError: on every rank, when any rank's reward returned a wrong number of
+                scores, NaN or inf, or raised (one line naming each reward and what is wrong).
+
+        Collective: call on every rank.
+        """
+        if prompts is not None and len(prompts) != len(images):
+            raise ValueError(f"got {len(images)} images but {len(prompts)} prompts")
+        n = len(images)
+        scores: dict[str, torch.Tensor] = {}
+        problems: list[str] = []
+        raised: Exception | None = None
+        for name, reward in self.rewards.items():
+            try:
+                out = reward(images, prompts)
+            except Exception as e:  # reported on every rank below; the next rewards are still called
+                problems.append(f"reward '{name}' raised {type(e).__name__}: {' '.join(str(e).split())}")
+                raised = raised or e
+                continue
+            problem = _check_scores(out, n)
+            if problem:
+                problems.append(f"reward '{name}' {problem}")
+            else:
+                scores[name] = out.float()
+        raise_reward_problems(problems, cause=raised)
+        device = images.device if torch.is_tensor(images) else None
+        total = torch.zeros(n, dtype=torch.float32, device=device)
+        for name, s in scores.items():
+            total = total + self.weights[name] * s.to(total.device)
+        return total, scores
+
+    @contextlib.contextmanager
+    def lockstep_check(self) -> Iterator[None]:
+        """A debug check over every sharded reward model's forwards: a rank calling one out of
+        lockstep raises ``LockstepError`` instead of hanging (``ParallelReward.lockstep_check``).
+
+        Collective: enter and leave on every rank.
+        """
+        with contextlib.ExitStack() as stack:
+            for reward in self.rewards.values():
+                stack.enter_context(reward.lockstep_check())
+            yield
+
+
+def _check_scores(scores: torch.Tensor, n: int) -> str | None:
+    """What is wrong with a reward's ``scores`` for ``n`` samples, or None."""
+    if not torch.is_tensor(scores) or scores.dim() != 1 or len(scores) != n:
+        got = f"shape {tuple(scores.shape)}" if torch.is_tensor(scores) else type(scores).__name__
+        return f"returned {got} for {n} samples (one score per sample expected)"
+    nan = int(torch.isnan(scores).sum())
+    inf = int(torch.isinf(scores).sum())
+    if nan or inf:
+        what = " and ".join(
+            w for w in (f"NaN for {nan}" if nan else "", f"inf for {inf}" if inf else "") if w
+        )
+        return f"returned {what} of {n} samples"
+    return None
+
+
+def raise_reward_problems(problems: list[str], cause: BaseException | None = None) -> None:
+    """Raise one ``RewardError`` on every rank when any rank has a problem.
+
+    Args:
+        problems: this rank's problems, one line each (``"reward 'x' returned NaN ..."``).
+        cause: this rank's exception behind them, chained to the error here.
+
+    Collective: call on every rank (one small ``all_gather_object`` under a process group).
+    """
+    gathered = all_gather_object(problems) if is_distributed() else [problems]
+    lines = []
+    for rank, rank_problems in enumerate(gathered):
+        lines += [f"{p} on rank {rank}" if len(gathered) > 1 else p for p in rank_problems]
+    if lines:
+        raise RewardError("; ".join(lines)) from cause
+
+
+def load_rewards(
+    specs: Sequence[RewardSpec],
+    accelerator: Accelerator | None = None,
+    dtype: torch.dtype | str | None = None,
+    *,
+    micro_batch_size: int = 8,
+    differentiable: bool = False,
+) -> WeightedRewards:
+    """Load and place every reward of ``specs``.
+
+    Built-ins are loaded whole (``zero3_init_disabled``) and placed by ``prepare_frozen`` with
+    their spec's placement (``shard``/``offload``: partitioned parameter by parameter into a
+    ZeRO-3 inference engine; ``replicate``: a copy on every rank); functions are used as they
+    are (called on every rank with that rank's samples).
+
+    Args:
+        specs: from ``parse_reward_specs``.
+        accelerator: the training accelerator (device, DeepSpeed config, mixed precision);
+            None: one CPU process.
+        dtype: the reward models' dtype (default: the accelerator's mixed precision).
+        micro_batch_size: samples per reward-model forward.
+        differentiable: let gradients flow from the scores into the images (see
+            ``ParallelReward``).
+
+    Returns:
+        The rewards and their weights, called as ``rewards(images, prompts)``.
+
+    Collective: call on every rank, in the same order relative to other engines (a sharded
+    reward builds a DeepSpeed engine).
+    """
+    dtype = resolve_dtype(dtype, base_config(None, accelerator), accelerator)
+    rewards: dict[str, ParallelReward] = {}
+    weights: dict[str, float] = {}
+    for spec in specs:
+        if spec.is_builtin:
+            load = BUILTINS[spec.name].load
+            if load is None:
+                raise ValueError(f"reward {spec.name!r} is not built in: {BUILTINS[spec.name].unavailable}")
+            with zero3_init_disabled():
+                module = load(spec.model_path, dtype)
+            frozen = prepare_frozen(
+                module, spec.placement, accelerator=accelerator, dtype=dtype, name=f"reward {spec.name}"
+            )
+            reward = ParallelReward(
+                frozen,
+                accelerator=accelerator,
+                micro_batch_size=micro_batch_size,
+                preprocess=frozen.module.preprocess,
+                differentiable=differentiable,
+                name=spec.name,
+            )
+        else:
+            reward = ParallelReward(spec.function, accelerator=accelerator, name=spec.name)
+        rewards[spec.name] = reward
+        weights[spec.name] = spec.weight
+    return WeightedRewards(rewards, weights)

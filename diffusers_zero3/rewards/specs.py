@@ -1,0 +1,176 @@
+"""The reward flags of a command line, parsed into one typed list of ``RewardSpec``.
+
+* ``--reward SPEC[=WEIGHT]`` (repeatable): ``SPEC`` is a built-in name (``pickscore``,
+  ``clip_score``, ``aesthetic``, ``vlm``; see ``rewards.builtin``) or ``module:function``, a
+  function ``fn(images, prompts) -> scores`` (one number per image); ``WEIGHT`` its weight in
+  the sum (default 1.0).
+* ``--reward_model NAME=PATH_OR_HUB_ID`` (repeatable): the weights of the built-in ``NAME``.
+* ``--reward_placement NAME=shard|replicate|offload`` (repeatable): where a built-in's model
+  lives (default ``shard``: a ZeRO-3 inference engine, see ``placement.frozen``).
+
+Every mistake is one ``ArgumentError`` naming the flag and the value.
+
+Example:
+    >>> specs = parse_reward_specs(
+    ...     ["pickscore=1.0", "aesthetic=0.5", "my_rewards:ocr"],
+    ...     ["pickscore=yuvalkirstain/PickScore_v1", "aesthetic=/models/laion-aesthetic"],
+    ...     ["aesthetic=replicate"],
+    ... )
+    >>> [(s.name, s.weight, s.placement) for s in specs]
+    [('pickscore', 1.0, 'shard'), ('aesthetic', 0.5, 'replicate'), ('my_rewards:ocr', 1.0, None)]
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ArgumentError
+from ..placement.frozen import PLACEMENTS
+from .builtin import BUILTINS
+
+DEFAULT_PLACEMENT = "shard"
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """One reward of the weighted sum.
+
+    Attributes:
+        name: the built-in name or ``module:function``, as given (the key of its scores).
+        weight: its weight in the sum.
+        model_path: a built-in's weights (a folder or hub id); None for a function.
+        placement: a built-in's placement (``shard``, ``replicate`` or ``offload``); None for a
+            function, which runs as it is on every rank.
+        function: the imported function of a ``module:function`` reward.
+    """
+
+    name: str
+    weight: float = 1.0
+    model_path: str | None = None
+    placement: str | None = None
+    function: Callable[..., Any] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def is_builtin(self) -> bool:
+        """True for a built-in reward model, False for a ``module:function``."""
+        return self.function is None
+
+
+def _pairs(flag: str, values: Sequence[str], value_name: str) -> dict[str, str]:
+    """``{NAME: VALUE}`` of ``NAME=VALUE`` items; a malformed or repeated name is an error."""
+    out: dict[str, str] = {}
+    for item in values:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise ArgumentError(f"{flag} {item!r}: expected NAME={value_name}")
+        if name in out:
+            raise ArgumentError(f"{flag} {name} is given twice ({out[name]!r} and {value!r})")
+        out[name] = value
+    return out
+
+
+def _weight(item: str, text: str) -> float:
+    try:
+        weight = float(text)
+    except ValueError:
+        weight = math.nan
+    if not math.isfinite(weight):
+        raise ArgumentError(f"--reward {item!r}: the weight {text!r} is not a number")
+    return weight
+
+
+def import_reward_function(spec: str) -> Callable[..., Any]:
+    """The function of a ``module:function`` reward; ``ArgumentError`` when the module does not
+    import, has no such attribute, or it is not callable."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ArgumentError(f"--reward {spec!r}: expected a built-in name or module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # any import-time failure of the user's module is the user's to fix
+        raise ArgumentError(
+            f"--reward {spec}: module {module_name!r} does not import ({type(e).__name__}: {e})"
+        ) from e
+    fn = module
+    for part in attr.split("."):
+        if not hasattr(fn, part):
+            raise ArgumentError(f"--reward {spec}: module {module_name!r} has no {attr!r}")
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise ArgumentError(f"--reward {spec}: {attr!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _builtin(name: str) -> None:
+    """Raise ``ArgumentError`` for a name that is no usable built-in."""
+    builtin = BUILTINS.get(name)
+    if builtin is None:
+        raise ArgumentError(
+            f"--reward {name}: unknown built-in reward; choose one of {', '.join(sorted(BUILTINS))},"
+            " or give a function as module:function"
+        )
+    if builtin.unavailable:
+        raise ArgumentError(f"--reward {name} is not available: {builtin.unavailable}")
+
+
+def parse_reward_specs(
+    rewards: Sequence[str], models: Sequence[str] = (), placements: Sequence[str] = ()
+) -> list[RewardSpec]:
+    """The rewards of ``--reward``, ``--reward_model`` and ``--reward_placement``, checked.
+
+    Args:
+        rewards: the ``--reward`` values, ``SPEC`` or ``SPEC=WEIGHT``.
+        models: the ``--reward_model`` values, ``NAME=PATH_OR_HUB_ID``.
+        placements: the ``--reward_placement`` values, ``NAME=shard|replicate|offload``.
+
+    Returns:
+        One ``RewardSpec`` per ``--reward``, in order (functions imported).
+
+    Raises:
+        ArgumentError: an unknown built-in or one that is not available; a ``module:function``
+            that does not import or is not callable; a weight that is not a number; a reward
+            given twice; a model or placement for a reward not given with ``--reward``, or for
+            a function; a built-in without its ``--reward_model``; an unknown placement.
+    """
+    model_of = _pairs("--reward_model", models, "PATH_OR_HUB_ID")
+    placement_of = _pairs("--reward_placement", placements, "|".join(PLACEMENTS))
+    specs: list[RewardSpec] = []
+    for item in rewards:
+        name, weight = item, 1.0
+        if "=" in item:
+            name, _, text = item.rpartition("=")
+            weight = _weight(item, text)
+        if not name:
+            raise ArgumentError(f"--reward {item!r}: expected SPEC or SPEC=WEIGHT")
+        if any(s.name == name for s in specs):
+            raise ArgumentError(f"--reward {name} is given twice")
+        if ":" in name:
+            function = import_reward_function(name)
+            for flag, given in (("--reward_model", model_of), ("--reward_placement", placement_of)):
+                if name in given:
+                    raise ArgumentError(f"{flag} {name}: a function reward has no model to load or place")
+            specs.append(RewardSpec(name, weight, function=function))
+            continue
+        _builtin(name)
+        if name not in model_of:
+            raise ArgumentError(
+                f"--reward {name} needs its weights: --reward_model {name}=PATH_OR_HUB_ID"
+                f" (published: {BUILTINS[name].published})"
+            )
+        placement = placement_of.get(name, DEFAULT_PLACEMENT)
+        if placement not in PLACEMENTS:
+            raise ArgumentError(
+                f"--reward_placement {name}={placement}: choose one of {', '.join(PLACEMENTS)}"
+            )
+        specs.append(RewardSpec(name, weight, model_path=model_of[name], placement=placement))
+    given = {s.name for s in specs}
+    for flag, named in (("--reward_model", model_of), ("--reward_placement", placement_of)):
+        for name in named:
+            if name not in given:
+                listed = ", ".join(s.name for s in specs) or "none"
+                raise ArgumentError(f"{flag} {name}: no such reward given with --reward (given: {listed})")
+    return specs

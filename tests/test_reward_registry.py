@@ -1,0 +1,675 @@
+"""The reward registry (``diffusers_zero3.rewards``): the command-line specs and each of their
+errors, the checks of every reward's output, the weighted sum, each built-in against its
+authors' computation written here with plain transformers calls on tiny models, and PickScore
+sharded on 2 real ranks against its replica."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.distributed_harness import run_on_ranks
+
+PROMPTS = ["a red circle", "a blue square", "a photo of a green circle", "the yellow shape"]
+SELF = "tests.test_reward_registry"
+
+# bf16 runs every model in bf16: ours and the reference may round differently in places (the
+# pixels are cast from float32 values that differ in the last bits; CLIP's B x B logits against
+# the README's product). Measured here: PickScore 0.031 (one bf16 step at |score| ~5), the
+# others 0 to 6e-8; each bound is a few bf16 steps of that reward's scores.
+BF16_TOLERANCES = {
+    "pickscore": dict(rtol=1e-2, atol=1e-2),
+    "clip_score": dict(rtol=1e-2, atol=1e-2),
+    "aesthetic": dict(rtol=0, atol=1e-3),
+    "vlm": dict(rtol=0, atol=2e-4),
+}
+
+
+def _tolerance(name: str, dtype: torch.dtype) -> dict:
+    return BF16_TOLERANCES[name] if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ plain function rewards
+
+
+def brightness(images, prompts):
+    return images.mean(dim=(1, 2, 3))
+
+
+def prompt_length(images, prompts):
+    return torch.tensor([float(len(p)) for p in prompts], device=images.device)
+
+
+def one_short(images, prompts):
+    return images.mean(dim=(1, 2, 3))[:-1]
+
+
+def nan_on_second(images, prompts):
+    out = images.mean(dim=(1, 2, 3)).clone()
+    out[1:2] = float("nan")
+    return out
+
+
+def inf_on_first(images, prompts):
+    out = images.mean(dim=(1, 2, 3)).clone()
+    out[:1] = float("inf")
+    return out
+
+
+def raises(images, prompts):
+    raise RuntimeError("the scoring service is down")
+
+
+NOT_CALLABLE = 3
+
+
+def _uint8_images(n: int, height: int, width: int, seed: int = 0) -> np.ndarray:
+    """``n`` random 8-bit RGB images ``[n, H, W, 3]``: what a PIL processor sees exactly."""
+    return np.random.default_rng(seed).integers(0, 256, size=(n, height, width, 3), dtype=np.uint8)
+
+
+def _smooth_images(n: int, height: int, width: int, seed: int = 0) -> np.ndarray:
+    """Like ``_uint8_images`` but of low spatial frequency, as photographs and generated images
+    are: resizing white noise, Pillow's two 8-bit passes clip the overshoot of the first one
+    (up to 17 levels apart from a float resize here), which no real image shows."""
+    small = torch.rand(n, 3, 5, 5, generator=torch.Generator().manual_seed(seed))
+    big = torch.nn.functional.interpolate(small, size=(height, width), mode="bilinear", align_corners=True)
+    return (big * 255).round().byte().permute(0, 2, 3, 1).numpy()
+
+
+def _as_tensor(images: np.ndarray) -> torch.Tensor:
+    """The same images as the rewards take them: float ``[B, 3, H, W]`` in ``[0, 1]``."""
+    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255
+
+
+def _pil(images: np.ndarray) -> list:
+    from PIL import Image
+
+    return [Image.fromarray(im) for im in images]
+
+
+# ------------------------------------------------------------------ specs
+
+
+@pytest.mark.unit
+def test_specs_parse_names_weights_models_and_placements():
+    from diffusers_zero3.rewards import RewardSpec, parse_reward_specs
+
+    specs = parse_reward_specs(
+        ["pickscore=2", "aesthetic=0.5", f"{SELF}:brightness", f"{SELF}:prompt_length=-1e-2"],
+        ["pickscore=yuvalkirstain/PickScore_v1", "aesthetic=/models/aesthetic"],
+        ["aesthetic=replicate"],
+    )
+    assert specs == [
+        RewardSpec("pickscore", 2.0, "yuvalkirstain/PickScore_v1", "shard"),
+        RewardSpec("aesthetic", 0.5, "/models/aesthetic", "replicate"),
+        RewardSpec(f"{SELF}:brightness", 1.0),
+        RewardSpec(f"{SELF}:prompt_length", -0.01),
+    ]
+    assert specs[2].function is brightness and not specs[2].is_builtin and specs[0].is_builtin
+    assert parse_reward_specs([], [], []) == []
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "rewards, models, placements, message",
+    [
+        (
+            ["pickscor"],
+            [],
+            [],
+            "--reward pickscor: unknown built-in reward; choose one of aesthetic, clip_score, "
+            "hpsv2, imagereward, pickscore, vlm, or give a function as module:function",
+        ),
+        (
+            ["no_such_module_xyz:fn"],
+            [],
+            [],
+            "--reward no_such_module_xyz:fn: module 'no_such_module_xyz' does not"
+            " import (ModuleNotFoundError: No module named 'no_such_module_xyz')",
+        ),
+        ([f"{SELF}:missing"], [], [], f"--reward {SELF}:missing: module '{SELF}' has no 'missing'"),
+        (
+            [f"{SELF}:NOT_CALLABLE"],
+            [],
+            [],
+            f"--reward {SELF}:NOT_CALLABLE: 'NOT_CALLABLE' is a int, not a function",
+        ),
+        (
+            ["pickscore=heavy"],
+            ["pickscore=p"],
+            [],
+            "--reward 'pickscore=heavy': the weight 'heavy' is not a number",
+        ),
+        (
+            ["pickscore=nan"],
+            ["pickscore=p"],
+            [],
+            "--reward 'pickscore=nan': the weight 'nan' is not a number",
+        ),
+        (["pickscore="], ["pickscore=p"], [], "--reward 'pickscore=': the weight '' is not a number"),
+        (
+            ["pickscore"],
+            ["pickscore=p", "aesthetic=a"],
+            [],
+            "--reward_model aesthetic: no such reward given with --reward (given: pickscore)",
+        ),
+        (
+            ["pickscore"],
+            ["pickscore=p"],
+            ["vlm=shard"],
+            "--reward_placement vlm: no such reward given with --reward (given: pickscore)",
+        ),
+        (
+            ["pickscore"],
+            [],
+            [],
+            "--reward pickscore needs its weights: --reward_model pickscore=PATH_OR_HUB_ID"
+            " (published: yuvalkirstain/PickScore_v1)",
+        ),
+        (["pickscore", "pickscore=2"], ["pickscore=p"], [], "--reward pickscore is given twice"),
+        (
+            ["pickscore"],
+            ["pickscore=p", "pickscore=q"],
+            [],
+            "--reward_model pickscore is given twice ('p' and 'q')",
+        ),
+        (
+            ["pickscore"],
+            ["pickscore=p"],
+            ["pickscore=shard", "pickscore=replicate"],
+            "--reward_placement pickscore is given twice ('shard' and 'replicate')",
+        ),
+        (
+            ["pickscore"],
+            ["pickscore=p"],
+            ["pickscore=cache"],
+            "--reward_placement pickscore=cache: choose one of replicate, shard, offload",
+        ),
+        (["pickscore"], ["pickscore"], [], "--reward_model 'pickscore': expected NAME=PATH_OR_HUB_ID"),
+        (
+            [f"{SELF}:brightness"],
+            [f"{SELF}:brightness=p"],
+            [],
+            f"--reward_model {SELF}:brightness: a function reward has no model to load or place",
+        ),
+        (
+            ["hpsv2"],
+            ["hpsv2=xswu/HPSv2"],
+            [],
+            "--reward hpsv2 is not available: it needs open_clip_torch (pip install open_clip_torch hpsv2)",
+        ),
+        (
+            ["imagereward"],
+            [],
+            [],
+            "--reward imagereward is not available: it needs BLIP from the image-reward"
+            " package (pip install image-reward)",
+        ),
+    ],
+)
+def test_each_spec_mistake_is_one_argument_error(rewards, models, placements, message):
+    from diffusers_zero3.errors import ArgumentError
+    from diffusers_zero3.rewards import parse_reward_specs
+
+    with pytest.raises(ArgumentError) as e:
+        parse_reward_specs(rewards, models, placements)
+    assert str(e.value).startswith(message), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------ output checks, weighted sum
+
+
+def _function_rewards(*names_weights):
+    from diffusers_zero3.rewards import load_rewards, parse_reward_specs
+
+    return load_rewards(parse_reward_specs([f"{SELF}:{n}={w}" for n, w in names_weights]))
+
+
+@pytest.mark.unit
+def test_weighted_sum_of_function_rewards():
+    images = torch.rand(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    rewards = _function_rewards(("brightness", 2.0), ("prompt_length", -0.5))
+    total, scores = rewards(images, PROMPTS)
+    assert list(scores) == [f"{SELF}:brightness", f"{SELF}:prompt_length"]
+    torch.testing.assert_close(scores[f"{SELF}:brightness"], brightness(images, PROMPTS))
+    torch.testing.assert_close(
+        total, 2.0 * brightness(images, PROMPTS) - 0.5 * prompt_length(images, PROMPTS)
+    )
+    assert total.dtype == torch.float32 and total.shape == (4,)
+    total, scores = rewards(images[:0], [])  # no samples on this rank
+    assert total.shape == (0,) and all(s.shape == (0,) for s in scores.values())
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        (
+            "one_short",
+            "reward 'tests.test_reward_registry:one_short' returned shape (3,) for 4 samples"
+            " (one score per sample expected)",
+        ),
+        (
+            "nan_on_second",
+            "reward 'tests.test_reward_registry:nan_on_second' returned NaN for 1 of 4 samples",
+        ),
+        ("inf_on_first", "reward 'tests.test_reward_registry:inf_on_first' returned inf for 1 of 4 samples"),
+        (
+            "raises",
+            "reward 'tests.test_reward_registry:raises' raised RuntimeError: the scoring service is down",
+        ),
+    ],
+)
+def test_a_bad_reward_output_is_one_reward_error_naming_it(name, message):
+    from diffusers_zero3.errors import RewardError
+
+    rewards = _function_rewards(("brightness", 1.0), (name, 1.0))
+    with pytest.raises(RewardError) as e:
+        rewards(torch.rand(4, 3, 8, 8), PROMPTS)
+    assert str(e.value) == message
+
+
+# ------------------------------------------------------------------ tiny published architectures
+
+
+def _tiny_clip(seed: int = 0):
+    from transformers import CLIPConfig, CLIPModel
+
+    from diffusers_zero3.demo.pipelines import tiny_clip_config
+
+    torch.manual_seed(seed)
+    config = CLIPConfig(
+        text_config=tiny_clip_config(hidden_size=32, projection_dim=16),
+        vision_config=dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=32, patch_size=8, projection_dim=16),
+        projection_dim=16,
+        logit_scale_init_value=3.0,
+    )  # fmt: skip
+    return CLIPModel(config).eval()
+
+
+def _clip_processor_files(folder):
+    """The tokenizer and a CLIP image processor of the tiny CLIP's size, saved in ``folder``."""
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from diffusers_zero3.demo.tokenizers import write_clip_tokenizer
+
+    write_clip_tokenizer(folder)
+    CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(
+        folder
+    )
+
+
+@pytest.fixture(scope="module")
+def clip_folder(tmp_path_factory):
+    """A tiny CLIP (a PickScore / CLIPScore model) with its processor files, as a hub folder."""
+    folder = tmp_path_factory.mktemp("clip")
+    _tiny_clip().save_pretrained(folder)
+    _clip_processor_files(folder)
+    return folder
+
+
+def _laion_mlp(input_size: int):
+    """improved-aesthetic-predictor's ``MLP`` (its ``layers``, so its state dict loads)."""
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.Sequential(
+                torch.nn.Linear(input_size, 1024), torch.nn.Dropout(0.2), torch.nn.Linear(1024, 128),
+                torch.nn.Dropout(0.2), torch.nn.Linear(128, 64), torch.nn.Dropout(0.1), torch.nn.Linear(64, 16),
+                torch.nn.Linear(16, 1),
+            )  # fmt: skip
+
+        def forward(self, x):
+            return self.layers(x)
+
+    return MLP().eval()
+
+
+@pytest.fixture(scope="module")
+def aesthetic_folder(tmp_path_factory):
+    """The published layout: ``clip/`` (a whole CLIP model and its processor) and LAION's head
+    as a ``.pth`` state dict."""
+    folder = tmp_path_factory.mktemp("aesthetic")
+    _tiny_clip(seed=1).save_pretrained(folder / "clip")
+    _clip_processor_files(folder / "clip")
+    torch.manual_seed(2)
+    torch.save(_laion_mlp(16).state_dict(), folder / "sac+logos+ava1-l14-linearMSE.pth")
+    return folder
+
+
+VLM_TEMPLATE = (  # Qwen2-VL's chat template rendered for [image, text] and the generation prompt
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+    "<|vision_start|><|image_pad|><|vision_end|>{question}<|im_end|>\n<|im_start|>assistant\n"
+)
+VLM_QUESTION = "Does this image match the prompt '{prompt}'? Answer Yes or No."
+
+
+@pytest.fixture(scope="module")
+def vlm_folder(tmp_path_factory):
+    """A tiny Qwen2-VL (the published patch, merge and temporal sizes; narrow and shallow), its
+    tokenizer (byte-level, Qwen2-VL's special tokens, "Yes" and "No" one token each) and image
+    processor config."""
+    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from diffusers_zero3.demo.tokenizers import QWEN_VL_SPECIAL_TOKENS, write_qwen2_tokenizer
+
+    folder = tmp_path_factory.mktemp("vlm")
+    words = ("Yes", "No", "system", "user", "assistant", "You are a helpful assistant.", VLM_QUESTION)
+    write_qwen2_tokenizer(folder, QWEN_VL_SPECIAL_TOKENS, texts=words)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tid = tok.convert_tokens_to_ids
+    torch.manual_seed(3)
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rope_scaling={"mrope_section": [2, 1, 1], "rope_type": "default"},
+                         bos_token_id=tid("<|endoftext|>"), eos_token_id=tid("<|im_end|>"),
+                         pad_token_id=tid("<|endoftext|>")),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=tid("<|image_pad|>"), video_token_id=tid("<|video_pad|>"),
+        vision_start_token_id=tid("<|vision_start|>"), vision_end_token_id=tid("<|vision_end|>"),
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    with torch.no_grad():  # a judge with some opinion (P(Yes) ~0.64, not 0.5), not saturated
+        model.lm_head.weight.mul_(3.0)
+    model.save_pretrained(folder)
+    Qwen2VLImageProcessorPil().save_pretrained(folder)
+    return folder
+
+
+def _ours(name: str, folder, images: torch.Tensor, prompts, dtype, **kwargs) -> torch.Tensor:
+    """Our scores: the spec parsed, the model loaded and placed replicated, through
+    ``ParallelReward`` (one process)."""
+    from diffusers_zero3.rewards import load_rewards, parse_reward_specs
+
+    specs = parse_reward_specs([name], [f"{name}={folder}"], [f"{name}=replicate"])
+    rewards = load_rewards(specs, None, dtype, **kwargs)
+    assert rewards.rewards[name].model.placement == "replicate"
+    total, scores = rewards(images, prompts)
+    torch.testing.assert_close(total, scores[name])
+    return scores[name]
+
+
+# ------------------------------------------------------------------ the authors' computations
+
+
+def _pickscore_reference(folder, images: np.ndarray, prompts, dtype) -> torch.Tensor:
+    """yuvalkirstain/PickScore README: processor inputs, get_image_features / get_text_features
+    (transformers 5: ``.pooler_output``), L2-normalised, ``logit_scale.exp() * text @ image.T``."""
+    from transformers import AutoTokenizer, CLIPModel
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    model = CLIPModel.from_pretrained(folder, dtype=dtype).eval()
+    image_inputs = CLIPImageProcessorPil.from_pretrained(folder)(images=_pil(images), return_tensors="pt")
+    text_inputs = AutoTokenizer.from_pretrained(folder)(
+        prompts, padding=True, truncation=True, max_length=77, return_tensors="pt"
+    )
+    with torch.no_grad():
+        image_embs = model.get_image_features(
+            pixel_values=image_inputs["pixel_values"].to(dtype)
+        ).pooler_output
+        image_embs = image_embs / torch.norm(image_embs, dim=-1, keepdim=True)
+        text_embs = model.get_text_features(**text_inputs).pooler_output
+        text_embs = text_embs / torch.norm(text_embs, dim=-1, keepdim=True)
+        scores = model.logit_scale.exp() * (text_embs @ image_embs.T)
+    return scores.diagonal().float()
+
+
+def _clip_score_reference(folder, images: np.ndarray, prompts, dtype) -> torch.Tensor:
+    """torchmetrics ``_clip_score_update`` per sample: normalised features,
+    ``100 * (img * txt).sum(-1)``, then ``max(score, 0)``."""
+    from transformers import AutoTokenizer, CLIPModel
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    model = CLIPModel.from_pretrained(folder, dtype=dtype).eval()
+    pixels = CLIPImageProcessorPil.from_pretrained(folder)(images=_pil(images), return_tensors="pt")[
+        "pixel_values"
+    ]
+    text = AutoTokenizer.from_pretrained(folder)(
+        prompts, padding=True, truncation=True, max_length=77, return_tensors="pt"
+    )
+    with torch.no_grad():
+        img = model.get_image_features(pixel_values=pixels.to(dtype)).pooler_output
+        txt = model.get_text_features(**text).pooler_output
+        img = img / img.norm(p=2, dim=-1, keepdim=True)
+        txt = txt / txt.norm(p=2, dim=-1, keepdim=True)
+        score = 100 * (img * txt).sum(axis=-1)
+    return torch.max(score, torch.zeros_like(score)).float()
+
+
+def _aesthetic_reference(folder, images: np.ndarray, dtype) -> torch.Tensor:
+    """improved-aesthetic-predictor ``simple_inference.py``: ``encode_image`` (CLIP's projected
+    image embedding), ``normalized`` (numpy L2, a zero norm left at 1), the MLP."""
+    from transformers import CLIPModel
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    clip = CLIPModel.from_pretrained(folder / "clip", dtype=dtype).eval()
+    mlp = _laion_mlp(16)
+    mlp.load_state_dict(torch.load(folder / "sac+logos+ava1-l14-linearMSE.pth", weights_only=True))
+    mlp.to(dtype)
+    pixels = CLIPImageProcessorPil.from_pretrained(folder / "clip")(images=_pil(images), return_tensors="pt")
+    with torch.no_grad():
+        features = clip.get_image_features(pixel_values=pixels["pixel_values"].to(dtype)).pooler_output
+        a = features.float().numpy()
+        l2 = np.atleast_1d(np.linalg.norm(a, 2, -1))
+        l2[l2 == 0] = 1
+        emb = a / np.expand_dims(l2, -1)
+        return mlp(torch.from_numpy(emb).to(dtype)).squeeze(-1).float()
+
+
+def _vlm_reference(folder, images: np.ndarray, prompts, dtype) -> torch.Tensor:
+    """One sample at a time as Qwen2-VL's processor builds it (the image processor's patches and
+    grid; the chat with ``<|image_pad|>`` repeated ``grid.prod() // merge**2`` times,
+    ``mm_token_type_ids`` 1 on those), the next token's probabilities over the whole vocabulary,
+    ``P(Yes) / (P(Yes) + P(No))``."""
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    model = Qwen2VLForConditionalGeneration.from_pretrained(folder, dtype=dtype).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    processor = Qwen2VLImageProcessorPil.from_pretrained(folder)
+    yes, no = tok.convert_tokens_to_ids("Yes"), tok.convert_tokens_to_ids("No")
+    scores = []
+    for image, prompt in zip(_pil(images), prompts):
+        vision = processor(images=[image], return_tensors="pt")
+        n = int(vision["image_grid_thw"][0].prod()) // processor.merge_size**2
+        text = VLM_TEMPLATE.format(question=VLM_QUESTION.format(prompt=prompt))
+        inputs = tok([text.replace("<|image_pad|>", "<|image_pad|>" * n)], return_tensors="pt")
+        with torch.no_grad():
+            logits = model(
+                **inputs,
+                pixel_values=vision["pixel_values"].to(dtype),
+                image_grid_thw=vision["image_grid_thw"],
+                mm_token_type_ids=(inputs["input_ids"] == model.config.image_token_id).long(),
+            ).logits[0, -1]
+        p = logits.float().softmax(-1)
+        scores.append(p[yes] / (p[yes] + p[no]))
+    return torch.stack(scores)
+
+
+# ------------------------------------------------------------------ each built-in against it
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_pickscore_and_clip_score_are_their_authors_computations(clip_folder, dtype):
+    images = _uint8_images(12, 32, 32)  # the processor's own size: nothing resized
+    prompts = PROMPTS * 3
+    for name, reference in (("pickscore", _pickscore_reference), ("clip_score", _clip_score_reference)):
+        ours = _ours(name, clip_folder, _as_tensor(images), prompts, dtype)
+        expected = reference(clip_folder, images, prompts, dtype)
+        torch.testing.assert_close(ours, expected, **_tolerance(name, dtype), msg=name)
+    assert (expected > 0).sum() >= 3 and (expected == 0).any(), "a control: scores on both sides of the clamp"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_aesthetic_is_laions_computation_and_saves_and_loads(aesthetic_folder, tmp_path, dtype):
+    from diffusers_zero3.rewards.builtin import AestheticPredictor
+
+    images = _uint8_images(3, 32, 32, seed=1)
+    ours = _ours("aesthetic", aesthetic_folder, _as_tensor(images), PROMPTS[:3], dtype)
+    torch.testing.assert_close(
+        ours, _aesthetic_reference(aesthetic_folder, images, dtype), **_tolerance("aesthetic", dtype)
+    )
+    # Saved by us (a vision-only CLIP, the head as safetensors) and read back: the same scores.
+    AestheticPredictor.from_pretrained(aesthetic_folder).save_pretrained(tmp_path / "saved")
+    torch.testing.assert_close(_ours("aesthetic", tmp_path / "saved", _as_tensor(images), None, dtype), ours)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_vlm_judge_is_the_processor_and_model_computation(vlm_folder, dtype):
+    images = _uint8_images(3, 56, 56, seed=2)  # a multiple of 28 within min_pixels: nothing resized
+    prompts = PROMPTS[:3]  # of different lengths: our batch is left-padded, the reference is not
+    ours = _ours("vlm", vlm_folder, _as_tensor(images), prompts, dtype, micro_batch_size=2)
+    expected = _vlm_reference(vlm_folder, images, prompts, dtype)
+    torch.testing.assert_close(ours, expected, **_tolerance("vlm", dtype))
+    # Controls: the scores differ between samples, and the image's layout moves them by far more
+    # than the fp32 bound (a tiny random judge barely looks at the image: ~1e-3).
+    assert ours.max() - ours.min() > 1e-3, ours
+    if dtype == torch.float32:
+        transposed = _ours("vlm", vlm_folder, _as_tensor(images).transpose(-1, -2), prompts, dtype)
+        assert (transposed - ours).abs().max() > 1e-4
+
+
+@pytest.mark.unit
+def test_resized_images_match_the_pil_processors_to_a_level():
+    """Where the processor resizes (Pillow's bicubic on 8-bit pixels), ours (torch's antialiased
+    bicubic on floats) agrees to about one 8-bit level (Pillow rounds its result to 8 bits);
+    at the processor's own size, and in CLIP's crop and Qwen2-VL's patch layout, exactly."""
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from diffusers_zero3.rewards.images import (
+        ClipImageConfig,
+        QwenVLImageConfig,
+        clip_pixel_values,
+        qwen_vl_patches,
+    )
+
+    std = torch.tensor([0.26862954, 0.26130258, 0.27577711])
+    level = (1.5 / 255 / std.min()).item()  # 1.5 8-bit levels, in normalised units
+    for size in ((40, 52), (52, 40), (32, 32), (24, 30)):  # shrink, either side longer, none, enlarge
+        images = _smooth_images(2, *size, seed=3)
+        processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+        expected = processor(images=_pil(images), return_tensors="pt")["pixel_values"]
+        cfg = ClipImageConfig.from_processor_dict(processor.to_dict())
+        ours = clip_pixel_values(_as_tensor(images), cfg)
+        assert ours.shape == expected.shape
+        atol = 1e-5 if size == (32, 32) else level
+        torch.testing.assert_close(ours, expected, rtol=0, atol=atol, msg=str(size))
+
+        processor = Qwen2VLImageProcessorPil()
+        images = _smooth_images(2, size[0] + 20, size[1] + 20, seed=4)  # 60x72 -> 56x84, ...
+        expected = processor(images=_pil(images), return_tensors="pt")
+        cfg = QwenVLImageConfig.from_processor_dict(processor.to_dict())
+        patches, gh, gw = qwen_vl_patches(_as_tensor(images), cfg)
+        assert expected["image_grid_thw"].tolist() == [[1, gh, gw]] * 2
+        torch.testing.assert_close(
+            patches.reshape(-1, patches.shape[-1]), expected["pixel_values"], rtol=0, atol=level
+        )
+
+
+@pytest.mark.unit
+def test_packed_rows_keep_token_ids_exact_through_a_bf16_cast():
+    from diffusers_zero3.rewards.images import pack_rows, unpack_rows
+
+    ints = torch.tensor([[0, 255, 256, 151_655, 2**24 - 1], [7, 1, 0, 49_407, 65_536]])
+    floats = torch.randn(2, 6, requires_grad=True)
+    rows = pack_rows(ints, floats)
+    back_ints, back_floats = unpack_rows(rows.to(torch.bfloat16))
+    assert torch.equal(back_ints, ints)
+    torch.testing.assert_close(back_floats.float(), floats.detach().bfloat16().float())
+    unpack_rows(rows)[1].sum().backward()  # the floats stay in the graph
+    assert torch.equal(floats.grad, torch.ones_like(floats))
+    with pytest.raises(ValueError, match="packed integers must lie in"):
+        pack_rows(torch.tensor([[2**24]]), floats[:1])
+
+
+@pytest.mark.unit
+def test_pickscore_is_differentiable_in_the_images(clip_folder):
+    images = _as_tensor(_uint8_images(2, 40, 36, seed=5)).requires_grad_(True)
+    scores = _ours("pickscore", clip_folder, images, PROMPTS[:2], torch.float32, differentiable=True)
+    scores.sum().backward()
+    assert images.grad is not None and images.grad.abs().sum() > 0 and torch.isfinite(images.grad).all()
+
+
+@pytest.mark.unit
+def test_a_vlm_of_another_kind_or_a_multi_token_answer_is_refused(vlm_folder):
+    from diffusers_zero3.rewards.builtin import VLMJudge
+
+    with pytest.raises(ValueError, match="answer 'Maybe not' must be one token"):
+        VLMJudge.from_pretrained(vlm_folder, answers=("Yes", "Maybe not"))
+    judge = VLMJudge.from_pretrained(vlm_folder)
+    judge.model.config.model_type = "llava"
+    with pytest.raises(ValueError, match="takes a Qwen2-VL or Qwen2.5-VL model"):
+        VLMJudge(judge.model, judge.tokenizer, judge.image_config)
+
+
+# ------------------------------------------------------------------ 2 ranks
+
+
+def _slice(counts, rank):
+    start = sum(counts[:rank])
+    return slice(start, start + counts[rank])
+
+
+def worker_sharded_pickscore(folder: str, ref_path: str):
+    from diffusers_zero3.errors import RewardError
+    from diffusers_zero3.rewards import load_rewards, parse_reward_specs
+    from tests.common import accelerator_with_zero3
+
+    accelerator = accelerator_with_zero3(zero3_init_flag=False)
+    rank = accelerator.process_index
+    ref = torch.load(ref_path)
+    images, expected = ref["images"], ref["scores"]
+
+    def rewards_placed(placement):
+        specs = parse_reward_specs(["pickscore"], [f"pickscore={folder}"], [f"pickscore={placement}"])
+        return load_rewards(specs, accelerator, torch.float32, micro_batch_size=2)
+
+    sharded, replicated = rewards_placed("shard"), rewards_placed("replicate")
+    assert sharded.rewards["pickscore"].model.is_sharded
+    assert sharded.rewards["pickscore"].model.module.clip.logit_scale.dim() == 0  # kept whole, a buffer
+    assert not replicated.rewards["pickscore"].model.is_sharded
+    # Uneven counts, zero included: rank 0 makes 2 micro-batches, rank 1 one or none (padded).
+    for counts in ((3, 1), (3, 0), (0, 3)):
+        sl = _slice(counts, rank)
+        with sharded.lockstep_check():
+            total, scores = sharded(images[sl], PROMPTS[sl])
+        _, replica = replicated(images[sl], PROMPTS[sl])
+        assert scores["pickscore"].shape == (counts[rank],)
+        torch.testing.assert_close(scores["pickscore"], replica["pickscore"])
+        torch.testing.assert_close(scores["pickscore"], expected[sl])
+        torch.testing.assert_close(total, expected[sl])
+
+    # A bad score on one rank only is the same RewardError on both, not one rank leaving the other
+    # in the next collective.
+    specs = parse_reward_specs(["pickscore", f"{SELF}:nan_on_second"], [f"pickscore={folder}"])
+    both = load_rewards(specs, accelerator, torch.float32)
+    counts = (1, 3)  # only rank 1 has a second sample
+    sl = _slice(counts, rank)
+    with pytest.raises(RewardError) as e:
+        both(images[sl], PROMPTS[sl])
+    assert str(e.value) == f"reward '{SELF}:nan_on_second' returned NaN for 1 of 3 samples on rank 1"
+    print("OK sharded pickscore")
+
+
+@pytest.mark.multirank
+def test_sharded_pickscore_equals_the_replica_on_two_ranks_with_uneven_samples(clip_folder, tmp_path):
+    images = _as_tensor(_uint8_images(4, 40, 36, seed=6))
+    expected = _ours("pickscore", clip_folder, images, PROMPTS, torch.float32)
+    torch.save({"images": images, "scores": expected}, tmp_path / "ref.pt")
+    outs = run_on_ranks(
+        worker_sharded_pickscore, timeout=240, folder=str(clip_folder), ref_path=str(tmp_path / "ref.pt")
+    )
+    assert all("OK sharded pickscore" in o for o in outs)
