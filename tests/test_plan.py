@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -411,3 +412,56 @@ def test_the_planner_answers_under_each_of_its_command_names(capsys, monkeypatch
         runpy.run_module("diffusers_zero3.plan", run_name="__main__")
     assert exit_.value.code == 0
     assert capsys.readouterr().out == expected
+
+
+@pytest.mark.unit
+def test_the_reference_and_reward_models_are_counted_per_placement_and_never_cached(tmp_path, capsys):
+    """An RL job's other frozen models: a 7 B judge (Qwen2.5-VL-7B-Instruct's published config,
+    8.29 B parameters) at 8 ranks in bf16 holds 1/8 of its weights per rank sharded, all of them
+    replicated, none on the device offloaded, and has no cache row (it scores fresh samples);
+    the full fine-tuning reference is the denoiser's size, and with LoRA there is none."""
+    from diffusers_zero3.placement.known_pipelines import KNOWN_PIPELINES
+
+    _, class_name, config = KNOWN_PIPELINES["Qwen/Qwen-Image"]["components"]["text_encoder"]
+    judge = tmp_path / "judge"
+    judge.mkdir()
+    (judge / "config.json").write_text(json.dumps({**config, "architectures": [class_name]}))
+    sd3 = "stabilityai/stable-diffusion-3-medium-diffusers"
+    options = PlanOptions(
+        num_processes=8,
+        mixed_precision="bf16",
+        fixed_data=True,
+        reference=True,
+        reward_models={"vlm": str(judge)},
+    )
+    plan = make_plan(sd3, options)
+    reward, reference = plan["components"]["reward:vlm"], plan["components"]["reference"]
+    assert reward["parameters"] == 8_292_166_656 and not reward["trainable"]
+    rows = reward["placements"]
+    assert set(rows) == {"replicate", "shard", "offload"}  # no cache, even with --fixed_data
+    assert rows["replicate"]["bytes_per_rank"] == 2 * 8_292_166_656
+    # 1/8 of the weights plus the small tensors kept whole (under the persistence threshold):
+    # 2.39 GB of the 16.6 GB
+    assert 2 * 8_292_166_656 / 8 <= rows["shard"]["bytes_per_rank"] < 1.2 * 2 * 8_292_166_656 / 8
+    assert rows["offload"]["bytes_per_rank"] == 0
+    assert rows["offload"]["host_bytes_per_rank"] == rows["shard"]["bytes_per_rank"]
+    assert reference["parameters"] == plan["components"]["transformer"]["parameters"] == 2_028_328_000
+    assert "cache" not in reference["placements"]
+    assert plan["recommended"]["reward:vlm"] == "replicate"  # no memory limit: the fastest
+    # 24 GiB per rank: the judge can no longer be replicated, and is sharded, not cached
+    tight = make_plan(sd3, replace(options, device_memory=24 * GIB))
+    assert tight["recommended"]["reward:vlm"] == "shard" and tight["fits"]
+    assert "reference" not in make_plan(sd3, replace(options, rank=16))["components"]
+
+    assert main([sd3, "--num_processes", "8", "--reward_model", f"vlm={judge}", "--reference", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert "reward:vlm" in printed["components"]
+    assert not any("reward:vlm" in note for note in printed["notes"])  # a judge runs its vision tower
+    for argv, words in [
+        ([sd3, "--reward_model", "vlm"], "--reward_model takes NAME=FOLDER"),
+        ([sd3, "--reward_model", f"a={judge}", "--reward_model", f"a={judge}"], "given twice"),
+        ([sd3, "--reward_model", f"a={tmp_path}"], "config.json"),
+    ]:
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error:") and words in err[0], err

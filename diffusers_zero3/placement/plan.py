@@ -3,7 +3,7 @@ the fastest set of placements that fits the device memory.
 
     python -m diffusers_zero3.placement.plan PIPELINE [--num_processes N] [--device_memory 80GiB]
         [--mixed_precision bf16] [--use_ema] [--rank R] [--offload frozen|optimizer|all]
-        [--fixed_data] [--json]
+        [--fixed_data] [--reference] [--reward_model NAME=FOLDER ...] [--json]
 
 ``PIPELINE`` is a local pipeline folder, a hub id (only its ``*.json`` configs are fetched), or
 one of the carried configs (``known_pipelines``: SD 1.5, SDXL, SD3 medium, FLUX.1 [dev]).
@@ -28,6 +28,10 @@ of the training dtype, the trained model's persistence threshold and bucket size
   the whole of those under its persistence threshold (``frozen.placement_bytes_per_rank``);
   ``offload`` nothing on the device (the shard in host memory); ``cache`` nothing, and the
   bytes of its stored outputs per image (a video family: per clip of ``num_frames``) on disk.
+* a reference denoiser (``--reference``: full fine-tuning with DPO or GRPO's KL; with LoRA the
+  reference is the base with the adapters off and costs nothing) and reward models
+  (``--reward_model NAME=FOLDER``, a folder or hub id with the model's ``config.json``): frozen
+  models as above, never cached (they see fresh samples every step).
 
 Activations are not counted: the recommendation keeps ``--margin`` (default 25 %) of the
 device memory free for them.
@@ -67,6 +71,9 @@ class Component:
     trainable: bool = False
     # a text encoder's tokenizer_config.json model_max_length, where the pipeline has one
     tokenizer_max_length: int | None = None
+    # False for a model that sees fresh inputs every step (a reward model, a reference
+    # denoiser): its outputs cannot be cached
+    cacheable: bool = True
     _module: torch.nn.Module | None = field(default=None, repr=False)
     # elements of its cached outputs per image or clip, by (frames, height, width, sequence
     # length): replanning at other process counts (what_would_fit) reuses them instead of
@@ -149,6 +156,34 @@ def pipeline_components(pipeline: str | os.PathLike) -> tuple[object, dict[str, 
             length = _read_json(tokenizer_config).get("model_max_length")
             if isinstance(length, (int, float)) and length > 0:  # the training tokenizer's length
                 components[spec.name].tokenizer_max_length = int(length)
+    return family, components
+
+
+def model_component(name: str, folder: str | os.PathLike) -> Component:
+    """A frozen, uncacheable ``Component`` from a model folder (or hub id) holding its
+    ``config.json``: a transformers model (class from ``architectures``) or a diffusers one
+    (``_class_name``). ``ValueError`` when neither names a class."""
+    config = _read_json(_config_folder(str(folder)) / "config.json")
+    if config.get("_class_name"):
+        return Component(name, "diffusers", config["_class_name"], config, cacheable=False)
+    architectures = config.get("architectures") or []
+    if not architectures:
+        raise ValueError(f"{folder}/config.json names no model class (no architectures, no _class_name)")
+    return Component(name, "transformers", architectures[0], config, cacheable=False)
+
+
+def job_components(pipeline: str | os.PathLike, options: PlanOptions) -> tuple[object, dict[str, Component]]:
+    """``pipeline_components`` plus the job's other frozen models: the reference denoiser
+    (``options.reference``; planned for full fine-tuning only: with LoRA the reference is the
+    base with the adapters disabled) and each reward model of ``options.reward_models``."""
+    family, components = pipeline_components(pipeline)
+    if options.reference:
+        denoiser = components[family.denoiser]
+        components["reference"] = Component(
+            "reference", denoiser.library, denoiser.class_name, denoiser.config, cacheable=False
+        )
+    for name, folder in options.reward_models.items():
+        components[f"reward:{name}"] = model_component(f"reward:{name}", folder)
     return family, components
 
 
@@ -314,10 +349,15 @@ def frozen_placements(
     dtype = family.component_dtype(comp.name, resolve_dtype(mixed_precision, {}, None))
     shard = placement_bytes_per_rank(module, "shard", world_size, dtype)
     replicate = placement_bytes_per_rank(module, "replicate", world_size, dtype)
-    return {
+    rows = {
         "replicate": {"bytes_per_rank": replicate, "parameters": replicate},
         "shard": {"bytes_per_rank": shard, "parameters": shard},
         "offload": {"bytes_per_rank": 0, "parameters": 0, "host_bytes_per_rank": shard},
+    }
+    if not comp.cacheable:
+        return rows
+    return {
+        **rows,
         "cache": {
             "bytes_per_rank": 0,
             "parameters": 0,
@@ -351,6 +391,8 @@ class PlanOptions:
     margin: float = 0.25
     zero3: bool = True  # False: a DDP launch, where nothing can be sharded or offloaded
     fixed_placements: dict[str, str] = field(default_factory=dict)  # components the user placed
+    reference: bool = False  # a frozen copy of the denoiser (full fine-tuning with DPO or GRPO's KL)
+    reward_models: dict[str, str] = field(default_factory=dict)  # {name: folder with its config.json}
 
 
 def make_plan(pipeline: str | os.PathLike, options: PlanOptions) -> dict:
@@ -365,7 +407,7 @@ def make_plan(pipeline: str | os.PathLike, options: PlanOptions) -> dict:
             f"--num_processes ({options.num_processes}) must be a positive multiple of --num_machines "
             f"({options.num_machines})"
         )
-    family, components = pipeline_components(pipeline)
+    family, components = job_components(pipeline, options)
     plan = {
         "pipeline": str(pipeline),
         "pipeline_class": family.pipeline_class,
@@ -395,7 +437,12 @@ def plan_notes(pipeline: str, components: dict[str, Component], family=None) -> 
     if known and known.get("note") and not Path(pipeline).is_dir():
         notes.append(known["note"])
     for name, comp in components.items():
-        if comp.trainable or not hasattr(comp.meta_module().config, "vision_config"):
+        if (
+            comp.trainable
+            or name.startswith("reward:")
+            or not hasattr(comp.meta_module().config, "vision_config")
+        ):
+            # (a reward judge runs its vision tower)
             continue
         vision = sum(
             p.numel()
@@ -413,6 +460,8 @@ def _plan(components: dict[str, Component], family, options: PlanOptions) -> dic
     n = options.num_processes
     out: dict = {"num_processes": n, "components": {}}
     for name, comp in components.items():
+        if name == "reference" and options.rank:
+            continue  # LoRA: the reference is the base with the adapters disabled
         if comp.trainable:
             lora = (options.rank, tuple(family.lora_target_modules)) if options.rank else None
             placements = denoiser_placements(
@@ -433,6 +482,8 @@ def _plan(components: dict[str, Component], family, options: PlanOptions) -> dic
             "trainable": comp.trainable,
             "placements": placements,
         }
+        if not comp.cacheable:
+            out["components"][name]["cacheable"] = False
     out.update(recommend(out["components"], options))
     return out
 
@@ -445,14 +496,20 @@ def _choices(name: str, component: dict, options: PlanOptions) -> list[str]:
         return (
             ["replicate"]
             if component["trainable"]
-            else [p for p in ("replicate", "cache") if p != "cache" or options.fixed_data]
+            else [
+                p
+                for p in ("replicate", "cache")
+                if p in component["placements"] and (p != "cache" or options.fixed_data)
+            ]
         )
     if component["trainable"]:
         allowed = ["shard"]
         if options.offload in ("optimizer", "all"):
             allowed.append("offload")
         return allowed
-    allowed = [p for p in FROZEN_ORDER if p != "cache" or options.fixed_data]
+    allowed = [
+        p for p in FROZEN_ORDER if p in component["placements"] and (p != "cache" or options.fixed_data)
+    ]
     if options.offload not in ("frozen", "all"):
         allowed.remove("offload")
     return allowed
@@ -670,6 +727,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--num_frames", type=int, default=1, help="a video family's frames per clip (the cache)")
     p.add_argument("--max_sequence_length", type=int, default=None)
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="count a frozen copy of the denoiser (full fine-tuning with DPO, or GRPO's KL); none with --rank",
+    )
+    p.add_argument(
+        "--reward_model",
+        action="append",
+        default=[],
+        metavar="NAME=FOLDER",
+        help="count a reward model from the folder (or hub id) of its config.json; repeatable",
+    )
     p.add_argument("--margin", type=float, default=0.25, help="share of the device memory kept free")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -697,7 +766,17 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         raise ValueError(f"--margin must be in [0, 1), got {args.margin}")
     if args.num_frames < 1:
         raise ValueError(f"--num_frames must be at least 1, got {args.num_frames}")
+    reward_models: dict[str, str] = {}
+    for pair in args.reward_model:
+        name, sep, folder = pair.partition("=")
+        if not sep or not name or not folder:
+            raise ValueError(f"--reward_model takes NAME=FOLDER, got {pair!r}")
+        if name in reward_models:
+            raise ValueError(f"--reward_model {name} is given twice")
+        reward_models[name] = folder
     return PlanOptions(
+        reference=args.reference,
+        reward_models=reward_models,
         num_processes=args.num_processes,
         num_machines=args.num_machines,
         device_memory=args.device_memory,
