@@ -4,7 +4,7 @@ import pytest
 
 from diffusers_zero3.testing import RanksFailed, run_function_on_ranks
 
-pytestmark = pytest.mark.multirank  # each test starts 2 real ranks (one waits out a 20 s hang)
+pytestmark = pytest.mark.multirank  # each test starts 2 real ranks (one waits out a 12 s hang)
 
 
 def worker_rank1_hangs():
@@ -33,7 +33,7 @@ def test_hang_becomes_failure_with_outputs():
     with pytest.raises(RanksFailed) as info:
         run_function_on_ranks(
             "tests.test_harness:worker_rank1_hangs",
-            timeout_s=20,
+            timeout_s=12,
             env={"DIFFUSERS_ZERO3_PG_TIMEOUT": "600"},
         )
     err = info.value
