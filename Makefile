@@ -4,7 +4,7 @@ PYTHON ?= python3
 # constraints.txt pins the versions the suite was run with (torch is not pinned there).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test test-unit test-fast test-gpu train train-reward train-dpo train-dreambooth train-controlnet smoke-gpu bench style quality clean
+.PHONY: install test test-unit test-fast test-gpu train train-reward train-grpo train-dpo train-dreambooth train-controlnet smoke-gpu bench style quality clean
 
 install:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH_SPEC)"
@@ -35,6 +35,9 @@ train:
 
 train-reward:
 	PYTHON=$(PYTHON) bash scripts/train_reward_default.sh
+
+train-grpo:
+	PYTHON=$(PYTHON) bash scripts/train_grpo_default.sh
 
 train-dpo:
 	PYTHON=$(PYTHON) bash scripts/train_dpo_default.sh

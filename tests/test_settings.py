@@ -20,6 +20,7 @@ def _recipes() -> dict[str, type]:
     from diffusers_zero3.recipes.controlnet import ControlNetSettings
     from diffusers_zero3.recipes.dpo import DPOSettings
     from diffusers_zero3.recipes.dreambooth import DreamBoothSettings
+    from diffusers_zero3.recipes.grpo import GRPOSettings
     from diffusers_zero3.recipes.reward import RewardSettings
 
     return {
@@ -28,6 +29,7 @@ def _recipes() -> dict[str, type]:
         "train_controlnet.py": ControlNetSettings,
         "train_dpo.py": DPOSettings,
         "train_reward.py": RewardSettings,
+        "train_grpo.py": GRPOSettings,
     }
 
 

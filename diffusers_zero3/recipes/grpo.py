@@ -1,0 +1,616 @@
+"""Online RL for flow-matching pipelines under DeepSpeed ZeRO-3 (Flow-GRPO and DiffusionNFT): the
+trainer behind ``scripts/train_grpo.py``.
+
+A round: every rank takes its share of ``--prompts_per_round x --group_size`` (prompt, member)
+samples (``rl.group_assignment``; a prompt's members may sit on several ranks), pads it to
+``rl.samples_per_rank`` with dummy samples, samples with Flow-GRPO's SDE from the current policy
+(no gradient; latents, log-probabilities and sigmas of every step kept), decodes with the VAE,
+scores with the rewards (``rewards.load_rewards``: built-in models sharded and called on every
+rank, ``module:function`` rewards run on each rank's own images), drops the dummies and
+normalises each reward within its prompt's group over every rank's samples
+(``rl.gather_group_advantages``). Then the denoiser (a ZeRO-3 engine; LoRA adapters on it with
+``--rank``) is trained on the round:
+
+* ``--objective grpo``: for each inner epoch and each trained timestep, the policy's
+  log-probability of the stored next latents, PPO's clipped surrogate (``rl.grpo_loss``) and,
+  with ``--kl_beta``, the KL of the SDE step to the reference's (``rl.sde_kl``).
+* ``--objective nft``: DiffusionNFT (``rl.nft_loss``) at the sampled clean latents, noised afresh
+  at the trained timesteps' sigmas; ``v_old`` is the policy of the sampling, evaluated at those
+  points before the round's first update.
+
+Every trained timestep of a micro-batch is one optimizer step. Dummy samples go through every
+forward (a sharded model's forward is a collective: every rank must call it as often as the
+others) and carry no weight in the loss. The reference is the base with the adapters disabled
+under LoRA, else a frozen copy placed with ``--reference_placement``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from ..args import (
+    ENGINE_PLACEMENT_CHOICES,
+    ArgumentError,
+    CommonSettings,
+    check_positive,
+    component_placements,
+    flag,
+    placement_flag,
+    redefault,
+    validate_common_args,
+    validate_launch,
+)
+from ..families import detect_family
+from ..placement.frozen import load_frozen_component
+from ..placement.frozen_inputs import conditioning_on, place_frozen_models
+from ..rewards import load_rewards, parse_reward_specs
+from ..rl import (
+    gather_group_advantages,
+    group_assignment,
+    grpo_loss,
+    nft_loss,
+    samples_per_rank,
+    sde_kl,
+    sde_step_with_logprob,
+)
+from ..runtime.distributed import log_rank_zero
+from ..runtime.ds_config import weight_dtype
+from ..runtime.memory import return_large_frees_to_os
+from ..state.pipeline_io import (
+    check_output_dir,
+    model_card,
+    pipeline_components,
+    plot_curve,
+    save_final_pipeline,
+)
+from ..state.pretrained import resolve_model_folder
+from ..state.resume import resume_training, save_training_checkpoint
+from ..training.job import (
+    accelerator_from_args,
+    clear_interrupted_writes,
+    finish_trackers,
+    load_trainable_denoiser,
+)
+from ..training.lora import LORA_WEIGHT_NAME, add_lora_adapters, save_lora_zero3
+from ..training.parts import adamw, prepare_first_part, step_part
+from ..training.schedule import first_last_means
+
+OBJECTIVES = ("grpo", "nft")
+_C = CommonSettings
+
+
+@dataclasses.dataclass
+class GRPOSettings(CommonSettings):
+    """The settings of ``scripts/train_grpo.py`` (Flow-GRPO / DiffusionNFT)."""
+
+    DESCRIPTION: ClassVar[str] = (
+        "Online RL (Flow-GRPO, DiffusionNFT) of a flow-matching pipeline's denoiser under DeepSpeed ZeRO-3, "
+        "with reward models sharded and called on every rank."
+    )
+    GROUP: ClassVar[str | None] = "online RL (Flow-GRPO / DiffusionNFT)"
+    # one backward per optimizer step (each trained timestep): not a flag
+    gradient_accumulation_steps: ClassVar[int] = 1
+    tracker_project_name: str = redefault(_C, "tracker_project_name", "grpo")
+    output_dir: str = redefault(_C, "output_dir", "grpo-finetuned")
+    seed: int = redefault(_C, "seed", 0)
+    train_batch_size: int = redefault(_C, "train_batch_size", 4)
+    max_train_steps: int = redefault(_C, "max_train_steps", 20)
+    # --- placements of the frozen models (None: replicate)
+    text_encoder_placement: str | None = placement_flag(
+        None, "Where text_encoder lives.", ENGINE_PLACEMENT_CHOICES
+    )
+    text_encoder_2_placement: str | None = placement_flag(
+        None, "Where text_encoder_2 lives.", ENGINE_PLACEMENT_CHOICES
+    )
+    text_encoder_3_placement: str | None = placement_flag(
+        None, "Where text_encoder_3 lives.", ENGINE_PLACEMENT_CHOICES
+    )
+    text_encoder_4_placement: str | None = placement_flag(
+        None, "Where text_encoder_4 lives.", ENGINE_PLACEMENT_CHOICES
+    )
+    vae_placement: str | None = placement_flag(None, "Where the VAE lives.", ENGINE_PLACEMENT_CHOICES)
+    reference_placement: str = placement_flag(
+        "shard",
+        "Where the frozen reference denoiser of full fine-tuning lives (LoRA: the base with adapters disabled).",
+        ENGINE_PLACEMENT_CHOICES,
+    )
+    # --- the objective
+    objective: str = flag("grpo", "grpo: Flow-GRPO; nft: DiffusionNFT.", choices=OBJECTIVES)
+    prompts: list[str] | None = flag(None, "Prompts to sample from.")
+    prompt_file: str | None = flag(None, "A text file of prompts, one a line (instead of --prompts).")
+    group_size: int = flag(4, "Images per prompt in a round (a group; its members may sit on several ranks).")
+    prompts_per_round: int | None = flag(None, "Prompts (groups) per round (default: every prompt).")
+    sample_batch_size: int = flag(4, "Samples per denoiser / VAE / reward call while sampling.")
+    num_inference_steps: int = flag(10, "SDE steps of each sample.")
+    noise_level: float = flag(0.7, "Flow-GRPO's SDE noise level a.")
+    guidance_scale: float = flag(1.0, "Classifier-free guidance scale (1: none).")
+    clip_range: float = flag(1e-4, "PPO's clip range of the policy ratio (grpo).")
+    adv_clip_max: float = flag(5.0, "Advantages are clamped to [-adv_clip_max, adv_clip_max].")
+    timestep_fraction: float = flag(1.0, "Train on the first fraction of the sampled timesteps.")
+    num_inner_epochs: int = flag(1, "Passes over one round's samples.")
+    kl_beta: float = flag(0.0, "Weight of the KL to the reference policy.")
+    nft_beta: float = flag(1.0, "DiffusionNFT's beta (nft).")
+    max_sequence_length: int | None = flag(None, "T5 tokens per prompt (default: the family's).")
+    # --- rewards
+    reward: list[str] = flag([], "SPEC or SPEC=WEIGHT: a built-in name or module:function; repeatable.",
+                             append=True, metavar="SPEC[=WEIGHT]")  # fmt: skip
+    reward_model: list[str] = flag([], "NAME=PATH_OR_HUB_ID of a built-in reward.", append=True)
+    reward_placement: list[str] = flag([], "NAME=shard|replicate|offload of a built-in reward.", append=True)
+    reward_micro_batch_size: int = flag(8, "Samples per reward-model forward.")
+    # --- LoRA
+    rank: int | None = flag(None, "Train LoRA adapters of this rank (None: full fine-tuning).")
+    lora_alpha: float | None = flag(None, "LoRA alpha (default: the rank).")
+    lora_layers: str | None = flag(None, "Comma-separated modules to adapt (default: the family's).")
+
+    def resolve(self) -> None:
+        """Read ``--prompt_file``, fill ``--prompts_per_round`` and check the combinations (one
+        ``ArgumentError`` line each)."""
+        if self.prompts and self.prompt_file:
+            raise ArgumentError("give --prompts or --prompt_file, not both")
+        if self.prompt_file:
+            path = Path(self.prompt_file)
+            if not path.is_file():
+                raise ArgumentError(f"--prompt_file {self.prompt_file}: no such file")
+            self.prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        if not self.prompts:
+            raise ArgumentError("no prompts: give --prompts or a non-empty --prompt_file")
+        if not self.reward:
+            raise ArgumentError("no reward: give --reward SPEC[=WEIGHT] at least once")
+        for name in ("group_size", "num_inference_steps", "num_inner_epochs", "sample_batch_size",
+                     "train_batch_size", "max_train_steps", "reward_micro_batch_size"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ArgumentError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.prompts_per_round is None:
+            self.prompts_per_round = len(self.prompts)
+        if not 1 <= self.prompts_per_round <= len(self.prompts):
+            raise ArgumentError(
+                f"--prompts_per_round must be between 1 and the {len(self.prompts)} prompts, got {self.prompts_per_round}"
+            )
+        if self.group_size < 2:
+            raise ArgumentError("--group_size must be at least 2: advantages compare the members of a group")
+        if not 0 < self.timestep_fraction <= 1:
+            raise ArgumentError(f"--timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
+        if self.objective == "grpo" and self.noise_level <= 0:
+            raise ArgumentError("--objective grpo needs --noise_level > 0 (the SDE step's log-probability)")
+        if self.clip_range <= 0 or self.adv_clip_max <= 0:
+            raise ArgumentError("--clip_range and --adv_clip_max must be positive")
+        if self.kl_beta < 0:
+            raise ArgumentError(f"--kl_beta must be >= 0, got {self.kl_beta}")
+        if self.objective == "nft" and self.nft_beta <= 0:
+            raise ArgumentError(f"--nft_beta must be positive, got {self.nft_beta}")
+        if self.guidance_scale < 1:
+            raise ArgumentError(f"--guidance_scale must be >= 1 (1: no guidance), got {self.guidance_scale}")
+        if self.rank is not None and self.rank < 1:
+            raise ArgumentError(f"--rank must be at least 1 (omit it for full fine-tuning), got {self.rank}")
+        if self.rank is not None and self.reference_placement != "shard":
+            raise ArgumentError(
+                f"--reference_placement {self.reference_placement} applies to full fine-tuning: with LoRA "
+                f"(--rank {self.rank}) the reference is the base with the adapters disabled"
+            )
+        parse_reward_specs(self.reward, self.reward_model, self.reward_placement)  # its errors, early
+
+    @property
+    def train_timesteps(self) -> int:
+        """How many of the sampled steps are trained (at least one)."""
+        return max(1, int(self.num_inference_steps * self.timestep_fraction))
+
+
+@dataclasses.dataclass
+class Round:
+    """One round of this rank's samples, padded to ``samples_per_rank``: ``real`` marks the
+    samples that are not dummies. ``latents[:, i]`` is the state before step ``i`` (the last
+    one the clean latents), ``log_probs[:, i]`` the sampling policy's log-probability of step
+    ``i``; ``sigmas`` ``[T + 1]`` the schedule. All on the accelerator's device."""
+
+    pairs: list[tuple[int, int]]
+    real: torch.Tensor  # [P] bool
+    prompts: list[str]
+    cond: dict[str, torch.Tensor]
+    uncond: dict[str, torch.Tensor] | None
+    latents: torch.Tensor  # [P, T + 1, C, H, W]
+    log_probs: torch.Tensor  # [P, T]
+    sigmas: torch.Tensor  # [T + 1]
+    advantages: torch.Tensor | None = None  # [P], 0 for dummies
+    nft_points: list | None = None  # per trained timestep: (x_t [P, ...], v_old [P, ...])
+
+
+def pad_assignment(pairs: list[tuple[int, int]], length: int) -> tuple[list[tuple[int, int]], list[bool]]:
+    """This rank's ``pairs`` padded to ``length`` with dummies (copies of its last pair, or of
+    ``(0, 0)`` for a rank with none) and which entries are real.
+
+    Example:
+        >>> pad_assignment([(2, 1)], 3)
+        ([(2, 1), (2, 1), (2, 1)], [True, False, False])
+    """
+    filler = pairs[-1] if pairs else (0, 0)
+    return pairs + [filler] * (length - len(pairs)), [True] * len(pairs) + [False] * (length - len(pairs))
+
+
+def sample_generator(seed: int, round_index: int, prompt: int, member: int) -> torch.Generator:
+    """The CPU generator of one sample's noise: the same whichever rank (and however many ranks)
+    draws it, so that a resumed run or another world size samples the same images."""
+    digest = hashlib.sha256(f"grpo:{seed}:{round_index}:{prompt}:{member}".encode()).digest()
+    g = torch.Generator()  # CPU: drawn there and moved, the same on every device
+    g.manual_seed(int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF)
+    return g
+
+
+def _chunks(n: int, size: int) -> Iterator[slice]:
+    for start in range(0, n, size):
+        yield slice(start, min(n, start + size))
+
+
+def _masked_mean_loss(loss_of_real, n_real: int, n_all: int, anchor: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's loss weighted by its share of real samples; a micro-batch of dummies
+    only gives ``0 * anchor.sum()`` (its backward still runs, keeping ranks in lockstep)."""
+    if n_real == 0:
+        return anchor.float().sum() * 0.0
+    return loss_of_real * (n_real / n_all)
+
+
+class GRPOTrainer:
+    """setup() -> train() -> save(). Every method is collective: call on every rank."""
+
+    def __init__(self, args: GRPOSettings):
+        self.args = args
+        self.global_step = 0  # rounds done
+        self.rewards: list[float] = []
+        self.rewards_by_spec: dict[str, list[float]] = {}
+        self.trained_rounds = 0
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self) -> None:
+        """Load and place every model, prepare the denoiser's engine, resume. Collective."""
+        from accelerate.utils import set_seed
+
+        args = self.args
+        validate_common_args(args)
+        check_positive(args, ("num_inference_steps",))
+        if args.return_freed_memory:
+            return_large_frees_to_os()
+        self.source = resolve_model_folder(args.pretrained_model_name_or_path)
+        check_output_dir(args.output_dir, self.source)
+        pipeline_components(self.source)
+        self.family = family = detect_family(self.source)
+        if not family.flow_matching:
+            raise ArgumentError(
+                f"{args.pretrained_model_name_or_path} is a {family.pipeline_class}; train_grpo.py trains "
+                "flow-matching pipelines (SD3, Flux, ...)"
+            )
+        placements = self._placements()
+        self.accelerator = acc = accelerator_from_args(args)
+        checked = {**placements, **({"reference": args.reference_placement} if args.rank is None else {})}
+        validate_launch(
+            args, deepspeed_active=acc.state.deepspeed_plugin is not None, on_cpu=acc.device.type == "cpu",
+            placements=checked,
+        )  # fmt: skip
+        clear_interrupted_writes(args.output_dir)
+        set_seed(args.seed, device_specific=True)  # LoRA's init: the engine broadcasts rank 0's
+        self.dtype = weight_dtype(acc)
+        self.scheduler = family.load_noise_scheduler(self.source)
+        if self.scheduler.config.get("use_dynamic_shifting"):
+            raise ArgumentError(
+                f"{family.pipeline_class}'s scheduler shifts its sigmas by resolution (use_dynamic_shifting): "
+                "not supported by train_grpo.py yet"
+            )
+        self.tokenizers = family.load_tokenizers(self.source)
+        denoiser = load_trainable_denoiser(acc, self.source, family)
+        if args.rank is not None:
+            targets = args.lora_layers.split(",") if args.lora_layers else family.lora_target_modules
+            add_lora_adapters(denoiser, rank=args.rank, target_modules=targets, alpha=args.lora_alpha)
+        self.frozen = place_frozen_models(acc, family, self.source, placements)
+        self.vae = self.frozen.models["vae"]
+        self.reference = None
+        if args.rank is None and self._needs_reference():
+            self.reference = load_frozen_component(
+                acc, self.source, family.denoiser, args.reference_placement, family.denoiser_cls(),
+                dtype=self.dtype, label="reference",
+            )  # fmt: skip
+            log_rank_zero(self.reference.describe())
+        specs = parse_reward_specs(args.reward, args.reward_model, args.reward_placement)
+        self.reward_names = [s.name for s in specs]
+        self.reward_fn = load_rewards(specs, acc, self.dtype, micro_batch_size=args.reward_micro_batch_size)
+        self.part, _ = prepare_first_part(
+            acc, family.denoiser, denoiser, adamw(denoiser, args), micro_batch_size=args.train_batch_size,
+            max_grad_norm=args.max_grad_norm, use_ema=bool(args.use_ema),
+        )  # fmt: skip
+        self.engine, self.ema = self.part.engine, self.part.ema
+        if acc.is_main_process and args.report_to != "none":
+            acc.init_trackers(
+                args.tracker_project_name, {k: v for k, v in vars(args).items() if not isinstance(v, list)}
+            )
+        self.rewards_by_spec = {name: [] for name in self.reward_names}
+        resumed = resume_training(acc, args.output_dir, args.resume_from_checkpoint, ema=self.ema)
+        if resumed is not None:
+            path, state = resumed
+            self.global_step, self.rewards = state["global_step"], state["rewards"]
+            self.rewards_by_spec = state["rewards_by_spec"]
+            log_rank_zero(f"resumed from {path} at round {self.global_step}")
+
+    def _placements(self) -> dict[str, str]:
+        """``{frozen component: placement}``; a placement flag for a component the family lacks
+        is an ``ArgumentError``."""
+        family = self.family
+        given_placements = component_placements(self.args)
+        out = {}
+        for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4", "vae"):
+            given = given_placements.get(name)
+            if name not in family.frozen_components:
+                if given is not None:
+                    raise ArgumentError(f"--{name}_placement: {family.pipeline_class} has no {name}")
+                continue
+            out[name] = given or "replicate"
+        return out
+
+    def _needs_reference(self) -> bool:
+        return self.args.kl_beta > 0
+
+    # ------------------------------------------------------------------ model calls
+
+    def _velocity(
+        self, model, x: torch.Tensor, sigma: torch.Tensor, batch: Round, rows: slice
+    ) -> torch.Tensor:
+        """The model's velocity at ``x`` (``[n, ...]``) and per-sample ``sigma`` ``[n]`` for the
+        rows ``rows`` of the round, with classifier-free guidance when asked. Collective when
+        the model is sharded."""
+        cond = {k: v[rows] for k, v in batch.cond.items()}
+        t = (sigma * 1000).to(self.dtype)
+        if batch.uncond is None:
+            return self.family.predict(model, x.to(self.dtype), t, cond).float()
+        both = {k: torch.cat([batch.uncond[k][rows], v]) for k, v in cond.items()}
+        v_u, v_c = (
+            self.family.predict(model, torch.cat([x, x]).to(self.dtype), torch.cat([t, t]), both)
+            .float()
+            .chunk(2)
+        )
+        return v_u + self.args.guidance_scale * (v_c - v_u)
+
+    @contextlib.contextmanager
+    def _reference(self):
+        """The reference policy for the block: the frozen copy, or the LoRA denoiser with its
+        adapters disabled (restored in ``finally``)."""
+        if self.reference is not None:
+            yield self.reference
+            return
+        module = self.part.module
+        module.disable_adapters()
+        try:
+            yield self.engine
+        finally:
+            module.enable_adapters()
+
+    @torch.no_grad()
+    def _encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """The family's conditioning of ``prompts``. Collective when an encoder is sharded."""
+        ids = self.family.tokenize(self.tokenizers, prompts, self.args.max_sequence_length)
+        outputs = self.family.encode_texts(self.frozen.models, ids)
+        return conditioning_on(self.family, outputs, self.accelerator.device, self.dtype)
+
+    @torch.no_grad()
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Images in [0, 1] of denoiser latents (the family's normalisation undone). Collective
+        when the VAE is sharded."""
+        config = self.vae.config
+        x = latents / config.scaling_factor + (config.get("shift_factor") or 0.0)
+        images = self.vae.decode(x.to(self.vae.dtype), return_dict=False)[0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)
+
+    # ------------------------------------------------------------------ one round
+
+    @torch.no_grad()
+    def sample_round(self, round_index: int) -> Round:
+        """This rank's padded samples of a round with their SDE trajectories (no gradient).
+        Collective: every rank makes the same number of every model call."""
+        args, acc = self.args, self.accelerator
+        device = acc.device
+        pairs = group_assignment(
+            args.prompts_per_round, args.group_size, acc.num_processes, acc.process_index, round_index, args.seed,
+            dataset_size=len(args.prompts),
+        )  # fmt: skip
+        length = samples_per_rank(args.prompts_per_round, args.group_size, acc.num_processes)
+        padded, real = pad_assignment(pairs, length)
+        prompts = [args.prompts[p] for p, _ in padded]
+        cond = self._encode(prompts)
+        uncond = self._encode([""] * len(prompts)) if args.guidance_scale > 1 else None
+        self.scheduler.set_timesteps(args.num_inference_steps, device=device)
+        sigmas = self.scheduler.sigmas.to(device=device, dtype=torch.float32)
+        vae_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        side = args.resolution // vae_factor
+        channels = self.part.module.config.in_channels
+        generators = [sample_generator(args.seed, round_index, p, m) for p, m in padded]
+        latents = torch.cat([torch.randn(1, channels, side, side, generator=g) for g in generators]).to(
+            device
+        )
+        batch = Round(padded, torch.tensor(real, device=device), prompts, cond, uncond,
+                      latents.new_empty(length, args.num_inference_steps + 1, channels, side, side),
+                      latents.new_empty(length, args.num_inference_steps), sigmas)  # fmt: skip
+        batch.latents[:, 0] = latents
+        for rows in _chunks(length, args.sample_batch_size):
+            x = latents[rows]
+            for i in range(args.num_inference_steps):
+                n = x.shape[0]
+                v = self._velocity(self.engine, x, sigmas[i].expand(n), batch, rows)
+                x, log_prob, _, _ = sde_step_with_logprob(
+                    v, sigmas[i], sigmas[i + 1], x, noise_level=args.noise_level, generator=generators[rows]
+                )
+                batch.latents[rows, i + 1] = x
+                batch.log_probs[rows, i] = log_prob
+        return batch
+
+    def score_round(self, batch: Round) -> tuple[float, dict[str, float]]:
+        """Decode and score every sample (dummies too, then dropped), fill the advantages;
+        return the round's mean weighted reward and each reward's mean over every rank's real
+        samples. Collective."""
+        args, acc = self.args, self.accelerator
+        totals, per_spec = [], {name: [] for name in self.reward_names}
+        for rows in _chunks(len(batch.pairs), args.sample_batch_size):
+            images = self._decode(batch.latents[rows, -1])
+            total, scores = self.reward_fn(images, batch.prompts[rows])
+            totals.append(total)
+            for name in self.reward_names:
+                per_spec[name].append(scores[name])
+        real = batch.real
+        total = torch.cat(totals)[real]
+        groups = torch.tensor([p for p, _ in batch.pairs], device=total.device)[real]
+        advantages = torch.zeros(len(batch.pairs), device=acc.device)
+        advantages[real] = gather_group_advantages(total, groups).to(acc.device)
+        batch.advantages = advantages
+        means = {name: self._global_mean(torch.cat(v)[real]) for name, v in per_spec.items()}
+        return self._global_mean(total), means
+
+    def _global_mean(self, values: torch.Tensor) -> float:
+        """The mean over every rank's ``values`` (any count per rank). Collective."""
+        stats = torch.stack([values.double().sum(), torch.tensor(float(len(values)), device=values.device)])
+        stats = self.accelerator.reduce(stats.to(self.accelerator.device), reduction="sum")
+        return (stats[0] / stats[1]).item()
+
+    @torch.no_grad()
+    def _prepare_nft(self, batch: Round) -> None:
+        """DiffusionNFT's training points before any update: for each trained timestep, the
+        clean latents noised afresh at its sigma and the sampling policy's velocity there."""
+        args = self.args
+        x0 = batch.latents[:, -1]
+        points = []
+        for i in range(args.train_timesteps):
+            sigma = batch.sigmas[i].clamp(max=0.999)  # at sigma 1 x_t holds no trace of x0
+            x_t = (1 - sigma) * x0 + sigma * torch.randn_like(x0)
+            v_old = torch.cat([
+                self._velocity(self.engine, x_t[rows], sigma.expand(rows.stop - rows.start), batch, rows)
+                for rows in _chunks(len(x0), args.train_batch_size)
+            ])  # fmt: skip
+            points.append((x_t, v_old))
+        batch.nft_points = points
+
+    def _loss(self, batch: Round, i: int, rows: slice) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of trained timestep ``i`` on the rows ``rows`` (dummies weigh nothing).
+        Collective: the policy (and reference) forwards run for dummies too."""
+        args = self.args
+        real = batch.real[rows]
+        n, n_real = rows.stop - rows.start, int(real.sum())
+        adv = batch.advantages[rows][real]
+        if args.objective == "grpo":
+            x, x_next = batch.latents[rows, i], batch.latents[rows, i + 1]
+            sigma, sigma_next = batch.sigmas[i], batch.sigmas[i + 1]
+            v = self._velocity(self.engine, x, sigma.expand(n), batch, rows)
+            _, log_prob, mean, std = sde_step_with_logprob(
+                v, sigma, sigma_next, x, noise_level=args.noise_level, prev_sample=x_next
+            )
+            kl = None
+            if args.kl_beta > 0:
+                with torch.no_grad(), self._reference() as reference:
+                    v_ref = self._velocity(reference, x, sigma.expand(n), batch, rows)
+                    _, _, ref_mean, _ = sde_step_with_logprob(
+                        v_ref, sigma, sigma_next, x, noise_level=args.noise_level, prev_sample=x_next
+                    )
+                kl = sde_kl(mean, ref_mean, std)[real]
+            if n_real == 0:
+                return _masked_mean_loss(None, 0, n, log_prob), {}
+            loss, stats = grpo_loss(
+                log_prob[real], batch.log_probs[rows, i][real], adv, clip_range=args.clip_range,
+                adv_clip_max=args.adv_clip_max, kl=kl, kl_beta=args.kl_beta,
+            )  # fmt: skip
+            return _masked_mean_loss(loss, n_real, n, log_prob), stats
+        x_t, v_old = batch.nft_points[i][0][rows], batch.nft_points[i][1][rows]
+        sigma = batch.sigmas[i].clamp(max=0.999)
+        v = self._velocity(self.engine, x_t, sigma.expand(n), batch, rows)
+        v_ref = None
+        if args.kl_beta > 0:
+            with torch.no_grad(), self._reference() as reference:
+                v_ref = self._velocity(reference, x_t, sigma.expand(n), batch, rows)[real]
+        if n_real == 0:
+            return _masked_mean_loss(None, 0, n, v), {}
+        loss, stats = nft_loss(
+            v[real], v_old[real], x_t[real], batch.latents[rows, -1][real], sigma, adv, beta=args.nft_beta,
+            adv_clip_max=args.adv_clip_max, v_ref=v_ref, kl_beta=args.kl_beta,
+        )  # fmt: skip
+        return _masked_mean_loss(loss, n_real, n, v), stats
+
+    def train_round(self, batch: Round) -> float:
+        """The round's updates: inner epochs x micro-batches x trained timesteps, one optimizer
+        step each; returns the mean loss. Collective."""
+        args, acc = self.args, self.accelerator
+        if args.objective == "nft":
+            self._prepare_nft(batch)
+        losses = []
+        for _ in range(args.num_inner_epochs):
+            for rows in _chunks(len(batch.pairs), args.train_batch_size):
+                for i in range(args.train_timesteps):
+                    loss, _ = self._loss(batch, i, rows)
+                    acc.backward(loss)
+                    step_part(self.part, acc, sync=True)
+                    if self.ema is not None:
+                        self.ema.step()
+                    losses.append(loss.detach().float())
+        return torch.stack(losses).mean().item()
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> None:
+        """Rounds until ``--max_train_steps``: sample, score, train, log, checkpoint. Collective."""
+        args, acc = self.args, self.accelerator
+        while self.global_step < args.max_train_steps:
+            batch = self.sample_round(self.global_step)
+            mean, means = self.score_round(batch)
+            loss = self.train_round(batch)
+            self.global_step += 1
+            self.trained_rounds += 1
+            self.rewards.append(mean)
+            for name, value in means.items():
+                self.rewards_by_spec[name].append(value)
+            acc.log({"reward": mean, "loss": loss, **{f"reward/{k}": v for k, v in means.items()}},
+                    step=self.global_step)  # fmt: skip
+            each = " ".join(f"{k} {v:.6f}" for k, v in means.items())
+            log_rank_zero(f"step {self.global_step} reward {mean:.6f} loss {loss:.6f} ({each})")
+            if self.global_step % args.checkpointing_steps == 0:
+                save_training_checkpoint(
+                    acc, args.output_dir, self.global_step,
+                    {"epoch": 0, "batches_in_epoch": 0, "rewards": self.rewards, "rewards_by_spec": self.rewards_by_spec},
+                    ema=self.ema, total_limit=args.checkpoints_total_limit,
+                )  # fmt: skip
+
+    def save(self) -> None:
+        """The pipeline (full) or ``pytorch_lora_weights.safetensors`` (LoRA), ``rewards.json``
+        and a reward curve per reward. Collective."""
+        args = self.args
+        out = Path(args.output_dir)
+        if args.rank is not None:
+            with self.ema.averaged_weights() if self.ema is not None else contextlib.nullcontext():
+                path = save_lora_zero3(self.engine, self.family, out)
+            log_rank_zero(f"LoRA weights: {path.resolve()}")
+        else:
+            card = model_card(args.pretrained_model_name_or_path, f"online RL ({args.objective}): {', '.join(args.reward)}",
+                              {k: v for k, v in vars(args).items() if not isinstance(v, list)}, args.prompts)  # fmt: skip
+            save_final_pipeline(self.source, out, self.engine, ema=self.ema, readme=card,
+                                denoiser_name=self.family.denoiser)  # fmt: skip
+            log_rank_zero(f"pipeline: {out.resolve()}")
+        if self.accelerator.is_main_process:
+            self._write_rewards(out)
+        finish_trackers(self.accelerator)
+
+    def _write_rewards(self, out: Path) -> None:
+        """``rewards.json`` (``"mean"``: the weighted total per round, one list per reward spec)
+        and ``rewards.png`` / ``rewards-<n>.png`` curves. Main process only (no collective)."""
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "rewards.json").write_text(json.dumps({"mean": self.rewards, **self.rewards_by_spec}))
+        curves: dict[str, Any] = {"mean": self.rewards, **self.rewards_by_spec}
+        for n, (name, values) in enumerate(curves.items()):
+            if not values:
+                continue
+            title = f"{name} per round: {values[0]:.3f} -> {values[-1]:.3f}"
+            file = out / ("rewards.png" if n == 0 else f"rewards-{n}.png")
+            plot_curve(values, file, title, ylabel=f"{name} (mean of the round's samples)",
+                       smooth=min(10, max(1, len(values) // 5)))  # fmt: skip
+        k, first, last = first_last_means(self.rewards)
+        log_rank_zero(f"mean reward: first {k} rounds {first:.4f} -> last {k} rounds {last:.4f}")
+
+
+__all__ = ["GRPOSettings", "GRPOTrainer", "LORA_WEIGHT_NAME", "pad_assignment", "sample_generator"]
