@@ -181,6 +181,18 @@ REWARD_CASES = COMMON_CASES + [
         "--truncated_backprop_steps must be between 1 and --num_inference_steps",
     ),
     (["--reward_micro_batch_size", "0"], "--reward_micro_batch_size must be a positive number"),
+    (
+        ["--reward_placement", "everywhere"],
+        "--reward_placement everywhere: choose one of replicate, shard, offload",
+    ),
+    (
+        ["--reward", "diffusers_zero3.demo.rewards:redness"],
+        "give the rewards with --reward (and --reward_model), or --reward_model_name_or_path",
+    ),
+    (
+        ["--reward_model_class", "diffusers_zero3.demo:save_tiny_sd_pipeline"],
+        "a function reward has no model to load",
+    ),
     (["--pretrained_model_name_or_path", "{sdxl}"], "is not a StableDiffusionPipeline; this script samples"),
 ]
 

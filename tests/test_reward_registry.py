@@ -673,3 +673,26 @@ def test_sharded_pickscore_equals_the_replica_on_two_ranks_with_uneven_samples(c
         worker_sharded_pickscore, timeout=240, folder=str(clip_folder), ref_path=str(tmp_path / "ref.pt")
     )
     assert all("OK sharded pickscore" in o for o in outs)
+
+
+@pytest.mark.unit
+def test_a_model_class_spec_needs_its_weights_and_a_model_with_from_pretrained():
+    """``module:Class`` is a reward model class (placed like a built-in, default shard); a class
+    that is no model, or a model class without ``--reward_model``, is refused in one line."""
+    from diffusers_zero3.errors import ArgumentError
+    from diffusers_zero3.rewards import parse_reward_specs
+
+    (spec,) = parse_reward_specs(
+        ["diffusers_zero3.demo:RednessRewardModel=0.5"], ["diffusers_zero3.demo:RednessRewardModel=/w"]
+    )
+    assert (spec.weight, spec.model_path, spec.placement, spec.has_model, spec.is_builtin) == (
+        0.5,
+        "/w",
+        "shard",
+        True,
+        False,
+    )
+    with pytest.raises(ArgumentError, match="needs its weights: --reward_model"):
+        parse_reward_specs(["diffusers_zero3.demo:RednessRewardModel"])
+    with pytest.raises(ArgumentError, match="is a class but not a model with from_pretrained"):
+        parse_reward_specs(["diffusers_zero3.rewards.specs:RewardSpec"])

@@ -87,9 +87,18 @@ def test_parse_returns_the_typed_object_with_the_recipes_own_defaults():
     )
     assert (reward.prompts, reward.reward_placement, reward.gradient_accumulation_steps) == (
         ["a", "b"],
-        "shard",
+        [],
         1,
     )
+    from diffusers_zero3.recipes.reward import reward_specs
+
+    (spec,) = reward_specs(reward)  # the old flags are one model-class reward of the registry, sharded
+    assert (spec.name, spec.model_path, spec.placement) == (
+        "diffusers_zero3.demo:RednessRewardModel",
+        "r",
+        "shard",
+    )
+    assert spec.model_class.__name__ == "RednessRewardModel"
 
 
 def test_flag_kinds_parse_as_argparse_would():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 
@@ -33,6 +34,10 @@ def test_reward_fine_tuning_end_to_end_and_resume(tmp_path):
     rewards = _rewards(log)
     assert sorted(rewards) == [1, 2, 3, 4], log[-3000:]
     assert (out / "rewards.png").exists() and (out / "model_index.json").exists()
+    # the rewards come from the registry: one list per --reward spec beside the weighted total
+    saved = json.loads((out / "rewards.json").read_text())
+    by_spec = saved["diffusers_zero3.demo:RednessRewardModel"]
+    assert len(saved["mean"]) == len(by_spec) == 4 and saved["mean"] == pytest.approx(by_spec, abs=1e-6)
     assert {"ema_rank0.pt", "ema_rank1.pt"} <= {p.name for p in (out / "checkpoint-2").iterdir()}
 
     from diffusers import StableDiffusionPipeline

@@ -228,7 +228,8 @@ def _reward_model_class():
     from diffusers.configuration_utils import ConfigMixin, register_to_config
 
     class RednessRewardModel(ModelMixin, ConfigMixin):
-        """A small reward model that scores how red an image is (images in [-1, 1], NCHW).
+        """A small reward model that scores how red an image is (NCHW images in [0, 1], as the
+        reward registry and ``train_reward.py`` pass them; any range works, the score scales with it).
 
         ``redness = mean(R - (G + B) / 2)`` plus ``feature_scale`` times a learned-looking
         term from a small conv net (random weights), so that the model has parameters worth

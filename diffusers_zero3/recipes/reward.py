@@ -19,6 +19,7 @@ import torch
 
 from ..args import (
     ENGINE_PLACEMENT_CHOICES,
+    PLACEMENTS_GROUP,
     ArgumentError,
     CheckpointSettings,
     OptimizerSettings,
@@ -33,7 +34,7 @@ from ..args import (
 )
 from ..families import SD, detect_family
 from ..placement.frozen import load_frozen_component
-from ..placement.rewards import ParallelReward
+from ..rewards import RewardSpec, load_rewards, parse_reward_specs
 from ..runtime.distributed import log_rank_zero
 from ..runtime.ds_config import weight_dtype
 from ..runtime.memory import return_large_frees_to_os
@@ -70,10 +71,28 @@ class RewardSettings(ProcessSettings, CheckpointSettings, TrackingSettings, Opti
         "replicate", "Where the text encoder lives.", ENGINE_PLACEMENT_CHOICES
     )
     vae_placement: str = placement_flag("replicate", "Where the VAE lives.", ENGINE_PLACEMENT_CHOICES)
-    reward_placement: str = placement_flag("shard", "Where the reward model lives.", ENGINE_PLACEMENT_CHOICES)
+    reward_placement: list[str] = flag(
+        [],
+        "NAME=shard|replicate|offload: where a reward model lives; a bare placement applies to every "
+        "reward model (default shard). Repeatable.",
+        append=True,
+        group=PLACEMENTS_GROUP,
+    )
     pretrained_model_name_or_path: str | None = flag(None, "Pipeline folder or hub id.", required=True)
+    reward: list[str] = flag(
+        [],
+        "SPEC[=WEIGHT]: a reward of the weighted sum (a built-in name, module:function or module:Class; "
+        "see docs/rl.md). Repeatable.",
+        append=True,
+        metavar="SPEC[=WEIGHT]",
+    )
+    reward_model: list[str] = flag(
+        [], "NAME=PATH_OR_HUB_ID: the weights of a reward model of --reward. Repeatable.", append=True
+    )
     reward_model_name_or_path: str | None = flag(
-        None, "Folder of a diffusers ModelMixin reward model.", required=True
+        None,
+        "Folder of a reward model of --reward_model_class (the same as --reward CLASS "
+        "--reward_model CLASS=FOLDER).",
     )
     reward_model_class: str = flag("diffusers_zero3.demo:RednessRewardModel", "module:Class of it.")
     prompts: list[str] | None = flag(None, "Prompts to sample from.", required=True)
@@ -88,27 +107,41 @@ class RewardSettings(ProcessSettings, CheckpointSettings, TrackingSettings, Opti
     reward_normalize: str | None = flag(None, choices=["batch", "per_prompt"])
 
     def resolve(self) -> None:
-        """Check that K fits the sampler's steps (raise ``ArgumentError``)."""
+        """Check that K fits the sampler's steps and that the rewards are given one way
+        (raise ``ArgumentError``)."""
         if not 1 <= self.truncated_backprop_steps <= self.num_inference_steps:
             raise ArgumentError("--truncated_backprop_steps must be between 1 and --num_inference_steps")
+        if self.reward and self.reward_model_name_or_path:
+            raise ArgumentError(
+                "give the rewards with --reward (and --reward_model), or --reward_model_name_or_path"
+            )
+        if not self.reward and not self.reward_model_name_or_path:
+            raise ArgumentError("train_reward.py needs --reward SPEC (or --reward_model_name_or_path)")
 
 
-def load_reward_model(args: RewardSettings, accelerator) -> ParallelReward:
-    """The reward model as a ParallelReward (sharded by default). Every rank."""
-    import importlib
-
-    module_name, class_name = args.reward_model_class.split(":")
-    cls = getattr(importlib.import_module(module_name), class_name)
-    folder = resolve_model_folder(args.reward_model_name_or_path)
-    frozen = load_frozen_component(accelerator, folder.parent, folder.name, args.reward_placement, cls)
-    return ParallelReward(
-        frozen,
-        accelerator=accelerator,
-        micro_batch_size=args.reward_micro_batch_size,
-        normalize=args.reward_normalize,
-        differentiable=True,
-        name="reward",
-    )
+def reward_specs(args: RewardSettings) -> list[RewardSpec]:
+    """The recipe's rewards as ``RewardSpec``s of the registry: ``--reward`` / ``--reward_model``
+    / ``--reward_placement``, or ``--reward_model_name_or_path`` of ``--reward_model_class``. A
+    bare ``--reward_placement`` (no ``NAME=``) applies to every reward model without its own;
+    raises ``ArgumentError``."""
+    rewards, models = list(args.reward), list(args.reward_model)
+    if args.reward_model_name_or_path:
+        rewards = [args.reward_model_class]
+        models = [f"{args.reward_model_class}={args.reward_model_name_or_path}"]
+    bare = [p for p in args.reward_placement if "=" not in p]
+    named = [p for p in args.reward_placement if "=" in p]
+    if len(bare) > 1:
+        raise ArgumentError(f"--reward_placement is given {len(bare)} times without NAME=")
+    default = bare[0] if bare else "shard"
+    if default not in ENGINE_PLACEMENT_CHOICES:
+        raise ArgumentError(
+            f"--reward_placement {default}: choose one of {', '.join(ENGINE_PLACEMENT_CHOICES)} (or NAME=PLACEMENT)"
+        )
+    placed = {p.partition("=")[0] for p in named}
+    return [
+        dataclasses.replace(spec, placement=default) if spec.has_model and spec.name not in placed else spec
+        for spec in parse_reward_specs(rewards, models, named)
+    ]
 
 
 class RewardTrainer:
@@ -140,9 +173,15 @@ class RewardTrainer:
                 "with SD 1.x/2.x pipelines only"
             )
         self.accelerator = acc = accelerator_from_args(args)
-        validate_launch(
-            args, deepspeed_active=acc.state.deepspeed_plugin is not None, on_cpu=acc.device.type == "cpu"
-        )
+        launch = {
+            "deepspeed_active": acc.state.deepspeed_plugin is not None,
+            "on_cpu": acc.device.type == "cpu",
+        }
+        validate_launch(args, **launch)
+        specs = reward_specs(args)
+        for spec in specs:
+            if spec.has_model:
+                validate_launch(args, **launch, placements={"reward": spec.placement})
         clear_interrupted_writes(args.output_dir)
         # A seed per rank: each rank samples its own prompts and initial latents (the same
         # seed everywhere would make N-1 ranks repeat rank 0's samples).
@@ -156,7 +195,15 @@ class RewardTrainer:
             acc, self.source, "text_encoder", args.text_encoder_placement, CLIPTextModel
         )
         self.vae = load_frozen_component(acc, self.source, "vae", args.vae_placement, AutoencoderKL)
-        self.reward = load_reward_model(args, acc)
+        self.reward = load_rewards(
+            specs,
+            acc,
+            micro_batch_size=args.reward_micro_batch_size,
+            differentiable=True,
+            normalize=args.reward_normalize,
+        )
+        self.reward_names = [spec.name for spec in specs]
+        self.rewards_by_spec: dict[str, list[float]] = {name: [] for name in self.reward_names}
         # the UNet as the job's trained part: its engine, AdamW, clipping at --max_grad_norm, EMA
         self.part, _ = prepare_first_part(
             acc, "unet", unet, adamw(unet, args), micro_batch_size=args.train_batch_size,
@@ -172,6 +219,7 @@ class RewardTrainer:
             path, state = resumed
             self.global_step, self.rewards = state["global_step"], state["rewards"]
             self.rewards_per_rank = state.get("rewards_per_rank", [])
+            self.rewards_by_spec = state.get("rewards_by_spec", self.rewards_by_spec)
             if int(state["world_size"]) != acc.num_processes:
                 log_rank_zero(
                     f"{path} was written by {state['world_size']} processes; resharded for {acc.num_processes}"
@@ -179,7 +227,8 @@ class RewardTrainer:
             log_rank_zero(f"resumed from {path} at step {self.global_step}")
 
     def _sample_images(self, prompts: list[str]) -> torch.Tensor:
-        """DDIM samples decoded to images; gradients only through the last K UNet calls."""
+        """DDIM samples decoded to images in [0, 1] (as the reward registry takes them, and as
+        the pipeline's postprocessing clamps them); gradients only through the last K UNet calls."""
         args, device = self.args, self.accelerator.device
         ids = self.tokenizer(
             prompts,
@@ -198,7 +247,8 @@ class RewardTrainer:
             with torch.set_grad_enabled(i >= len(timesteps) - args.truncated_backprop_steps):
                 eps = self.unet(latents.to(self.dtype), t.expand(len(prompts)).to(device), states).sample
                 latents = self.scheduler.step(eps.float(), t, latents).prev_sample
-        return self.vae.decode((latents / self.vae.config.scaling_factor).to(self.dtype)).sample.float()
+        decoded = self.vae.decode((latents / self.vae.config.scaling_factor).to(self.dtype)).sample.float()
+        return (decoded / 2 + 0.5).clamp(0, 1)
 
     def train(self) -> None:
         args, acc = self.args, self.accelerator
@@ -206,7 +256,7 @@ class RewardTrainer:
             pick = torch.randint(0, len(args.prompts), (args.train_batch_size,))  # CPU: indexes a list
             prompts = [args.prompts[i] for i in pick]
             images = self._sample_images(prompts)
-            rewards = self.reward(images, prompts)
+            rewards, by_spec = self.reward(images, prompts)
             loss = -rewards.mean()
             acc.backward(loss)
             step_part(self.part, acc, sync=True)
@@ -218,6 +268,8 @@ class RewardTrainer:
             mean_reward = per_rank.mean().item()
             self.rewards.append(mean_reward)
             self.rewards_per_rank.append(per_rank.tolist())
+            for name in self.reward_names:  # every rank, in the same order: gathers
+                self.rewards_by_spec[name].append(acc.gather(by_spec[name].detach()).mean().item())
             acc.log({"reward": mean_reward, "loss": loss.item()}, step=self.global_step)
             log_rank_zero(f"step {self.global_step} reward {mean_reward:.6f}")
             if self.global_step % args.checkpointing_steps == 0:
@@ -230,6 +282,7 @@ class RewardTrainer:
                         "batches_in_epoch": 0,
                         "rewards": self.rewards,
                         "rewards_per_rank": self.rewards_per_rank,
+                        "rewards_by_spec": self.rewards_by_spec,
                     },
                     ema=self.ema,
                     total_limit=args.checkpoints_total_limit,
@@ -243,13 +296,13 @@ class RewardTrainer:
             log_rank_zero(f"pipeline: {Path(args.output_dir).resolve()} (already complete)")
             finish_trackers(self.accelerator)
             return
-        card = model_card(args.pretrained_model_name_or_path, "reward: " + args.reward_model_name_or_path,
+        card = model_card(args.pretrained_model_name_or_path, "rewards: " + ", ".join(self.reward_names),
                           {k: v for k, v in vars(args).items() if not isinstance(v, list)}, args.prompts)  # fmt: skip
         save_final_pipeline(self.source, args.output_dir, self.unet, ema=self.ema, readme=card)
         if self.accelerator.is_main_process:
             out = Path(args.output_dir)
             (out / "rewards.json").write_text(
-                json.dumps({"mean": self.rewards, "per_rank": self.rewards_per_rank})
+                json.dumps({"mean": self.rewards, "per_rank": self.rewards_per_rank, **self.rewards_by_spec})
             )
             title = "mean reward per step"
             if self.rewards:

@@ -30,11 +30,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import RewardError
-from ..placement.frozen import prepare_frozen
+from ..placement.frozen import load_frozen_component, prepare_frozen
 from ..placement.rewards import ParallelReward
 from ..runtime.distributed import all_gather_object, is_distributed
 from ..runtime.ds_config import base_config, resolve_dtype
 from ..runtime.zero3 import zero3_init_disabled
+from ..state.pretrained import resolve_model_folder
 from .builtin import BUILTINS
 from .specs import RewardSpec
 
@@ -155,6 +156,7 @@ def load_rewards(
     *,
     micro_batch_size: int = 8,
     differentiable: bool = False,
+    normalize: str | None = None,
 ) -> WeightedRewards:
     """Load and place every reward of ``specs``.
 
@@ -171,6 +173,8 @@ def load_rewards(
         micro_batch_size: samples per reward-model forward.
         differentiable: let gradients flow from the scores into the images (see
             ``ParallelReward``).
+        normalize: each reward's normalisation before the weighted sum (``ParallelReward``'s
+            ``normalize``: None, ``"batch"`` or ``"per_prompt"``, over every rank's samples).
 
     Returns:
         The rewards and their weights, called as ``rewards(images, prompts)``.
@@ -182,7 +186,18 @@ def load_rewards(
     rewards: dict[str, ParallelReward] = {}
     weights: dict[str, float] = {}
     for spec in specs:
-        if spec.is_builtin:
+        if spec.model_class is not None:
+            folder = resolve_model_folder(spec.model_path)
+            frozen = load_frozen_component(
+                accelerator,
+                folder.parent,
+                folder.name,
+                spec.placement,
+                spec.model_class,
+                dtype=dtype,
+                label=f"reward {spec.name}",
+            )
+        elif spec.is_builtin:
             load = BUILTINS[spec.name].load
             if load is None:
                 raise ValueError(f"reward {spec.name!r} is not built in: {BUILTINS[spec.name].unavailable}")
@@ -191,16 +206,22 @@ def load_rewards(
             frozen = prepare_frozen(
                 module, spec.placement, accelerator=accelerator, dtype=dtype, name=f"reward {spec.name}"
             )
+        if spec.has_model:
             reward = ParallelReward(
                 frozen,
                 accelerator=accelerator,
                 micro_batch_size=micro_batch_size,
-                preprocess=frozen.module.preprocess,
+                preprocess=getattr(
+                    frozen.module, "preprocess", None
+                ),  # a model class may take images as they are
                 differentiable=differentiable,
+                normalize=normalize,
                 name=spec.name,
             )
         else:
-            reward = ParallelReward(spec.function, accelerator=accelerator, name=spec.name)
+            reward = ParallelReward(
+                spec.function, accelerator=accelerator, normalize=normalize, name=spec.name
+            )
         rewards[spec.name] = reward
         weights[spec.name] = spec.weight
     return WeightedRewards(rewards, weights)

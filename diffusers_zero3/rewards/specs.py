@@ -1,9 +1,10 @@
 """The reward flags of a command line, parsed into one typed list of ``RewardSpec``.
 
 * ``--reward SPEC[=WEIGHT]`` (repeatable): ``SPEC`` is a built-in name (``pickscore``,
-  ``clip_score``, ``aesthetic``, ``vlm``; see ``rewards.builtin``) or ``module:function``, a
-  function ``fn(images, prompts) -> scores`` (one number per image); ``WEIGHT`` its weight in
-  the sum (default 1.0).
+  ``clip_score``, ``aesthetic``, ``vlm``; see ``rewards.builtin``), ``module:function``, a
+  function ``fn(images, prompts) -> scores`` (one number per image), or ``module:Class``, a
+  reward model class with ``from_pretrained`` (its weights from ``--reward_model``);
+  ``WEIGHT`` its weight in the sum (default 1.0).
 * ``--reward_model NAME=PATH_OR_HUB_ID`` (repeatable): the weights of the built-in ``NAME``.
 * ``--reward_placement NAME=shard|replicate|offload`` (repeatable): where a built-in's model
   lives (default ``shard``: a ZeRO-3 inference engine, see ``placement.frozen``).
@@ -28,6 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ..errors import ArgumentError
 from ..placement.frozen import PLACEMENTS
 from .builtin import BUILTINS
@@ -40,12 +43,17 @@ class RewardSpec:
     """One reward of the weighted sum.
 
     Attributes:
-        name: the built-in name or ``module:function``, as given (the key of its scores).
+        name: the built-in name, ``module:function`` or ``module:Class``, as given (the key of
+            its scores).
         weight: its weight in the sum.
-        model_path: a built-in's weights (a folder or hub id); None for a function.
-        placement: a built-in's placement (``shard``, ``replicate`` or ``offload``); None for a
+        model_path: a model's weights (a folder or hub id); None for a function.
+        placement: a model's placement (``shard``, ``replicate`` or ``offload``); None for a
             function, which runs as it is on every rank.
         function: the imported function of a ``module:function`` reward.
+        model_class: the imported class of a ``module:Class`` reward: a ``torch.nn.Module``
+            with ``from_pretrained`` (a diffusers ``ModelMixin`` or a transformers model) whose
+            forward maps images (or its ``preprocess(images, prompts)``'s output) to one score
+            each, loaded from ``--reward_model`` straight into its placement.
     """
 
     name: str
@@ -53,10 +61,16 @@ class RewardSpec:
     model_path: str | None = None
     placement: str | None = None
     function: Callable[..., Any] | None = field(default=None, repr=False, compare=False)
+    model_class: type | None = field(default=None, repr=False, compare=False)
 
     @property
     def is_builtin(self) -> bool:
-        """True for a built-in reward model, False for a ``module:function``."""
+        """True for a built-in reward model, False for a ``module:function`` or ``module:Class``."""
+        return self.function is None and self.model_class is None
+
+    @property
+    def has_model(self) -> bool:
+        """True for a reward model (built-in or ``module:Class``): placed, called in lockstep."""
         return self.function is None
 
 
@@ -102,6 +116,11 @@ def import_reward_function(spec: str) -> Callable[..., Any]:
         fn = getattr(fn, part)
     if not callable(fn):
         raise ArgumentError(f"--reward {spec}: {attr!r} is a {type(fn).__name__}, not a function")
+    if isinstance(fn, type) and not (issubclass(fn, torch.nn.Module) and hasattr(fn, "from_pretrained")):
+        raise ArgumentError(
+            f"--reward {spec}: {attr!r} is a class but not a model with from_pretrained (a diffusers "
+            "ModelMixin or a transformers model)"
+        )
     return fn
 
 
@@ -148,14 +167,22 @@ def parse_reward_specs(
             raise ArgumentError(f"--reward {item!r}: expected SPEC or SPEC=WEIGHT")
         if any(s.name == name for s in specs):
             raise ArgumentError(f"--reward {name} is given twice")
+        model_class = None
         if ":" in name:
             function = import_reward_function(name)
-            for flag, given in (("--reward_model", model_of), ("--reward_placement", placement_of)):
-                if name in given:
-                    raise ArgumentError(f"{flag} {name}: a function reward has no model to load or place")
-            specs.append(RewardSpec(name, weight, function=function))
-            continue
-        _builtin(name)
+            if not isinstance(function, type):
+                for flag, given in (("--reward_model", model_of), ("--reward_placement", placement_of)):
+                    if name in given:
+                        raise ArgumentError(f"{flag} {name}: a function reward has no model to load or place")
+                specs.append(RewardSpec(name, weight, function=function))
+                continue
+            model_class = function
+            if name not in model_of:
+                raise ArgumentError(
+                    f"--reward {name} needs its weights: --reward_model {name}=PATH_OR_HUB_ID"
+                )
+        else:
+            _builtin(name)
         if name not in model_of:
             raise ArgumentError(
                 f"--reward {name} needs its weights: --reward_model {name}=PATH_OR_HUB_ID"
@@ -166,7 +193,9 @@ def parse_reward_specs(
             raise ArgumentError(
                 f"--reward_placement {name}={placement}: choose one of {', '.join(PLACEMENTS)}"
             )
-        specs.append(RewardSpec(name, weight, model_path=model_of[name], placement=placement))
+        specs.append(
+            RewardSpec(name, weight, model_path=model_of[name], placement=placement, model_class=model_class)
+        )
     given = {s.name for s in specs}
     for flag, named in (("--reward_model", model_of), ("--reward_placement", placement_of)):
         for name in named:
