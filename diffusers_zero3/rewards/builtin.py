@@ -386,12 +386,13 @@ class VLMJudge(nn.Module):
         image_tokens = gh * gw // self.image_config.merge_size**2
         encoded = self.tokenizer([self.chat(p, image_tokens) for p in prompts])["input_ids"]
         length = max(len(e) for e in encoded)
-        ids = torch.full((len(prompts), length), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), length), dtype=torch.long)
+        device = images.device
+        ids = torch.full((len(prompts), length), self.pad_id, dtype=torch.long, device=device)
+        mask = torch.zeros((len(prompts), length), dtype=torch.long, device=device)
         for i, e in enumerate(encoded):  # left padding: the last position is every sample's next token
-            ids[i, length - len(e) :] = torch.tensor(e, dtype=torch.long)
+            ids[i, length - len(e) :] = torch.tensor(e, dtype=torch.long, device=device)
             mask[i, length - len(e) :] = 1
-        header = torch.tensor([[gh, gw, length]] * len(prompts), dtype=torch.long)
+        header = torch.tensor([[gh, gw, length]] * len(prompts), dtype=torch.long, device=device)
         return pack_rows(torch.cat([header, ids, mask], dim=1), patches.reshape(len(images), -1))
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:

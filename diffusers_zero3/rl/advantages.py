@@ -30,7 +30,7 @@ from ..runtime.distributed import all_gather_ints, comm_device, get_rank, get_wo
 
 def _as_ids(group_ids: torch.Tensor | Sequence[int], like: torch.Tensor) -> torch.Tensor:
     if not isinstance(group_ids, torch.Tensor):  # a list: integers (an empty one too)
-        group_ids = torch.tensor([operator.index(i) for i in group_ids], dtype=torch.long)
+        group_ids = torch.tensor([operator.index(i) for i in group_ids], dtype=torch.long, device=like.device)
     ids = group_ids.to(like.device)
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise ValueError(f"group ids must be integers, not {ids.dtype}")
