@@ -23,6 +23,7 @@ SUITES = [
     "checkpoint",
     "universal",
     "reward",
+    "grpo",
 ]
 
 
