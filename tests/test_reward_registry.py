@@ -615,6 +615,22 @@ def test_a_vlm_of_another_kind_or_a_multi_token_answer_is_refused(vlm_folder):
         VLMJudge(judge.model, judge.tokenizer, judge.image_config)
 
 
+@pytest.mark.unit
+def test_the_vlm_question_reaches_the_judge_and_changes_its_scores(vlm_folder):
+    """``load_rewards(..., vlm_question=...)`` (``--vlm_question``) asks the judge another
+    question: its text is the chat the judge sees, and the scores move with it."""
+    from diffusers_zero3.rewards import load_rewards, parse_reward_specs
+
+    images = _as_tensor(_uint8_images(2, 40, 36, seed=7))
+    specs = parse_reward_specs(["vlm"], [f"vlm={vlm_folder}"], ["vlm=replicate"])
+    asked = load_rewards(specs, None, torch.float32, vlm_question="Is it red? {prompt}")
+    judge = asked.rewards["vlm"].model.module
+    assert judge.question == "Is it red? {prompt}" and "Is it red? a cat" in judge.chat("a cat", 1)
+    default = load_rewards(specs, None, torch.float32)
+    moved = (asked(images, PROMPTS[:2])[0] - default(images, PROMPTS[:2])[0]).abs().max().item()
+    assert moved > 1e-6, moved
+
+
 # ------------------------------------------------------------------ 2 ranks
 
 

@@ -15,12 +15,19 @@ normalises each reward within its prompt's group over every rank's samples
   log-probability of the stored next latents, PPO's clipped surrogate (``rl.grpo_loss``) and,
   with ``--kl_beta``, the KL of the SDE step to the reference's (``rl.sde_kl``).
 * ``--objective nft``: DiffusionNFT (``rl.nft_loss``) at the sampled clean latents, noised afresh
-  at the trained timesteps' sigmas; ``v_old`` is the policy of the sampling, evaluated at those
+  at the trained timesteps' sigmas (noise seeded per (round, prompt, member, timestep), as the
+  sampling noise is per (round, prompt, member): no rank's RNG); ``v_old`` is the policy of the sampling, evaluated at those
   points before the round's first update.
 
-Every trained timestep of a micro-batch is one optimizer step. Dummy samples go through every
-forward (a sharded model's forward is a collective: every rank must call it as often as the
-others) and carry no weight in the loss. The reference is the base with the adapters disabled
+A micro-batch's trained timesteps are one backward each and one optimizer step together (their
+gradients averaged, as Flow-GRPO accumulates; ``--step_every_timestep``: a step each). The
+sampling schedule is the family pipeline's (``set_sampling_timesteps``: Flux's and Z-Image's
+linspace sigmas, ``mu`` of the image's token count under dynamic shifting); a guidance-distilled
+transformer (Flux.1 [dev]) takes ``--guidance_scale`` as its guidance input instead of CFG.
+Rank 0's wall-clock seconds of each phase of a round (sampling with the VAE decode, rewards
+with the advantage gather, training) go to ``rewards.json`` under ``"seconds"``. Dummy samples
+go through every forward (a sharded model's forward is a collective: every rank must call it as
+often as the others) and carry no weight in the loss. The reference is the base with the adapters disabled
 under LoRA, else a frozen copy placed with ``--reference_placement``.
 """
 
@@ -30,6 +37,8 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -74,16 +83,21 @@ from ..state.pipeline_io import (
 from ..state.pretrained import resolve_model_folder
 from ..state.resume import resume_training, save_training_checkpoint
 from ..training.job import (
-    accelerator_from_args,
+    GRAD_ACC_ENV,
     clear_interrupted_writes,
     finish_trackers,
     load_trainable_denoiser,
+    setup_accelerator,
 )
 from ..training.lora import LORA_WEIGHT_NAME, add_lora_adapters, save_lora_zero3
 from ..training.parts import adamw, prepare_first_part, step_part
 from ..training.schedule import first_last_means
 
 OBJECTIVES = ("grpo", "nft")
+# tested end to end (tests/test_train_grpo.py); Qwen-Image's 5-D latents, Flux.2, HiDream and
+# Wan are not handled yet: refused in one line rather than trained wrong
+GRPO_FAMILIES = ("sd3", "flux", "zimage")
+PHASES = ("sampling", "rewards", "training")  # rewards.json "seconds": one list per phase
 _C = CommonSettings
 
 
@@ -96,7 +110,8 @@ class GRPOSettings(CommonSettings):
         "with reward models sharded and called on every rank."
     )
     GROUP: ClassVar[str | None] = "online RL (Flow-GRPO / DiffusionNFT)"
-    # one backward per optimizer step (each trained timestep): not a flag
+    # not a flag: the accelerator accumulates over a micro-batch's trained timesteps
+    # (``accumulation_steps``) unless --step_every_timestep
     gradient_accumulation_steps: ClassVar[int] = 1
     tracker_project_name: str = redefault(_C, "tracker_project_name", "grpo")
     output_dir: str = redefault(_C, "output_dir", "grpo-finetuned")
@@ -138,7 +153,17 @@ class GRPOSettings(CommonSettings):
     num_inner_epochs: int = flag(1, "Passes over one round's samples.")
     kl_beta: float = flag(0.0, "Weight of the KL to the reference policy.")
     nft_beta: float = flag(1.0, "DiffusionNFT's beta (nft).")
+    step_every_timestep: bool = flag(
+        False,
+        "One optimizer step per trained timestep of a micro-batch. Default: as Flow-GRPO, the gradients of a "
+        "micro-batch's trained timesteps are averaged and stepped once.",
+    )
     max_sequence_length: int | None = flag(None, "T5 tokens per prompt (default: the family's).")
+    vlm_question: str | None = flag(
+        None,
+        "The question the vlm reward's judge answers Yes or No, {prompt} standing for the image's prompt "
+        "(default: whether the image matches the prompt).",
+    )
     # --- rewards
     reward: list[str] = flag([], "SPEC or SPEC=WEIGHT: a built-in name or module:function; repeatable.",
                              append=True, metavar="SPEC[=WEIGHT]")  # fmt: skip
@@ -202,14 +227,23 @@ class GRPOSettings(CommonSettings):
         """How many of the sampled steps are trained (at least one)."""
         return max(1, int(self.num_inference_steps * self.timestep_fraction))
 
+    @property
+    def accumulation_steps(self) -> int:
+        """Backwards per optimizer step: a micro-batch's trained timesteps (Flow-GRPO's
+        ``gradient_accumulation_steps * num_train_timesteps`` with one sample batch), or 1 with
+        ``--step_every_timestep``."""
+        return 1 if self.step_every_timestep else self.train_timesteps
+
 
 @dataclasses.dataclass
 class Round:
     """One round of this rank's samples, padded to ``samples_per_rank``: ``real`` marks the
     samples that are not dummies. ``latents[:, i]`` is the state before step ``i`` (the last
     one the clean latents), ``log_probs[:, i]`` the sampling policy's log-probability of step
-    ``i``; ``sigmas`` ``[T + 1]`` the schedule. All on the accelerator's device."""
+    ``i``; ``sigmas`` ``[T + 1]`` the schedule; ``images`` the decoded clean latents in [0, 1]
+    until the round is scored. All on the accelerator's device."""
 
+    index: int  # the round's number (0-based): seeds its noise with the (prompt, member) pairs
     pairs: list[tuple[int, int]]
     real: torch.Tensor  # [P] bool
     prompts: list[str]
@@ -218,6 +252,7 @@ class Round:
     latents: torch.Tensor  # [P, T + 1, C, H, W]
     log_probs: torch.Tensor  # [P, T]
     sigmas: torch.Tensor  # [T + 1]
+    images: torch.Tensor | None = None  # [P, 3, H, W], dropped once scored
     advantages: torch.Tensor | None = None  # [P], 0 for dummies
     nft_points: list | None = None  # per trained timestep: (x_t [P, ...], v_old [P, ...])
 
@@ -234,13 +269,93 @@ def pad_assignment(pairs: list[tuple[int, int]], length: int) -> tuple[list[tupl
     return pairs + [filler] * (length - len(pairs)), [True] * len(pairs) + [False] * (length - len(pairs))
 
 
-def sample_generator(seed: int, round_index: int, prompt: int, member: int) -> torch.Generator:
-    """The CPU generator of one sample's noise: the same whichever rank (and however many ranks)
-    draws it, so that a resumed run or another world size samples the same images."""
-    digest = hashlib.sha256(f"grpo:{seed}:{round_index}:{prompt}:{member}".encode()).digest()
+def _hashed_generator(key: str) -> torch.Generator:
+    """A CPU generator seeded by the SHA-256 of ``key`` (drawn on the CPU and moved: the same
+    numbers on every device)."""
+    digest = hashlib.sha256(key.encode()).digest()
     g = torch.Generator()  # CPU: drawn there and moved, the same on every device
     g.manual_seed(int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF)
     return g
+
+
+def sample_generator(seed: int, round_index: int, prompt: int, member: int) -> torch.Generator:
+    """The CPU generator of one sample's noise: the same whichever rank (and however many ranks)
+    draws it, so that a resumed run or another world size samples the same images."""
+    return _hashed_generator(f"grpo:{seed}:{round_index}:{prompt}:{member}")
+
+
+def nft_noise_generator(
+    seed: int, round_index: int, prompt: int, member: int, timestep: int
+) -> torch.Generator:
+    """The CPU generator of DiffusionNFT's fresh noise of one sample at one trained timestep
+    (its index in the schedule): like ``sample_generator``, independent of the rank and of the
+    number of ranks, and of the sampling noise."""
+    return _hashed_generator(f"grpo-nft:{seed}:{round_index}:{prompt}:{member}:{timestep}")
+
+
+def pipeline_sigmas(pipeline_class: str, steps: int) -> list[float] | None:
+    """The sigmas a pipeline's ``__call__`` gives ``set_timesteps`` by default: ``FluxPipeline``'s
+    ``numpy.linspace(1, 1 / steps, steps)``, ``ZImagePipeline``'s the same from ``torch.linspace``
+    (fp32); None where the scheduler spaces them itself (``StableDiffusion3Pipeline``)."""
+    import numpy
+
+    if pipeline_class == "FluxPipeline":
+        return numpy.linspace(1.0, 1 / steps, steps).tolist()
+    if pipeline_class == "ZImagePipeline":
+        return torch.linspace(1.0, 1 / steps, steps).tolist()  # CPU: a list of floats
+    return None
+
+
+def set_sampling_timesteps(
+    scheduler, steps: int, image_seq_len: int, device: torch.device, *, sigmas: list[float] | None = None
+) -> torch.Tensor:
+    """Set ``scheduler``'s (``FlowMatchEulerDiscreteScheduler``) timesteps as the pipelines do and
+    return its sigmas ``[steps + 1]`` (the last 0) on ``device`` in fp32: from ``sigmas``
+    (``pipeline_sigmas``) or the scheduler's own spacing, shifted by the config's ``shift`` or,
+    under ``use_dynamic_shifting``, by ``mu = calculate_shift(image_seq_len, base_image_seq_len,
+    max_image_seq_len, base_shift, max_shift)`` of the scheduler's config, as the pipelines
+    compute it (``image_seq_len``: the denoiser's tokens per image). Not a collective."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    config = scheduler.config
+    kwargs: dict[str, Any] = {} if sigmas is None else {"sigmas": sigmas}
+    if config.get("use_dynamic_shifting"):
+        kwargs["mu"] = calculate_shift(
+            image_seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5), config.get("max_shift", 1.15),
+        )  # fmt: skip
+    scheduler.set_timesteps(steps, device=device, **kwargs)
+    return scheduler.sigmas.to(device=device, dtype=torch.float32)
+
+
+def wall_clock(device: torch.device) -> float:
+    """``time.perf_counter()`` once the work queued on ``device`` is done (CUDA runs kernels
+    asynchronously: without the wait, a phase's kernels would count in the next one). Not a
+    collective."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def cat_padded(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a`` and ``b`` stacked along the batch, the shorter zero-padded along dimension 1 first:
+    families that trim the text states and their mask to a batch's longest caption (Z-Image,
+    Qwen-Image) encode the empty prompts of CFG shorter than the prompts; a zero mask row is
+    ignored.
+
+    Example:
+        >>> cat_padded(torch.ones(1, 2), torch.ones(1, 3)).tolist()
+        [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]
+    """
+    if a.ndim >= 2 and a.shape[1] != b.shape[1]:
+        length = max(a.shape[1], b.shape[1])
+
+        def pad(x: torch.Tensor) -> torch.Tensor:
+            rest = [0, 0] * (x.ndim - 2)
+            return torch.nn.functional.pad(x, [*rest, 0, length - x.shape[1]])
+
+        a, b = pad(a), pad(b)
+    return torch.cat([a, b])
 
 
 def _chunks(n: int, size: int) -> Iterator[slice]:
@@ -264,7 +379,10 @@ class GRPOTrainer:
         self.global_step = 0  # rounds done
         self.rewards: list[float] = []
         self.rewards_by_spec: dict[str, list[float]] = {}
+        # rank 0's wall-clock seconds of each phase per round (each rank times its own)
+        self.seconds: dict[str, list[float | None]] = {phase: [] for phase in PHASES}
         self.trained_rounds = 0
+        self.optimizer_steps = 0  # optimizer steps taken by this process (not restored on resume)
 
     # ------------------------------------------------------------------ setup
 
@@ -281,13 +399,20 @@ class GRPOTrainer:
         check_output_dir(args.output_dir, self.source)
         pipeline_components(self.source)
         self.family = family = detect_family(self.source)
-        if not family.flow_matching:
+        if family.name not in GRPO_FAMILIES:
             raise ArgumentError(
                 f"{args.pretrained_model_name_or_path} is a {family.pipeline_class}; train_grpo.py trains "
-                "flow-matching pipelines (SD3, Flux, ...)"
+                f"the flow-matching families it is tested on: {', '.join(GRPO_FAMILIES)}"
             )
         placements = self._placements()
-        self.accelerator = acc = accelerator_from_args(args)
+        # the launch configuration's gradient_accumulation_steps never applies here (it follows
+        # --timestep_fraction): dropped, so that no line says a flag overrode it
+        os.environ.pop(GRAD_ACC_ENV, None)
+        self.accelerator = acc = setup_accelerator(
+            args.output_dir, mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.accumulation_steps,
+            report_to=args.report_to, logging_dir=args.logging_dir, max_grad_norm=args.max_grad_norm,
+            process_group_timeout=args.process_group_timeout,
+        )  # fmt: skip
         checked = {**placements, **({"reference": args.reference_placement} if args.rank is None else {})}
         validate_launch(
             args, deepspeed_active=acc.state.deepspeed_plugin is not None, on_cpu=acc.device.type == "cpu",
@@ -297,11 +422,6 @@ class GRPOTrainer:
         set_seed(args.seed, device_specific=True)  # LoRA's init: the engine broadcasts rank 0's
         self.dtype = weight_dtype(acc)
         self.scheduler = family.load_noise_scheduler(self.source)
-        if self.scheduler.config.get("use_dynamic_shifting"):
-            raise ArgumentError(
-                f"{family.pipeline_class}'s scheduler shifts its sigmas by resolution (use_dynamic_shifting): "
-                "not supported by train_grpo.py yet"
-            )
         self.tokenizers = family.load_tokenizers(self.source)
         denoiser = load_trainable_denoiser(acc, self.source, family)
         if args.rank is not None:
@@ -309,6 +429,13 @@ class GRPOTrainer:
             add_lora_adapters(denoiser, rank=args.rank, target_modules=targets, alpha=args.lora_alpha)
         self.frozen = place_frozen_models(acc, family, self.source, placements)
         self.vae = self.frozen.models["vae"]
+        multiple = family.latent_multiple(self.vae.config)
+        if args.resolution % multiple:
+            raise ArgumentError(
+                f"--resolution {args.resolution} must be a multiple of {multiple} for {family.name}"
+            )
+        # a guidance-distilled transformer (Flux.1 [dev]) takes --guidance_scale as an input: no CFG
+        self.guidance_embeds = bool(denoiser.config.get("guidance_embeds", False))
         self.reference = None
         if args.rank is None and self._needs_reference():
             self.reference = load_frozen_component(
@@ -318,12 +445,26 @@ class GRPOTrainer:
             log_rank_zero(self.reference.describe())
         specs = parse_reward_specs(args.reward, args.reward_model, args.reward_placement)
         self.reward_names = [s.name for s in specs]
-        self.reward_fn = load_rewards(specs, acc, self.dtype, micro_batch_size=args.reward_micro_batch_size)
+        self.reward_fn = load_rewards(
+            specs,
+            acc,
+            self.dtype,
+            micro_batch_size=args.reward_micro_batch_size,
+            vlm_question=args.vlm_question,
+        )
         self.part, _ = prepare_first_part(
             acc, family.denoiser, denoiser, adamw(denoiser, args), micro_batch_size=args.train_batch_size,
             max_grad_norm=args.max_grad_norm, use_ema=bool(args.use_ema),
         )  # fmt: skip
         self.engine, self.ema = self.part.engine, self.part.ema
+        if (
+            acc.state.deepspeed_plugin is not None
+            and self.engine.gradient_accumulation_steps() != args.accumulation_steps
+        ):
+            raise RuntimeError(  # DeepSpeed divides each backward's loss by its own count
+                f"DeepSpeed accumulates {self.engine.gradient_accumulation_steps()} backwards, not {args.accumulation_steps}"
+            )
+        log_rank_zero(f"one optimizer step per {args.accumulation_steps} backward(s) of a micro-batch")
         if acc.is_main_process and args.report_to != "none":
             acc.init_trackers(
                 args.tracker_project_name, {k: v for k, v in vars(args).items() if not isinstance(v, list)}
@@ -334,7 +475,14 @@ class GRPOTrainer:
             path, state = resumed
             self.global_step, self.rewards = state["global_step"], state["rewards"]
             self.rewards_by_spec = state["rewards_by_spec"]
+            # a checkpoint written before the timings were kept: None for its rounds
+            saved = state.get("seconds") or {}
+            self.seconds = {p: list(saved.get(p, [None] * self.global_step)) for p in PHASES}
             log_rank_zero(f"resumed from {path} at round {self.global_step}")
+            if state["world_size"] != acc.num_processes:  # rounds do not depend on the world size
+                log_rank_zero(
+                    f"{path} was written by {state['world_size']} processes; resharded for {acc.num_processes}"
+                )
 
     def _placements(self) -> dict[str, str]:
         """``{frozen component: placement}``; a placement flag for a component the family lacks
@@ -364,9 +512,13 @@ class GRPOTrainer:
         the model is sharded."""
         cond = {k: v[rows] for k, v in batch.cond.items()}
         t = (sigma * 1000).to(self.dtype)
+        if self.guidance_embeds:
+            return self.family.predict(
+                model, x.to(self.dtype), t, cond, guidance_scale=self.args.guidance_scale
+            ).float()
         if batch.uncond is None:
             return self.family.predict(model, x.to(self.dtype), t, cond).float()
-        both = {k: torch.cat([batch.uncond[k][rows], v]) for k, v in cond.items()}
+        both = {k: cat_padded(batch.uncond[k][rows], v) for k, v in cond.items()}
         v_u, v_c = (
             self.family.predict(model, torch.cat([x, x]).to(self.dtype), torch.cat([t, t]), both)
             .float()
@@ -420,20 +572,24 @@ class GRPOTrainer:
         padded, real = pad_assignment(pairs, length)
         prompts = [args.prompts[p] for p, _ in padded]
         cond = self._encode(prompts)
-        uncond = self._encode([""] * len(prompts)) if args.guidance_scale > 1 else None
-        self.scheduler.set_timesteps(args.num_inference_steps, device=device)
-        sigmas = self.scheduler.sigmas.to(device=device, dtype=torch.float32)
+        cfg = args.guidance_scale > 1 and not self.guidance_embeds
+        uncond = self._encode([""] * len(prompts)) if cfg else None
         vae_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         side = args.resolution // vae_factor
-        channels = self.part.module.config.in_channels
+        channels = self.vae.config.latent_channels
+        sigmas = self._sampling_sigmas(side, vae_factor)
         generators = [sample_generator(args.seed, round_index, p, m) for p, m in padded]
+        # CPU: each sample's own CPU generator (the same noise on any device and rank), then moved
         latents = torch.cat([torch.randn(1, channels, side, side, generator=g) for g in generators]).to(
             device
         )
-        batch = Round(padded, torch.tensor(real, device=device), prompts, cond, uncond,
-                      latents.new_empty(length, args.num_inference_steps + 1, channels, side, side),
-                      latents.new_empty(length, args.num_inference_steps), sigmas)  # fmt: skip
+        batch = Round(
+            index=round_index, pairs=padded, real=torch.tensor(real, device=device), prompts=prompts, cond=cond,
+            uncond=uncond, latents=latents.new_empty(length, args.num_inference_steps + 1, channels, side, side),
+            log_probs=latents.new_empty(length, args.num_inference_steps), sigmas=sigmas,
+        )  # fmt: skip
         batch.latents[:, 0] = latents
+        images = []
         for rows in _chunks(length, args.sample_batch_size):
             x = latents[rows]
             for i in range(args.num_inference_steps):
@@ -444,20 +600,35 @@ class GRPOTrainer:
                 )
                 batch.latents[rows, i + 1] = x
                 batch.log_probs[rows, i] = log_prob
+            images.append(self._decode(x))
+        batch.images = torch.cat(images)
         return batch
 
+    def _sampling_sigmas(self, side: int, vae_factor: int) -> torch.Tensor:
+        """The sampling schedule ``[T + 1]`` (ending at 0) for latents of ``side`` x ``side``
+        (the VAE downsampling ``vae_factor``), as the family's pipeline sets it
+        (``set_sampling_timesteps``), on the device in fp32. Not a collective."""
+        # the denoiser's tokens per side: its patches (SD3) or Flux's 2x2 packing
+        packing = self.family.latent_multiple(self.vae.config) // vae_factor
+        tokens_per_side = side // max(self.part.module.config.get("patch_size") or 1, packing)
+        steps = self.args.num_inference_steps
+        return set_sampling_timesteps(
+            self.scheduler, steps, tokens_per_side**2, self.accelerator.device,
+            sigmas=pipeline_sigmas(self.family.pipeline_class, steps),
+        )  # fmt: skip
+
     def score_round(self, batch: Round) -> tuple[float, dict[str, float]]:
-        """Decode and score every sample (dummies too, then dropped), fill the advantages;
-        return the round's mean weighted reward and each reward's mean over every rank's real
-        samples. Collective."""
+        """Score every sample's decoded image (dummies too, then dropped; the images are
+        released), fill the advantages; return the round's mean weighted reward and each
+        reward's mean over every rank's real samples. Collective."""
         args, acc = self.args, self.accelerator
         totals, per_spec = [], {name: [] for name in self.reward_names}
         for rows in _chunks(len(batch.pairs), args.sample_batch_size):
-            images = self._decode(batch.latents[rows, -1])
-            total, scores = self.reward_fn(images, batch.prompts[rows])
+            total, scores = self.reward_fn(batch.images[rows], batch.prompts[rows])
             totals.append(total)
             for name in self.reward_names:
                 per_spec[name].append(scores[name])
+        batch.images = None
         real = batch.real
         total = torch.cat(totals)[real]
         groups = torch.tensor([p for p, _ in batch.pairs], device=total.device)[real]
@@ -476,13 +647,20 @@ class GRPOTrainer:
     @torch.no_grad()
     def _prepare_nft(self, batch: Round) -> None:
         """DiffusionNFT's training points before any update: for each trained timestep, the
-        clean latents noised afresh at its sigma and the sampling policy's velocity there."""
+        clean latents noised afresh at its sigma (each sample's noise from
+        ``nft_noise_generator``: the same on any rank and any number of ranks) and the sampling
+        policy's velocity there. Collective."""
         args = self.args
         x0 = batch.latents[:, -1]
         points = []
         for i in range(args.train_timesteps):
             sigma = batch.sigmas[i].clamp(max=0.999)  # at sigma 1 x_t holds no trace of x0
-            x_t = (1 - sigma) * x0 + sigma * torch.randn_like(x0)
+            noise = torch.cat([
+                # CPU: each sample's own CPU generator (the same noise on any device and rank), then moved
+                torch.randn(1, *x0.shape[1:], generator=nft_noise_generator(args.seed, batch.index, p, m, i))
+                for p, m in batch.pairs
+            ]).to(x0.device)  # fmt: skip
+            x_t = (1 - sigma) * x0 + sigma * noise
             v_old = torch.cat([
                 self._velocity(self.engine, x_t[rows], sigma.expand(rows.stop - rows.start), batch, rows)
                 for rows in _chunks(len(x0), args.train_batch_size)
@@ -535,8 +713,9 @@ class GRPOTrainer:
         return _masked_mean_loss(loss, n_real, n, v), stats
 
     def train_round(self, batch: Round) -> float:
-        """The round's updates: inner epochs x micro-batches x trained timesteps, one optimizer
-        step each; returns the mean loss. Collective."""
+        """The round's updates: inner epochs x micro-batches x trained timesteps, one backward
+        each, the optimizer stepped once per micro-batch on the mean of its timesteps' gradients
+        (``--step_every_timestep``: after each backward); returns the mean loss. Collective."""
         args, acc = self.args, self.accelerator
         if args.objective == "nft":
             self._prepare_nft(batch)
@@ -544,11 +723,16 @@ class GRPOTrainer:
         for _ in range(args.num_inner_epochs):
             for rows in _chunks(len(batch.pairs), args.train_batch_size):
                 for i in range(args.train_timesteps):
-                    loss, _ = self._loss(batch, i, rows)
-                    acc.backward(loss)
-                    step_part(self.part, acc, sync=True)
-                    if self.ema is not None:
-                        self.ema.step()
+                    # accelerate syncs (and DeepSpeed steps) every accumulation_steps backwards: at
+                    # a micro-batch's last trained timestep; the loss is divided by their number
+                    with acc.accumulate(self.engine):
+                        loss, _ = self._loss(batch, i, rows)
+                        acc.backward(loss)
+                        step_part(self.part, acc, acc.sync_gradients)
+                    if acc.sync_gradients:
+                        self.optimizer_steps += 1
+                        if self.ema is not None:
+                            self.ema.step()
                     losses.append(loss.detach().float())
         return torch.stack(losses).mean().item()
 
@@ -557,25 +741,44 @@ class GRPOTrainer:
     def train(self) -> None:
         """Rounds until ``--max_train_steps``: sample, score, train, log, checkpoint. Collective."""
         args, acc = self.args, self.accelerator
+        device = acc.device
         while self.global_step < args.max_train_steps:
-            batch = self.sample_round(self.global_step)
-            mean, means = self.score_round(batch)
-            loss = self.train_round(batch)
+            start = wall_clock(device)
+            batch = self.sample_round(self.global_step)  # text encoding, the SDE loop, the VAE decode
+            sampled = wall_clock(device)
+            mean, means = self.score_round(batch)  # the reward calls and the advantage gather
+            scored = wall_clock(device)
+            loss = self.train_round(batch)  # the inner epochs with their optimizer steps
+            seconds = dict(zip(PHASES, (sampled - start, scored - sampled, wall_clock(device) - scored)))
             self.global_step += 1
             self.trained_rounds += 1
             self.rewards.append(mean)
             for name, value in means.items():
                 self.rewards_by_spec[name].append(value)
-            acc.log({"reward": mean, "loss": loss, **{f"reward/{k}": v for k, v in means.items()}},
-                    step=self.global_step)  # fmt: skip
+            for phase, value in seconds.items():
+                self.seconds[phase].append(value)
+            acc.log({"reward": mean, "loss": loss, **{f"reward/{k}": v for k, v in means.items()},
+                     **{f"seconds/{k}": v for k, v in seconds.items()}}, step=self.global_step)  # fmt: skip
             each = " ".join(f"{k} {v:.6f}" for k, v in means.items())
-            log_rank_zero(f"step {self.global_step} reward {mean:.6f} loss {loss:.6f} ({each})")
+            took = " ".join(f"{k} {v:.2f}s" for k, v in seconds.items())
+            log_rank_zero(
+                f"step {self.global_step} reward {mean:.6f} loss {loss:.6f} ({each}) time: {took}; "
+                f"optimizer steps {self._optimizer_steps()}"
+            )
             if self.global_step % args.checkpointing_steps == 0:
                 save_training_checkpoint(
                     acc, args.output_dir, self.global_step,
-                    {"epoch": 0, "batches_in_epoch": 0, "rewards": self.rewards, "rewards_by_spec": self.rewards_by_spec},
+                    {"epoch": 0, "batches_in_epoch": 0, "rewards": self.rewards, "rewards_by_spec": self.rewards_by_spec,
+                     "seconds": self.seconds},
                     ema=self.ema, total_limit=args.checkpoints_total_limit,
                 )  # fmt: skip
+
+    def _optimizer_steps(self) -> int:
+        """Optimizer steps taken so far: DeepSpeed's own count under DeepSpeed (restored on
+        resume), else this process's. Not a collective."""
+        if self.accelerator.state.deepspeed_plugin is not None:
+            return int(self.engine.global_steps)
+        return self.optimizer_steps
 
     def save(self) -> None:
         """The pipeline (full) or ``pytorch_lora_weights.safetensors`` (LoRA), ``rewards.json``
@@ -597,20 +800,35 @@ class GRPOTrainer:
         finish_trackers(self.accelerator)
 
     def _write_rewards(self, out: Path) -> None:
-        """``rewards.json`` (``"mean"``: the weighted total per round, one list per reward spec)
-        and ``rewards.png`` / ``rewards-<n>.png`` curves. Main process only (no collective)."""
+        """``rewards.json`` (``"mean"``: the weighted total per round, one list per reward spec,
+        and ``"seconds"``: rank 0's wall-clock seconds of each phase per round) and
+        ``rewards.png`` / ``rewards-<n>.png`` curves. Main process only (no collective)."""
         out.mkdir(parents=True, exist_ok=True)
-        (out / "rewards.json").write_text(json.dumps({"mean": self.rewards, **self.rewards_by_spec}))
+        (out / "rewards.json").write_text(
+            json.dumps({"mean": self.rewards, **self.rewards_by_spec, "seconds": self.seconds})
+        )
         curves: dict[str, Any] = {"mean": self.rewards, **self.rewards_by_spec}
         for n, (name, values) in enumerate(curves.items()):
             if not values:
                 continue
             title = f"{name} per round: {values[0]:.3f} -> {values[-1]:.3f}"
             file = out / ("rewards.png" if n == 0 else f"rewards-{n}.png")
-            plot_curve(values, file, title, ylabel=f"{name} (mean of the round's samples)",
+            plot_curve(values, file, title, ylabel=f"{name} (mean of the round's samples)", xlabel="round",
                        smooth=min(10, max(1, len(values) // 5)))  # fmt: skip
         k, first, last = first_last_means(self.rewards)
         log_rank_zero(f"mean reward: first {k} rounds {first:.4f} -> last {k} rounds {last:.4f}")
 
 
-__all__ = ["GRPOSettings", "GRPOTrainer", "LORA_WEIGHT_NAME", "pad_assignment", "sample_generator"]
+__all__ = [
+    "GRPOSettings",
+    "GRPOTrainer",
+    "LORA_WEIGHT_NAME",
+    "PHASES",
+    "cat_padded",
+    "nft_noise_generator",
+    "pad_assignment",
+    "pipeline_sigmas",
+    "set_sampling_timesteps",
+    "sample_generator",
+    "wall_clock",
+]

@@ -425,15 +425,15 @@ class BuiltinReward:
         name: its ``--reward`` name.
         summary: what it scores, one line.
         published: the weights to pass as ``--reward_model NAME=...`` for the published model.
-        load: ``load(path, dtype) -> nn.Module`` with ``preprocess``/``forward``; None
-            when not built in.
+        load: ``load(path, dtype, **options) -> nn.Module`` with ``preprocess``/``forward``
+            (``vlm`` takes ``question=``); None when not built in.
         unavailable: why it cannot be used here (then ``load`` is None).
     """
 
     name: str
     summary: str
     published: str
-    load: Callable[[str, torch.dtype | None], nn.Module] | None = None
+    load: Callable[..., nn.Module] | None = None
     unavailable: str | None = None
 
     @property

@@ -157,6 +157,7 @@ def load_rewards(
     micro_batch_size: int = 8,
     differentiable: bool = False,
     normalize: str | None = None,
+    vlm_question: str | None = None,
 ) -> WeightedRewards:
     """Load and place every reward of ``specs``.
 
@@ -173,6 +174,8 @@ def load_rewards(
         micro_batch_size: samples per reward-model forward.
         differentiable: let gradients flow from the scores into the images (see
             ``ParallelReward``).
+        vlm_question: the ``vlm`` judge's question (``{prompt}`` stands for the image's
+            prompt; default ``builtin.DEFAULT_VLM_QUESTION``).
         normalize: each reward's normalisation before the weighted sum (``ParallelReward``'s
             ``normalize``: None, ``"batch"`` or ``"per_prompt"``, over every rank's samples).
 
@@ -201,8 +204,9 @@ def load_rewards(
             load = BUILTINS[spec.name].load
             if load is None:
                 raise ValueError(f"reward {spec.name!r} is not built in: {BUILTINS[spec.name].unavailable}")
+            kwargs = {"question": vlm_question} if spec.name == "vlm" and vlm_question else {}
             with zero3_init_disabled():
-                module = load(spec.model_path, dtype)
+                module = load(spec.model_path, dtype, **kwargs)
             frozen = prepare_frozen(
                 module, spec.placement, accelerator=accelerator, dtype=dtype, name=f"reward {spec.name}"
             )

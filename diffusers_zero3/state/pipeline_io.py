@@ -94,10 +94,11 @@ def plot_curve(
     ylabel: str = "value",
     reference_label: str = "reference",
     size: tuple[int, int] = (640, 360),
+    xlabel: str = "optimizer step",
 ):
     """A per-step line chart of ``values`` as a PNG at ``path`` (matplotlib); returns ``path``.
 
-    The x axis is the optimizer step (from 1), the y axis ``ylabel``, within ``y_range``
+    The x axis counts from 1 (``xlabel``: the optimizer step, or a round), the y axis ``ylabel``, within ``y_range``
     (default: the values' own range); ``reference`` draws a dashed horizontal line labelled
     ``reference_label`` (e.g. chance level); ``smooth`` adds a moving average over that many
     steps. ``size`` is in pixels. Call on one process (it writes a file).
@@ -110,16 +111,19 @@ def plot_curve(
     dpi = 100
     fig, ax = plt.subplots(figsize=(size[0] / dpi, size[1] / dpi), dpi=dpi)
     steps = list(range(1, len(values) + 1))
-    ax.plot(steps, values, color="tab:blue", alpha=0.45 if smooth else 1.0, linewidth=1.2, label="per step")
+    unit = xlabel.split()[-1]
+    ax.plot(
+        steps, values, color="tab:blue", alpha=0.45 if smooth else 1.0, linewidth=1.2, label=f"per {unit}"
+    )
     if smooth and values:
         window = [values[max(0, i - smooth + 1) : i + 1] for i in range(len(values))]
         ax.plot(steps, [sum(v) / len(v) for v in window], color="tab:blue", linewidth=2.2,
-                label=f"mean of the last {smooth} steps")  # fmt: skip
+                label=f"mean of the last {smooth} {unit}s")  # fmt: skip
     if reference is not None:
         ax.axhline(reference, color="grey", linestyle="--", linewidth=1, label=reference_label)
     if y_range is not None:
         ax.set_ylim(*y_range)
-    ax.set_xlabel("optimizer step")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
