@@ -639,7 +639,7 @@ def _slice(counts, rank):
     return slice(start, start + counts[rank])
 
 
-def worker_sharded_pickscore(folder: str, ref_path: str):
+def worker_sharded_pickscore(folder: str, vlm_folder: str, ref_path: str):
     from diffusers_zero3.errors import RewardError
     from diffusers_zero3.rewards import load_rewards, parse_reward_specs
     from tests.common import accelerator_with_zero3
@@ -679,16 +679,45 @@ def worker_sharded_pickscore(folder: str, ref_path: str):
     assert str(e.value) == f"reward '{SELF}:nan_on_second' returned NaN for 1 of 3 samples on rank 1"
     print("OK sharded pickscore")
 
+    # The sharded judge is read straight into partitions: its class's whole-model
+    # from_pretrained is never called (it would raise here), and its scores are the replica's.
+    from transformers import Qwen2VLForConditionalGeneration
+
+    def whole(*args, **kwargs):
+        raise AssertionError("the sharded judge was loaded whole")
+
+    original = Qwen2VLForConditionalGeneration.from_pretrained
+    Qwen2VLForConditionalGeneration.from_pretrained = whole
+    try:
+        specs = parse_reward_specs(["vlm"], [f"vlm={vlm_folder}"])
+        judge = load_rewards(specs, accelerator, torch.float32, micro_batch_size=2)
+    finally:
+        Qwen2VLForConditionalGeneration.from_pretrained = original
+    assert judge.rewards["vlm"].model.is_sharded
+    for counts in ((3, 1), (0, 4)):
+        sl = _slice(counts, rank)
+        with judge.lockstep_check():
+            _, scores = judge(images[sl], PROMPTS[sl])
+        torch.testing.assert_close(scores["vlm"], ref["vlm"][sl], rtol=1e-5, atol=1e-6)
+    print("OK sharded vlm")
+
 
 @pytest.mark.multirank
-def test_sharded_pickscore_equals_the_replica_on_two_ranks_with_uneven_samples(clip_folder, tmp_path):
+def test_sharded_pickscore_and_vlm_equal_the_replicas_on_two_ranks_with_uneven_samples(
+    clip_folder, vlm_folder, tmp_path
+):
     images = _as_tensor(_uint8_images(4, 40, 36, seed=6))
     expected = _ours("pickscore", clip_folder, images, PROMPTS, torch.float32)
-    torch.save({"images": images, "scores": expected}, tmp_path / "ref.pt")
+    vlm_expected = _ours("vlm", vlm_folder, images, PROMPTS, torch.float32)
+    torch.save({"images": images, "scores": expected, "vlm": vlm_expected}, tmp_path / "ref.pt")
     outs = run_on_ranks(
-        worker_sharded_pickscore, timeout=240, folder=str(clip_folder), ref_path=str(tmp_path / "ref.pt")
+        worker_sharded_pickscore,
+        timeout=240,
+        folder=str(clip_folder),
+        vlm_folder=str(vlm_folder),
+        ref_path=str(tmp_path / "ref.pt"),
     )
-    assert all("OK sharded pickscore" in o for o in outs)
+    assert all("OK sharded pickscore" in o and "OK sharded vlm" in o for o in outs)
 
 
 @pytest.mark.unit

@@ -357,14 +357,30 @@ class VLMJudge(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, path: str | os.PathLike, dtype: torch.dtype | None = None, **kwargs: Any
+        cls,
+        path: str | os.PathLike,
+        dtype: torch.dtype | None = None,
+        *,
+        load_model: Callable[[type, str | os.PathLike, torch.dtype | None], nn.Module] | None = None,
+        **kwargs: Any,
     ) -> VLMJudge:
-        """Load the model (``AutoModelForImageTextToText``), tokenizer and image processor
-        config of ``path``; ``kwargs`` go to the constructor (``question``, ``answers``,
-        ``template``). Not a collective."""
-        from transformers import AutoModelForImageTextToText, AutoTokenizer
+        """Load the model (the class its config's ``architectures`` names), tokenizer and image
+        processor config of ``path``; ``kwargs`` go to the constructor (``question``,
+        ``answers``, ``template``). ``load_model(cls, path, dtype)`` loads the model instead of
+        ``cls.from_pretrained`` (the registry passes ``load_pretrained_zero3`` for a sharded
+        judge: read straight into partitions, never whole on a rank). Not a collective unless
+        ``load_model`` is."""
+        import transformers
+        from transformers import AutoConfig, AutoTokenizer
 
-        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+        architectures = AutoConfig.from_pretrained(path).architectures or []
+        model_cls = getattr(transformers, architectures[0], None) if architectures else None
+        if model_cls is None:
+            raise ValueError(f"{path}: its config.json names no transformers model class (architectures)")
+        if load_model is None:
+            model = model_cls.from_pretrained(path, dtype=dtype)
+        else:
+            model = load_model(model_cls, path, dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)
         return cls(model, tokenizer, QwenVLImageConfig.from_processor_dict(_processor_dict(path)), **kwargs)
 

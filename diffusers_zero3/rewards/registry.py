@@ -35,7 +35,7 @@ from ..placement.rewards import ParallelReward
 from ..runtime.distributed import all_gather_object, is_distributed
 from ..runtime.ds_config import base_config, resolve_dtype
 from ..runtime.zero3 import zero3_init_disabled
-from ..state.pretrained import resolve_model_folder
+from ..state.pretrained import load_pretrained_zero3, resolve_model_folder
 from .builtin import BUILTINS
 from .specs import RewardSpec
 
@@ -149,6 +149,19 @@ def raise_reward_problems(problems: list[str], cause: BaseException | None = Non
         raise RewardError("; ".join(lines)) from cause
 
 
+def partitioned_loader(accelerator: Accelerator | None, placement: str):
+    """``load(cls, path, dtype)``: ``load_pretrained_zero3`` into partitions in the
+    accelerator's memory (``shard``) or host memory (``offload``). Collective (the returned
+    function): call on every rank."""
+
+    def load(cls: type, path, dtype: torch.dtype | None) -> torch.nn.Module:
+        return load_pretrained_zero3(
+            cls, path, accelerator=accelerator, torch_dtype=dtype, offload_param=placement == "offload"
+        )
+
+    return load
+
+
 def load_rewards(
     specs: Sequence[RewardSpec],
     accelerator: Accelerator | None = None,
@@ -161,10 +174,11 @@ def load_rewards(
 ) -> WeightedRewards:
     """Load and place every reward of ``specs``.
 
-    Built-ins are loaded whole (``zero3_init_disabled``) and placed by ``prepare_frozen`` with
-    their spec's placement (``shard``/``offload``: partitioned parameter by parameter into a
-    ZeRO-3 inference engine; ``replicate``: a copy on every rank); functions are used as they
-    are (called on every rank with that rank's samples).
+    A ``module:Class`` model and the ``vlm`` judge under ``shard``/``offload`` are read straight
+    into partitions (``load_pretrained_zero3``: no rank ever holds them whole); the CLIP-sized
+    built-ins are loaded whole (``zero3_init_disabled``) and then partitioned parameter by
+    parameter by ``prepare_frozen``; ``replicate`` is a copy on every rank. Functions are used
+    as they are (called on every rank with that rank's samples).
 
     Args:
         specs: from ``parse_reward_specs``.
@@ -205,8 +219,13 @@ def load_rewards(
             if load is None:
                 raise ValueError(f"reward {spec.name!r} is not built in: {BUILTINS[spec.name].unavailable}")
             kwargs = {"question": vlm_question} if spec.name == "vlm" and vlm_question else {}
-            with zero3_init_disabled():
+            if spec.name == "vlm" and spec.placement in ("shard", "offload"):
+                # the judge read straight into partitions: a 7-72 B model never whole on a rank
+                kwargs["load_model"] = partitioned_loader(accelerator, spec.placement)
                 module = load(spec.model_path, dtype, **kwargs)
+            else:
+                with zero3_init_disabled():
+                    module = load(spec.model_path, dtype, **kwargs)
             frozen = prepare_frozen(
                 module, spec.placement, accelerator=accelerator, dtype=dtype, name=f"reward {spec.name}"
             )
