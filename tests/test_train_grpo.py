@@ -132,6 +132,7 @@ def test_settings_defaults_and_prompt_file(tmp_path):
          "--reference_placement replicate applies to full fine-tuning"),
         (["--prompts", "a", "--reward", "nosuch"], "--reward nosuch: unknown built-in reward"),
         (["--prompts", "a", "--num_inner_epochs", "0"], "--num_inner_epochs must be at least 1, got 0"),
+        (["--prompts", "a", "--sample_grid_steps", "0"], "--sample_grid_steps must be at least 1, got 0"),
     ],
 )  # fmt: skip
 def test_settings_errors_are_one_line(extra, message):
@@ -269,6 +270,14 @@ def test_lora_grpo_with_function_and_sharded_clip_reward(tiny_sd3, tiny_clip, tm
     for mean, red, clip in zip(rewards["mean"], rewards[REDNESS], rewards["clip_score"]):
         assert mean == pytest.approx(red + 0.01 * clip, abs=1e-5)
     assert (out / "rewards.png").exists() and (out / "rewards-2.png").exists()
+    # a grid of rank 0's samples per round (every checkpoint by default): 5 of the 9 samples
+    # (3 prompts x 3) are rank 0's, 4 a row, with each one's prompt and weighted reward
+    from PIL import Image
+
+    for n in (1, 2):
+        shown = json.loads((out / "samples" / f"round-{n}.json").read_text())
+        assert len(shown) == 5 and all(isinstance(s["reward"], float) for s in shown), shown
+        assert Image.open(out / "samples" / f"round-{n}.png").size == (4 * 32, 2 * 32)
 
     import torch
     from diffusers import StableDiffusion3Pipeline

@@ -75,6 +75,7 @@ from ..runtime.ds_config import weight_dtype
 from ..runtime.memory import return_large_frees_to_os
 from ..state.pipeline_io import (
     check_output_dir,
+    image_grid,
     model_card,
     pipeline_components,
     plot_curve,
@@ -170,6 +171,11 @@ class GRPOSettings(CommonSettings):
     reward_model: list[str] = flag([], "NAME=PATH_OR_HUB_ID of a built-in reward.", append=True)
     reward_placement: list[str] = flag([], "NAME=shard|replicate|offload of a built-in reward.", append=True)
     reward_micro_batch_size: int = flag(8, "Samples per reward-model forward.")
+    sample_grid_steps: int | None = flag(
+        None,
+        "Every N rounds, save rank 0's samples of the round with their rewards as "
+        "OUTPUT_DIR/samples/round-N.png and .json (default: at every checkpoint).",
+    )
     # --- LoRA
     rank: int | None = flag(None, "Train LoRA adapters of this rank (None: full fine-tuning).")
     lora_alpha: float | None = flag(None, "LoRA alpha (default: the rank).")
@@ -193,6 +199,8 @@ class GRPOSettings(CommonSettings):
                      "train_batch_size", "max_train_steps", "reward_micro_batch_size"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ArgumentError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.sample_grid_steps is not None and self.sample_grid_steps < 1:
+            raise ArgumentError(f"--sample_grid_steps must be at least 1, got {self.sample_grid_steps}")
         if self.prompts_per_round is None:
             self.prompts_per_round = len(self.prompts)
         if not 1 <= self.prompts_per_round <= len(self.prompts):
@@ -356,6 +364,32 @@ def cat_padded(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
         a, b = pad(a), pad(b)
     return torch.cat([a, b])
+
+
+def save_sample_grid(
+    folder: Path, round_number: int, images: torch.Tensor, prompts: list[str], rewards: list[float]
+) -> Path:
+    """Save a round's samples (``[n, 3, H, W]`` in ``[0, 1]``) as one grid
+    ``folder/round-N.png`` (4 per row) and ``folder/round-N.json`` (each image's prompt and
+    weighted reward, in the grid's order); each file written whole, then renamed into place.
+    Main process only (no collective); returns the PNG's path."""
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    pixels = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+    grid = image_grid(
+        [Image.fromarray(np.ascontiguousarray(x.numpy())) for x in pixels], cols=min(4, len(pixels))
+    )
+    path = folder / f"round-{round_number}.png"
+    grid.save(folder / f".round-{round_number}.png.partial", format="PNG")
+    (folder / f".round-{round_number}.png.partial").replace(path)
+    meta = folder / f"round-{round_number}.json"
+    (folder / f".{meta.name}.partial").write_text(
+        json.dumps([{"prompt": q, "reward": r} for q, r in zip(prompts, rewards)], indent=1)
+    )
+    (folder / f".{meta.name}.partial").replace(meta)
+    return path
 
 
 def _chunks(n: int, size: int) -> Iterator[slice]:
@@ -628,9 +662,15 @@ class GRPOTrainer:
             totals.append(total)
             for name in self.reward_names:
                 per_spec[name].append(scores[name])
-        batch.images = None
         real = batch.real
         total = torch.cat(totals)[real]
+        grid_every = args.sample_grid_steps or args.checkpointing_steps
+        if acc.is_main_process and (batch.index + 1) % grid_every == 0:
+            save_sample_grid(
+                Path(args.output_dir) / "samples", batch.index + 1, batch.images[real],
+                [q for q, keep in zip(batch.prompts, real.tolist()) if keep], total.tolist(),
+            )  # fmt: skip
+        batch.images = None
         groups = torch.tensor([p for p, _ in batch.pairs], device=total.device)[real]
         advantages = torch.zeros(len(batch.pairs), device=acc.device)
         advantages[real] = gather_group_advantages(total, groups).to(acc.device)
