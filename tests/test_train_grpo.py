@@ -375,7 +375,7 @@ def test_flux_full_fine_tuning_nft(tiny_flux, tmp_path):
     out = tmp_path / "flux-full"
     argv = [*LAUNCH, "--pretrained_model_name_or_path", tiny_flux, *SMALL, "--objective", "nft",
             "--reward", REDNESS, "--guidance_scale", "3.5", "--max_sequence_length", "16", "--kl_beta", "0.1",
-            "--reference_placement", "replicate", "--step_every_timestep", "--output_dir", str(out)]  # fmt: skip
+            "--reference_placement", "replicate", "--step_every_timestep", "--use_ema", "--output_dir", str(out)]  # fmt: skip
     _, log = run_launcher(argv, timeout=240)
     assert sorted(_rounds(log)) == [1, 2] and "reference: replicate" in log, log[-3000:]
     # --step_every_timestep: 2 micro-batches x 2 trained timesteps, a step each
