@@ -122,11 +122,6 @@ class Settings:
     GROUP: ClassVar[str | None] = None
 
     @classmethod
-    def parser(cls) -> argparse.ArgumentParser:
-        """The ``argparse`` parser of these settings (see ``settings_parser``)."""
-        return settings_parser(cls)
-
-    @classmethod
     def parse(cls: type[S], argv: Sequence[str] | None = None) -> S:
         """The settings from ``argv`` (default ``sys.argv``), resolved by ``resolve`` (which
         may raise ``ArgumentError``); a malformed command line exits as argparse does."""
@@ -138,9 +133,10 @@ class Settings:
         """Fill the values that derive from others and check the recipe's own combinations
         (raise ``ArgumentError``). A subclass extends it; the base does nothing."""
 
-    def to_dict(self) -> dict[str, Any]:
-        """``{flag: value}`` (e.g. for a tracker's hyper-parameters)."""
-        return dataclasses.asdict(self)
+    def scalars(self) -> dict[str, Any]:
+        """``{flag: value}`` of the settings that are not lists: the hyper-parameters a tracker
+        and a model card take."""
+        return {k: v for k, v in vars(self).items() if not isinstance(v, list)}
 
 
 def settings_parser(settings: type[Settings]) -> argparse.ArgumentParser:

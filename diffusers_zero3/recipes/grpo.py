@@ -500,9 +500,7 @@ class GRPOTrainer:
             )
         log_rank_zero(f"one optimizer step per {args.accumulation_steps} backward(s) of a micro-batch")
         if acc.is_main_process and args.report_to != "none":
-            acc.init_trackers(
-                args.tracker_project_name, {k: v for k, v in vars(args).items() if not isinstance(v, list)}
-            )
+            acc.init_trackers(args.tracker_project_name, args.scalars())
         self.rewards_by_spec = {name: [] for name in self.reward_names}
         resumed = resume_training(acc, args.output_dir, args.resume_from_checkpoint, ema=self.ema)
         if resumed is not None:
@@ -831,7 +829,7 @@ class GRPOTrainer:
             log_rank_zero(f"LoRA weights: {path.resolve()}")
         else:
             card = model_card(args.pretrained_model_name_or_path, f"online RL ({args.objective}): {', '.join(args.reward)}",
-                              {k: v for k, v in vars(args).items() if not isinstance(v, list)}, args.prompts)  # fmt: skip
+                              args.scalars(), args.prompts)  # fmt: skip
             save_final_pipeline(self.source, out, self.engine, ema=self.ema, readme=card,
                                 denoiser_name=self.family.denoiser)  # fmt: skip
             log_rank_zero(f"pipeline: {out.resolve()}")

@@ -211,9 +211,7 @@ class RewardTrainer:
         )  # fmt: skip
         self.unet, self.ema = self.part.engine, self.part.ema
         if acc.is_main_process and args.report_to != "none":
-            acc.init_trackers(
-                args.tracker_project_name, {k: v for k, v in vars(args).items() if not isinstance(v, list)}
-            )
+            acc.init_trackers(args.tracker_project_name, args.scalars())
         resumed = resume_training(acc, args.output_dir, args.resume_from_checkpoint, ema=self.ema)
         if resumed is not None:
             path, state = resumed
@@ -297,7 +295,7 @@ class RewardTrainer:
             finish_trackers(self.accelerator)
             return
         card = model_card(args.pretrained_model_name_or_path, "rewards: " + ", ".join(self.reward_names),
-                          {k: v for k, v in vars(args).items() if not isinstance(v, list)}, args.prompts)  # fmt: skip
+                          args.scalars(), args.prompts)  # fmt: skip
         save_final_pipeline(self.source, args.output_dir, self.unet, ema=self.ema, readme=card)
         if self.accelerator.is_main_process:
             out = Path(args.output_dir)

@@ -360,7 +360,7 @@ class TextToImageTrainer:
             args.max_train_steps, updates_per_epoch(len(self.loader), args.gradient_accumulation_steps)
         )
         if acc.is_main_process and args.report_to != "none":
-            config = {k: v for k, v in vars(args).items() if not isinstance(v, list)}
+            config = args.scalars()
             acc.init_trackers(args.tracker_project_name, config)
         self._prepare_extra_parts()
         self._maybe_resume()
@@ -831,7 +831,7 @@ class TextToImageTrainer:
         card = model_card(
             args.pretrained_model_name_or_path,
             args.dataset_name or args.train_data_dir,
-            {k: v for k, v in vars(args).items() if not isinstance(v, list)},
+            args.scalars(),
             args.validation_prompts,
             self.family.pipeline_class,
         )
