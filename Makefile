@@ -29,9 +29,11 @@ test-gpu:
 # make train MODEL=sdxl|flux|sd3 trains the SDXL, Flux.1 or SD3-architecture default instead.
 # The default runs take one process per GPU on a CUDA host, else 2 CPU ranks (diffusers_zero3/runtime/launch.py);
 # NUM_PROCESSES=N overrides.
+# BUCKETS=1: an image family on landscape and portrait images with --use_aspect_ratio_buckets.
 MODEL ?= sd
+BUCKETS ?= 0
 train:
-	PYTHON=$(PYTHON) MODEL=$(MODEL) bash scripts/train_default.sh
+	PYTHON=$(PYTHON) MODEL=$(MODEL) BUCKETS=$(BUCKETS) bash scripts/train_default.sh
 
 train-reward:
 	PYTHON=$(PYTHON) bash scripts/train_reward_default.sh

@@ -24,6 +24,7 @@ SUITES = [
     "universal",
     "reward",
     "grpo",
+    "cache",
 ]
 
 

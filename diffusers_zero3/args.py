@@ -10,7 +10,9 @@ shared flag's default with ``redefault``.
 
 Every flag of diffusers' ``examples/text_to_image/train_text_to_image.py`` is accepted with
 the same name, default and meaning, so an existing launch command works unchanged; a flag
-that cannot apply here fails in ``validate_args`` with one clear message.
+that cannot apply here fails in ``validate_args`` with one clear message. The same holds for
+its SDXL and LoRA text-to-image scripts, its DreamBooth and its ControlNet scripts
+(``tests/data/upstream_flags.json``: their flags, read from a diffusers commit).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
+from .data.images import INTERPOLATION_MODES
 from .errors import ArgumentError
 from .families.objectives import TIMESTEP_BIAS_STRATEGIES, WEIGHTING_SCHEMES
 
@@ -44,6 +47,7 @@ def flag(
     metavar: str | None = None,
     append: bool = False,
     group: str | None = None,
+    as_value: bool = False,
 ) -> Any:
     """A settings field that is a command-line flag ``--<field name>``.
 
@@ -56,6 +60,8 @@ def flag(
         metavar: the value's name in the help.
         append: a list field that takes one value per repetition (``--component A --component B``).
         group: the help section (default: the ``GROUP`` of the class that defines the field).
+        as_value: a boolean field that takes a value (``--x true``/``--x false``), for upstream's
+            ``type=bool`` flags that default to True; a plain boolean is ``store_true``.
 
     Example:
         >>> @dataclasses.dataclass
@@ -65,7 +71,7 @@ def flag(
         3
     """
     metadata = {"help": help, "choices": choices, "nargs": nargs, "required": required,
-                "metavar": metavar, "append": append, "group": group}  # fmt: skip
+                "metavar": metavar, "append": append, "group": group, "as_value": as_value}  # fmt: skip
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -86,12 +92,26 @@ def _value_type(hint: Any) -> tuple[Any, bool]:
     return hint, False
 
 
+def parse_bool(text: str) -> bool:
+    """The value of a boolean flag that takes one (``flag(..., as_value=True)``): true/false,
+    yes/no, 1/0, any case. diffusers' ``type=bool`` flags read any non-empty text as True
+    (``--prodigy_decouple False`` is True there); here False is False."""
+    value = text.strip().lower()
+    if value in ("true", "yes", "1"):
+        return True
+    if value in ("false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def _argparse_kwargs(field: dataclasses.Field, hint: Any) -> dict[str, Any]:
     """``add_argument`` keywords of one settings field."""
     m = field.metadata
     default = field.default_factory() if field.default is dataclasses.MISSING else field.default
     kind, _ = _value_type(hint)
     kwargs: dict[str, Any] = {"default": default, "help": m["help"]() if callable(m["help"]) else m["help"]}
+    if kind is bool and m.get("as_value"):
+        return {**kwargs, "type": parse_bool, "metavar": "{true,false}"}
     if kind is bool:
         if default is not False:
             raise TypeError(f"the boolean flag --{field.name} must default to False (it is store_true)")
@@ -162,15 +182,36 @@ def settings_parser(settings: type[Settings]) -> argparse.ArgumentParser:
 
 @dataclasses.dataclass
 class OptimizerSettings(Settings):
-    """AdamW and clipping flags, with diffusers' names and defaults."""
+    """Optimizer (AdamW, or Prodigy as diffusers' DreamBooth LoRA scripts offer) and clipping
+    flags, with diffusers' names and defaults; ``training.parts.build_optimizer`` reads them."""
 
     GROUP: ClassVar[str | None] = "optimizer"
     learning_rate: float = flag(1e-4, "Learning rate (after warmup).")
+    optimizer: str = flag(
+        "AdamW",
+        'The optimizer type to use. Choose between ["AdamW", "prodigy"] (any case). prodigy needs '
+        "prodigyopt (pip install prodigyopt); it is usually run with --learning_rate 1.0.",
+    )
     adam_beta1: float = flag(0.9)
     adam_beta2: float = flag(0.999)
     adam_weight_decay: float = flag(1e-2)
     adam_epsilon: float = flag(1e-08)
     max_grad_norm: float = flag(1.0)
+    prodigy_beta3: float | None = flag(
+        None,
+        "coefficients for computing the Prodigy stepsize using running averages. If set to None, "
+        "uses the value of square root of beta2. Ignored if optimizer is adamW",
+    )
+    prodigy_decouple: bool = flag(True, "Use AdamW style decoupled weight decay", as_value=True)
+    prodigy_use_bias_correction: bool = flag(
+        True, "Turn on Adam's bias correction. True by default. Ignored if optimizer is adamW", as_value=True
+    )
+    prodigy_safeguard_warmup: bool = flag(
+        True,
+        "Remove lr from the denominator of D estimate to avoid issues during warm-up stage. True by "
+        "default. Ignored if optimizer is adamW",
+        as_value=True,
+    )
 
 
 @dataclasses.dataclass
@@ -247,13 +288,16 @@ def component_pairs_flag() -> Any:
 
 def component_overrides(args: TextToImageSettings) -> dict[str, str]:
     """``{component: path}`` from ``--component NAME=PATH`` (and
-    ``--pretrained_vae_model_name_or_path``, the same as ``--component vae=PATH``); raises
+    ``--pretrained_vae_model_name_or_path``, the same as ``--component vae=PATH``, and
+    ``--tokenizer_name``, the same as ``--component tokenizer=PATH``); raises
     ``ArgumentError`` for a value without ``=``, a name that is not a plain folder name, or a
     component given twice."""
     overrides: dict[str, str] = {}
     pairs = list(args.component or [])
     if args.pretrained_vae_model_name_or_path:
         pairs.append(f"vae={args.pretrained_vae_model_name_or_path}")
+    if args.tokenizer_name:  # diffusers' DreamBooth and ControlNet scripts: the first tokenizer
+        pairs.append(f"tokenizer={args.tokenizer_name}")
     for pair in pairs:
         name, sep, path = pair.partition("=")
         name, path = name.strip(), path.strip()
@@ -291,6 +335,7 @@ class TextToImageSettings(CommonSettings):
     DreamBooth, ControlNet and DPO settings extend it."""
 
     DESCRIPTION: ClassVar[str] = "Fine-tune a diffusion pipeline's denoiser under DeepSpeed ZeRO-3."
+    TRAINS_TEXT_ENCODERS: ClassVar[bool] = False  # --train_text_encoder works (DreamBooth's script)
     # --- where each frozen model lives (a family without the component refuses its flag)
     text_encoder_placement: str | None = placement_flag("replicate", _frozen_placement_help("text_encoder"))
     text_encoder_2_placement: str | None = placement_flag(None, _frozen_placement_help("text_encoder_2"))
@@ -308,6 +353,14 @@ class TextToImageSettings(CommonSettings):
     caption_column: str = flag("text", "The column holding captions.")
     max_train_samples: int | None = flag(None, "Truncate the training set (debugging).")
     validation_prompts: list[str] | None = flag(None, "Prompts for validation images.")
+    validation_prompt: str | None = flag(
+        None,
+        "A prompt that is used during validation to verify that the model is learning (diffusers' SDXL, "
+        "LoRA and DreamBooth spelling: --num_validation_images images of it, after --validation_prompts).",
+    )
+    num_validation_images: int = flag(
+        4, "Number of images that should be generated during validation with `validation_prompt`."
+    )
     cache_dir: str | None = flag(None, "Where downloaded models and datasets are stored.")
     center_crop: bool = flag(False, "Center crop instead of random crop.")
     random_flip: bool = flag(False, "Randomly flip images horizontally.")
@@ -317,6 +370,8 @@ class TextToImageSettings(CommonSettings):
     scale_lr: bool = flag(False, "Scale lr by GPUs, accumulation and batch size.")
     lr_scheduler: str = flag("constant", "A diffusers.optimization scheduler name.")
     lr_warmup_steps: int = flag(500)
+    lr_num_cycles: int = flag(1, "Number of hard resets of the lr in cosine_with_restarts scheduler.")
+    lr_power: float = flag(1.0, "Power factor of the polynomial scheduler.")
     snr_gamma: float | None = flag(None, "Min-SNR weighting gamma (5.0 recommended).")
     dream_training: bool = flag(False, "DREAM training (arXiv:2312.00210).")
     dream_detail_preservation: float = flag(1.0)
@@ -376,6 +431,60 @@ class TextToImageSettings(CommonSettings):
     lora_layers: str | None = flag(
         None, "Comma-separated modules to adapt (default: the family's, as diffusers' LoRA scripts)."
     )
+    use_dora: bool = flag(
+        False,
+        "Whether to train a DoRA as proposed in- DoRA: Weight-Decomposed Low-Rank Adaptation "
+        "https://huggingface.co/papers/2402.09353 (peft's LoraConfig(use_dora=True); with --rank).",
+    )
+    # --- other flags of diffusers' text-to-image, DreamBooth and ControlNet scripts
+    tokenizer_name: str | None = flag(
+        None,
+        "Pretrained tokenizer name or path if not the same as model_name (the same as --component tokenizer=PATH).",
+    )
+    train_text_encoder: bool = flag(
+        False,
+        "Train the text encoder(s) too, each its own ZeRO-3 engine with its own optimizer "
+        "(train_dreambooth.py; the other scripts train the denoiser alone).",
+    )
+    set_grads_to_none: bool = flag(
+        False,
+        "Accepted for compatibility: gradients are already freed (set to None) after each step, by "
+        "DeepSpeed's ZeRO-3 optimizer and by torch's zero_grad.",
+    )
+    enable_npu_flash_attention: bool = flag(
+        False, "Whether or not to use npu flash attention (Ascend NPUs: not supported here)."
+    )
+    debug_loss: bool = flag(
+        False, "debug loss for each image, if filenames are available in the dataset (not supported here)."
+    )
+    # --- diffusers' 2026 LoRA scripts' data flags (train_dreambooth_lora_krea2.py, Qwen-Image)
+    use_aspect_ratio_buckets: bool = flag(
+        False,
+        "Train each image at the aspect-ratio bucket nearest its own shape (one bucket per "
+        "micro-batch, the same on every rank); the buckets of --aspect_ratio_buckets, or about "
+        "--resolution squared pixels at common ratios.",
+        group="data",
+    )
+    aspect_ratio_buckets: str | None = flag(
+        None, "Buckets as 'height,width;height,width;...' (with --use_aspect_ratio_buckets).", group="data"
+    )
+    caption_dropout: float | None = flag(
+        None,
+        "Probability of training a sample on the empty prompt (= --proportion_empty_prompts).",
+        group="data",
+    )
+    image_interpolation_mode: str = flag(
+        "bilinear", "The resize filter of training images.", choices=list(INTERPOLATION_MODES), group="data"
+    )
+    cache_latents: bool = flag(
+        False, "Encode the images with the VAE once, to a disk cache (= --vae_placement cache).", group="data"
+    )
+    mask_column: str | None = flag(
+        None,
+        "A column of loss masks (grayscale images the size of their image: white trains, black is "
+        "ignored; in between weighs in between), averaged down to the latents.",
+        group="data",
+    )
     # --- video families (Wan)
     num_frames: int | None = flag(None, "Frames per clip (1 + 4k for Wan; default 81).", group="video (Wan)")
     frame_stride: int = flag(1, "Source frames between two frames of a clip.", group="video (Wan)")
@@ -395,14 +504,41 @@ class TextToImageSettings(CommonSettings):
     validation_steps: int | None = flag(None, "Also validate every N steps.")
     num_validation_inference_steps: int = flag(20, "Denoising steps of validation images.")
 
+    def merge_validation_prompt(self) -> None:
+        """``--validation_prompt`` (diffusers' SDXL, LoRA and DreamBooth spelling): validate with
+        ``--num_validation_images`` images of it, after those of ``--validation_prompts``. A
+        recipe whose validation prompts go with other inputs (ControlNet's images) overrides it."""
+        if self.validation_prompt:
+            extra = [self.validation_prompt] * self.num_validation_images
+            self.validation_prompts = [*(self.validation_prompts or []), *extra]
+
     def resolve(self) -> None:
         """``LOCAL_RANK`` wins over ``--local_rank`` and ``--non_ema_revision`` defaults to
-        ``--revision``, as diffusers' ``parse_args`` does."""
+        ``--revision``, as diffusers' ``parse_args`` does; ``--validation_prompt`` joins
+        ``--validation_prompts`` (``merge_validation_prompt``)."""
         env_local_rank = int(os.environ.get("LOCAL_RANK", -1))
         if env_local_rank != -1 and env_local_rank != self.local_rank:
             self.local_rank = env_local_rank
         if self.non_ema_revision is None:
             self.non_ema_revision = self.revision
+        if self.train_text_encoder and not self.TRAINS_TEXT_ENCODERS:
+            raise ArgumentError(
+                "--train_text_encoder: this script trains the denoiser alone; train_dreambooth.py trains the "
+                "text encoders too (--train_text_encoder)"
+            )
+        self.merge_validation_prompt()
+        if self.caption_dropout is not None:  # upstream's 2026 name of --proportion_empty_prompts
+            if self.proportion_empty_prompts and self.proportion_empty_prompts != self.caption_dropout:
+                raise ArgumentError("give --caption_dropout or --proportion_empty_prompts, not both")
+            self.proportion_empty_prompts = self.caption_dropout
+        if self.cache_latents:  # upstream's name of the VAE's cache placement
+            if self.vae_placement not in (None, "replicate", "cache"):
+                raise ArgumentError(
+                    f"--cache_latents caches the VAE; it contradicts --vae_placement {self.vae_placement}"
+                )
+            self.vae_placement = "cache"
+        if self.aspect_ratio_buckets and not self.use_aspect_ratio_buckets:
+            raise ArgumentError("--aspect_ratio_buckets needs --use_aspect_ratio_buckets")
 
 
 # flags of the shared settings groups and of TextToImageSettings, by rule
@@ -420,6 +556,8 @@ TEXT_TO_IMAGE_POSITIVE_FLAGS = (
     "validation_epochs",
     "validation_steps",
     "num_validation_inference_steps",
+    "num_validation_images",
+    "lr_num_cycles",
 )
 NON_NEGATIVE_FLAGS = ("lr_warmup_steps", "dataloader_num_workers", "noise_offset", "input_perturbation")
 REPORT_TO = ("tensorboard", "wandb", "all", "none")
@@ -454,6 +592,23 @@ def validate_common_args(args: CommonSettings) -> None:
         raise ArgumentError(
             "--report_to tensorboard needs tensorboard (pip install tensorboard) or --report_to none"
         )
+    validate_optimizer_args(args)
+
+
+OPTIMIZERS = ("adamw", "prodigy")
+
+
+def validate_optimizer_args(args: OptimizerSettings) -> None:
+    """Raise ``ArgumentError`` for an ``--optimizer`` that is not AdamW or prodigy (any case),
+    prodigy without prodigyopt, or a ``--prodigy_beta3`` outside [0, 1)."""
+    if args.optimizer.lower() not in OPTIMIZERS:
+        raise ArgumentError(f"--optimizer must be AdamW or prodigy, got {args.optimizer!r}")
+    if args.optimizer.lower() == "prodigy" and importlib.util.find_spec("prodigyopt") is None:
+        raise ArgumentError(
+            "--optimizer prodigy needs prodigyopt, which is not installed (pip install prodigyopt)"
+        )
+    if args.prodigy_beta3 is not None and not 0 <= args.prodigy_beta3 < 1:
+        raise ArgumentError(f"--prodigy_beta3 must be in [0, 1), got {args.prodigy_beta3}")
 
 
 def validate_args(args: TextToImageSettings) -> None:
@@ -494,7 +649,8 @@ def validate_args(args: TextToImageSettings) -> None:
             "--rank (LoRA) needs peft, which is not installed (pip install 'diffusers_zero3[lora]')"
         )
     if args.rank is None:
-        for name, unset in (("lora_alpha", None), ("lora_dropout", 0.0), ("lora_layers", None)):
+        for name, unset in (("lora_alpha", None), ("lora_dropout", 0.0), ("lora_layers", None),
+                            ("use_dora", False)):  # fmt: skip
             if vars(args)[name] != unset:
                 raise ArgumentError(f"--{name} applies to LoRA training: add --rank")
     if not 0 <= args.lora_dropout < 1:
@@ -512,6 +668,14 @@ def validate_args(args: TextToImageSettings) -> None:
     if args.enable_xformers_memory_efficient_attention and importlib.util.find_spec("xformers") is None:
         raise ArgumentError(
             "--enable_xformers_memory_efficient_attention needs xformers, which is not installed"
+        )
+    if args.enable_npu_flash_attention:
+        raise ArgumentError(
+            "--enable_npu_flash_attention is for Ascend NPUs (torch_npu), which this package does not run on"
+        )
+    if args.debug_loss:
+        raise ArgumentError(
+            "--debug_loss (the step's loss logged under each image's file name) is not supported by this script"
         )
     if args.push_to_hub:
         raise ArgumentError("--push_to_hub is not supported by this script; upload OUTPUT_DIR yourself")
@@ -561,8 +725,14 @@ def validate_family(args: TextToImageSettings, family) -> None:
     for name, unset in (unet_only if family.flow_matching else flow_only).items():
         value = vars(args)[name]
         if value != unset:
+            hint = (
+                " (its CLIP encoders take their tokenizers' own length; DreamBooth's --tokenizer_max_length "
+                "sets --max_sequence_length)"
+                if name == "max_sequence_length"
+                else ""
+            )
             raise ArgumentError(
-                f"--{name} {value} does not apply to a {family.pipeline_class}, which trains with {objective}"
+                f"--{name} {value} does not apply to a {family.pipeline_class}, which trains with {objective}{hint}"
             )
 
 
@@ -611,6 +781,14 @@ def validate_launch(
         )
     if args.mixed_precision == "fp16" and on_cpu:
         raise ArgumentError("--mixed_precision fp16 does not run on CPU; use bf16 or no")
+    if args.optimizer.lower() == "prodigy" and deepspeed_active and on_cpu:
+        from .runtime.distributed import get_world_size
+
+        if get_world_size() > 1:
+            raise ArgumentError(
+                "--optimizer prodigy under ZeRO-3 on several ranks needs CUDA: each rank holds a partition, "
+                "and prodigyopt sums its step-size estimate over the ranks on a CUDA tensor (fsdp_in_use)"
+            )
     for component, placement in (component_placements(args) if placements is None else placements).items():
         name = f"{component}{PLACEMENT_SUFFIX}"
         if placement in ("shard", "offload") and not deepspeed_active:

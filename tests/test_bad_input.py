@@ -68,7 +68,7 @@ def bad_data(default_data, tiny_sdxl, tiny_flux, tmp_path_factory):
     (unknown / "model_index.json").write_text(json.dumps({**index, "_class_name": "KandinskyPipeline"}))
     empty = root / "empty"
     empty.mkdir()
-    strings = root / "strings"  # an "image" column of plain strings
+    strings = root / "strings"  # an "image" column of paths to no file
     strings.mkdir()
     rows = [{"image": f"img{i}.png", "text": f"caption {i}"} for i in range(8)]
     (strings / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
@@ -128,7 +128,10 @@ T2I_CASES = COMMON_CASES + [
         "the dataset has 1 rows, fewer than processes x --train_batch_size = 1 x 2",
     ),
     (["--train_data_dir", "{empty}"], "cannot load the dataset"),
-    (["--dataset_name", "{strings}"], "--image_column 'image' holds string values, not images"),
+    (
+        ["--dataset_name", "{strings}"],
+        "--image_column 'image' holds image paths, and none of the first 8 exists",
+    ),
     (["--train_data_dir", "/nonexistent/data"], "--train_data_dir '/nonexistent/data' is not a directory"),
     (
         ["--text_encoder_2_placement", "shard"],

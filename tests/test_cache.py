@@ -1,15 +1,15 @@
-"""The "cache" placement: precompute on 2 ranks, reuse, invalidation, same loss as live models."""
+"""The "cache" placement: precompute on 2 ranks, reuse, invalidation, same loss as live models;
+shards, the dtype in the key, reuse on another number of processes."""
 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.distributed_harness import run_on_ranks
-
-pytestmark = pytest.mark.multirank
 
 
 def worker_cache(pipe_dir: str, data_dir: str, cache_dir: str):
@@ -42,6 +42,22 @@ def worker_cache(pipe_dir: str, data_dir: str, cache_dir: str):
     assert not other.reused and other.folder != cache.folder
     other_res = precompute_frozen_outputs(ds, cache_dir, **{**kw, "text_encoder": None, "resolution": 16})
     assert other_res.folder not in (cache.folder, other.folder)
+
+    # Shards of 1 row: several files per rank (rank 0's chunks of 2 rows split; rank 1 writes its
+    # last shard after its padding call), the same key, and the same rows as one part per rank.
+    shards_dir = Path(cache_dir).parent / "shards"
+    sharded = precompute_frozen_outputs(ds, shards_dir, **kw, shard_rows=1)
+    assert sharded.folder.name == cache.folder.name and not sharded.reused
+    assert sorted(p.name for p in sharded.folder.glob("part-*")) == [
+        f"part-{r:05d}-{s:05d}.safetensors" for r, shards in ((0, 3), (1, 2)) for s in range(shards)
+    ]
+    assert sorted(p.name for p in cache.folder.glob("part-*")) == [
+        "part-00000-00000.safetensors",
+        "part-00001-00000.safetensors",
+    ]  # the default shard_rows: one shard per rank here
+    everything = torch.arange(5)
+    for name in ("encoder_hidden_states", "latent_params"):
+        assert torch.equal(sharded._rows(name, everything), cache._rows(name, everything)), name
 
     # Same loss from the cache as from the live frozen models, for the same noise and timesteps.
     data = ImageCaptionDataset(ds, tokenizer, "image", "text", resolution=32, center_crop=True)
@@ -89,7 +105,7 @@ def worker_cache(pipe_dir: str, data_dir: str, cache_dir: str):
     # A damaged published cache (a part file lost) is an error, not silently missing rows.
     barrier()
     if is_main_process():
-        (mine.folder / "part-00001.safetensors").unlink()
+        next(mine.folder.glob("part-00001-*.safetensors")).unlink()
     barrier()
     with pytest.raises(DataError, match="damaged; delete that folder"):
         precompute_frozen_outputs(ds, cache_dir, **kw)
@@ -113,8 +129,14 @@ def worker_cache(pipe_dir: str, data_dir: str, cache_dir: str):
     print("OK cache", live.item())
 
 
+@pytest.mark.multirank
 def test_cache_precompute_reuse_invalidate_and_loss(tiny_pipeline, tmp_path):
+    import datasets
+    from transformers import CLIPTokenizer
+
     from diffusers_zero3.demo import write_shapes_dataset
+    from diffusers_zero3.placement.cache import precompute_frozen_outputs
+    from tests.test_frozen import _load_whole
 
     data_dir = write_shapes_dataset(tmp_path / "data", num_images=5)
     outs = run_on_ranks(
@@ -124,3 +146,88 @@ def test_cache_precompute_reuse_invalidate_and_loss(tiny_pipeline, tmp_path):
     # Nothing half-written left behind, but for the simulated other job's folder.
     leftovers = list((tmp_path / "cache").glob(".tmp-*"))
     assert [sorted(p.name for p in t.iterdir()) for t in leftovers] == [["their-part"]]
+    # The sharded cache the 2 ranks wrote is reused as is by 1 process (whole models, no
+    # process group): the key does not hold the number of ranks, and the reader any layout.
+    te, vae = _load_whole(tiny_pipeline)
+    tokenizer = CLIPTokenizer.from_pretrained(tiny_pipeline, subfolder="tokenizer")
+    ds = datasets.load_dataset("imagefolder", data_dir=str(data_dir))["train"]
+    alone = precompute_frozen_outputs(ds, tmp_path / "shards", tokenizer=tokenizer, text_encoder=te, vae=vae,
+                                      resolution=32, center_crop=True, batch_size=2)  # fmt: skip
+    assert alone.reused and len(alone) == 5 and len(list(alone.folder.glob("part-*"))) == 5
+
+
+def _shapes(n: int, size: int = 16):
+    import random
+
+    import datasets
+
+    from diffusers_zero3.demo import shape_image
+
+    images = [shape_image("red", "circle", size, random.Random(i)) for i in range(n)]  # rows that differ
+    return datasets.Dataset.from_dict({"image": images, "text": [f"row {i}" for i in range(n)]})
+
+
+@pytest.mark.unit
+def test_shards_split_chunks_at_the_row_limit_and_at_a_shape_change():
+    from diffusers_zero3.placement.cache import group_into_shards
+
+    def chunk(start: int, rows: int, side: int = 2):
+        return {"index": torch.arange(start, start + rows), "x": torch.full((rows, side), float(start))}
+
+    def layout(chunks, shard_rows):
+        return [s["index"].tolist() for s in group_into_shards(iter(chunks), shard_rows)]
+
+    three = [chunk(0, 3), chunk(3, 3), chunk(6, 3)]
+    assert layout(three, 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
+    assert layout(three, 1) == [[i] for i in range(9)]
+    assert layout(three, None) == [list(range(9))]
+    assert layout([], 4) == []
+    # a chunk of another shape (a later aspect-ratio bucket) starts a shard of its own
+    mixed = [chunk(0, 3), chunk(3, 2, side=5), chunk(5, 3, side=5)]
+    shards = list(group_into_shards(iter(mixed), 4))
+    assert [s["index"].tolist() for s in shards] == [[0, 1, 2], [3, 4, 5, 6], [7]]
+    assert [tuple(s["x"].shape) for s in shards] == [(3, 2), (4, 5), (1, 5)]
+    # the rows keep their values across the splits
+    assert torch.equal(torch.cat([s["x"] for s in group_into_shards(iter(three), 2)])[:, 0],
+                       torch.tensor([0.0] * 3 + [3.0] * 3 + [6.0] * 3))  # fmt: skip
+
+
+@pytest.mark.unit
+def test_the_weights_dtype_is_in_the_key_and_any_shard_layout_reads_alike(tmp_path):
+    """fp32, autocast bf16 and bf16 weights are three caches; shards of 3 rows, one part, and
+    the old one-file-per-rank name (``part-00000.safetensors``) read back the same rows."""
+    import copy
+
+    from diffusers import AutoencoderKL
+
+    from diffusers_zero3.demo.pipelines import tiny_vae_config
+    from diffusers_zero3.placement.cache import CachedOutputs, precompute_frozen_outputs
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(**tiny_vae_config()).eval()
+    ds = _shapes(5)
+    kw = dict(vae=vae, resolution=16, center_crop=True, batch_size=2)
+    sharded = precompute_frozen_outputs(ds, tmp_path / "a", shard_rows=3, **kw)
+    assert sorted(p.name for p in sharded.folder.glob("part-*")) == [
+        "part-00000-00000.safetensors",
+        "part-00000-00001.safetensors",
+    ]
+    assert sharded.meta["dtypes"] == {"vae": "torch.float32"}
+    whole = precompute_frozen_outputs(ds, tmp_path / "b", shard_rows=None, **kw)
+    assert whole.folder.name == sharded.folder.name and len(list(whole.folder.glob("part-*"))) == 1
+    rows = torch.arange(5)
+    assert torch.equal(whole._rows("latent_params", rows), sharded._rows("latent_params", rows))
+    (whole.folder / "part-00000-00000.safetensors").rename(whole.folder / "part-00000.safetensors")
+    old = CachedOutputs(whole.folder)
+    assert torch.equal(old._rows("latent_params", rows), sharded._rows("latent_params", rows))
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = precompute_frozen_outputs(ds, tmp_path / "a", **kw)
+    assert not autocast.reused and autocast.folder != sharded.folder
+    assert autocast.meta["dtypes"]["vae"].startswith("autocast torch.bfloat16")
+    bf16 = precompute_frozen_outputs(
+        ds, tmp_path / "a", **{**kw, "vae": copy.deepcopy(vae).to(torch.bfloat16)}
+    )
+    assert not bf16.reused and bf16.folder not in (sharded.folder, autocast.folder)
+    assert bf16.meta["dtypes"] == {"vae": "torch.bfloat16"}
+    assert precompute_frozen_outputs(ds, tmp_path / "a", **kw).reused  # fp32 again, autocast off

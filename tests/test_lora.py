@@ -151,3 +151,61 @@ def test_flux_lora_script_with_t5_sharded(tiny_flux, tmp_path):
     assert (out / "validation" / "step-000003.png").exists()
     base = _lora_image(pipe, None, max_sequence_length=16)
     assert abs(_lora_image(pipe, str(out), max_sequence_length=16) - base).max() > 1e-3
+
+
+# --------------------------------------------------------------------------- DoRA (--use_dora)
+
+
+def worker_dora_zero3(pipe_dir: str, out: str):
+    """DoRA adapters on a partitioned UNet: peft's initial magnitudes (row norms of each base
+    weight, gathered for the purpose), training through the engine, and the gathered save
+    loading into the pipeline with the magnitudes trained."""
+    from diffusers_zero3 import gathered_parameters, get_rank
+    from diffusers_zero3.families import SD
+    from diffusers_zero3.training.job import load_trainable_denoiser
+    from diffusers_zero3.training.lora import add_lora_adapters, save_lora_zero3
+    from diffusers_zero3.training.parts import prepare_first_part
+    from tests.common import accelerator_with_zero3
+
+    torch.manual_seed(0)
+    accelerator = accelerator_with_zero3(zero3_init_flag=True)
+    unet = load_trainable_denoiser(accelerator, pipe_dir, SD)
+    params = add_lora_adapters(unet, rank=4, target_modules=SD.lora_target_modules, use_dora=True)
+    magnitudes = {n: p for n, p in unet.named_parameters() if "lora_magnitude_vector" in n}
+    bases = {n.replace("lora_magnitude_vector.default.weight", "base_layer.weight"): n for n in magnitudes}
+    weights = dict(unet.named_parameters())
+    with gathered_parameters([*magnitudes.values(), *(weights[b] for b in bases)]):
+        for base, name in bases.items():  # lora_B starts at zero: the magnitudes are the base's row norms
+            torch.testing.assert_close(magnitudes[name], weights[base].norm(dim=1), msg=name)
+        initial = {n: p.detach().clone() for n, p in magnitudes.items()}
+    part, _ = prepare_first_part(
+        accelerator, "unet", unet, torch.optim.AdamW(params, lr=1e-2), micro_batch_size=1
+    )
+    g = torch.Generator().manual_seed(get_rank())
+    latents, states = torch.randn(2, 4, 16, 16, generator=g), torch.randn(2, 77, 32, generator=g)
+    for _ in range(2):
+        accelerator.backward(part.engine(latents, torch.tensor([10, 500]), states).sample.pow(2).mean())
+        part.optimizer.step()
+        part.optimizer.zero_grad()
+    trained_magnitudes = {n: p for n, p in part.module.named_parameters() if "lora_magnitude_vector" in n}
+    with gathered_parameters(list(trained_magnitudes.values())):
+        trained = {n: p.detach().clone() for n, p in trained_magnitudes.items()}
+    assert all(not torch.equal(trained[n], initial[n]) for n in trained)
+    path = save_lora_zero3(part.engine, SD, out)
+    if get_rank() == 0:
+        from diffusers import StableDiffusionPipeline
+
+        pipe = StableDiffusionPipeline.from_pretrained(pipe_dir, safety_checker=None)
+        pipe.load_lora_weights(str(path.parent))
+        loaded = {n.replace(".default_0", ".default"): p for n, p in pipe.unet.named_parameters()
+                  if "lora_magnitude_vector" in n}  # fmt: skip
+        assert loaded.keys() == trained.keys()
+        for n, t in trained.items():
+            torch.testing.assert_close(loaded[n], t, rtol=0, atol=0, msg=n)
+    print("OK dora")
+
+
+@pytest.mark.multirank
+def test_dora_on_a_partitioned_unet_initialises_trains_and_saves(tiny_pipeline, tmp_path):
+    outs = run_on_ranks(worker_dora_zero3, pipe_dir=tiny_pipeline, out=str(tmp_path / "out"))
+    assert all("OK dora" in o for o in outs)

@@ -382,3 +382,54 @@ def test_wan22_step_of_one_expert_leaves_the_other_bit_for_bit(tiny_wan22, tmp_p
         env=env,
         timeout=400,
     )
+
+
+# --------------------------------------------------------------------------- Prodigy under ZeRO-3
+
+
+def worker_prodigy_zero3_matches_plain(steps: int = 3):
+    """One rank: a ZeRO-3 engine stepping Prodigy (``--optimizer prodigy``) over partitions in
+    sub-groups of 16 elements trains as plain Prodigy does (one ``step`` per update, so its
+    step-size estimate and its counter advance once per update)."""
+    import copy
+    from types import SimpleNamespace
+
+    from diffusers_zero3 import gathered_parameters
+    from diffusers_zero3.training.parts import build_optimizer, prepare_first_part
+    from tests.common import accelerator_with_zero3
+
+    args = SimpleNamespace(optimizer="prodigy", learning_rate=1.0, adam_beta1=0.9, adam_beta2=0.999,
+                           adam_weight_decay=0.01, adam_epsilon=1e-8, prodigy_beta3=None, prodigy_decouple=True,
+                           prodigy_use_bias_correction=True, prodigy_safeguard_warmup=True)  # fmt: skip
+    accelerator = accelerator_with_zero3(zero3_init_flag=False, world_size=1, sub_group_size=16)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    reference = copy.deepcopy(model)
+    ref_optimizer = build_optimizer(reference, args)
+    part, _ = prepare_first_part(
+        accelerator, "model", model, build_optimizer(model, args), micro_batch_size=1
+    )
+    inner = part.optimizer.optimizer
+    assert len(inner.fp16_groups) == 1, "one sub-group: Prodigy steps once per update"
+    data = torch.randn(steps, 4, 8, generator=torch.Generator().manual_seed(1))
+    for x in data:
+        accelerator.backward(part.engine(x).pow(2).mean())
+        part.optimizer.step()
+        part.optimizer.zero_grad()
+        reference(x).pow(2).mean().backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+    prodigy = inner.optimizer
+    assert prodigy.param_groups[0]["k"] == ref_optimizer.param_groups[0]["k"] == steps
+    assert prodigy.param_groups[0]["d"] == pytest.approx(ref_optimizer.param_groups[0]["d"], rel=1e-5)
+    with gathered_parameters(list(part.module.parameters())):
+        for p, q in zip(part.module.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+    print("OK prodigy")
+
+
+@pytest.mark.multirank
+def test_prodigy_under_zero3_steps_once_per_update_as_plain_prodigy():
+    pytest.importorskip("prodigyopt")
+    outs = run_on_ranks(worker_prodigy_zero3_matches_plain, world_size=1, env=ZERO3_ENV)
+    assert "OK prodigy" in outs[0]

@@ -81,18 +81,27 @@ def test_flux_t5_sharded_clip_replicated_ema_output_and_exact_resume(tiny_flux, 
         torch.testing.assert_close(final[k], after[k], rtol=0, atol=1e-6, msg=k)
 
 
-def test_flux_with_t5_cached(tiny_flux, tmp_path):
-    """T5 and CLIP cached (encoded with T5 sharded, then freed), gradient checkpointing on."""
-    pipe, data = tiny_flux
+def test_flux_t5_cached_aspect_ratio_buckets_and_masked_loss(tiny_flux, tmp_path):
+    """T5 and CLIP cached (encoded with T5 sharded, then freed), gradient checkpointing on, on a
+    parquet dataset of landscape and portrait images in two buckets, with loss masks."""
+    from diffusers_zero3.demo import write_masked_shapes_dataset
+
+    pipe, _ = tiny_flux
+    data = write_masked_shapes_dataset(tmp_path / "masked", num_images=8)
     out = tmp_path / "run"
-    argv = [*LAUNCH, *_common(pipe, data, 2), "--output_dir", str(out), "--text_encoder_placement", "cache",
+    common = [arg if arg != "--train_data_dir" else "--dataset_name" for arg in _common(pipe, str(data), 2)]
+    argv = [*LAUNCH, *common, "--output_dir", str(out), "--text_encoder_placement", "cache",
             "--text_encoder_2_placement", "cache", "--gradient_checkpointing",
+            "--use_aspect_ratio_buckets", "--aspect_ratio_buckets", "32,32;32,48;48,32", "--mask_column", "mask",
             "--validation_prompts", "a blue square", "--validation_steps", "2",
             "--num_validation_inference_steps", "2"]  # fmt: skip
     _, log = run_launcher(argv, timeout=400)
     assert sorted(step_values(log)) == [1, 2], log[-3000:]
     assert "text_encoder_2: shard, 0.05 MiB of 0.10 MiB on this rank (to encode the cache as shard)" in log
     assert "encoding 8 rows with the frozen models" in log
+    # each micro-batch one bucket: the packed sequence of a 32 x 48 image is not a square's
+    assert "aspect-ratio buckets (height x width: images): 32x48: 4, 48x32: 4;" in log, log[-3000:]
+    assert "loss masks: column 'mask'" in log
     assert (out / "validation" / "step-000002.png").exists()  # cached encoders reloaded for it
     _generates(out, "FluxPipeline")
 

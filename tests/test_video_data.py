@@ -52,13 +52,13 @@ def test_shapes_videos_load_as_a_videofolder_and_as_frame_folders(tmp_path):
 
     folder = write_shapes_videos(tmp_path / "clips", num_clips=4, frames=9, size=SIZE)
     rows = load_video_caption_dataset(folder)
-    assert len(rows) == 4 and rows.column_names == ["video", "text"]
+    assert len(rows) == 4 and rows.column_names == ["file_name", "text"]
     assert all(r["text"].startswith("a ") and " moving " in r["text"] for r in rows)
     # the layout of datasets' videofolder: the same files and captions (not decoded: torchcodec)
     vf = datasets.load_dataset("videofolder", data_dir=str(folder))["train"]
     vf = vf.cast_column("video", datasets.Video(decode=False))
     assert sorted((r["video"]["path"], r["text"]) for r in vf) == sorted(
-        (r["video"], r["text"]) for r in rows
+        (str(r.clip), r["text"]) for r in rows
     )
     frames = write_shapes_videos(tmp_path / "frames", num_clips=4, frames=9, size=SIZE, layout="frames")
     frame_rows = load_video_caption_dataset(frames)
@@ -242,6 +242,34 @@ def test_bad_folders_and_flags_are_data_errors(tmp_path):
         VideoCaptionDataset(rows, _tokenize, num_frames=2, resolution=SIZE, fps=4, frame_stride=2)
 
 
+def test_foreign_metadata_with_its_own_video_and_frames_columns(tmp_path):
+    """A folder written by another tool: clips in a subfolder, named by a relative ``file_name``
+    beside the user's own ``video``, ``frames`` and ``text`` columns. The clip is the file the
+    folder names (the columns stay as written), and any column, ``video`` too, can be the captions."""
+    from diffusers_zero3.data.video import VideoCaptionDataset, load_video_caption_dataset, write_video
+
+    records = []
+    for i in range(2):
+        name = f"videos/clip_{i:02d}.mp4"
+        write_video(tmp_path / name, _counting_clip(9))
+        records.append({"file_name": name, "video": name, "frames": 9, "text": f"clip {i}"})
+    folder = _write(tmp_path, records)
+    rows = load_video_caption_dataset(folder)
+    ds = VideoCaptionDataset(rows, _tokenize, num_frames=5, resolution=SIZE)
+    assert [ds[i]["index"] for i in range(2)] == [0, 1] and not ds.skipped_rows
+    assert ds[0]["pixel_values"].shape == (3, 5, SIZE, SIZE)
+    assert rows[1].clip == folder.absolute() / "videos/clip_01.mp4"  # resolved against the folder
+    assert rows[1]["video"] == "videos/clip_01.mp4" and rows[1]["frames"] == 9  # as written
+    assert rows.column_names == ["file_name", "video", "frames", "text"]
+    # the user's video column as the captions: the cache reads them by column name
+    by_video = load_video_caption_dataset(folder, caption_column="video")
+    assert by_video["video"] == ["videos/clip_00.mp4", "videos/clip_01.mp4"]
+    captioned = VideoCaptionDataset(
+        by_video, _tokenize, num_frames=5, resolution=SIZE, caption_column="video"
+    )
+    assert captioned[1]["input_ids"].tolist() == [len("videos/clip_01.mp4")] and not captioned.skipped_rows
+
+
 def test_items_carry_the_familys_tokens(tmp_path):
     from diffusers_zero3.data.video import (
         VideoCaptionDataset,
@@ -282,7 +310,7 @@ def test_a_cached_video_vae_holds_the_clips_training_reads(tiny_wan, tmp_path, c
     pipe, data = tiny_wan
     vae = AutoencoderKLWan.from_pretrained(pipe, subfolder="vae").eval()
     rows = load_video_caption_dataset(data)
-    (Path(data) / rows[3]["video"]).rename(Path(tmp_path) / "moved.mp4")  # row 3 no longer decodes
+    rows[3].clip.rename(Path(tmp_path) / "moved.mp4")  # row 3 no longer decodes
     try:
         clips = VideoCaptionDataset(rows, _tokenize, num_frames=5, resolution=SIZE, random_flip=True, seed=3)
         with caplog.at_level(logging.INFO, logger="diffusers_zero3"):
@@ -291,7 +319,7 @@ def test_a_cached_video_vae_holds_the_clips_training_reads(tiny_wan, tmp_path, c
                 batch_size=4,
             )  # fmt: skip
     finally:
-        (Path(tmp_path) / "moved.mp4").rename(Path(data) / rows[3]["video"])
+        (Path(tmp_path) / "moved.mp4").rename(rows[3].clip)
     assert cache.skipped_rows == [3]
     assert any("MiB per row (latent_params, latent_params_flipped)" in r.getMessage() for r in caplog.records)
     for i in (0, 5):

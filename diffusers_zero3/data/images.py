@@ -9,7 +9,7 @@ a warning names the row, and ``skipped_rows`` counts them.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,9 @@ def load_image_caption_dataset(
     parquet/json/csv files too), or an ``imagefolder`` directory.
 
     ``train_data_dir`` follows diffusers' layout: images plus a ``metadata.jsonl`` whose
-    ``file_name`` column names them and whose other columns (e.g. ``text``) hold captions.
+    ``file_name`` column names them and whose other columns (e.g. ``text``) hold captions. A
+    column of image paths (a parquet/json/csv folder's, relative to the folder) stays strings
+    here: ``prepare_image_column`` makes it images.
     """
     import datasets
 
@@ -70,7 +72,8 @@ def resolve_columns(dataset, image_column: str | None, caption_column: str | Non
 def check_image_column(dataset, image_column: str) -> None:
     """Raise ``DataError`` unless ``image_column`` holds images (a ``datasets.Image`` feature).
 
-    A column of strings (paths, captions) would otherwise fail on every row, one by one.
+    A column of strings (paths, captions) would otherwise fail on every row, one by one; a
+    column of image paths becomes images with ``prepare_image_column``.
     """
     import datasets
 
@@ -81,6 +84,81 @@ def check_image_column(dataset, image_column: str) -> None:
             f"--image_column {image_column!r} holds {kind} values, not images; "
             f"pick the column of images (columns: {', '.join(dataset.column_names)})"
         )
+
+
+# What a column of image paths holds: strings with one of these endings (any case).
+IMAGE_PATH_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+_PATHS_SAMPLED = 100  # the rows that decide whether a string column holds image paths
+
+
+def _is_image_path(value: Any) -> bool:
+    import os
+
+    return isinstance(value, str) and os.path.splitext(value)[1].lower() in IMAGE_PATH_EXTENSIONS
+
+
+def _is_relative_path(value: Any) -> bool:
+    import os
+
+    return isinstance(value, str) and "://" not in value and not os.path.isabs(value)
+
+
+def _resolve_image_path(path: Any, root: str) -> Any:
+    """``path`` joined to ``root`` when relative; absolute paths, URLs and None as they are."""
+    import os
+
+    return os.path.join(root, path) if _is_relative_path(path) else path
+
+
+def prepare_image_column(dataset, image_column: str, folder: str | None = None):
+    """``dataset`` with ``image_column`` holding images; raises ``DataError`` when it cannot.
+
+    A column of images is returned as is. A column of image paths (strings ending in an image
+    extension, as parquet/json/csv files written by other tools hold them) is cast to
+    ``datasets.Image()``, each relative path first resolved against ``folder``: the
+    ``--dataset_name`` or ``--train_data_dir`` the data was loaded from, not the working
+    directory. Absolute paths and URLs are kept. A path that does not exist is found when its
+    row is read, and skipped and counted like a corrupt image; when none of the first rows'
+    local paths exists (a wrong folder) it is a ``DataError`` at once. Any other column (captions given
+    as ``--image_column``) gets ``check_image_column``'s error. Relative paths with a ``folder``
+    that is not a local directory (a hub dataset) are a ``DataError``: nothing to resolve them
+    against.
+
+    Example: ``data/train.parquet`` with ``image`` = ``"images/a.png"`` and ``folder="data"``
+    gives rows whose ``image`` is the PIL image of ``data/images/a.png`` (its absolute path).
+    """
+    import os
+
+    import datasets
+
+    feature = dataset.features.get(image_column)
+    if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string"):
+        sample = [v for v in dataset[:_PATHS_SAMPLED][image_column] if v is not None]
+        if sample and all(_is_image_path(v) for v in sample):
+            relative = [v for v in sample if _is_relative_path(v)]
+            root = os.path.abspath(folder) if folder is not None and os.path.isdir(folder) else None
+            if relative and root is None:
+                where = f"{folder!r} is not a local folder" if folder is not None else "no folder was given"
+                raise DataError(
+                    f"--image_column {image_column!r} holds relative image paths (e.g. {relative[0]!r}) "
+                    f"and {where} to resolve them against"
+                )
+            local = [_resolve_image_path(v, root) if _is_relative_path(v) else v for v in sample]
+            local = [v for v in local if "://" not in v]
+            if local and not any(os.path.exists(v) for v in local):  # a wrong folder, not a few missing files
+                raise DataError(
+                    f"--image_column {image_column!r} holds image paths, and none of the first {len(local)} "
+                    f"exists (e.g. {local[0]!r})"
+                )
+            if root is not None:
+                dataset = dataset.map(
+                    lambda batch: {image_column: [_resolve_image_path(p, root) for p in batch[image_column]]},
+                    batched=True,
+                    desc=f"resolving the image paths of {image_column!r} against {root}",
+                )
+            dataset = dataset.cast_column(image_column, datasets.Image())
+    check_image_column(dataset, image_column)
+    return dataset
 
 
 def check_enough_rows(num_rows: int, num_processes: int, batch_size: int) -> None:
@@ -113,6 +191,33 @@ def pick_caption(caption: Any, rng: random.Random | None) -> str:
     raise DataError(f"caption should be a string or a list of strings, got {type(caption).__name__}")
 
 
+# PIL's resampling filters by the names of diffusers' --image_interpolation_mode (torchvision's
+# InterpolationMode names, lower-cased; torchvision resizes a PIL image with these same filters).
+INTERPOLATION_MODES = {
+    "nearest": "NEAREST",
+    "nearest_exact": "NEAREST",
+    "bilinear": "BILINEAR",
+    "bicubic": "BICUBIC",
+    "box": "BOX",
+    "hamming": "HAMMING",
+    "lanczos": "LANCZOS",
+}
+
+
+def resample_filter(mode: str):
+    """The PIL resampling filter of an ``--image_interpolation_mode`` name."""
+    from PIL import Image
+
+    if mode not in INTERPOLATION_MODES:
+        raise DataError(f"--image_interpolation_mode {mode!r} is not one of {', '.join(INTERPOLATION_MODES)}")
+    return getattr(Image.Resampling, INTERPOLATION_MODES[mode])
+
+
+def target_size(size: int | tuple[int, int]) -> tuple[int, int]:
+    """``(height, width)`` of a training crop: ``--resolution`` squared, or a bucket's shape."""
+    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+
+
 @dataclass(frozen=True)
 class CropInfo:
     """Where a training crop came from, as SDXL's micro-conditioning records it.
@@ -120,54 +225,93 @@ class CropInfo:
     ``original_size`` is the image's (height, width) before resizing; ``crop_top_left`` is
     the crop's (top, left) in the resized image, measured in the flipped image when the crop
     was flipped (diffusers' SDXL script flips before it crops, so its coordinates are in the
-    flipped frame); ``flipped`` says whether it was.
+    flipped frame); ``flipped`` says whether it was; ``target_size`` is the crop's own
+    (height, width): ``--resolution`` squared, or its aspect-ratio bucket.
     """
 
     original_size: tuple[int, int]
     crop_top_left: tuple[int, int]
     flipped: bool
-    resized_size: tuple[int, int]  # (height, width) after the shorter side was resized
+    resized_size: tuple[int, int]  # (height, width) after the image was resized to cover the crop
+    target_size: tuple[int, int] = (0, 0)
 
-    def mirrored(self, resolution: int) -> CropInfo:
-        """The same crop seen in the horizontally flipped resized image."""
+    def mirrored(self, size: int | tuple[int, int]) -> CropInfo:
+        """The same crop (of ``size``: the resolution, or the bucket) seen in the horizontally
+        flipped resized image."""
         top, left = self.crop_top_left
-        mirrored_left = self.resized_size[1] - left - resolution
-        return CropInfo(self.original_size, (top, mirrored_left), not self.flipped, self.resized_size)
+        mirrored_left = self.resized_size[1] - left - target_size(size)[1]
+        return CropInfo(
+            self.original_size, (top, mirrored_left), not self.flipped, self.resized_size, self.target_size
+        )
 
 
 def transform_image_with_crop(
-    image, resolution: int, center_crop: bool, random_flip: bool, rng: random.Random
+    image,
+    resolution: int | tuple[int, int],
+    center_crop: bool,
+    random_flip: bool,
+    rng: random.Random,
+    interpolation: str = "bilinear",
 ) -> tuple[torch.Tensor, CropInfo]:
-    """``transform_image``, and where the crop came from (``CropInfo``)."""
+    """``transform_image``, and where the crop came from (``CropInfo``).
+
+    ``resolution`` is a side (a square crop) or a ``(height, width)`` bucket: the image is
+    resized to cover it (the shorter side, relative to the bucket's, to its size) and cropped."""
     from PIL import Image
 
     image = image.convert("RGB")
     w, h = image.size
-    scale = resolution / min(w, h)
-    nw, nh = max(resolution, round(w * scale)), max(resolution, round(h * scale))
-    image = image.resize((nw, nh), Image.BILINEAR)
+    th, tw = target_size(resolution)
+    scale = max(th / h, tw / w)
+    nw, nh = max(tw, round(w * scale)), max(th, round(h * scale))
+    image = image.resize((nw, nh), resample_filter(interpolation))
     if center_crop:
-        left, top = (nw - resolution) // 2, (nh - resolution) // 2
+        left, top = (nw - tw) // 2, (nh - th) // 2
     else:
-        left, top = rng.randint(0, nw - resolution), rng.randint(0, nh - resolution)
-    image = image.crop((left, top, left + resolution, top + resolution))
-    info = CropInfo((h, w), (top, left), False, (nh, nw))
+        left, top = rng.randint(0, nw - tw), rng.randint(0, nh - th)
+    image = image.crop((left, top, left + tw, top + th))
+    info = CropInfo((h, w), (top, left), False, (nh, nw), (th, tw))
     if random_flip and rng.random() < 0.5:
         image = image.transpose(Image.FLIP_LEFT_RIGHT)
-        info = info.mirrored(resolution)  # the same crop, seen in the flipped image
+        info = info.mirrored((th, tw))  # the same crop, seen in the flipped image
     arr = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
     return torch.from_numpy(arr).permute(2, 0, 1).contiguous(), info
 
 
 def transform_image(
-    image, resolution: int, center_crop: bool, random_flip: bool, rng: random.Random
+    image,
+    resolution: int | tuple[int, int],
+    center_crop: bool,
+    random_flip: bool,
+    rng: random.Random,
+    interpolation: str = "bilinear",
 ) -> torch.Tensor:
-    """Resize (shorter side to ``resolution``, bilinear), crop, maybe flip; CHW float in [-1, 1].
+    """Resize (shorter side to ``resolution``, ``interpolation`` as upstream's
+    ``--image_interpolation_mode``, default bilinear), crop, maybe flip; CHW float in [-1, 1].
 
     The same steps as diffusers' torchvision pipeline (Resize, CenterCrop/RandomCrop,
     RandomHorizontalFlip, ToTensor, Normalize([0.5], [0.5])).
     """
-    return transform_image_with_crop(image, resolution, center_crop, random_flip, rng)[0]
+    return transform_image_with_crop(image, resolution, center_crop, random_flip, rng, interpolation)[0]
+
+
+def transform_mask(mask, crop: CropInfo) -> torch.Tensor:
+    """A loss mask (``--mask_column``: a grayscale image, white trains and black is ignored)
+    taken through the geometry its image took (``crop``: resize, crop, flip): ``(1, H, W)``
+    floats in [0, 1]. A mask of another size than its image is first resized to it."""
+    from PIL import Image
+
+    mask = mask.convert("L")
+    original = (crop.original_size[1], crop.original_size[0])
+    if mask.size != original:
+        mask = mask.resize(original, Image.BILINEAR)
+    mask = mask.resize((crop.resized_size[1], crop.resized_size[0]), Image.BILINEAR)
+    if crop.flipped:  # the crop's corner is measured in the flipped image
+        mask = mask.transpose(Image.FLIP_LEFT_RIGHT)
+    top, left = crop.crop_top_left
+    th, tw = crop.target_size
+    mask = mask.crop((left, top, left + tw, top + th))
+    return torch.from_numpy(np.asarray(mask, dtype=np.float32) / 255.0).unsqueeze(0)
 
 
 class SeededRows(torch.utils.data.Dataset):
@@ -203,6 +347,14 @@ class ImageCaptionDataset(SeededRows):
     ``set_epoch(e)`` changes the random crops/flips/captions deterministically. With
     ``with_images=False`` images are not decoded (training from a latent cache); then
     ``unreadable_rows`` (the rows a cache skipped) are skipped as if they failed to decode.
+
+    With aspect-ratio buckets (``buckets``: ``(height, width)`` shapes, ``row_buckets``: each
+    row's bucket index, ``buckets.NO_BUCKET`` for an unreadable one) a row is cropped to its
+    bucket, and a row that fails to decode is replaced by the next readable row of the same
+    bucket (a batch keeps one shape). Items then carry ``target_size``, the crop's shape.
+    ``interpolation`` is the resize filter (``--image_interpolation_mode``). ``mask_column``
+    names a column of loss masks (``transform_mask``: cropped and flipped as the image), given
+    as ``loss_mask`` ``(1, H, W)``.
     """
 
     def __init__(
@@ -219,8 +371,18 @@ class ImageCaptionDataset(SeededRows):
         unreadable_rows: Sequence[int] = (),
         tokenize: Callable[[list[str]], dict[str, torch.Tensor]] | None = None,
         empty_prompt_probability: float = 0.0,
+        buckets: Sequence[tuple[int, int]] | None = None,
+        row_buckets: Sequence[int] | None = None,
+        interpolation: str = "bilinear",
+        mask_column: str | None = None,
     ):
+        if (buckets is None) != (row_buckets is None):
+            raise ValueError("give buckets and row_buckets together")
         self.dataset = dataset
+        self.buckets = list(buckets) if buckets is not None else None
+        self.row_buckets = list(row_buckets) if row_buckets is not None else None
+        self.interpolation = interpolation
+        self.mask_column = mask_column
         self.tokenizer = tokenizer
         self.image_column, self.caption_column = image_column, caption_column
         self.resolution, self.center_crop, self.random_flip = resolution, center_crop, random_flip
@@ -241,15 +403,30 @@ class ImageCaptionDataset(SeededRows):
             return_tensors="pt",
         ).input_ids
 
+    def crop_size(self, index: int) -> tuple[int, int]:
+        """``(height, width)`` row ``index`` is cropped to: its bucket, or the resolution."""
+        if self.buckets is None:
+            return target_size(self.resolution)
+        return self.buckets[self.row_buckets[index]]
+
+    def _candidates(self, index: int) -> Iterator[int]:
+        """Rows to read for ``index``: itself, then the next ones (of its bucket, with buckets)."""
+        n = len(self.dataset)
+        for offset in range(n):
+            i = (index + offset) % n
+            if self.row_buckets is None or self.row_buckets[i] == self.row_buckets[index]:
+                yield i
+
     def _readable_row(self, index: int) -> tuple[int, dict]:
-        for offset in range(len(self.dataset)):
-            i = (index + offset) % len(self.dataset)
+        for i in self._candidates(index):
             try:
                 if i in self.unreadable_rows:
                     raise DataError("skipped when the frozen-model cache was built")
                 row = self.dataset[i]
                 if self.with_images:
                     row[self.image_column].load()
+                    if self.mask_column is not None:
+                        row[self.mask_column].load()
                 return i, row
             except Exception as e:  # PIL raises several types for a corrupt file
                 if i not in self.skipped_rows:
@@ -272,12 +449,16 @@ class ImageCaptionDataset(SeededRows):
         item["index"] = i
         if self.with_images:
             pixels, crop = transform_image_with_crop(
-                row[self.image_column], self.resolution, self.center_crop, self.random_flip, rng
-            )
+                row[self.image_column], self.crop_size(i), self.center_crop, self.random_flip, rng,
+                self.interpolation,
+            )  # fmt: skip
             item["pixel_values"] = pixels
             # CPU: data-loader side, like the pixels; accelerate's prepared loader moves the batch
             item["original_size"] = torch.tensor(crop.original_size)
             item["crop_top_left"] = torch.tensor(crop.crop_top_left)  # CPU: as original_size
+            item["target_size"] = torch.tensor(crop.target_size)  # CPU: as original_size
+            if self.mask_column is not None:
+                item["loss_mask"] = transform_mask(row[self.mask_column], crop)
         return item
 
 

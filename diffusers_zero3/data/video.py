@@ -2,10 +2,12 @@
 
 A dataset is a folder in the layout of ``datasets``' ``videofolder``: video files (``.mp4``,
 ``.webm``, ``.mkv``, ...) and a ``metadata.jsonl`` or ``metadata.csv`` whose ``file_name`` column
-names them and whose other columns (e.g. ``text``) hold captions. A ``file_name`` may also name
-a folder of frame images (one clip, frames in file-name order; an optional ``fps`` column gives
-its frame rate). Decoding is PyAV's (the ``av`` wheel ships its own FFmpeg libraries; no system
-FFmpeg, and no torchcodec, which ``datasets``' own ``Video`` feature needs).
+names them (relative to the folder) and whose other columns (e.g. ``text``) hold captions. A
+``file_name`` may also name a folder of frame images (one clip, frames in file-name order; an
+optional ``fps`` column gives its frame rate). The other columns stay as written, whatever their
+names (a tool's own ``video`` or ``frames`` column too): the resolved clip is a row's ``clip``
+attribute, never a column. Decoding is PyAV's (the ``av`` wheel ships its own FFmpeg libraries;
+no system FFmpeg, and no torchcodec, which ``datasets``' own ``Video`` feature needs).
 
 Frames are taken every ``frame_stride`` source frames, or at ``fps`` frames per second, from
 the clip's start (or from a random start: ``random_start``). Randomness (start, crop, flip,
@@ -43,9 +45,21 @@ class ClipError(ValueError):
 # -------------------------------------------------------------------------------- the folder
 
 
+class VideoRow(dict):
+    """One metadata row: its columns exactly as written (``file_name`` and any others, a user's
+    own ``video`` column included) and ``clip``, the clip's absolute path (a video file or a
+    folder of frames) resolved from ``file_name`` against the dataset folder.
+
+    The path is an attribute, not a column, so no column of the user's can shadow it and any
+    column can hold the captions."""
+
+    def __init__(self, columns: dict, clip: Path):
+        super().__init__(columns)
+        self.clip = clip
+
+
 class VideoRows(Sequence):
-    """The rows of a video folder's metadata: dicts with ``video`` (the clip's absolute path: a
-    file, or a folder of frames) and the metadata's other columns."""
+    """The rows of a video folder's metadata (``VideoRow``: the columns as written, and ``clip``)."""
 
     def __init__(self, rows: list[dict], folder: Path):
         self.rows, self.folder = rows, folder
@@ -60,7 +74,8 @@ class VideoRows(Sequence):
 
     @property
     def column_names(self) -> list[str]:
-        return list(self.rows[0]) if self.rows else ["video"]
+        """The metadata's columns as written (``file_name`` included)."""
+        return list(self.rows[0]) if self.rows else []
 
 
 def _read_metadata(path: Path) -> list[dict]:
@@ -78,11 +93,12 @@ def load_video_caption_dataset(folder: str | os.PathLike, caption_column: str | 
 
     Raises ``DataError`` for a folder that is missing, has no (or two) metadata files, a
     metadata file without ``file_name`` or ``caption_column``, or no rows. A row whose file is
-    missing stays: it is skipped and counted when read, like a corrupt clip.
+    missing stays: it is skipped and counted when read, like a corrupt clip. A relative
+    ``file_name`` resolves against ``folder`` (not the working directory); an absolute one is kept.
     """
-    folder = Path(folder)
-    if not folder.is_dir():
+    if not Path(folder).is_dir():
         raise DataError(f"--train_data_dir {str(folder)!r} is not a directory")
+    folder = Path(folder).absolute()
     found = [folder / name for name in METADATA_FILES if (folder / name).is_file()]
     if not found:
         raise DataError(
@@ -100,8 +116,7 @@ def load_video_caption_dataset(folder: str | os.PathLike, caption_column: str | 
                 f"--caption_column {caption_column!r} is not a column of {found[0]}; columns are: "
                 f"{', '.join(record)}"
             )
-        row = {k: v for k, v in record.items() if k != "file_name"}
-        rows.append({"video": str(folder / record["file_name"]), **row})
+        rows.append(VideoRow(record, folder / str(record["file_name"])))
     if not rows:
         raise DataError(f"{found[0]} lists no clips")
     return VideoRows(rows, folder)
@@ -294,7 +309,8 @@ class VideoCaptionDataset(SeededRows):
     random) and maybe flipped, once per clip. ``set_epoch(e)`` changes the draws
     deterministically. Clips that fail to decode or are too short are skipped
     (``skipped_rows``); with ``with_videos=False`` nothing is decoded (training from a latent
-    cache) and ``unreadable_rows`` are skipped as if they failed.
+    cache) and ``unreadable_rows`` are skipped as if they failed. Each row's clip is its ``clip``
+    (the rows of ``load_video_caption_dataset``), or the path in ``video_column`` when given.
     """
 
     def __init__(
@@ -312,7 +328,7 @@ class VideoCaptionDataset(SeededRows):
         center_crop: bool = False,
         random_flip: bool = False,
         seed: int = 0,
-        video_column: str = "video",
+        video_column: str | None = None,
         caption_column: str = "text",
         with_videos: bool = True,
         unreadable_rows: Sequence[int] = (),
@@ -341,8 +357,11 @@ class VideoCaptionDataset(SeededRows):
         self.skipped_rows: set[int] = set()
 
     def source(self, row: dict) -> ClipSource:
+        """A row's clip: its resolved ``clip`` (a ``VideoRow``), or with ``video_column`` the path
+        in that column (rows of plain dicts)."""
+        path = row.clip if self.video_column is None else row[self.video_column]
         fps = row.get("fps")
-        return ClipSource(Path(row[self.video_column]), float(fps) if fps not in (None, "") else None)
+        return ClipSource(Path(path), float(fps) if fps not in (None, "") else None)
 
     def clip_frames(self, row: dict, rng: random.Random) -> np.ndarray:
         """The ``num_frames`` frames of one row's clip (uint8 ``(F, H, W, 3)``); ``ClipError`` when

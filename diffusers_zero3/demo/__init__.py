@@ -152,23 +152,70 @@ def write_controlnet_dataset(
     return folder
 
 
+def write_masked_shapes_dataset(
+    folder: str | os.PathLike,
+    num_images: int = 8,
+    sizes: list[tuple[int, int]] | None = None,
+    seed: int = 0,
+) -> Path:
+    """Write a dataset of coloured shapes with loss masks (one parquet file: ``image``, ``mask``
+    and ``text`` columns) and return its folder: each mask is white on its image's shape and
+    black on the background (``--mask_column mask`` trains on the shapes alone). Images take
+    their (width, height) in turn from ``sizes`` (default landscape 48 x 32 and portrait 32 x 48:
+    aspect-ratio buckets)."""
+    import io
+
+    import datasets
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    sizes = sizes or [(48, 32), (32, 48)]
+    rng = random.Random(seed)
+    rows = {"image": [], "mask": [], "text": []}
+
+    def png(image) -> dict:
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        return {"bytes": buf.getvalue(), "path": None}
+
+    for i in range(num_images):
+        colour, shape = rng.choice(sorted(COLOURS)), rng.choice(SHAPES)
+        width, height = sizes[i % len(sizes)]
+        image = shape_image(colour, shape, height, random.Random(f"{seed}-{i}"), width=width)
+        mask = image.convert("L").point(lambda v: 0 if v == 235 else 255)  # the background is (235, 235, 235)
+        rows["image"].append(png(image))
+        rows["mask"].append(png(mask))
+        rows["text"].append(f"a {colour} {shape}")
+    features = datasets.Features(
+        {"image": datasets.Image(), "mask": datasets.Image(), "text": datasets.Value("string")}
+    )
+    datasets.Dataset.from_dict(rows, features=features).to_parquet(
+        str(folder / "train-00000-of-00001.parquet")
+    )
+    return folder
+
+
 VARIED_SIZES = [(32, 32), (48, 32), (32, 40), (56, 40), (40, 64)]
 MODELS = tuple(FAMILY_NAMES)
 
 
-def prepare_default(folder: str | os.PathLike, num_images: int = 64, model: str = "sd") -> tuple[Path, Path]:
+def prepare_default(
+    folder: str | os.PathLike, num_images: int = 64, model: str = "sd", varied: bool = False
+) -> tuple[Path, Path]:
     """Create (once) the default runs' pipeline, dataset and reward model under ``folder``.
 
     Returns the pipeline and dataset paths; the reward model is ``folder/redness-reward``
     (``model="sd"`` only). ``model`` is a family's short name (``MODELS``): its tiny pipeline
     is ``folder/tiny-<model>``. SDXL trains on a dataset of varied image sizes
     (``shapes-varied``, for its size and crop conditioning), the video families (Wan) on clips
-    of moving shapes (``shapes-videos``), the others on ``shapes``.
+    of moving shapes (``shapes-videos``), the others on ``shapes``; with ``varied`` an image
+    family trains on ``shapes-varied`` too (landscape and portrait images, for aspect-ratio
+    buckets: ``make train BUCKETS=1``).
     """
     folder = Path(folder)
     family = family_named(model)
-    if model == "sdxl":
-        pipe, data = folder / "tiny-sdxl", folder / "shapes-varied"
+    if (model == "sdxl" or varied) and not family.video:
+        pipe, data = folder / f"tiny-{model}", folder / "shapes-varied"
         if not (data / "metadata.jsonl").exists():
             write_shapes_dataset(data, num_images=num_images, sizes=VARIED_SIZES)
     elif family.video:  # clips of moving shapes (mp4), 9 frames each

@@ -36,6 +36,11 @@ def main(argv: list[str] | None = None) -> None:
         "--controlnet", action="store_true", help="also a ControlNet dataset of masks (make train-controlnet)"
     )
     parser.add_argument(
+        "--varied",
+        action="store_true",
+        help="an image family's dataset of landscape and portrait images (for aspect-ratio buckets)",
+    )
+    parser.add_argument(
         "--shell",
         action="store_true",
         help="print PIPE, DATA and RUN_ARGS (the family's default placements) as shell assignments",
@@ -44,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     if cli.model not in MODELS:
         print(f"error: MODEL must be one of {', '.join(MODELS)}, got {cli.model!r}", file=sys.stderr)
         sys.exit(2)
-    p, d = prepare_default(cli.folder, model=cli.model)
+    p, d = prepare_default(cli.folder, model=cli.model, varied=cli.varied)
     if cli.shell:
         run_args = " ".join(
             shlex.quote(a.format(pipeline=p)) for a in family_named(cli.model).default_run_args

@@ -342,10 +342,12 @@ class Family:
         settings,
         generators=None,
         reduction: str = "mean",
+        loss_weights: torch.Tensor | None = None,
         **denoiser_kwargs,
     ) -> torch.Tensor:
         """The training loss of one micro-batch (a mean over it, or one value per sample with
-        ``reduction="none"``), for every family alike: noise and timesteps drawn by the
+        ``reduction="none"``; each element's squared error weighed by ``loss_weights``, a
+        mask on the latents' grid: ``objectives.latent_loss_weights``), for every family alike: noise and timesteps drawn by the
         family's objective (from this rank's RNG, or from each sample's ``generators``:
         ``objectives.sample_generators``), the denoiser called as the family's pipeline calls it
         (``predict``; ``denoiser_kwargs`` go to that call, e.g. a ControlNet's residuals).
@@ -358,6 +360,7 @@ class Family:
             latents,
             generators,
             reduction,
+            loss_weights=loss_weights,
         )
 
     def predict(

@@ -146,6 +146,25 @@ def diffusion_target(
     raise ValueError(f"unknown prediction type {noise_scheduler.config.prediction_type!r}")
 
 
+def latent_loss_weights(mask: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+    """A per-pixel loss mask ``(n, 1, H, W)`` (``--mask_column``: 1 trains, 0 is ignored)
+    averaged down to the latents' grid: ``(n, 1, h, w)``, or ``(n, 1, 1, h, w)`` for 5-D
+    latents (frames); each latent pixel weighs the mean of the image pixels it encodes."""
+    weights = F.interpolate(mask.to(latents.device, torch.float32), size=latents.shape[-2:], mode="area")
+    return weights.unsqueeze(2) if latents.ndim == 5 else weights
+
+
+def weighted_sample_means(error: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Each sample's mean of ``error`` ``(n, ...)``, weighted by ``weights`` (broadcast to it;
+    None: the plain mean): ``sum(w * e) / sum(w)``, the mean error over the weighted region,
+    so that a mask of ones gives the unmasked loss; a sample whose weights are all zero gives 0."""
+    dims = list(range(1, error.ndim))
+    if weights is None:
+        return error.mean(dim=dims)
+    weights = weights.float().expand_as(error)
+    return (error * weights).sum(dim=dims) / weights.sum(dim=dims).clamp_min(1e-8)
+
+
 def diffusion_loss(
     predict,
     noise_scheduler,
@@ -159,9 +178,12 @@ def diffusion_loss(
     perturbation: torch.Tensor | None = None,
     dream_detail_preservation: float | None = None,
     reduction: str = "mean",
+    loss_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The denoising loss of one batch (mean over the batch; ``reduction="none"``: one value
-    per sample, e.g. for DreamBooth's prior-preservation halves).
+    per sample, e.g. for DreamBooth's prior-preservation halves). ``loss_weights`` (broadcast
+    to the latents: ``latent_loss_weights``) weigh each element's squared error
+    (``weighted_sample_means``: masked training).
 
     ``predict(noisy_latents, timesteps)`` calls the denoiser (a family's ``predict``) and
     returns its prediction in the latents' shape. ``latents`` are already normalised (the
@@ -189,10 +211,10 @@ def diffusion_loss(
             unet, noise_scheduler, timesteps, noise, noisy_latents, target, None, dream_detail_preservation
         )
     model_pred = predict(noisy_latents, timesteps)
-    if snr_gamma is None and reduction == "mean":
+    if snr_gamma is None and reduction == "mean" and loss_weights is None:
         return F.mse_loss(model_pred.float(), target.float(), reduction="mean")
     loss = F.mse_loss(model_pred.float(), target.float(), reduction="none")
-    per_sample = loss.mean(dim=list(range(1, loss.ndim)))
+    per_sample = weighted_sample_means(loss, loss_weights)
     if snr_gamma is not None:
         snr = compute_snr(noise_scheduler, timesteps)
         weights = torch.stack([snr, snr_gamma * torch.ones_like(snr)], dim=1).min(dim=1)[0]
@@ -218,9 +240,10 @@ def flow_matching_loss(
     mode_scale: float = 1.29,
     generators: list[torch.Generator] | None = None,
     reduction: str = "mean",
+    loss_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The rectified-flow loss of diffusers' SD3 and Flux training scripts (mean over the batch;
-    ``reduction="none"``: one value per sample).
+    ``reduction="none"``: one value per sample; ``loss_weights`` as in ``diffusion_loss``).
 
     Timesteps are drawn with ``compute_density_for_timestep_sampling`` (``logit_normal``,
     ``mode``, else uniform) as indices into the ``FlowMatchEulerDiscreteScheduler``'s
@@ -253,8 +276,8 @@ def flow_matching_loss(
     model_pred = predict(noisy, timesteps)
     weighting = compute_loss_weighting_for_sd3(weighting_scheme=weighting_scheme, sigmas=sigmas)
     target = noise - latents
-    error = (weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(n, -1)
-    per_sample = error.mean(dim=1)
+    error = weighting.float() * (model_pred.float() - target.float()) ** 2
+    per_sample = weighted_sample_means(error, loss_weights)
     return per_sample if reduction == "none" else per_sample.mean()
 
 
@@ -289,6 +312,7 @@ class DDPMObjective:
         latents: torch.Tensor,
         generators: list[torch.Generator] | None = None,
         reduction: str = "mean",
+        loss_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Draw noise, its perturbation and timesteps (this rank's RNG, or each sample's own
         ``generators``), then ``diffusion_loss``."""
@@ -312,6 +336,7 @@ class DDPMObjective:
             perturbation=perturbation,
             dream_detail_preservation=s.dream_detail_preservation,
             reduction=reduction,
+            loss_weights=loss_weights,
         )
 
 
@@ -328,6 +353,7 @@ class FlowMatchingObjective:
         latents: torch.Tensor,
         generators: list[torch.Generator] | None = None,
         reduction: str = "mean",
+        loss_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Draw noise, then timesteps (this rank's RNG, or each sample's own ``generators``)."""
         s = self.settings
@@ -342,4 +368,5 @@ class FlowMatchingObjective:
             mode_scale=s.mode_scale,
             generators=generators,
             reduction=reduction,
+            loss_weights=loss_weights,
         )

@@ -12,13 +12,20 @@ from .sd import StableDiffusion
 
 
 def time_ids(
-    original_size: torch.Tensor, crop_top_left: torch.Tensor, resolution: int | tuple[int, int]
+    original_size: torch.Tensor,
+    crop_top_left: torch.Tensor,
+    resolution: int | tuple[int, int] | torch.Tensor,
 ) -> torch.Tensor:
     """SDXL's micro-conditioning, one row per image: original (h, w), crop top-left (y, x)
     and target (h, w), as diffusers' SDXL training script and pipeline build it; on the device
-    of ``original_size`` (a prepared data loader's batch is on the accelerator's device)."""
-    target = (resolution, resolution) if isinstance(resolution, int) else tuple(resolution)
-    target_t = torch.tensor(target, dtype=torch.float32, device=original_size.device)
+    of ``original_size`` (a prepared data loader's batch is on the accelerator's device).
+    ``resolution`` is the target of every image (a side, or ``(h, w)``), or one row per image
+    (aspect-ratio buckets: each crop's own shape)."""
+    if torch.is_tensor(resolution):
+        target_t = resolution.to(original_size.device, torch.float32).reshape(-1, 2)
+    else:
+        target = (resolution, resolution) if isinstance(resolution, int) else tuple(resolution)
+        target_t = torch.tensor(target, dtype=torch.float32, device=original_size.device)
     target_t = target_t.expand(original_size.shape[0], 2)
     return torch.cat([original_size.float(), crop_top_left.to(original_size.device).float(), target_t], dim=1)
 

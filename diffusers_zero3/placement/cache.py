@@ -1,10 +1,14 @@
 """The "cache" placement: run the frozen text encoder / VAE once, store outputs, free the models.
 
 ``precompute_frozen_outputs`` has every rank encode its own contiguous share of the dataset
-(in lockstep, so sharded frozen engines work), writes one safetensors part per rank, and
-publishes the folder atomically under a key that changes whenever the models' weights, the
-tokenizer, the resolution/crop settings or the data (captions, dataset fingerprint) change.
-A later run with the same inputs finds the folder and encodes nothing.
+(in lockstep, so sharded frozen engines work) and write it as it goes, in safetensors shards
+of at most ``shard_rows`` rows (``part-{rank:05d}-{shard:05d}.safetensors``: ranks never
+write the same file), so that a rank holds one shard's outputs in memory, not its share of
+the dataset. The folder is published atomically under a key that changes whenever the
+models' weights or the dtype they run in, the tokenizer, the resolution/crop settings or the
+data (captions, dataset fingerprint) change; the number of ranks is not part of it. A later
+run with the same inputs, on any number of processes, finds the folder and encodes nothing;
+reading maps the shards (``safe_open``) and copies only the rows asked for.
 
 What the cache freezes (it cannot redo per-step randomness):
 
@@ -26,11 +30,13 @@ import json
 import logging
 import os
 import random
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..data.buckets import NO_BUCKET
 from ..data.images import DataError, is_readable_image, pick_caption, transform_image_with_crop
 from ..runtime.distributed import (
     all_gather_object,
@@ -40,17 +46,24 @@ from ..runtime.distributed import (
     log_rank_zero,
     logger,
 )
-from ..runtime.lockstep import lockstep_map
+from ..runtime.lockstep import lockstep_iter
 from ..runtime.zero3 import gathered_parameters
 from ..state.folders import collective_publish
 
+# Not bumped for the shards: a folder of one part per rank (``part-00000.safetensors``) reads
+# as a shard each, and the key's new "dtypes" field makes every older key miss anyway.
 CACHE_FORMAT = 2
+# Rows per shard file: at most this many rows (plus one micro-batch) of outputs in memory per
+# rank while encoding. SD 1.5 at 512 px with its text encoder is about 0.35 MiB a row (0.48 MiB
+# with random_flip): 175-240 MiB a shard, and 10 M images make about 20 k files.
+DEFAULT_SHARD_ROWS = 512
 _IMAGE_TENSORS = (
     "latent_params",
     "latent_params_flipped",
     "original_size",
     "crop_top_left",
     "crop_top_left_flipped",
+    "target_size",
 )
 
 
@@ -83,6 +96,19 @@ def _dataset_fingerprint(dataset, caption_column: str) -> str:
     return h.hexdigest()[:16]
 
 
+def compute_dtype(module: Any) -> str:
+    """The dtype ``module`` encodes in: its weights' (``module.dtype``, a ``FrozenModel``'s
+    module's), or the autocast dtype when autocast is on for its device (torch >= 2.4)."""
+    dtype = getattr(module, "dtype", None)
+    if dtype is None:
+        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    device = getattr(module, "device", None)
+    device_type = torch.device(device).type if device is not None else "cpu"
+    if hasattr(torch, "get_autocast_dtype") and torch.is_autocast_enabled(device_type):
+        return f"autocast {torch.get_autocast_dtype(device_type)} (weights {dtype})"
+    return str(dtype)
+
+
 def cache_key(**inputs: Any) -> str:
     """The folder name for a cache of ``inputs`` (a stable hash of their JSON)."""
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:20]
@@ -93,7 +119,9 @@ class CachedOutputs:
 
     ``get(indices, flip=None, generator=None)`` returns ``encoder_hidden_states`` and/or
     ``latents`` (sampled from the cached distribution, unscaled: multiply by the VAE's
-    ``scaling_factor`` as usual) for those rows.
+    ``scaling_factor`` as usual) for those rows. The folder may hold any number of part files
+    (``part-*.safetensors``, whatever number of ranks wrote them and however they were split);
+    each is memory-mapped and a lookup copies only its rows.
     """
 
     def __init__(self, folder: str | os.PathLike, reused: bool = False):
@@ -155,6 +183,8 @@ class CachedOutputs:
             if crops:
                 out["original_size"] = self._rows("original_size", indices)
                 out["crop_top_left"] = self._rows("crop_top_left", indices)
+                if "target_size" in self.meta["tensors"]:  # each crop's shape (aspect-ratio buckets)
+                    out["target_size"] = self._rows("target_size", indices)
             if flip is not None and self.meta["random_flip"]:
                 flipped = self._rows("latent_params_flipped", indices)
                 params = torch.where(flip.view(-1, *[1] * (params.ndim - 1)), flipped, params)
@@ -189,6 +219,10 @@ def precompute_frozen_outputs(
     batch_size: int = 8,
     max_sequence_length: int | None = None,
     clips=None,
+    shard_rows: int | None = DEFAULT_SHARD_ROWS,
+    buckets: list[tuple[int, int]] | None = None,
+    row_buckets: list[int] | None = None,
+    interpolation: str = "bilinear",
 ) -> CachedOutputs:
     """Encode a dataset once with the frozen models and publish the outputs; call on every rank.
 
@@ -202,6 +236,22 @@ def precompute_frozen_outputs(
     shorthand. With a VAE and a family that conditions on crops (SDXL's ``time_ids``), each
     image's ``original_size`` and ``crop_top_left`` (also for the flipped copy) are stored too.
     ``max_sequence_length`` is the T5 tokens per caption (default: the family's).
+
+    With aspect-ratio buckets (``buckets``, and each row's index into them: ``row_buckets``,
+    ``data.buckets.NO_BUCKET`` for an unreadable image) each image is cropped to its bucket
+    instead of ``resolution`` squared, a rank encodes its rows bucket by bucket (a shard holds
+    one shape), and each crop's ``target_size`` is stored for SDXL's ``time_ids``.
+    ``interpolation`` is the resize filter (``--image_interpolation_mode``).
+
+    ``shard_rows``: each rank writes its share as it encodes, in files of at most this many
+    rows (a shard also ends where an output's shape changes), so that it holds one shard's
+    outputs in memory rather than its whole share; ``None`` writes one file per rank at the
+    end (the share in memory: the old behaviour, kept for ``benchmarks/bench_cache.py``). It
+    does not change the cache's contents or key: any layout is read, and reused, alike.
+
+    The key records each model's fingerprint and the dtype it runs in (``compute_dtype``:
+    outputs computed in bf16 and in fp32 differ), the data, tokenizers, resolution, crop,
+    flip and seed settings; not the number of ranks.
 
     ``clips`` (a ``video.VideoCaptionDataset``) gives a video family's pixels: each row's clip
     as training reads it at epoch 0 (its frames and crop; with ``random_flip`` the mirrored
@@ -226,6 +276,8 @@ def precompute_frozen_outputs(
     missing = [name for name in text_encoders if name not in tokenizers]
     if missing:
         raise ValueError(f"caching text embeddings needs the tokenizer of {', '.join(missing)}")
+    if shard_rows is not None and shard_rows < 1:
+        raise ValueError(f"shard_rows must be a positive number of rows or None, not {shard_rows}")
     inputs = {
         "format": CACHE_FORMAT,
         "family": family.name,
@@ -237,6 +289,10 @@ def precompute_frozen_outputs(
             if spec.name in text_encoders
         },
         "vae": model_fingerprint(vae) if vae is not None else None,
+        "dtypes": {
+            n: compute_dtype(m)
+            for n, m in sorted({**text_encoders, **({"vae": vae} if vae is not None else {})}.items())
+        },
         "data": _dataset_fingerprint(dataset, caption_column),
         "columns": [image_column, caption_column],
         "resolution": resolution if vae is not None else None,
@@ -244,6 +300,8 @@ def precompute_frozen_outputs(
         "random_flip": random_flip if vae is not None else None,
         "seed": seed if vae is not None and not center_crop else None,
         "clips": clips.cache_key() if clips is not None and vae is not None else None,
+        "buckets": [list(b) for b in buckets] if buckets is not None and vae is not None else None,
+        "interpolation": interpolation if vae is not None and clips is None else None,
     }
     # Rank 0's view decides: an in-memory dataset has a random fingerprint in each process,
     # and another job may publish the same cache while this one starts.
@@ -261,7 +319,7 @@ def precompute_frozen_outputs(
     with collective_publish(final, commit=_publish_unless_present) as tmp:
         _encode_share(tmp, dataset, inputs, text_encoders, tokenizers, family, vae, image_column,
                       caption_column, resolution, center_crop, random_flip, seed, batch_size, max_sequence_length,
-                      clips)  # fmt: skip
+                      clips, shard_rows, buckets, row_buckets, interpolation)  # fmt: skip
     return CachedOutputs(final)
 
 
@@ -274,9 +332,12 @@ def _publish_unless_present(tmp: Path, final: Path) -> None:
 def _encode_share(
     tmp: Path, dataset, inputs: dict, text_encoders: dict, tokenizers: dict, family, vae,
     image_column: str, caption_column: str, resolution: int, center_crop: bool, random_flip: bool,
-    seed: int, batch_size: int, max_sequence_length: int | None, clips=None,
+    seed: int, batch_size: int, max_sequence_length: int | None, clips=None, shard_rows: int | None = None,
+    buckets: list[tuple[int, int]] | None = None, row_buckets: list[int] | None = None,
+    interpolation: str = "bilinear",
 ) -> None:  # fmt: skip
-    """This rank's share of the cache, written into ``tmp`` (in lockstep with the others)."""
+    """This rank's share of the cache, written into ``tmp`` shard by shard as it is encoded (in
+    lockstep with the others)."""
     rank, world = get_rank(), get_world_size()
     per_rank = -(-len(dataset) // world)
     mine = list(range(rank * per_rank, min(len(dataset), (rank + 1) * per_rank)))
@@ -292,15 +353,25 @@ def _encode_share(
         mine = [i for i in mine if i not in set(skipped)]
     elif vae is not None:  # corrupt images are skipped, as in live training; the rows are recorded
         for i in mine:
-            if not is_readable_image(dataset, i, image_column):
+            if (row_buckets is not None and row_buckets[i] == NO_BUCKET) or not is_readable_image(
+                dataset, i, image_column
+            ):
                 logger.warning("skipping row %d: unreadable image", i)
                 skipped.append(i)
         mine = [i for i in mine if i not in set(skipped)]
-    chunks = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
+    if vae is not None and row_buckets is not None:  # bucket by bucket: a chunk (and a shard) has one shape
+        mine = sorted(mine, key=lambda i: row_buckets[i])
+        groups = [[i for i in mine if row_buckets[i] == b] for b in sorted({row_buckets[i] for i in mine})]
+    else:
+        groups = [mine]
+    chunks = [g[i : i + batch_size] for g in groups for i in range(0, len(g), batch_size)]
+
+    def crop_size(i: int) -> int | tuple[int, int]:
+        return buckets[row_buckets[i]] if row_buckets is not None else resolution
 
     def encode(indices: list[int]) -> dict[str, torch.Tensor]:
         rows = [dataset[i] for i in indices]
-        out = {}
+        out = {"index": torch.tensor(indices, dtype=torch.long)}  # CPU: safetensors saves CPU tensors
         with torch.no_grad():
             if text_encoders:
                 captions = [pick_caption(r[caption_column], None) for r in rows]
@@ -315,7 +386,12 @@ def _encode_share(
                 else:
                     crops = [
                         transform_image_with_crop(
-                            r[image_column], resolution, center_crop, False, random.Random(f"{seed}-0-{i}")
+                            r[image_column],
+                            crop_size(i),
+                            center_crop,
+                            False,
+                            random.Random(f"{seed}-0-{i}"),
+                            interpolation,
                         )
                         for i, r in zip(indices, rows)
                     ]
@@ -326,6 +402,9 @@ def _encode_share(
                     out["original_size"] = torch.tensor([c.original_size for _, c in crops])
                     # CPU: as original_size
                     out["crop_top_left"] = torch.tensor([c.crop_top_left for _, c in crops])
+                    out["target_size"] = torch.tensor(
+                        [c.target_size for _, c in crops]
+                    )  # CPU: as original_size
                 if random_flip:
                     flipped = family.latent_distribution(vae, pixels.flip(-1)).parameters
                     out["latent_params_flipped"] = flipped.cpu()
@@ -333,22 +412,25 @@ def _encode_share(
                     # the same crop seen in the flipped image, as live training records it
                     # CPU: written to the cache file, as original_size
                     out["crop_top_left_flipped"] = torch.tensor(
-                        [c.mirrored(resolution).crop_top_left for _, c in crops]
+                        [c.mirrored(c.target_size).crop_top_left for _, c in crops]
                     )
         return out
 
-    results = lockstep_map(encode, chunks, name="frozen models (cache)")
-    tensors = {"index": torch.tensor(mine, dtype=torch.long)}  # CPU: safetensors saves CPU tensors
-    for name in results[0] if results else []:
-        tensors[name] = torch.cat([r[name] for r in results]).contiguous()
     from safetensors.torch import save_file
 
-    save_file(tensors, str(tmp / f"part-{rank:05d}.safetensors"))
+    # Each shard is written as soon as it fills, while the other ranks go on encoding: the
+    # writes are local, so lockstep holds (every rank still makes the same calls).
+    outputs = lockstep_iter(encode, chunks, name="frozen models (cache)")
+    names, row_bytes = set(), 0
+    for n, shard in enumerate(group_into_shards(outputs, shard_rows)):
+        save_file(shard, str(tmp / f"part-{rank:05d}-{n:05d}.safetensors"))
+        names |= set(shard)
+        row_bytes += sum(t.numel() * t.element_size() for name, t in shard.items() if name != "index")
+        del shard  # freed before the next one fills
     if mine:  # what a cached row costs on disk (the README's bytes per image or clip)
-        per_row = sum(t.numel() * t.element_size() for n, t in tensors.items() if n != "index") / len(mine)
-        names = ", ".join(n for n in sorted(tensors) if n != "index")
-        log_rank_zero(f"frozen-model cache: {per_row / 2**20:.3f} MiB per row ({names})")
-    reports = all_gather_object((sorted(tensors), skipped))
+        listed = ", ".join(sorted(names - {"index"}))
+        log_rank_zero(f"frozen-model cache: {row_bytes / len(mine) / 2**20:.3f} MiB per row ({listed})")
+    reports = all_gather_object((sorted(names), skipped))
     names = sorted(set().union(*(t for t, _ in reports)) - {"index"})
     all_skipped = sorted(i for _, s in reports for i in s)
     if all_skipped:
@@ -358,3 +440,54 @@ def _encode_share(
     if is_main_process():
         meta = {**inputs, "tensors": names, "rows": len(dataset), "skipped_rows": all_skipped}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def _layout(chunk: dict[str, torch.Tensor]) -> tuple:
+    return tuple((name, tuple(t.shape[1:]), t.dtype) for name, t in sorted(chunk.items()))
+
+
+def _concat(chunks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    if len(chunks) == 1:
+        return chunks[0]
+    return {name: torch.cat([c[name] for c in chunks]) for name in chunks[0]}
+
+
+def group_into_shards(
+    chunks: Iterable[dict[str, torch.Tensor]], shard_rows: int | None
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Regroup encoded chunks into shards to write, as they come.
+
+    Each chunk is a dict of tensors with the same number of rows (their first dimension). A
+    shard holds at most ``shard_rows`` rows (a chunk is split where a shard fills), and one
+    shape and dtype per tensor name: a chunk whose shapes or names differ from the pending
+    rows' ends the shard before it. ``None``: no row limit (one shard per layout, at the end).
+    Holds at most one shard plus one chunk.
+
+    Example:
+        >>> sizes = [len(s["index"]) for s in group_into_shards(({"index": torch.arange(3)}
+        ...          for _ in range(3)), 4)]
+        >>> sizes
+        [4, 4, 1]
+    """
+    pending, rows, layout = [], 0, None
+    for chunk in chunks:
+        if pending and _layout(chunk) != layout:
+            yield _concat(pending)
+            pending, rows = [], 0
+        layout = _layout(chunk)
+        # contiguous (a VAE's outputs may be channels-last), so that the concatenations and
+        # their row slices are too, as safetensors saves them
+        pending.append({name: t.contiguous() for name, t in chunk.items()})
+        rows += len(next(iter(chunk.values())))
+        while shard_rows is not None and rows >= shard_rows:
+            merged = _concat(pending)
+            rows -= shard_rows
+            # the rest cloned (a view would keep the merged buffer alive), then nothing but the
+            # shard itself held while the caller writes it
+            pending = [{n: t[shard_rows:].clone() for n, t in merged.items()}] if rows else []
+            shard = {n: t[:shard_rows] for n, t in merged.items()}
+            del merged
+            yield shard
+            del shard
+    if pending:
+        yield _concat(pending)

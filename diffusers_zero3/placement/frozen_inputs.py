@@ -92,12 +92,18 @@ class FrozenInputs:
         if vae is None:
             latents = cached["latents"].to(device)
             sizes, crops = cached.get("original_size"), cached.get("crop_top_left")
+            targets = cached.get("target_size")
         else:
             pixels = batch["pixel_values"].to(device, vae.dtype)
             latents = self.family.latents_of(self.family.latent_distribution(vae, pixels), generators)
             sizes, crops = batch.get("original_size"), batch.get("crop_top_left")
+            targets = batch.get("target_size")
         latents = self.normalize_latents(latents).to(self.dtype)
-        outputs = {k: v for k, v in cached.items() if k not in ("latents", "original_size", "crop_top_left")}
+        outputs = {
+            k: v
+            for k, v in cached.items()
+            if k not in ("latents", "original_size", "crop_top_left", "target_size")
+        }
         live = {spec.name: self.models.get(spec.name) for spec in self.family.text_encoders}
         if any(encoder is not None for encoder in live.values()):
             reached("frozen_forward")
@@ -112,7 +118,8 @@ class FrozenInputs:
             cond = conditioning_on(self.family, outputs, device, self.dtype)
         ids = None
         if self.family.uses_time_ids:
-            ids = time_ids(sizes.to(device), crops.to(device), self.resolution).to(self.dtype)
+            target = targets if targets is not None else self.resolution  # buckets: each crop's shape
+            ids = time_ids(sizes.to(device), crops.to(device), target).to(self.dtype)
             cond["time_ids"] = ids
         return latents, cond, ids
 
@@ -186,6 +193,9 @@ def place_frozen_models(
     component_sources: dict[str, str | os.PathLike] | None = None,
     max_sequence_length: int | None = None,
     clips=None,
+    buckets: list[tuple[int, int]] | None = None,
+    row_buckets: list[int] | None = None,
+    interpolation: str = "bilinear",
 ) -> FrozenInputs:
     """Load and place a family's frozen models, one placement each. Collective: every rank.
 
@@ -197,7 +207,9 @@ def place_frozen_models(
     freed; under ZeRO-3 they are loaded partitioned and run sharded for this (a T5-XXL is never
     whole on every rank), otherwise as replicas. The VAE runs in fp32 where the family says
     so; a video family's cached VAE reads each row's clip through ``clips`` (the training's
-    ``video.VideoCaptionDataset``). ``component_sources`` maps a component to a folder that holds it instead of
+    ``video.VideoCaptionDataset``); with aspect-ratio buckets (``buckets``, ``row_buckets``:
+    ``data.buckets``) each image is cached at its bucket's shape, resized with
+    ``interpolation``. ``component_sources`` maps a component to a folder that holds it instead of
     ``source/<name>`` (``--component NAME=PATH``, e.g. a separately supplied text encoder).
 
     Example:
@@ -255,6 +267,9 @@ def place_frozen_models(
             batch_size=batch_size,
             max_sequence_length=max_sequence_length,
             clips=clips,
+            buckets=buckets,
+            row_buckets=row_buckets,
+            interpolation=interpolation,
         )
         for name in cached:  # training holds none of their weights
             live[name].release()

@@ -72,6 +72,19 @@ class ControlNetSettings(TextToImageSettings):
         "Where the frozen denoiser lives (shard: a ZeRO-3 inference engine, 1/N per rank).",
         choices=ENGINE_PLACEMENT_CHOICES,
     )
+    crops_coords_top_left_h: int | None = flag(
+        None,
+        "Coordinate for (the height) to be included in the crop coordinate embeddings needed by SDXL UNet: "
+        "the same for every image (diffusers' ControlNet SDXL script uses 0); default: each image's own crop.",
+    )
+    crops_coords_top_left_w: int | None = flag(
+        None,
+        "Coordinate for (the width) to be included in the crop coordinate embeddings needed by SDXL UNet: "
+        "the same for every image (diffusers' ControlNet SDXL script uses 0); default: each image's own crop.",
+    )
+
+    def merge_validation_prompt(self) -> None:
+        """Nothing: ``resolve`` pairs ``--validation_prompt`` with ``--validation_image``."""
 
     def resolve(self) -> None:
         """Check the ControlNet flags (raise ``ArgumentError``) and pair the validation prompts
@@ -102,6 +115,9 @@ class ControlNetSettings(TextToImageSettings):
             self.validation_prompts = prompts  # turns validation on in the loop
         if self.random_flip:
             raise ArgumentError("--random_flip does not apply: a conditioning image keeps its orientation")
+        for name in ("crops_coords_top_left_h", "crops_coords_top_left_w"):
+            if vars(self)[name] is not None and vars(self)[name] < 0:
+                raise ArgumentError(f"--{name} must not be negative, got {vars(self)[name]}")
 
 
 def conditioning_pixels(image, resolution: int) -> torch.Tensor:
@@ -190,6 +206,7 @@ class ControlNetTrainer(TextToImageTrainer):
     args: ControlNetSettings
 
     cacheable_data = True  # the latents and text are fixed per row; conditioning images are read live
+    image_caption_rows = False  # its own data: no aspect-ratio buckets or loss masks
 
     def _load_trained_model(self) -> None:
         from diffusers import ControlNetModel
@@ -201,6 +218,11 @@ class ControlNetTrainer(TextToImageTrainer):
         if self.family.name not in CONTROLNET_PIPELINES:
             raise ArgumentError(f"train_controlnet.py trains ControlNets of SD and SDXL pipelines, not of a "
                                 f"{self.family.pipeline_class}")  # fmt: skip
+        if self._fixed_crop() is not None and not self.family.uses_time_ids:
+            raise ArgumentError(
+                f"--crops_coords_top_left_h/_w set SDXL's crop micro-conditioning; a {self.family.pipeline_class} "
+                "has none"
+            )
         if args.controlnet_model_name_or_path:
             folder = resolve_model_folder(
                 args.controlnet_model_name_or_path, None, args.revision, args.cache_dir
@@ -229,6 +251,15 @@ class ControlNetTrainer(TextToImageTrainer):
 
     def _first_part_name(self) -> str:
         return "controlnet"
+
+    def _fixed_crop(self) -> tuple[int, int] | None:
+        """``(top, left)`` of ``--crops_coords_top_left_h/_w`` (one given: the other 0, diffusers'
+        default), the crop corner SDXL's time ids then give for every image; None: each
+        image's own crop."""
+        top, left = self.args.crops_coords_top_left_h, self.args.crops_coords_top_left_w
+        if top is None and left is None:
+            return None
+        return (top or 0, left or 0)
 
     def _conditioning_channels(self) -> tuple[int, ...]:
         """The conditioning embedding's channels: one stage per factor 2 of the VAE's
@@ -287,6 +318,12 @@ class ControlNetTrainer(TextToImageTrainer):
 
         generators = sample_generators(self.args.seed or 0, self.epoch, batch["index"])
         latents, cond, _ = self.frozen(batch, self.accelerator.device, generators)
+        crop = self._fixed_crop()
+        if crop is not None:  # SDXL's time ids: (original h, w, crop top, left, target h, w)
+            cond["time_ids"] = cond["time_ids"].clone()
+            cond["time_ids"][:, 2:4] = torch.tensor(
+                crop, dtype=cond["time_ids"].dtype, device=cond["time_ids"].device
+            )
         objective = self.family.objective(self.noise_scheduler, self.objective_settings)
         predict = self._controlled_predict(self.denoiser, cond, batch["conditioning_pixel_values"])
         return objective.loss(predict, latents, generators)

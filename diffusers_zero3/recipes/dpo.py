@@ -222,6 +222,7 @@ class DPOTrainer(TextToImageTrainer):
     args: DPOSettings
 
     cacheable_data = False  # two images per row: the VAE runs live (auto never picks cache)
+    image_caption_rows = False  # its own data: no aspect-ratio buckets or loss masks
 
     def setup(self) -> None:
         if self.args.vae_placement == "cache":

@@ -39,6 +39,16 @@ CLASS_SAMPLE_OFFSET = 1 << 40  # sample ids of class images, apart from the inst
 
 _T2I = TextToImageSettings
 
+# diffusers' DreamBooth flags that this recipe accepts and refuses when set: why.
+UNSUPPORTED_UPSTREAM_FLAGS = {
+    "class_labels_conditioning": "it conditions DeepFloyd IF's upscaler UNet, and there is no IF family here",
+    "validation_images": "they are the input images of DeepFloyd IF's upscaler, and there is no IF family here",
+    "text_encoder_use_attention_mask": "the text encoders are called as the family's pipeline calls them, "
+    "in training, the frozen cache and validation alike",
+    "do_edm_style_training": "the objectives here are DDPM noise prediction and flow matching (no EDM "
+    "preconditioning or EDM schedulers)",
+}
+
 
 @dataclasses.dataclass
 class DreamBoothSettings(TextToImageSettings):
@@ -49,6 +59,7 @@ class DreamBoothSettings(TextToImageSettings):
 
     DESCRIPTION: ClassVar[str] = "DreamBooth fine-tuning under DeepSpeed ZeRO-3."
     GROUP: ClassVar[str | None] = "DreamBooth"
+    TRAINS_TEXT_ENCODERS: ClassVar[bool] = True
     learning_rate: float = redefault(_T2I, "learning_rate", 5e-6)
     train_batch_size: int = redefault(_T2I, "train_batch_size", 4)
     num_train_epochs: int = redefault(_T2I, "num_train_epochs", 1)
@@ -59,6 +70,7 @@ class DreamBoothSettings(TextToImageSettings):
     validation_epochs: int | None = redefault(_T2I, "validation_epochs", 50)
     instance_data_dir: str | None = flag(None, "A folder of the instance images.")
     instance_prompt: str | None = flag(None, "The prompt with the instance's identifier.")
+    repeats: int = flag(1, "How many times to repeat the training data.")
     class_data_dir: str | None = flag(None, "A folder of class images (generated when too few).")
     class_prompt: str | None = flag(None, "The prompt of the class images.")
     with_prior_preservation: bool = flag(False, "Add the prior-preservation loss.")
@@ -72,21 +84,57 @@ class DreamBoothSettings(TextToImageSettings):
     num_class_inference_steps: int | None = flag(
         None, "Denoising steps per class image (default: the pipeline's)."
     )
-    train_text_encoder: bool = flag(
-        False, "Train the text encoder(s) too, each its own ZeRO-3 engine with its own optimizer."
-    )
     text_encoder_lr: float | None = flag(None, "The text encoders' learning rate (default --learning_rate).")
     adam_weight_decay_text_encoder: float | None = flag(
         None, "The text encoders' weight decay (default --adam_weight_decay)."
     )
-    validation_prompt: str | None = flag(None, "The prompt of the validation images.")
-    num_validation_images: int = flag(4, "Validation images per validation.")
     offset_noise: bool = flag(False, "Offset noise of 0.1 (diffusers' DreamBooth flag).")
+    pre_compute_text_embeddings: bool = flag(
+        False,
+        "Whether or not to pre-compute text embeddings. If text embeddings are pre-computed, the text encoder "
+        "will not be kept in memory during training (here: every text encoder's placement becomes cache). "
+        "This is not compatible with `--train_text_encoder`.",
+    )
+    tokenizer_max_length: int | None = flag(
+        None,
+        "The maximum length of the tokenizer. If not set, will default to the tokenizer's max length (here: "
+        "sets --max_sequence_length, the T5/LLM encoders' tokens; CLIP encoders keep their own length).",
+    )
+    text_encoder_use_attention_mask: bool = flag(
+        False, "Whether to use attention mask for the text encoder (not supported here)."
+    )
+    skip_save_text_encoder: bool = flag(False, "Set to not save text encoder")
+    output_kohya_format: bool = flag(
+        False,
+        "Flag to additionally generate final state dict in the Kohya format so that it becomes compatible "
+        "with A111, Comfy, Kohya, etc. (pytorch_lora_weights_kohya.safetensors; with --rank)",
+    )
+    validation_scheduler: str = flag(
+        "DPMSolverMultistepScheduler",
+        "Select which scheduler to use for validation (DDPM families sample with DPM-Solver++; flow "
+        "matching with its own scheduler). DDPMScheduler is recommended for DeepFloyd IF (not supported here).",
+        choices=["DPMSolverMultistepScheduler", "DDPMScheduler"],
+    )
+    validation_images: list[str] | None = flag(
+        None, "Optional set of images to use for validation (DeepFloyd IF's upscaler: not supported here)."
+    )
+    class_labels_conditioning: str | None = flag(
+        None,
+        "The optional `class_label` conditioning to pass to the unet, available values are `timesteps` "
+        "(DeepFloyd IF's upscaler: not supported here).",
+    )
+    do_edm_style_training: bool = flag(
+        False,
+        "Flag to conduct training using the EDM formulation as introduced in "
+        "https://huggingface.co/papers/2206.00364 (not supported here).",
+    )
 
     def resolve(self) -> None:
         """Check the flags that only DreamBooth has (raise ``ArgumentError``) and derive the
-        text-to-image ones they stand for (``--offset_noise``, the validation prompts, the
-        data folder)."""
+        text-to-image ones they stand for (``--offset_noise``, ``--tokenizer_max_length``, the
+        data folder; the base turns ``--validation_prompt`` into the validation prompts)."""
+        if self.validation_prompts is not None:
+            raise ArgumentError("train_dreambooth.py takes --validation_prompt (and --num_validation_images)")
         super().resolve()
         if not self.instance_data_dir or not self.instance_prompt:
             raise ArgumentError("train_dreambooth.py needs --instance_data_dir and --instance_prompt")
@@ -98,14 +146,28 @@ class DreamBoothSettings(TextToImageSettings):
         if self.prior_loss_weight < 0:
             raise ArgumentError(f"--prior_loss_weight must not be negative, got {self.prior_loss_weight}")
         check_positive(self, ("num_class_images", "sample_batch_size", "num_validation_images",
-                              "num_class_inference_steps"))  # fmt: skip
-        if self.validation_prompts is not None:
-            raise ArgumentError("train_dreambooth.py takes --validation_prompt (and --num_validation_images)")
+                              "num_class_inference_steps", "repeats", "tokenizer_max_length"))  # fmt: skip
         if self.offset_noise:
             self.noise_offset = 0.1
-        self.validation_prompts = (
-            [self.validation_prompt] * self.num_validation_images if self.validation_prompt else None
-        )
+        if self.pre_compute_text_embeddings and self.train_text_encoder:
+            raise ArgumentError("--pre_compute_text_embeddings does not go with --train_text_encoder")
+        if self.tokenizer_max_length is not None:
+            if self.max_sequence_length not in (None, self.tokenizer_max_length):
+                raise ArgumentError(
+                    f"--tokenizer_max_length {self.tokenizer_max_length} and --max_sequence_length "
+                    f"{self.max_sequence_length} disagree: give one"
+                )
+            self.max_sequence_length = self.tokenizer_max_length
+        if self.output_kohya_format and self.rank is None:
+            raise ArgumentError("--output_kohya_format applies to LoRA training: add --rank")
+        for name, why in UNSUPPORTED_UPSTREAM_FLAGS.items():
+            if vars(self)[name]:
+                raise ArgumentError(f"--{name} is not supported: {why}")
+        if self.validation_scheduler != "DPMSolverMultistepScheduler":
+            raise ArgumentError(
+                f"--validation_scheduler {self.validation_scheduler} is not supported: validation samples with "
+                "DPM-Solver++ (DDPM families) or the family's flow-matching scheduler"
+            )
         self.train_data_dir = self.instance_data_dir  # for the checks of the text-to-image flags
 
 
@@ -139,14 +201,16 @@ def dreambooth_rows(instance_dir, instance_prompt: str, class_dir=None, class_pr
 class DreamBoothPairs(torch.utils.data.Dataset):
     """Item ``k``: instance image ``k % instances`` and, with prior preservation, class image
     ``k % classes``, from an ``ImageCaptionDataset`` over ``dreambooth_rows``' dataset; as many
-    items as the larger of the two sets (diffusers' DreamBooth dataset)."""
+    items as the larger of the two sets, the instance images counted ``repeats`` times
+    (diffusers' DreamBooth dataset and its ``--repeats``)."""
 
-    def __init__(self, images, num_instance: int, num_class: int = 0):
+    def __init__(self, images, num_instance: int, num_class: int = 0, repeats: int = 1):
         self.images, self.num_instance, self.num_class = images, num_instance, num_class
+        self.repeats = repeats
         self.skipped_rows = images.skipped_rows
 
     def __len__(self) -> int:
-        return max(self.num_instance, self.num_class)
+        return max(self.num_instance * self.repeats, self.num_class)
 
     def set_epoch(self, epoch: int) -> None:
         self.images.set_epoch(epoch)
@@ -211,6 +275,7 @@ class DreamBoothTrainer(TextToImageTrainer):
     args: DreamBoothSettings
 
     cacheable_data = True  # instance and class rows are fixed; the cache keys them by row
+    image_caption_rows = False  # its own data: no aspect-ratio buckets or loss masks
 
     def _trained_text_encoders(self) -> tuple[str, ...]:
         if not self.args.train_text_encoder:
@@ -223,6 +288,12 @@ class DreamBoothTrainer(TextToImageTrainer):
         return TRAINABLE_TEXT_ENCODERS[self.family.name]
 
     def _load_models(self) -> None:
+        if self.args.output_kohya_format and self.family.denoiser != "unet":
+            raise ArgumentError(
+                f"--output_kohya_format converts UNet LoRAs (SD, SDXL), not a {self.family.pipeline_class}'s"
+            )
+        if self.args.pre_compute_text_embeddings:
+            self._cache_text_encoders()
         super()._load_models()
         self.trained_encoders = {}
         for name in self._trained_text_encoders():
@@ -232,6 +303,27 @@ class DreamBoothTrainer(TextToImageTrainer):
                     f"--{name}_placement {placement}: {name} is trained (--train_text_encoder)"
                 )
             self.trained_encoders[name] = self._load_trained_text_encoder(name)
+
+    def _cache_text_encoders(self) -> None:
+        """``--pre_compute_text_embeddings``: every text encoder's placement becomes ``cache``
+        (its outputs computed once for every row before training, the encoder then freed), as
+        diffusers' scripts encode the prompts once and delete the encoders. A placement given
+        as shard or offload contradicts it."""
+        from ..args import component_placements
+
+        given = component_placements(self.args)
+        for spec in self.family.text_encoders:
+            if spec.name not in self.family.frozen_components:
+                continue
+            if given.get(spec.name) not in (None, "replicate", "auto", "cache"):
+                raise ArgumentError(
+                    f"--pre_compute_text_embeddings caches {spec.name}; it contradicts "
+                    f"--{spec.name}_placement {given[spec.name]}"
+                )
+            self.placements[spec.name] = "cache"
+        log_rank_zero(
+            "--pre_compute_text_embeddings: the text encoders' outputs are cached (placement cache)"
+        )
 
     def _load_trained_text_encoder(self, name: str) -> torch.nn.Module:
         """A text encoder to train: partitioned under ZeRO-3, whole otherwise; LoRA adapters
@@ -254,7 +346,7 @@ class DreamBoothTrainer(TextToImageTrainer):
         if self.args.rank is not None:
             add_lora_adapters(
                 model, rank=self.args.rank, target_modules=TEXT_ENCODER_LORA_TARGETS,
-                alpha=self.args.lora_alpha, dropout=self.args.lora_dropout,
+                alpha=self.args.lora_alpha, dropout=self.args.lora_dropout, use_dora=self.args.use_dora,
             )  # fmt: skip
         else:
             model.requires_grad_(True)
@@ -281,13 +373,15 @@ class DreamBoothTrainer(TextToImageTrainer):
         self.hf_dataset, self.image_column, self.caption_column = ds, "image", "text"
         from ..data.images import ImageCaptionDataset, check_enough_rows
 
-        check_enough_rows(max(n_instance, n_class), self.accelerator.num_processes, args.train_batch_size)
+        check_enough_rows(
+            max(n_instance * args.repeats, n_class), self.accelerator.num_processes, args.train_batch_size
+        )
         images = ImageCaptionDataset(
             ds, None, "image", "text", args.resolution, args.center_crop, args.random_flip, seed=args.seed or 0,
             with_images=self.placements.get("vae") != "cache",
             tokenize=lambda captions: self.family.tokenize(self.tokenizers, captions, args.max_sequence_length),
         )  # fmt: skip
-        self.train_dataset = DreamBoothPairs(images, n_instance, n_class)
+        self.train_dataset = DreamBoothPairs(images, n_instance, n_class, repeats=args.repeats)
         self.collate_fn = collate_pairs
 
     def _generate_class_images(self, count: int) -> None:
@@ -360,11 +454,13 @@ class DreamBoothTrainer(TextToImageTrainer):
     def _prepare_extra_parts(self) -> None:
         from diffusers.optimization import get_scheduler
 
-        from ..training.parts import adamw, prepare_extra_part
+        from ..training.parts import build_optimizer, prepare_extra_part
 
         args, acc = self.args, self.accelerator
         for name, model in self.trained_encoders.items():
-            optimizer = adamw(model, args, args.text_encoder_lr, args.adam_weight_decay_text_encoder)
+            optimizer = build_optimizer(
+                model, args, args.text_encoder_lr, args.adam_weight_decay_text_encoder
+            )
             # Under ZeRO-3 the denoiser is a DeepSpeed engine, and each text encoder gets one of
             # its own, which steps its schedule once per update; under DDP accelerate prepares the
             # text encoder too, and steps its schedule once per process per update.
@@ -372,7 +468,8 @@ class DreamBoothTrainer(TextToImageTrainer):
             per_update = 1 if first is not None else acc.num_processes
             scheduler = get_scheduler(
                 args.lr_scheduler, optimizer=optimizer, num_warmup_steps=args.lr_warmup_steps * per_update,
-                num_training_steps=args.max_train_steps * per_update,
+                num_training_steps=args.max_train_steps * per_update, num_cycles=args.lr_num_cycles,
+                power=args.lr_power,
             )  # fmt: skip
             self.extra_parts.append(
                 prepare_extra_part(
@@ -419,3 +516,58 @@ class DreamBoothTrainer(TextToImageTrainer):
         instance, prior = losses.chunk(2)
         self.batch_metrics = {"instance_loss": instance.mean().detach(), "prior_loss": prior.mean().detach()}
         return instance.mean() + args.prior_loss_weight * prior.mean()
+
+    def save(self) -> None:
+        """The text-to-image output (pipeline, or LoRA weights with ``--rank``), then on rank 0
+        diffusers' DreamBooth extras: ``--skip_save_text_encoder`` leaves the text encoders out
+        of the pipeline, ``--output_kohya_format`` adds the LoRA file in Kohya's keys. Every
+        rank."""
+        super().save()
+        args = self.args
+        if get_rank() == 0:
+            if args.skip_save_text_encoder and args.rank is None:
+                names = [spec.name for spec in self.family.text_encoders]
+                drop_saved_components(args.output_dir, names)
+                log_rank_zero(f"--skip_save_text_encoder: {', '.join(names)} left out of {args.output_dir}")
+            if args.output_kohya_format:
+                log_rank_zero(f"Kohya LoRA weights: {write_kohya_lora(args.output_dir)}")
+        barrier()
+
+
+def drop_saved_components(output_dir: str | os.PathLike, names: list[str]) -> None:
+    """Leave ``names`` out of a saved pipeline folder, as ``save_pretrained`` of a pipeline
+    built with ``name=None`` does: their folders removed and ``model_index.json`` naming them
+    ``[null, null]`` (written aside and moved into place)."""
+    import json
+    import shutil
+
+    folder = Path(output_dir)
+    index_path = folder / "model_index.json"
+    index = json.loads(index_path.read_text())
+    for name in names:
+        if name in index:
+            index[name] = [None, None]
+    tmp = index_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, index_path)
+    for name in names:
+        shutil.rmtree(folder / name, ignore_errors=True)
+
+
+def write_kohya_lora(output_dir: str | os.PathLike) -> Path:
+    """``OUTPUT_DIR/pytorch_lora_weights_kohya.safetensors``: the saved LoRA file in Kohya's
+    keys (A1111, ComfyUI), converted as diffusers' ``--output_kohya_format`` does."""
+    from diffusers.utils import convert_all_state_dict_to_peft, convert_state_dict_to_kohya
+    from safetensors.torch import load_file, save_file
+
+    from ..training.lora import LORA_WEIGHT_NAME
+
+    folder = Path(output_dir)
+    kohya = convert_state_dict_to_kohya(
+        convert_all_state_dict_to_peft(load_file(str(folder / LORA_WEIGHT_NAME)))
+    )
+    path = folder / "pytorch_lora_weights_kohya.safetensors"
+    tmp = path.with_suffix(".tmp")
+    save_file(kohya, str(tmp))
+    os.replace(tmp, path)
+    return path

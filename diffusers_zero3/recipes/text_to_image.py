@@ -27,16 +27,31 @@ from ..args import (
     validate_family,
     validate_launch,
 )
+from ..data.buckets import (
+    NO_BUCKET,
+    BucketBatchSampler,
+    BucketPosition,
+    bucket_rows,
+    default_buckets,
+    describe_buckets,
+    parse_buckets,
+)
 from ..data.images import (
     ImageCaptionDataset,
     check_enough_rows,
-    check_image_column,
     collate,
     load_image_caption_dataset,
+    prepare_image_column,
     resolve_columns,
 )
+from ..errors import DataError
 from ..families import detect_family
-from ..families.objectives import ObjectiveSettings, sample_generators, timestep_bias_weights
+from ..families.objectives import (
+    ObjectiveSettings,
+    latent_loss_weights,
+    sample_generators,
+    timestep_bias_weights,
+)
 from ..placement.frozen_inputs import place_frozen_models, resolve_component_sources
 from ..placement.plan import resolve_auto_placements
 from ..runtime.distributed import log_rank_zero, max_over_ranks
@@ -87,6 +102,9 @@ class TextToImageTrainer:
     # Frozen outputs depend on the data alone (crops and flips are cached too): the planner
     # may cache them (--*_placement auto). A trainer whose inputs change sets this False.
     cacheable_data = True
+    # Whether this trainer reads ImageCaptionDataset rows (_load_data), to which aspect-ratio
+    # buckets and loss masks apply; a subclass with data of its own sets this False.
+    image_caption_rows = True
 
     def __init__(self, args: TextToImageSettings):
         self.args = args
@@ -96,6 +114,9 @@ class TextToImageTrainer:
         self.resume_batches = 0
         self.trained_steps = 0
         self.collate_fn = collate
+        self.buckets: list[tuple[int, int]] | None = None  # --use_aspect_ratio_buckets: (height, width)
+        self.bucket_sampler = None  # buckets.BucketBatchSampler, with buckets
+        self.bucket_start = None  # buckets.BucketPosition a resumed epoch continues from
         self.batch_metrics: dict[str, torch.Tensor] = {}
         self.metric_history: list[dict[str, float]] = []
         self.memory = MemoryLog()
@@ -132,6 +153,7 @@ class TextToImageTrainer:
         )
         if self.family.video:
             self._check_video_flags()
+        self._check_data_flags()
         self.accelerator = acc = accelerator_from_args(args)
         try:
             self.placements, self.plan = resolve_auto_placements(
@@ -149,6 +171,11 @@ class TextToImageTrainer:
             )
         except ValueError as e:
             raise ArgumentError(str(e)) from e
+        if args.mask_column is not None and self.placements.get("vae") == "cache":
+            raise ArgumentError(
+                "--mask_column needs each step's crop and flip of the mask: give --vae_placement replicate or shard, "
+                "not cache"
+            )
         validate_launch(
             args,
             deepspeed_active=acc.state.deepspeed_plugin is not None,
@@ -168,6 +195,19 @@ class TextToImageTrainer:
         self.memory.mark("frozen models placed")
         self._prepare_training()
         self.memory.mark("prepared")
+
+    def _check_data_flags(self) -> None:
+        """``--use_aspect_ratio_buckets`` and ``--mask_column`` where this trainer and family
+        take them; one error line otherwise (before anything loads)."""
+        args = self.args
+        for flag, given in (("--use_aspect_ratio_buckets", args.use_aspect_ratio_buckets),
+                            ("--mask_column", args.mask_column is not None)):  # fmt: skip
+            if not given:
+                continue
+            if not self.image_caption_rows:
+                raise ArgumentError(f"{flag} is not supported by {type(self).__name__} yet")
+            if self.family.video:
+                raise ArgumentError(f"{flag} applies to image families, not to {self.family.title}")
 
     def _load_models(self) -> None:
         args, src = self.args, self.source
@@ -233,6 +273,7 @@ class TextToImageTrainer:
                 target_modules=targets,
                 alpha=args.lora_alpha,
                 dropout=args.lora_dropout,
+                use_dora=args.use_dora,
             )
             plugin = self.accelerator.state.deepspeed_plugin
             if plugin is not None:  # the reduce bucket and sub-groups: the adapters' sizes now
@@ -256,9 +297,17 @@ class TextToImageTrainer:
             args.dataset_name, args.dataset_config_name, args.train_data_dir, args.cache_dir
         )
         self.image_column, self.caption_column = resolve_columns(ds, args.image_column, args.caption_column)
-        check_image_column(ds, self.image_column)
+        ds = prepare_image_column(ds, self.image_column, args.dataset_name or args.train_data_dir)
+        if args.mask_column is not None:
+            if args.mask_column not in ds.column_names:
+                raise DataError(
+                    f"--mask_column {args.mask_column!r} is not a dataset column; columns are: {', '.join(ds.column_names)}"
+                )
+            ds = prepare_image_column(ds, args.mask_column, args.dataset_name or args.train_data_dir)
+            log_rank_zero(f"loss masks: column {args.mask_column!r}, averaged down to the latents")
         ds = self._select_rows(ds)
         self.hf_dataset = ds
+        row_buckets = self._bucket_rows(ds) if args.use_aspect_ratio_buckets else None
         self.train_dataset = ImageCaptionDataset(
             ds,
             None,
@@ -273,7 +322,42 @@ class TextToImageTrainer:
                 self.tokenizers, captions, args.max_sequence_length
             ),
             empty_prompt_probability=args.proportion_empty_prompts,
+            buckets=self.buckets,
+            row_buckets=row_buckets,
+            interpolation=args.image_interpolation_mode,
+            mask_column=args.mask_column,
         )
+        if row_buckets is not None:
+            self.train_dataset.skipped_rows.update(i for i, b in enumerate(row_buckets) if b == NO_BUCKET)
+
+    def _bucket_rows(self, ds) -> list[int]:
+        """``--use_aspect_ratio_buckets``: the buckets (``self.buckets``, from
+        ``--aspect_ratio_buckets`` or ``--resolution``), each row's bucket, and the sampler that
+        draws one bucket per global batch (``self.bucket_sampler``). Collective (every rank
+        reads the image headers of its share)."""
+        args, acc = self.args, self.accelerator
+        vae_config = self.family.component_class("vae").load_config(
+            self.component_sources.get("vae", Path(self.source) / "vae")
+        )
+        multiple = self.family.latent_multiple(vae_config)
+        try:
+            if args.aspect_ratio_buckets:
+                self.buckets = parse_buckets(args.aspect_ratio_buckets, multiple)
+            else:
+                self.buckets = default_buckets(args.resolution, multiple)
+        except DataError as e:
+            raise ArgumentError(str(e)) from e
+        row_buckets = bucket_rows(ds, self.image_column, self.buckets)
+        self.bucket_sampler = BucketBatchSampler(
+            row_buckets, args.train_batch_size, acc.num_processes, seed=args.seed or 0
+        )
+        log_rank_zero(describe_buckets(self.buckets, row_buckets, self.bucket_sampler.global_batch))
+        if len(self.bucket_sampler) == 0:
+            raise DataError(
+                f"no aspect-ratio bucket holds processes x --train_batch_size = {self.bucket_sampler.global_batch} "
+                "images: lower the batch size, use fewer buckets, or add data"
+            )
+        return row_buckets
 
     def _select_rows(self, ds):
         """``--max_train_samples`` rows of ``ds`` (shuffled by the seed), checked to give every
@@ -306,6 +390,9 @@ class TextToImageTrainer:
             component_sources=self.component_sources,
             max_sequence_length=args.max_sequence_length,
             clips=self.train_dataset if self.family.video else None,
+            buckets=self.buckets,
+            row_buckets=self.train_dataset.row_buckets if self.buckets is not None else None,
+            interpolation=args.image_interpolation_mode,
         )
         if self.frozen.cache is not None:
             self.train_dataset.unreadable_rows = set(self.frozen.cache.skipped_rows)
@@ -324,14 +411,26 @@ class TextToImageTrainer:
             )
         self._learning_rate = lr
         optimizer = adamw(self.denoiser, args, lr)  # the adapters alone under LoRA
-        loader = torch.utils.data.DataLoader(
-            self.train_dataset,
-            shuffle=True,
-            collate_fn=self.collate_fn,
-            batch_size=args.train_batch_size,
-            num_workers=args.dataloader_num_workers,
-            generator=torch.Generator().manual_seed(args.seed or 0),  # CPU: the sampler shuffles there
-        )
+        if self.bucket_sampler is not None:  # one bucket per global batch, dealt out to the ranks
+            loader = torch.utils.data.DataLoader(
+                self.train_dataset,
+                batch_sampler=self.bucket_sampler,
+                collate_fn=self.collate_fn,
+                num_workers=args.dataloader_num_workers,
+            )
+            # a loader with a batch sampler has no batch_size, from which accelerate fills "auto"
+            plugin = acc.state.deepspeed_plugin
+            if plugin is not None and plugin.is_auto("train_micro_batch_size_per_gpu"):
+                plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.train_batch_size
+        else:
+            loader = torch.utils.data.DataLoader(
+                self.train_dataset,
+                shuffle=True,
+                collate_fn=self.collate_fn,
+                batch_size=args.train_batch_size,
+                num_workers=args.dataloader_num_workers,
+                generator=torch.Generator().manual_seed(args.seed or 0),  # CPU: the sampler shuffles there
+            )
         if args.max_train_steps is None:
             steps = updates_per_epoch(
                 math.ceil(len(loader) / acc.num_processes), args.gradient_accumulation_steps
@@ -342,6 +441,8 @@ class TextToImageTrainer:
             optimizer=optimizer,
             num_warmup_steps=args.lr_warmup_steps * acc.num_processes,
             num_training_steps=args.max_train_steps * acc.num_processes,
+            num_cycles=args.lr_num_cycles,
+            power=args.lr_power,
         )
         # The denoiser first: accelerate's backward drives the first engine it prepared.
         self.denoiser_part, self.loader = prepare_first_part(
@@ -379,7 +480,8 @@ class TextToImageTrainer:
         per_update = 1 if first is not None else self.accelerator.num_processes
         scheduler = get_scheduler(
             args.lr_scheduler, optimizer=optimizer, num_warmup_steps=args.lr_warmup_steps * per_update,
-            num_training_steps=args.max_train_steps * per_update,
+            num_training_steps=args.max_train_steps * per_update, num_cycles=args.lr_num_cycles,
+            power=args.lr_power,
         )  # fmt: skip
         part = prepare_extra_part(self.accelerator, self._trained_folders()[1], model, optimizer, scheduler,
                                   first_engine=first, max_grad_norm=args.max_grad_norm)  # fmt: skip
@@ -466,6 +568,20 @@ class TextToImageTrainer:
         processes, batch = self.accelerator.num_processes, self.args.train_batch_size
 
         def check(state: dict) -> None:  # before anything is loaded: where would the data resume?
+            if ("bucket_consumed" in state) != (self.bucket_sampler is not None):
+                with_buckets = "with" if "bucket_consumed" in state else "without"
+                raise CheckpointError(
+                    f"the checkpoint at step {state['global_step']} was trained {with_buckets} "
+                    "--use_aspect_ratio_buckets: resume it the same way"
+                )
+            if self.bucket_sampler is not None:
+                if [list(b) for b in self.buckets] != state.get("buckets"):
+                    raise CheckpointError(
+                        f"the checkpoint at step {state['global_step']} was trained with the buckets "
+                        f"{state.get('buckets')}, not {[list(b) for b in self.buckets]}: give the same "
+                        "--aspect_ratio_buckets and --resolution"
+                    )
+                return  # a bucket position resumes on any number of processes
             try:
                 batches_to_skip(state, processes, batch)
             except ValueError as e:
@@ -486,7 +602,12 @@ class TextToImageTrainer:
         path, state = resumed
         self.global_step = state["global_step"]
         self.first_epoch = state["epoch"]
-        self.resume_batches = batches_to_skip(state, processes, batch)
+        if self.bucket_sampler is not None:  # the epoch continues at each bucket's first unseen sample
+            self.bucket_start = BucketPosition.from_state(state)
+            self.bucket_sampler.start_at(self.bucket_start)
+            self.resume_batches = 0
+        else:
+            self.resume_batches = batches_to_skip(state, processes, batch)
         if int(state["world_size"]) != processes:
             log_rank_zero(
                 f"{path} was written by {state['world_size']} processes; resharded for {processes} "
@@ -502,8 +623,17 @@ class TextToImageTrainer:
         generators = sample_generators(self.args.seed or 0, self.epoch, batch["index"])
         latents, cond, _ = self.frozen(batch, self.accelerator.device, generators)
         if len(getattr(self.family, "experts", ())) < 2:
+            masked = {}
+            if "loss_mask" in batch:  # --mask_column: each latent pixel weighs what it encodes of the mask
+                masked["loss_weights"] = latent_loss_weights(batch["loss_mask"], latents)
             return self.family.loss(
-                self.denoiser, self.noise_scheduler, latents, cond, self.objective_settings, generators
+                self.denoiser,
+                self.noise_scheduler,
+                latents,
+                cond,
+                self.objective_settings,
+                generators,
+                **masked,
             )
         # Wan 2.2: the expert of this step, on its side of the boundary (with both, one expert a
         # step, the same on every rank: each expert's engine is called in lockstep)
@@ -570,6 +700,8 @@ class TextToImageTrainer:
         for epoch in range(self.first_epoch, args.num_train_epochs):
             self.epoch = epoch
             self.train_dataset.set_epoch(epoch)
+            if self.bucket_sampler is not None:
+                self.bucket_sampler.set_epoch(epoch)
             done_in_epoch = self.resume_batches if epoch == self.first_epoch else 0
             accumulated, metrics = 0.0, {}
             for batch in epoch_batches(acc, self.loader, epoch, done_in_epoch):
@@ -684,7 +816,12 @@ class TextToImageTrainer:
 
     def _checkpoint(self, epoch: int, done_in_epoch: int) -> None:
         reached("checkpoint")
-        state = resume_position(epoch, done_in_epoch, len(self.loader))
+        if self.bucket_sampler is not None:  # samples consumed per bucket: resumable on any N
+            start = self.bucket_start if epoch == self.first_epoch else None
+            position = self.bucket_sampler.position_after(epoch, done_in_epoch - self.resume_batches, start)
+            state = {**position.to_state(), "batches_in_epoch": 0, "buckets": [list(b) for b in self.buckets]}
+        else:
+            state = resume_position(epoch, done_in_epoch, len(self.loader))
         state["train_batch_size"] = self.args.train_batch_size
         path = save_training_checkpoint(
             self.accelerator,

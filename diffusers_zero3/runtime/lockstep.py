@@ -6,7 +6,8 @@ times leaves the others blocked in an all-gather: a hang (gloo waits for its tim
 for up to 30 minutes). Batch *sizes* may differ between ranks; call *counts* may not.
 
 * ``lockstep_map`` runs a callable over a rank's local micro-batches and pads with dummy
-  calls so that every rank makes the same number of calls.
+  calls so that every rank makes the same number of calls; ``lockstep_iter`` is the same as a
+  generator, for results that are written out as they come rather than held.
 * ``lockstep_check`` (a context manager over a module) is the debug check: before each
   forward every rank exchanges its call index, so a mismatch raises ``LockstepError``
   naming the model and the counts on every rank, instead of a hang. It costs one small
@@ -117,6 +118,46 @@ def _shared_dummy(items: Sequence[Any], counts: list[int]) -> Any:
     return dummy
 
 
+def lockstep_iter(
+    fn: Callable[[T], R],
+    items: Sequence[T],
+    *,
+    dummy: T | None = None,
+    name: str = "model",
+    dummy_results: list | None = None,
+) -> Iterator[R]:
+    """``lockstep_map`` as a generator: yields ``fn``'s result for each local item as it comes.
+
+    Collective: call on every rank and exhaust the generator on every rank (a plain ``for``
+    loop, ``list()``): the padding calls of a short rank run after its last real result, and
+    a generator left unfinished leaves the other ranks waiting in their next call (a hang). The
+    first collective (the exchange of item counts) runs at the first ``next()``, not at the
+    call. Arguments as ``lockstep_map``'s.
+
+    Example:
+        >>> for out in lockstep_iter(encode, chunks, name="vae"):   # 3 chunks here, 1 there
+        ...     writer.add(out)             # written as it comes: one chunk in memory at a time
+    """
+    counts = [c[0] for c in all_gather_ints([len(items)])]
+    total = max(counts)
+    if total == 0:
+        return
+    if dummy is None and min(counts) == 0:
+        # Every rank knows the counts, so every rank joins this collective (or none does).
+        dummy = _shared_dummy(items, counts)
+    elif dummy is None and len(items) < total:
+        dummy = items[0]
+    for i in range(total):
+        if i < len(items):
+            yield fn(items[i])
+        else:
+            out = fn(dummy)
+            if dummy_results is not None:
+                dummy_results.append(out)
+    if len(items) < total:
+        logger.debug("%s: %d dummy call(s) on rank %d to keep lockstep", name, total - len(items), get_rank())
+
+
 def lockstep_map(
     fn: Callable[[T], R],
     items: Sequence[T],
@@ -149,23 +190,4 @@ def lockstep_map(
         >>> batches = list(torch.split(my_images, 4))          # 3 on rank 0, 1 on rank 1
         >>> scores = lockstep_map(reward_model, batches, name="reward")
     """
-    counts = [c[0] for c in all_gather_ints([len(items)])]
-    total = max(counts)
-    if total == 0:
-        return []
-    if dummy is None and min(counts) == 0:
-        # Every rank knows the counts, so every rank joins this collective (or none does).
-        dummy = _shared_dummy(items, counts)
-    elif dummy is None and len(items) < total:
-        dummy = items[0]
-    results = []
-    for i in range(total):
-        if i < len(items):
-            results.append(fn(items[i]))
-        else:
-            out = fn(dummy)
-            if dummy_results is not None:
-                dummy_results.append(out)
-    if len(items) < total:
-        logger.debug("%s: %d dummy call(s) on rank %d to keep lockstep", name, total - len(items), get_rank())
-    return results
+    return list(lockstep_iter(fn, items, dummy=dummy, name=name, dummy_results=dummy_results))

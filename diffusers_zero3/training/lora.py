@@ -15,9 +15,11 @@ peft#2500, accelerate#3508, trl#4416). The file is written aside and moved into 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -28,6 +30,7 @@ from ..runtime.zero3 import gathered_parameters, is_zero3_param
 from ..state.folders import fsync_tree
 
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+DORA_MAGNITUDE_SUFFIX = "lora_magnitude_vector.weight"  # a DoRA layer's magnitudes (--use_dora)
 
 
 class LoraError(RuntimeError):
@@ -41,10 +44,12 @@ def add_lora_adapters(
     target_modules: list[str] | tuple[str, ...],
     alpha: float | None = None,
     dropout: float = 0.0,
+    use_dora: bool = False,
 ) -> list[torch.nn.Parameter]:
     """Inject peft LoRA adapters (``rank``, ``alpha`` default ``rank``, ``dropout``, gaussian
-    init as diffusers' LoRA scripts) into ``target_modules`` of ``denoiser`` (a diffusers model,
-    or a transformers text encoder) and freeze the rest.
+    init as diffusers' LoRA scripts; ``use_dora``: DoRA, a learnt magnitude per output beside
+    the low-rank direction, ``--use_dora``) into ``target_modules`` of ``denoiser`` (a diffusers
+    model, or a transformers text encoder) and freeze the rest.
 
     Works on a whole or a ZeRO-3-partitioned denoiser (call before ``accelerator.prepare``, on
     every rank, after seeding: the adapters' initial values come from the RNG; under ZeRO-3
@@ -59,16 +64,18 @@ def add_lora_adapters(
         lora_dropout=dropout,
         init_lora_weights="gaussian",
         target_modules=list(target_modules),
+        use_dora=use_dora,
     )
     denoiser.requires_grad_(False)
     try:
-        if _is_transformers_model(denoiser):
-            # transformers 5's own add_adapter asks for peft >= 0.22; peft's injection is what it does
-            from peft import inject_adapter_in_model
+        with _dora_init_gathers_zero3_weights(use_dora):
+            if _is_transformers_model(denoiser):
+                # transformers 5's own add_adapter asks for peft >= 0.22; peft's injection is what it does
+                from peft import inject_adapter_in_model
 
-            inject_adapter_in_model(config, denoiser)
-        else:
-            denoiser.add_adapter(config)
+                inject_adapter_in_model(config, denoiser)
+            else:
+                denoiser.add_adapter(config)
     except ValueError as e:  # peft: "Target modules ... not found in the base model"
         raise ArgumentError(
             f"--lora_layers {','.join(target_modules)}: no such module in {type(denoiser).__name__}"
@@ -80,7 +87,57 @@ def add_lora_adapters(
         raise LoraError(
             f"no module of {type(denoiser).__name__} matches the LoRA targets {', '.join(target_modules)}"
         )
+    if use_dora:
+        _register_dora_weights(denoiser)
     return params
+
+
+@contextlib.contextmanager
+def _dora_init_gathers_zero3_weights(use_dora: bool) -> Iterator[None]:
+    """For the block: peft's DoRA initialisation (each layer's magnitudes, the row norms of its
+    base weight) gathers the base weight with this package's ``gathered_parameters``, one
+    layer at a time, in the same order on every rank. peft gathers with ``gather_params_ctx``,
+    which asks transformers whether ZeRO-3 is on, and that is False here: this package never
+    registers an ``HfDeepSpeedConfig`` (it would change every ``from_pretrained``), so a
+    partitioned weight would read as shape [0]. Restores peft's function in ``finally``."""
+    if not use_dora:
+        yield
+        return
+    from peft.tuners.lora import dora
+
+    original = dora.gather_params_ctx
+
+    def gather(params, modifier_rank=None, fwd_module=None):  # a read: nothing is written back
+        return gathered_parameters([params] if isinstance(params, torch.Tensor) else list(params))
+
+    dora.gather_params_ctx = gather
+    try:
+        yield
+    finally:
+        dora.gather_params_ctx = original
+
+
+def _register_dora_weights(model: torch.nn.Module) -> int:
+    """Under ZeRO-3, make each DoRA layer gather what its magnitude layer reads directly (the
+    base weight and the ``lora_A``/``lora_B`` weights, for the weight norm), outside those
+    modules' own forwards: registered as external parameters of the peft LoRA layer, they are
+    gathered for its whole forward (the base layer's release then leaves them). Inside a block
+    made a ZeRO-3 leaf they are gathered anyway. This is DeepSpeed's stated contract for a
+    parameter read outside its module's forward; DeepSpeed 0.19.8 happened to leave these
+    weights gathered there without it too (tests/test_lora.py's DoRA test passes either way,
+    also with the leaves lever off), so it guards against a release this version does not do.
+    Returns the layers registered (0 for a model that is not partitioned)."""
+    layers = [m for m in model.modules() if getattr(m, "lora_magnitude_vector", None)]
+    if not layers or not is_zero3_param(layers[0].get_base_layer().weight):
+        return 0
+    from deepspeed.runtime.zero import register_external_parameter
+
+    for layer in layers:
+        base = layer.get_base_layer()
+        for name in layer.lora_magnitude_vector:
+            for param in (base.weight, layer.lora_A[name].weight, layer.lora_B[name].weight):
+                register_external_parameter(layer, param)
+    return len(layers)
 
 
 def _is_transformers_model(model: torch.nn.Module) -> bool:
@@ -98,7 +155,10 @@ def adapter_shapes(denoiser: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     for name, p in module.named_parameters():
         if "lora_" in name:
             shape = tuple(p.ds_shape) if is_zero3_param(p) else tuple(p.shape)
-            shapes[name.replace(".default", "")] = shape
+            key = name.replace(".default", "")
+            if key.endswith(DORA_MAGNITUDE_SUFFIX):  # peft keeps DoRA's magnitudes under the layer's name
+                key = key[: -len(".weight")]
+            shapes[key] = shape
     return shapes
 
 

@@ -74,18 +74,89 @@ class TrainedModel:
         return next(self.module.parameters()).device
 
 
-def adamw(
+def build_optimizer(
     model: torch.nn.Module, args, lr: float | None = None, weight_decay: float | None = None
-) -> torch.optim.AdamW:
-    """AdamW over ``model``'s trainable parameters (the adapters alone under LoRA) from a
-    script's optimizer flags (``--learning_rate`` unless ``lr``, ``--adam_beta1/2``,
-    ``--adam_weight_decay`` unless ``weight_decay``, ``--adam_epsilon``)."""
-    return torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=args.learning_rate if lr is None else lr,
+) -> torch.optim.Optimizer:
+    """The script's ``--optimizer`` over ``model``'s trainable parameters (the adapters alone
+    under LoRA): AdamW, or prodigyopt's Prodigy (``--optimizer prodigy``, with the
+    ``--prodigy_*`` flags, as diffusers' DreamBooth LoRA scripts build it). Both read
+    ``--learning_rate`` unless ``lr``, ``--adam_beta1/2``, ``--adam_weight_decay`` unless
+    ``weight_decay``, and ``--adam_epsilon``.
+
+    Under ZeRO-3 on several ranks Prodigy is built with ``fsdp_in_use=True``: each rank steps
+    its own partition, and its step-size estimate is a sum over all parameters, which Prodigy
+    then all-reduces over the ranks (without it every rank would adapt its own step size).
+    ``prepare_first_part`` / ``prepare_extra_part`` make DeepSpeed step it once per update
+    (``fit_zero3_config_to_optimizer``).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> flags = SimpleNamespace(optimizer="AdamW", learning_rate=1e-4, adam_beta1=0.9,
+        ...                         adam_beta2=0.999, adam_weight_decay=1e-2, adam_epsilon=1e-8)
+        >>> type(build_optimizer(torch.nn.Linear(2, 2), flags)).__name__
+        'AdamW'
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    lr = args.learning_rate if lr is None else lr
+    weight_decay = args.adam_weight_decay if weight_decay is None else weight_decay
+    if args.optimizer.lower() != "prodigy":
+        return torch.optim.AdamW(
+            params,
+            lr=lr,
+            betas=(args.adam_beta1, args.adam_beta2),
+            weight_decay=weight_decay,
+            eps=args.adam_epsilon,
+        )
+    from prodigyopt import Prodigy
+
+    from ..runtime.distributed import get_world_size
+    from ..runtime.zero3 import is_zero3_enabled
+
+    if lr <= 0.1:  # diffusers' scripts warn alike
+        log_rank_zero(f"--optimizer prodigy with a learning rate of {lr}: Prodigy is usually run with 1.0")
+    return Prodigy(
+        params,
+        lr=lr,
         betas=(args.adam_beta1, args.adam_beta2),
-        weight_decay=args.adam_weight_decay if weight_decay is None else weight_decay,
+        beta3=args.prodigy_beta3,
+        weight_decay=weight_decay,
         eps=args.adam_epsilon,
+        decouple=args.prodigy_decouple,
+        use_bias_correction=args.prodigy_use_bias_correction,
+        safeguard_warmup=args.prodigy_safeguard_warmup,
+        fsdp_in_use=is_zero3_enabled() and get_world_size() > 1,
+    )
+
+
+# The recipes' name for it from when AdamW was the only choice; it builds --optimizer's choice.
+adamw = build_optimizer
+
+
+def steps_whole_partition(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether DeepSpeed must step ``optimizer`` once over a rank's whole partition: Prodigy,
+    whose step size comes from sums over every parameter and whose counters advance per call.
+    (DeepSpeed calls ``optimizer.step()`` once per sub-group of ``sub_group_size`` elements,
+    which is right for AdamW's element-wise update only.)"""
+    return type(optimizer).__name__ == "Prodigy"
+
+
+def fit_zero3_config_to_optimizer(config: dict, model: torch.nn.Module, optimizer) -> None:
+    """Adjust a ZeRO-3 training ``config`` (in place) for ``optimizer`` when it is not an
+    Adam DeepSpeed knows (``steps_whole_partition``): one sub-group as large as the trained
+    parameters (one ``step()`` per update: an fp32 copy of the partition's gradients at the
+    step, where smaller sub-groups would hold one sub-group's), and ``zero_force_ds_cpu_optimizer``
+    off, so that with an offloaded optimizer accelerate keeps it (it would swap in
+    DeepSpeedCPUAdam, an Adam at Prodigy's learning rate) and it steps the partitions in host
+    memory. Nothing for AdamW."""
+    if not steps_whole_partition(optimizer):
+        return
+    trained = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+    zero = config.setdefault("zero_optimization", {})
+    zero["sub_group_size"] = max(int(zero.get("sub_group_size") or 0), trained)
+    config["zero_force_ds_cpu_optimizer"] = False
+    config["zero_allow_untested_optimizer"] = True
+    log_rank_zero(
+        f"{type(optimizer).__name__}: one optimizer sub-group of {trained:,} elements (stepped once per update)"
     )
 
 
@@ -116,6 +187,8 @@ def prepare_first_part(
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
     if plugin is not None and plugin.deepspeed_config.get("zero_optimization", {}).get("stage") == 3:
         _log_blocks(name, set_block_leaf_modules(model))
+    if plugin is not None:
+        fit_zero3_config_to_optimizer(plugin.deepspeed_config, model, optimizer)
     objects = [model, optimizer] + ([dataloader] if dataloader is not None else [])
     objects += [lr_scheduler] if lr_scheduler is not None else []
     prepared = list(accelerator.prepare(*objects))
@@ -171,6 +244,7 @@ def prepare_extra_part(
     import deepspeed
 
     config = trained_engine_config(first_engine.config, model, max_grad_norm)
+    fit_zero3_config_to_optimizer(config, model, optimizer)
     _log_blocks(name, set_block_leaf_modules(model))
     engine, ds_optimizer, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=config, lr_scheduler=lr_scheduler

@@ -1,0 +1,276 @@
+"""Aspect-ratio buckets: each image trained at its own shape, each micro-batch of one shape.
+
+``--use_aspect_ratio_buckets`` with ``--aspect_ratio_buckets "h1,w1;h2,w2;..."`` (diffusers'
+flags), or without the list the buckets ``default_buckets`` makes from ``--resolution``:
+shapes of about ``resolution**2`` pixels at common aspect ratios, each side a multiple of what
+the family's latents need. ``assign_buckets`` gives each image the bucket nearest its aspect
+ratio among those that fit inside it (an image is not upscaled when a bucket of its shape
+fits), else the nearest ratio overall. The image is then resized to cover the bucket and
+cropped to it (``images.transform_image_with_crop``).
+
+``BucketBatchSampler`` orders an epoch so that every rank draws the same bucket at the same
+step (a global batch of ``processes x batch`` samples comes from one bucket, then is dealt out
+to the ranks): the ranks' work is balanced and a family's per-shape computations (packing,
+position ids, SDXL's target size) see one shape per batch. The order depends only on the seed
+and the epoch; where an epoch resumes is the samples consumed per bucket
+(``BucketPosition``), which any number of processes can continue from: no sample of the
+epoch repeats and none is skipped.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from ..errors import DataError
+
+Bucket = tuple[int, int]  # (height, width) in pixels
+NO_BUCKET = -1  # a row whose image cannot be read: in no bucket, never drawn
+
+# Height:width ratios of the default buckets (square, 4:3, 3:2, 16:9, 2:1, 5:2 and their
+# portraits): the shapes photographs, screens and posters come in.
+DEFAULT_RATIOS = (1.0, 3 / 4, 4 / 3, 2 / 3, 3 / 2, 9 / 16, 16 / 9, 1 / 2, 2.0, 2 / 5, 5 / 2)
+
+
+def parse_buckets(spec: str, multiple: int = 1) -> list[Bucket]:
+    """``"h1,w1;h2,w2;..."`` (``--aspect_ratio_buckets``) as a list of ``(height, width)``.
+
+    Raises ``DataError`` naming the entry that is not two positive integers, or whose sides are
+    not multiples of ``multiple`` (what the family's VAE and latent packing need)."""
+    buckets: list[Bucket] = []
+    for entry in (e.strip() for e in spec.split(";")):
+        if not entry:
+            continue
+        parts = [p.strip() for p in entry.split(",")]
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise DataError(
+                f"--aspect_ratio_buckets entry {entry!r} is not 'height,width' (two positive integers)"
+            )
+        h, w = int(parts[0]), int(parts[1])
+        if h % multiple or w % multiple:
+            raise DataError(
+                f"--aspect_ratio_buckets entry {entry!r}: height and width must be multiples of {multiple} "
+                "for this model"
+            )
+        if (h, w) not in buckets:
+            buckets.append((h, w))
+    if not buckets:
+        raise DataError(f"--aspect_ratio_buckets {spec!r} names no bucket")
+    return buckets
+
+
+def default_buckets(resolution: int, multiple: int, ratios: Sequence[float] = DEFAULT_RATIOS) -> list[Bucket]:
+    """Buckets of about ``resolution x resolution`` pixels at ``ratios`` (height / width), each
+    side rounded to a multiple of ``multiple``; the square ``(resolution, resolution)`` first."""
+    buckets: list[Bucket] = []
+    for ratio in ratios:
+        h = max(multiple, round(resolution * math.sqrt(ratio) / multiple) * multiple)
+        w = max(multiple, round(resolution / math.sqrt(ratio) / multiple) * multiple)
+        if (h, w) not in buckets:
+            buckets.append((h, w))
+    return buckets
+
+
+def nearest_bucket(height: int, width: int, buckets: Sequence[Bucket]) -> int:
+    """The index of the bucket for an image of ``height x width``: the nearest aspect ratio
+    (in log space, so 1:2 and 2:1 are equally far from square) among the buckets that fit
+    inside the image, else among all; ties go to the larger bucket, then the earlier one."""
+    fitting = [i for i, (h, w) in enumerate(buckets) if h <= height and w <= width]
+    candidates = fitting or range(len(buckets))
+    ratio = math.log(height / width)
+    return min(
+        candidates,
+        key=lambda i: (
+            round(abs(math.log(buckets[i][0] / buckets[i][1]) - ratio), 9),
+            -buckets[i][0] * buckets[i][1],
+            i,
+        ),
+    )
+
+
+def image_size(value) -> tuple[int, int] | None:
+    """``(height, width)`` of an image as ``datasets`` stores it undecoded (``{"bytes",
+    "path"}``), or a PIL image; reads the header only. None when it cannot be read."""
+    from PIL import Image
+
+    try:
+        if hasattr(value, "size") and not isinstance(value, dict):
+            width, height = value.size
+            return height, width
+        source = io.BytesIO(value["bytes"]) if value.get("bytes") else value.get("path")
+        if source is None:
+            return None
+        with Image.open(source) as image:
+            width, height = image.size
+        return height, width
+    except Exception:  # PIL raises several types for a file that is not an image
+        return None
+
+
+def image_sizes(
+    dataset, image_column: str, rows: Sequence[int] | None = None
+) -> list[tuple[int, int] | None]:
+    """``(height, width)`` of each row's image (``rows``, default all), from the file headers
+    without decoding the pixels; None for an image that cannot be read."""
+    import datasets
+
+    if isinstance(dataset, datasets.Dataset):
+        dataset = dataset.cast_column(image_column, datasets.Image(decode=False))
+    rows = range(len(dataset)) if rows is None else rows
+    return [image_size(dataset[int(i)][image_column]) for i in rows]
+
+
+def assign_buckets(sizes: Sequence[tuple[int, int] | None], buckets: Sequence[Bucket]) -> list[int]:
+    """The bucket index of each image size (``NO_BUCKET`` for an unreadable image)."""
+    return [NO_BUCKET if s is None else nearest_bucket(s[0], s[1], buckets) for s in sizes]
+
+
+@dataclass
+class BucketPosition:
+    """Where an epoch of a ``BucketBatchSampler`` stands: ``consumed[b]`` samples of bucket
+    ``b``'s order for ``epoch`` are trained. What a checkpoint records to resume exactly."""
+
+    epoch: int = 0
+    consumed: dict[int, int] = field(default_factory=dict)
+
+    def to_state(self) -> dict:
+        return {"epoch": self.epoch, "bucket_consumed": {str(b): n for b, n in sorted(self.consumed.items())}}
+
+    @classmethod
+    def from_state(cls, state: dict) -> BucketPosition:
+        return cls(int(state["epoch"]), {int(b): int(n) for b, n in state["bucket_consumed"].items()})
+
+
+class BucketBatchSampler:
+    """Batches of dataset rows, each of one bucket, for ``num_processes`` ranks in turn.
+
+    Yields the batches of every rank, rank 0's first, for one global batch after another (the
+    order ``accelerate``'s ``BatchSamplerShard`` deals out: batch ``k`` to rank ``k % N``).
+    An epoch's order: each bucket's rows in a permutation seeded by ``(seed, epoch, bucket)``;
+    each global batch takes the next ``num_processes x batch_size`` rows of one bucket, the
+    bucket drawn with probability proportional to the whole global batches it has left, from
+    a generator seeded by ``(seed, epoch, samples consumed so far)``. A bucket's rows that do
+    not fill a global batch wait for the next epoch's permutation (``drop_last``).
+
+    ``set_epoch(e)`` selects the epoch; ``start_at(position)`` makes the next iteration of
+    ``position.epoch`` continue from it (a resume); ``position_after(epoch, k, start)`` is
+    where ``k`` global batches of that epoch lead. None of these depend on the number of
+    processes except through the global batch size, so a position written by one run is
+    continued by another of any size.
+    """
+
+    drop_last = True
+
+    def __init__(self, row_buckets: Sequence[int], batch_size: int, num_processes: int = 1, seed: int = 0):
+        self.batch_size = batch_size  # per process, as accelerate's BatchSamplerShard reads it
+        self.num_processes = num_processes
+        self.seed = seed
+        self.epoch = 0
+        self._start: BucketPosition | None = None
+        self.rows: dict[int, list[int]] = {}
+        for row, bucket in enumerate(row_buckets):
+            if bucket != NO_BUCKET:
+                self.rows.setdefault(int(bucket), []).append(row)
+        if not self.rows:
+            raise DataError("no readable image to bucket")
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.num_processes
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def start_at(self, position: BucketPosition) -> None:
+        """Continue ``position.epoch`` from ``position`` (its next iteration only)."""
+        self._start = position
+
+    def _order(self, bucket: int, epoch: int) -> list[int]:
+        rows = list(self.rows[bucket])
+        random.Random(f"{self.seed}-{epoch}-bucket-{bucket}").shuffle(rows)
+        return rows
+
+    def _draws(self, epoch: int, consumed: dict[int, int]) -> Iterator[int]:
+        """The bucket of each next global batch of ``epoch`` from ``consumed`` on (updated)."""
+        size = self.global_batch
+        while True:
+            left = {b: (len(r) - consumed.get(b, 0)) // size for b, r in sorted(self.rows.items())}
+            left = {b: n for b, n in left.items() if n > 0}
+            if not left:
+                return
+            rng = random.Random(f"{self.seed}-{epoch}-draw-{sum(consumed.values())}")
+            bucket = rng.choices(list(left), weights=list(left.values()))[0]
+            consumed[bucket] = consumed.get(bucket, 0) + size
+            yield bucket
+
+    def global_batches(
+        self, epoch: int, start: BucketPosition | None = None
+    ) -> Iterator[tuple[int, list[int]]]:
+        """``(bucket, rows)`` of each global batch of ``epoch``, from ``start`` on."""
+        consumed = dict(start.consumed) if start is not None and start.epoch == epoch else {}
+        orders: dict[int, list[int]] = {}
+        for bucket in self._draws(epoch, consumed):
+            order = orders.setdefault(bucket, self._order(bucket, epoch))
+            end = consumed[bucket]
+            yield bucket, order[end - self.global_batch : end]
+
+    def position_after(
+        self, epoch: int, global_batches: int, start: BucketPosition | None = None
+    ) -> BucketPosition:
+        """Where ``global_batches`` global batches of ``epoch`` (from ``start``) lead; the next
+        epoch's start when they end it."""
+        consumed = dict(start.consumed) if start is not None and start.epoch == epoch else {}
+        draws = self._draws(epoch, consumed)
+        for _ in range(global_batches):
+            if next(draws, None) is None:
+                break
+        if next(self._draws(epoch, dict(consumed)), None) is None:
+            return BucketPosition(epoch + 1, {})
+        return BucketPosition(epoch, consumed)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        start, self._start = self._start, None
+        b = self.batch_size
+        for _, rows in self.global_batches(self.epoch, start):
+            for rank in range(self.num_processes):
+                yield rows[rank * b : (rank + 1) * b]
+
+    def __len__(self) -> int:
+        """Batches of a whole epoch, all ranks' together."""
+        return sum(len(r) // self.global_batch for r in self.rows.values()) * self.num_processes
+
+    def bucket_counts(self) -> dict[int, int]:
+        """Readable rows per bucket."""
+        return {b: len(r) for b, r in sorted(self.rows.items())}
+
+
+def bucket_rows(dataset, image_column: str, buckets: Sequence[Bucket]) -> list[int]:
+    """Each row's bucket index (``NO_BUCKET`` for an image that cannot be read), every rank
+    reading the headers of its own share of the rows. Collective: call on every rank."""
+    from ..runtime.distributed import all_gather_object, get_rank, get_world_size
+
+    rank, world = get_rank(), get_world_size()
+    per_rank = -(-len(dataset) // world)
+    mine = range(rank * per_rank, min(len(dataset), (rank + 1) * per_rank))
+    shares = all_gather_object(assign_buckets(image_sizes(dataset, image_column, mine), buckets))
+    return [b for share in shares for b in share]
+
+
+def describe_buckets(buckets: Sequence[Bucket], row_buckets: Sequence[int], global_batch: int) -> str:
+    """One log line: images per bucket, and how many of them an epoch trains (whole global
+    batches of ``global_batch`` images; the rest wait for another epoch's order)."""
+    counts = {i: 0 for i in range(len(buckets))}
+    for b in row_buckets:
+        if b != NO_BUCKET:
+            counts[b] += 1
+    used = [f"{h}x{w}: {counts[i]}" for i, (h, w) in enumerate(buckets) if counts[i]]
+    trained = sum(n // global_batch * global_batch for n in counts.values())
+    unreadable = sum(1 for b in row_buckets if b == NO_BUCKET)
+    return (
+        f"aspect-ratio buckets (height x width: images): {', '.join(used)}; "
+        f"{trained} of {len(row_buckets)} images per epoch in batches of {global_batch}"
+        + (f"; {unreadable} unreadable" if unreadable else "")
+    )

@@ -1,0 +1,223 @@
+"""Aspect-ratio buckets: parsing, defaults, assignment, the sampler's rank agreement and its
+exact resume (also on another number of processes), and bucketed crops through the dataset."""
+
+import random
+
+import pytest
+import torch
+
+from diffusers_zero3.data.buckets import (
+    NO_BUCKET,
+    BucketBatchSampler,
+    BucketPosition,
+    assign_buckets,
+    default_buckets,
+    describe_buckets,
+    image_sizes,
+    nearest_bucket,
+    parse_buckets,
+)
+from diffusers_zero3.errors import DataError
+
+pytestmark = pytest.mark.unit
+
+
+def test_parse_buckets_and_its_errors():
+    assert parse_buckets("64,32; 32,64;64,64;", 16) == [(64, 32), (32, 64), (64, 64)]
+    assert parse_buckets("64,32;64,32") == [(64, 32)]  # a repeated entry counts once
+    for spec, words in [("64x32", "not 'height,width'"), ("64,-8", "not 'height,width'"), (";", "names no bucket"),
+                        ("64,40", "multiples of 16")]:  # fmt: skip
+        with pytest.raises(DataError, match=words):
+            parse_buckets(spec, 16)
+
+
+def test_default_buckets_keep_the_area_and_the_multiple():
+    buckets = default_buckets(1024, 16)
+    assert buckets[0] == (1024, 1024)
+    assert all(h % 16 == 0 and w % 16 == 0 for h, w in buckets)
+    assert all(abs(h * w / 1024**2 - 1) < 0.06 for h, w in buckets), buckets
+    assert (768, 1344) in buckets or (768, 1360) in buckets  # 9:16, about SDXL's own 768 x 1344
+    assert (
+        len(set(buckets)) == len(buckets)
+        and any(h > w for h, w in buckets)
+        and any(h < w for h, w in buckets)
+    )
+
+
+def test_nearest_bucket_prefers_the_ratio_among_buckets_that_fit():
+    buckets = [(64, 64), (48, 80), (80, 48), (32, 96)]
+    assert nearest_bucket(300, 500, buckets) == 1  # landscape 3:5 -> 48 x 80
+    assert nearest_bucket(500, 300, buckets) == 2
+    assert nearest_bucket(100, 100, buckets) == 0
+    # 40 x 120 fits 32 x 96 (the same ratio) and nothing else of that shape
+    assert nearest_bucket(40, 120, buckets) == 3
+    # an image smaller than every bucket still gets the nearest ratio (it is upscaled)
+    assert nearest_bucket(10, 30, buckets) == 3
+    # a bucket that does not fit loses to one that does, even at a farther ratio
+    assert nearest_bucket(50, 100, [(64, 128), (48, 64)]) == 1
+    # log-ratio symmetry: 1:2 and 2:1 are equally far from square; the tie goes to the larger bucket
+    assert nearest_bucket(200, 200, [(32, 64), (64, 32), (128, 64)]) == 2
+
+
+def _image_dataset(sizes, corrupt=()):
+    import io
+
+    import datasets
+    from PIL import Image
+
+    rows = []
+    for i, (h, w) in enumerate(sizes):
+        buf = io.BytesIO()
+        Image.new("RGB", (w, h), (i * 20 % 255, 0, 0)).save(buf, format="PNG")
+        data = buf.getvalue()[:20] if i in corrupt else buf.getvalue()
+        rows.append({"bytes": data, "path": None})
+    features = datasets.Features({"image": datasets.Image(), "text": datasets.Value("string")})
+    return datasets.Dataset.from_dict(
+        {"image": rows, "text": [f"c{i}" for i in range(len(sizes))]}, features=features
+    )
+
+
+def test_image_sizes_read_headers_and_flag_unreadable_images():
+    ds = _image_dataset([(40, 80), (80, 40), (64, 64)], corrupt={1})
+    assert image_sizes(ds, "image") == [(40, 80), None, (64, 64)]
+    assert image_sizes(ds, "image", [2]) == [(64, 64)]
+    assert assign_buckets([(40, 80), None], [(32, 64), (64, 32)]) == [0, NO_BUCKET]
+
+
+def _row_buckets(n=60, buckets=3, seed=1):
+    rng = random.Random(seed)
+    return [rng.randrange(buckets) for _ in range(n)] + [NO_BUCKET, NO_BUCKET]
+
+
+def _rank_batches(sampler, num_processes):
+    """What accelerate's BatchSamplerShard gives each rank (the prepared loader's sharding)."""
+    from accelerate.data_loader import BatchSamplerShard
+
+    return [
+        list(BatchSamplerShard(sampler, num_processes=num_processes, process_index=r))
+        for r in range(num_processes)
+    ]
+
+
+def test_sampler_gives_every_rank_the_same_bucket_at_each_step():
+    rows = _row_buckets()
+    sampler = BucketBatchSampler(rows, batch_size=2, num_processes=3, seed=7)
+    per_rank = _rank_batches(sampler, 3)
+    assert len({len(b) for b in per_rank}) == 1 and len(per_rank[0]) == len(sampler) // 3 > 0
+    for step in zip(*per_rank):
+        assert len({rows[i] for batch in step for i in batch}) == 1, step  # one bucket across ranks
+        assert all(len(batch) == 2 for batch in step)
+    seen = [i for batches in per_rank for batch in batches for i in batch]
+    assert len(seen) == len(set(seen))  # no row twice in an epoch
+    assert not {i for i, b in enumerate(rows) if b == NO_BUCKET} & set(seen)  # unreadable rows never drawn
+    counts = sampler.bucket_counts()
+    assert len(seen) == sum(n // 6 * 6 for n in counts.values())  # only whole global batches
+    # deterministic from the seed and epoch; another epoch, another order
+    assert _rank_batches(BucketBatchSampler(rows, 2, 3, seed=7), 3) == per_rank
+    sampler.set_epoch(1)
+    assert _rank_batches(sampler, 3) != per_rank
+    # buckets interleave (drawn by the batches they have left), not one bucket after another
+    order = [b for b, _ in BucketBatchSampler(rows, 1, 2, seed=7).global_batches(0)]
+    assert sum(a != b for a, b in zip(order, order[1:])) > len(set(order))
+
+
+def test_sampler_resumes_at_the_first_unseen_sample_on_the_same_and_another_number_of_processes():
+    rows = _row_buckets(n=90, buckets=3, seed=3)
+    full = BucketBatchSampler(rows, batch_size=2, num_processes=2, seed=5)
+    whole = list(full.global_batches(4))
+    for k in (0, 3, len(whole) - 1):
+        position = full.position_after(4, k)
+        # same number of processes: the rest of the epoch equals the uninterrupted run's
+        resumed = BucketBatchSampler(rows, 2, 2, seed=5)
+        resumed.set_epoch(4)
+        resumed.start_at(BucketPosition.from_state(position.to_state()))  # through the checkpoint's JSON form
+        assert [b for b in resumed] == [r[i : i + 2] for _, r in whole[k:] for i in (0, 2)]
+        assert list(resumed) == [r[i : i + 2] for _, r in whole for i in (0, 2)]  # the start holds once
+        # 3 processes of 1: no sample of the epoch repeats, and each bucket goes on in its own order
+        other = BucketBatchSampler(rows, 1, 3, seed=5)
+        other.start_at(position)
+        before = {i for _, r in whole[:k] for i in r}
+        after = [i for _, r in other.global_batches(4, position) for i in r]
+        assert not before & set(after) and len(after) == len(set(after))
+        for bucket, rows_of in full.rows.items():
+            order = full._order(bucket, 4)
+            seen = [i for i in before | set(after) if rows[i] == bucket]
+            assert sorted(seen, key=order.index) == order[: len(seen)]  # a prefix of the bucket's order
+            assert len(rows_of) - len(seen) < 3  # only a remainder smaller than the new global batch
+    end = full.position_after(4, len(whole))
+    assert end == BucketPosition(5, {})  # a finished epoch resumes at the next one
+
+
+def test_describe_buckets_and_an_empty_sampler():
+    line = describe_buckets([(32, 64), (64, 32)], [0, 0, 0, 1, NO_BUCKET], 2)
+    assert "32x64: 3" in line and "64x32: 1" in line and "2 of 5 images" in line and "1 unreadable" in line
+    with pytest.raises(DataError, match="no readable image"):
+        BucketBatchSampler([NO_BUCKET], 1)
+
+
+def test_bucketed_crops_through_the_dataset(tmp_path):
+    from PIL import Image
+
+    from diffusers_zero3.data.images import ImageCaptionDataset, collate, transform_image_with_crop
+
+    image = Image.new("RGB", (200, 100))
+    pixels, crop = transform_image_with_crop(image, (48, 80), False, True, random.Random(0), "lanczos")
+    assert pixels.shape == (3, 48, 80) and crop.target_size == (48, 80)
+    # covered then cropped: 100 x 200 -> 48 x 96 (scale 0.48), a 48 x 80 crop
+    assert crop.resized_size == (48, 96) and crop.original_size == (100, 200)
+    assert crop.mirrored((48, 80)).crop_top_left[1] == 96 - 80 - crop.crop_top_left[1]
+    with pytest.raises(DataError, match="image_interpolation_mode"):
+        transform_image_with_crop(image, 32, False, False, random.Random(0), "cubic")
+
+    ds = _image_dataset([(40, 80), (40, 90), (80, 40), (40, 85)], corrupt={1})
+    buckets = [(32, 64), (64, 32)]
+    row_buckets = [0, 0, 1, 0]  # the corrupt row 1 is in bucket 0: its stand-in must be too
+    dataset = ImageCaptionDataset(
+        ds, None, "image", "text", 32, tokenize=lambda c: {"input_ids": torch.zeros(len(c), 4, dtype=torch.long)},
+        buckets=buckets, row_buckets=row_buckets,
+    )  # fmt: skip
+    items = [dataset[i] for i in range(4)]
+    assert [tuple(it["pixel_values"].shape[1:]) for it in items] == [(32, 64), (32, 64), (64, 32), (32, 64)]
+    assert items[1]["index"] == 3  # the next readable row of the same bucket, not row 2 (another shape)
+    assert dataset.skipped_rows == {1}
+    batch = collate([items[0], items[3]])
+    assert batch["target_size"].tolist() == [[32, 64], [32, 64]]
+
+
+def test_a_bucketed_cache_holds_each_image_at_its_buckets_shape_as_live_training_encodes_it(tmp_path):
+    """The VAE cache with buckets: rows encoded bucket by bucket (a shard per shape), each crop
+    the one live training makes at epoch 0, with its target size (SDXL's time_ids); another
+    bucket list is another cache."""
+    from diffusers import AutoencoderKL
+
+    from diffusers_zero3.data.images import ImageCaptionDataset
+    from diffusers_zero3.demo.pipelines import tiny_vae_config
+    from diffusers_zero3.families import SDXL
+    from diffusers_zero3.placement.cache import precompute_frozen_outputs
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(**tiny_vae_config()).eval()
+    ds = _image_dataset([(40, 80), (80, 40), (40, 90), (64, 64), (80, 40)], corrupt={3})
+    buckets = [(16, 32), (32, 16)]
+    row_buckets = assign_buckets(image_sizes(ds, "image"), buckets)
+    assert row_buckets == [0, 1, 0, NO_BUCKET, 1]
+    kw = dict(vae=vae, family=SDXL, resolution=16, random_flip=True, seed=3, batch_size=4, shard_rows=8)
+    cache = precompute_frozen_outputs(ds, tmp_path, buckets=buckets, row_buckets=row_buckets, **kw)
+    assert cache.skipped_rows == [3] and len(list(cache.folder.glob("part-*"))) == 2  # one shard per shape
+    live = ImageCaptionDataset(
+        ds, None, "image", "text", 16, random_flip=False, seed=3, buckets=buckets, row_buckets=row_buckets,
+        tokenize=lambda c: {"input_ids": torch.zeros(len(c), 2, dtype=torch.long)},
+    )  # fmt: skip
+    for rows in ([0, 2], [1, 4]):
+        got = cache.get(torch.tensor(rows), sample=False)
+        items = [live[i] for i in rows]
+        pixels = torch.stack([it["pixel_values"] for it in items])
+        with torch.no_grad():
+            expected = vae.encode(pixels).latent_dist.mode()
+        torch.testing.assert_close(got["latents"], expected, rtol=1e-5, atol=1e-5)
+        assert got["target_size"].tolist() == [list(buckets[row_buckets[rows[0]]])] * 2
+        assert got["crop_top_left"].tolist() == [it["crop_top_left"].tolist() for it in items]
+    other = precompute_frozen_outputs(
+        ds, tmp_path, buckets=buckets[::-1], row_buckets=[1 - b if b >= 0 else b for b in row_buckets], **kw
+    )
+    assert not other.reused and other.folder != cache.folder
