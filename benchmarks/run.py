@@ -25,6 +25,7 @@ SUITES = [
     "reward",
     "grpo",
     "cache",
+    "data",
 ]
 
 

@@ -479,6 +479,15 @@ class TextToImageSettings(CommonSettings):
     cache_latents: bool = flag(
         False, "Encode the images with the VAE once, to a disk cache (= --vae_placement cache).", group="data"
     )
+    streaming: bool = flag(
+        False,
+        "Stream --dataset_name (hub id, local parquet or webdataset shards) or --train_data_dir as training "
+        "reads it, shuffled with a buffer; needs --max_train_steps. A resume goes on at the first unseen row.",
+        group="data",
+    )
+    shuffle_buffer_size: int = flag(
+        1000, "Rows in the shuffle buffer of --streaming (0: no shuffle).", group="data"
+    )
     mask_column: str | None = flag(
         None,
         "A column of loss masks (grayscale images the size of their image: white trains, black is "

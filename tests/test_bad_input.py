@@ -134,6 +134,21 @@ T2I_CASES = COMMON_CASES + [
     ),
     (["--train_data_dir", "/nonexistent/data"], "--train_data_dir '/nonexistent/data' is not a directory"),
     (
+        ["--use_aspect_ratio_buckets", "--aspect_ratio_buckets", "32,31"],
+        "height and width must be multiples of 2",
+    ),
+    (["--aspect_ratio_buckets", "32,32"], "--aspect_ratio_buckets needs --use_aspect_ratio_buckets"),
+    (["--mask_column", "nope"], "--mask_column 'nope' is not a dataset column"),
+    (
+        ["--caption_dropout", "0.1", "--proportion_empty_prompts", "0.2"],
+        "give --caption_dropout or --proportion_empty_prompts",
+    ),
+    (["--image_interpolation_mode", "cubic"], "argument --image_interpolation_mode: invalid choice: 'cubic'"),
+    (
+        ["--streaming", "--vae_placement", "cache"],
+        "--streaming reads each row once per epoch as it trains; nothing to cache vae",
+    ),
+    (
         ["--text_encoder_2_placement", "shard"],
         "--text_encoder_2_placement shard: a StableDiffusionPipeline has no",
     ),

@@ -435,7 +435,11 @@ class ImageCaptionDataset(SeededRows):
         raise DataError("no readable image in the dataset")
 
     def __getitem__(self, index: int) -> dict:
-        i, row = self._readable_row(index)
+        return self.example(*self._readable_row(index))
+
+    def example(self, i: int, row: dict) -> dict:
+        """The training example of row ``i`` (its contents ``row``, images decoded): caption
+        or the empty prompt, tokens, and the crop, with this epoch's draws for row ``i``."""
         rng = self._rng(i)
         caption = pick_caption(row[self.caption_column], rng)
         if self.empty_prompt_probability and random.Random(f"{self.seed}-{self.epoch}-{i}-empty").random() < (

@@ -44,6 +44,7 @@ from ..data.images import (
     prepare_image_column,
     resolve_columns,
 )
+from ..data.streaming import StreamedExamples, StreamedRows, load_streamed_dataset, streamed_loader
 from ..errors import DataError
 from ..families import detect_family
 from ..families.objectives import (
@@ -160,7 +161,7 @@ class TextToImageTrainer:
                 component_placements(args),
                 self.source,
                 acc,
-                fixed_data=self.cacheable_data,
+                fixed_data=self.cacheable_data and not args.streaming,
                 use_ema=args.use_ema,
                 rank=args.rank,
                 resolution=args.resolution,
@@ -171,6 +172,12 @@ class TextToImageTrainer:
             )
         except ValueError as e:
             raise ArgumentError(str(e)) from e
+        cached = sorted(name for name, placement in self.placements.items() if placement == "cache")
+        if args.streaming and cached:
+            raise ArgumentError(
+                f"--streaming reads each row once per epoch as it trains; nothing to cache {', '.join(cached)} from: "
+                "give those placements replicate, shard or offload"
+            )
         if args.mask_column is not None and self.placements.get("vae") == "cache":
             raise ArgumentError(
                 "--mask_column needs each step's crop and flip of the mask: give --vae_placement replicate or shard, "
@@ -200,8 +207,18 @@ class TextToImageTrainer:
         """``--use_aspect_ratio_buckets`` and ``--mask_column`` where this trainer and family
         take them; one error line otherwise (before anything loads)."""
         args = self.args
+        if args.streaming:
+            if args.max_train_steps is None:
+                raise ArgumentError(
+                    "--streaming needs --max_train_steps (a stream has no length to count epochs by)"
+                )
+            for flag, given in (("--use_aspect_ratio_buckets", args.use_aspect_ratio_buckets),
+                                ("--mask_column", args.mask_column is not None)):  # fmt: skip
+                if given:
+                    raise ArgumentError(f"{flag} with --streaming is not supported yet")
         for flag, given in (("--use_aspect_ratio_buckets", args.use_aspect_ratio_buckets),
-                            ("--mask_column", args.mask_column is not None)):  # fmt: skip
+                            ("--mask_column", args.mask_column is not None),
+                            ("--streaming", args.streaming)):  # fmt: skip
             if not given:
                 continue
             if not self.image_caption_rows:
@@ -293,6 +310,9 @@ class TextToImageTrainer:
         if self.family.video:
             self._load_video_data()
             return
+        if args.streaming:
+            self._load_streamed_data()
+            return
         ds = load_image_caption_dataset(
             args.dataset_name, args.dataset_config_name, args.train_data_dir, args.cache_dir
         )
@@ -329,6 +349,42 @@ class TextToImageTrainer:
         )
         if row_buckets is not None:
             self.train_dataset.skipped_rows.update(i for i, b in enumerate(row_buckets) if b == NO_BUCKET)
+
+    def _load_streamed_data(self) -> None:
+        """``--streaming``: the rows in each epoch's shuffled order (``streaming.StreamedRows``),
+        decoded per rank by the loader's ``collate_fn`` (``streaming.StreamedExamples``)."""
+        import datasets
+
+        args = self.args
+        source = load_streamed_dataset(
+            args.dataset_name, args.dataset_config_name, args.train_data_dir, args.cache_dir
+        )
+        columns = source.column_names or list(next(iter(source)))
+        self.image_column, self.caption_column = resolve_columns(
+            datasets.Dataset.from_dict({c: [] for c in columns}), args.image_column, args.caption_column
+        )
+        if not isinstance((source.features or {}).get(self.image_column), datasets.Image):
+            raise DataError(
+                f"--image_column {self.image_column!r} of the stream does not hold images (columns: {', '.join(columns)})"
+            )
+        if args.max_train_samples is not None:
+            source = source.take(args.max_train_samples)
+        self.hf_dataset = None  # nothing to cache from: --streaming refuses the cache placement
+        self.train_dataset = StreamedRows(
+            source, self.image_column, global_batch=args.train_batch_size * self.accelerator.num_processes,
+            seed=args.seed or 0, shuffle_buffer_size=args.shuffle_buffer_size,
+        )  # fmt: skip
+        examples = ImageCaptionDataset(
+            [], None, self.image_column, self.caption_column, args.resolution, args.center_crop, args.random_flip,
+            seed=args.seed or 0, empty_prompt_probability=args.proportion_empty_prompts,
+            interpolation=args.image_interpolation_mode,
+            tokenize=lambda captions: self.family.tokenize(self.tokenizers, captions, args.max_sequence_length),
+        )  # fmt: skip
+        self.collate_fn = StreamedExamples(examples, self.image_column, threads=args.dataloader_num_workers)
+        log_rank_zero(
+            f"streaming {args.dataset_name or args.train_data_dir} ({source.n_shards} shard(s)), shuffle buffer "
+            f"{args.shuffle_buffer_size} rows"
+        )
 
     def _bucket_rows(self, ds) -> list[int]:
         """``--use_aspect_ratio_buckets``: the buckets (``self.buckets``, from
@@ -411,7 +467,9 @@ class TextToImageTrainer:
             )
         self._learning_rate = lr
         optimizer = adamw(self.denoiser, args, lr)  # the adapters alone under LoRA
-        if self.bucket_sampler is not None:  # one bucket per global batch, dealt out to the ranks
+        if args.streaming:  # accelerate deals each global batch out to the ranks
+            loader = streamed_loader(self.train_dataset, self.collate_fn, args.train_batch_size)
+        elif self.bucket_sampler is not None:  # one bucket per global batch, dealt out to the ranks
             loader = torch.utils.data.DataLoader(
                 self.train_dataset,
                 batch_sampler=self.bucket_sampler,
@@ -457,9 +515,12 @@ class TextToImageTrainer:
             part.lr_scheduler,
             part.ema,
         )
-        args.num_train_epochs = epochs_for(
-            args.max_train_steps, updates_per_epoch(len(self.loader), args.gradient_accumulation_steps)
-        )
+        if args.streaming:  # epochs end when the stream does; the steps bound the run
+            args.num_train_epochs = args.max_train_steps
+        else:
+            args.num_train_epochs = epochs_for(
+                args.max_train_steps, updates_per_epoch(len(self.loader), args.gradient_accumulation_steps)
+            )
         if acc.is_main_process and args.report_to != "none":
             config = args.scalars()
             acc.init_trackers(args.tracker_project_name, config)
@@ -568,6 +629,14 @@ class TextToImageTrainer:
         processes, batch = self.accelerator.num_processes, self.args.train_batch_size
 
         def check(state: dict) -> None:  # before anything is loaded: where would the data resume?
+            if ("stream_rows" in state) != self.args.streaming:
+                with_streaming = "with" if "stream_rows" in state else "without"
+                raise CheckpointError(
+                    f"the checkpoint at step {state['global_step']} was trained {with_streaming} --streaming: "
+                    "resume it the same way"
+                )
+            if self.args.streaming:
+                return  # rows consumed: resumable on any number of processes
             if ("bucket_consumed" in state) != (self.bucket_sampler is not None):
                 with_buckets = "with" if "bucket_consumed" in state else "without"
                 raise CheckpointError(
@@ -602,7 +671,10 @@ class TextToImageTrainer:
         path, state = resumed
         self.global_step = state["global_step"]
         self.first_epoch = state["epoch"]
-        if self.bucket_sampler is not None:  # the epoch continues at each bucket's first unseen sample
+        if self.args.streaming:  # the epoch's order goes on at its first unseen row
+            self.train_dataset.start_at(self.first_epoch, int(state["stream_rows"]))
+            self.resume_batches = 0
+        elif self.bucket_sampler is not None:  # the epoch continues at each bucket's first unseen sample
             self.bucket_start = BucketPosition.from_state(state)
             self.bucket_sampler.start_at(self.bucket_start)
             self.resume_batches = 0
@@ -697,11 +769,14 @@ class TextToImageTrainer:
         if self.global_step >= args.max_train_steps:
             log_rank_zero(f"the run is complete at step {self.global_step}: no step to train")
             return losses
+        resumed_at = self.global_step
         for epoch in range(self.first_epoch, args.num_train_epochs):
             self.epoch = epoch
             self.train_dataset.set_epoch(epoch)
             if self.bucket_sampler is not None:
                 self.bucket_sampler.set_epoch(epoch)
+            if isinstance(self.collate_fn, StreamedExamples):  # the crops and captions of this epoch
+                self.collate_fn.examples.set_epoch(epoch)
             done_in_epoch = self.resume_batches if epoch == self.first_epoch else 0
             accumulated, metrics = 0.0, {}
             for batch in epoch_batches(acc, self.loader, epoch, done_in_epoch):
@@ -756,6 +831,11 @@ class TextToImageTrainer:
                     self.validate()
                 if self.global_step >= args.max_train_steps:
                     break
+            if done_in_epoch == 0 and not (resumed_at and epoch == self.first_epoch):  # a stream too short
+                raise DataError(
+                    f"epoch {epoch} of the data gave no batch: it holds fewer rows than processes x "
+                    f"--train_batch_size = {acc.num_processes * args.train_batch_size}"
+                )
             if (
                 args.validation_prompts
                 and args.validation_epochs
@@ -816,7 +896,10 @@ class TextToImageTrainer:
 
     def _checkpoint(self, epoch: int, done_in_epoch: int) -> None:
         reached("checkpoint")
-        if self.bucket_sampler is not None:  # samples consumed per bucket: resumable on any N
+        if self.args.streaming:  # rows of the epoch's order consumed: resumable on any N
+            rows = self.train_dataset.position_after(epoch, done_in_epoch)
+            state = {"epoch": epoch, "batches_in_epoch": 0, "stream_rows": rows}
+        elif self.bucket_sampler is not None:  # samples consumed per bucket: resumable on any N
             start = self.bucket_start if epoch == self.first_epoch else None
             position = self.bucket_sampler.position_after(epoch, done_in_epoch - self.resume_batches, start)
             state = {**position.to_state(), "batches_in_epoch": 0, "buckets": [list(b) for b in self.buckets]}
