@@ -156,29 +156,6 @@ def sd_vae_shape(width: int = 4):
 # ------------------------------------------------------------------ (a) the data path alone
 
 
-class StreamedRows(torch.utils.data.IterableDataset):
-    """The items ``ImageCaptionDataset`` makes, from a ``datasets`` streaming dataset: each
-    row's caption tokenized and its image (decoded by the iteration) cropped and flipped.
-    In a DataLoader worker, datasets deals the stream's files out to the workers itself."""
-
-    def __init__(self, stream, resolution: int, tokenize):
-        self.stream, self.resolution, self.tokenize = stream, resolution, tokenize
-
-    def __iter__(self):
-        from diffusers_zero3.data.images import pick_caption, transform_image_with_crop
-
-        for i, row in enumerate(self.stream):
-            rng = random.Random(f"0-0-{i}")
-            item = {k: v[0] for k, v in self.tokenize([pick_caption(row["text"], rng)]).items()}
-            item["index"] = i
-            pixels, crop = transform_image_with_crop(row["image"], self.resolution, True, True, rng)
-            item["pixel_values"] = pixels
-            item["original_size"] = torch.tensor(crop.original_size, device="cpu")
-            item["crop_top_left"] = torch.tensor(crop.crop_top_left, device="cpu")
-            item["target_size"] = torch.tensor(crop.target_size, device="cpu")
-            yield item
-
-
 def epoch(loader, after=None) -> int:
     """One pass over ``loader``, ``after(batch)`` run on each batch (the cache lookup a training
     step makes); the samples it gave."""
@@ -279,9 +256,16 @@ def data_variants(work: Path, pipe: Path, small: Path, varied: Path) -> list[tup
         return lambda w: (make_loader(dataset(res, rows, with_images=False), w), cache_reader(cache))
 
     def stream(res):
+        """--streaming as the trainer reads it: StreamedRows in the main process, the rows decoded
+        by StreamedExamples in ``w`` threads (worker processes would reorder a stream)."""
+        from diffusers_zero3.data.images import ImageCaptionDataset
+        from diffusers_zero3.data.streaming import StreamedExamples, StreamedRows, streamed_loader
+
         def make(w):
-            rows = datasets.load_dataset("parquet", data_files=streamed[res], split="train", streaming=True)
-            return make_loader(StreamedRows(rows, res, tokenize), w), None
+            source = datasets.load_dataset("parquet", data_files=streamed[res], split="train", streaming=True)
+            rows = StreamedRows(source, "image", global_batch=BATCH, seed=0, shuffle_buffer_size=64)
+            examples = ImageCaptionDataset([], None, "image", "text", res, True, True, tokenize=tokenize)
+            return streamed_loader(rows, StreamedExamples(examples, "image", threads=w), BATCH), None
 
         return make
 
@@ -295,7 +279,7 @@ def data_variants(work: Path, pipe: Path, small: Path, varied: Path) -> list[tup
         ),
         ("cached latents (--vae_placement cache: tokens + CachedOutputs.get, 4x16x16)", 32, cached(32)),
         (
-            "datasets streaming, iteration and decode only (the trainer has no --streaming yet): "
+            "--streaming (StreamedRows + StreamedExamples; workers = decoding threads): "
             "2 local parquet files, the default's 64 PNGs",
             32,
             stream(32),
@@ -304,13 +288,13 @@ def data_variants(work: Path, pipe: Path, small: Path, varied: Path) -> list[tup
         (f"live, local, aspect-ratio buckets ({big})", 512, buckets(512)),
         (f"cached latents (tokens + CachedOutputs.get, 4x64x64, {CACHED_ROWS} rows)", 512, cached(512)),
         (
-            "cached latents, the image column not decoded (datasets.Image(decode=False): "
-            "not what the trainer does yet)",
+            "cached latents, the image column cast to datasets.Image(decode=False) by hand "
+            "(a control: the trainer's cached path now reads it so itself)",
             512,
             cached(512, decode=False),
         ),
         (
-            "datasets streaming, iteration and decode only (the trainer has no --streaming yet): "
+            "--streaming (StreamedRows + StreamedExamples; workers = decoding threads): "
             f"2 local parquet files, the same {big}",
             512,
             stream(512),

@@ -41,16 +41,24 @@ def _generate(folder) -> list:
                     max_sequence_length=16).frames[0]  # fmt: skip
 
 
-def test_wan21_umt5_sharded_ema_videos_exact_resume_and_output(tiny_wan, tmp_path):
-    pipe, data = tiny_wan
+def test_wan21_umt5_sharded_ema_videos_buckets_exact_resume_and_output(tiny_wan, tmp_path):
+    """On landscape and portrait clips in two (frames, height, width) buckets."""
+    from diffusers_zero3.data.video import write_shapes_videos
+
+    pipe, _ = tiny_wan
+    data = str(write_shapes_videos(tmp_path / "clips", num_clips=8, frames=7, sizes=[(48, 32), (32, 48)]))
     out = tmp_path / "run"
-    common = [*_common(pipe, data), "--use_ema", "--checkpointing_steps", "2"]
+    common = [*_common(pipe, data), "--use_ema", "--checkpointing_steps", "2", "--use_aspect_ratio_buckets",
+              "--aspect_ratio_buckets", "5,32,48;5,48,32"]  # fmt: skip
     validation = ["--validation_prompts", "a red circle moving right", "--validation_steps", "4",
                   "--num_validation_inference_steps", "2"]  # fmt: skip
     _, log = run_launcher([*LAUNCH, *common, *validation, "--output_dir", str(out)], timeout=400)
     losses = step_values(log)
     assert sorted(losses) == [1, 2, 3, 4], log[-3000:]
     assert "text_encoder: shard" in log and "WanPipeline.from_pretrained" in log
+    assert "aspect-ratio buckets (frames x height x width: clips): 5x32x48: 4, 5x48x32: 4;" in log, log[
+        -3000:
+    ]
     assert (out / "validation" / "step-000004-0.mp4").stat().st_size > 0
     from PIL import Image
 

@@ -341,3 +341,44 @@ def test_a_cached_video_vae_holds_the_clips_training_reads(tiny_wan, tmp_path, c
     assert (
         again.folder != cache.folder and again.get(torch.tensor([0]), sample=False)["latents"].shape[2] == 1
     )
+
+
+def test_video_buckets_take_each_clip_at_the_longest_bucket_it_holds_and_its_ratio(tmp_path):
+    """(frames, height, width) buckets: a clip goes to the longest bucket it holds, at its
+    nearest ratio; one shorter than every bucket is in none; items take their bucket's shape."""
+    from diffusers_zero3.data.buckets import NO_BUCKET
+    from diffusers_zero3.data.video import (
+        VideoCaptionDataset,
+        bucket_clips,
+        load_video_caption_dataset,
+        parse_video_buckets,
+        write_shapes_videos,
+    )
+    from diffusers_zero3.errors import DataError
+
+    folder = tmp_path / "clips"
+    # (width, height) and frames: landscape 9, portrait 5, square 3 (too short), square 9
+    for name, frames, size in (
+        ("a", 9, (48, 32)),
+        ("b", 5, (32, 48)),
+        ("c", 3, (32, 32)),
+        ("d", 9, (32, 32)),
+    ):
+        write_shapes_videos(folder / name, num_clips=1, frames=frames, sizes=[size])
+    rows = [{"file_name": f"{n}/00000.mp4", "text": f"clip {n}"} for n in "abcd"]
+    (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = load_video_caption_dataset(folder)
+    buckets = parse_video_buckets("9,32,48;9,48,32;5,32,48;5,48,32;32,32", num_frames=9)
+    assert buckets[-1] == (9, 32, 32)  # "h,w" at --num_frames
+    clips = VideoCaptionDataset(ds, lambda c: {"input_ids": torch.zeros(len(c), 2, dtype=torch.long)}, 9, 32)
+    row_buckets = bucket_clips(clips, buckets)
+    assert row_buckets == [0, 3, NO_BUCKET, 4]
+    clips.set_buckets(buckets, row_buckets)
+    assert [tuple(clips[i]["pixel_values"].shape) for i in (0, 1, 3)] == [
+        (3, 9, 32, 48),
+        (3, 5, 48, 32),
+        (3, 9, 32, 32),
+    ]
+    assert clips.clip_pixels(2) is None  # in no bucket: the cache skips it too
+    with pytest.raises(DataError, match="not 'frames,height,width'"):
+        parse_video_buckets("9,32,48,1", 9)

@@ -259,18 +259,21 @@ def bucket_rows(dataset, image_column: str, buckets: Sequence[Bucket]) -> list[i
     return [b for share in shares for b in share]
 
 
-def describe_buckets(buckets: Sequence[Bucket], row_buckets: Sequence[int], global_batch: int) -> str:
-    """One log line: images per bucket, and how many of them an epoch trains (whole global
-    batches of ``global_batch`` images; the rest wait for another epoch's order)."""
+def describe_buckets(buckets: Sequence[tuple[int, ...]], row_buckets: Sequence[int], global_batch: int) -> str:
+    """One log line: images (clips, for ``(frames, height, width)`` buckets) per bucket, and how
+    many of them an epoch trains (whole global batches of ``global_batch``; the rest wait for
+    another epoch's order)."""
     counts = {i: 0 for i in range(len(buckets))}
     for b in row_buckets:
         if b != NO_BUCKET:
             counts[b] += 1
-    used = [f"{h}x{w}: {counts[i]}" for i, (h, w) in enumerate(buckets) if counts[i]]
+    video = len(buckets[0]) == 3
+    noun = "clips" if video else "images"
+    used = [f"{'x'.join(map(str, b))}: {counts[i]}" for i, b in enumerate(buckets) if counts[i]]
     trained = sum(n // global_batch * global_batch for n in counts.values())
     unreadable = sum(1 for b in row_buckets if b == NO_BUCKET)
     return (
-        f"aspect-ratio buckets (height x width: images): {', '.join(used)}; "
-        f"{trained} of {len(row_buckets)} images per epoch in batches of {global_batch}"
+        f"aspect-ratio buckets ({'frames x ' if video else ''}height x width: {noun}): {', '.join(used)}; "
+        f"{trained} of {len(row_buckets)} {noun} per epoch in batches of {global_batch}"
         + (f"; {unreadable} unreadable" if unreadable else "")
     )

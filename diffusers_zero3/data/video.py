@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from ..runtime.distributed import logger
+from .buckets import NO_BUCKET, nearest_bucket
 from .images import DataError, SeededRows, pick_caption
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v", ".gif")
@@ -160,6 +161,26 @@ class ClipSource:
                 if not frames and container.duration and rate:
                     frames = int(round(container.duration / 1_000_000 * rate))
                 return int(frames or 0), rate
+        except (av.error.FFmpegError, ValueError, IndexError, OSError, RuntimeError) as e:
+            raise ClipError(f"cannot open {self.path.name} ({type(e).__name__}: {e})") from e
+
+    def size(self) -> tuple[int, int]:
+        """The frames' ``(height, width)``: the stream's header (a frame folder: its first file).
+        ``ClipError`` when it cannot be read."""
+        if self.is_frame_folder:
+            from PIL import Image
+
+            try:
+                with Image.open(self.frame_files()[0]) as img:
+                    return img.height, img.width
+            except OSError as e:
+                raise ClipError(f"cannot read {self.path.name} ({type(e).__name__}: {e})") from e
+        import av
+
+        try:
+            with av.open(str(self.path)) as container:
+                stream = container.streams.video[0]
+                return int(stream.codec_context.height), int(stream.codec_context.width)
         except (av.error.FFmpegError, ValueError, IndexError, OSError, RuntimeError) as e:
             raise ClipError(f"cannot open {self.path.name} ({type(e).__name__}: {e})") from e
 
@@ -311,6 +332,10 @@ class VideoCaptionDataset(SeededRows):
     (``skipped_rows``); with ``with_videos=False`` nothing is decoded (training from a latent
     cache) and ``unreadable_rows`` are skipped as if they failed. Each row's clip is its ``clip``
     (the rows of ``load_video_caption_dataset``), or the path in ``video_column`` when given.
+
+    With buckets (``set_buckets``: ``(frames, height, width)`` shapes and each row's index into
+    them, from ``bucket_clips``) a row's clip takes its bucket's frames and size, and a row that
+    fails is replaced by the next usable row of the same bucket.
     """
 
     def __init__(
@@ -355,6 +380,38 @@ class VideoCaptionDataset(SeededRows):
         self.unreadable_rows = set(unreadable_rows)
         self.empty_prompt_probability = empty_prompt_probability
         self.skipped_rows: set[int] = set()
+        self.buckets: list[tuple[int, int, int]] | None = None
+        self.row_buckets: list[int] | None = None
+
+    def set_buckets(self, buckets: Sequence[tuple[int, int, int]], row_buckets: Sequence[int]) -> None:
+        """Train each row at its bucket's ``(frames, height, width)`` (``bucket_clips``)."""
+        self.buckets, self.row_buckets = [tuple(b) for b in buckets], list(row_buckets)
+
+    def shape_of(self, index: int) -> tuple[int, int, int]:
+        """``(frames, height, width)`` of row ``index``'s clip: its bucket's, or the flags'."""
+        if self.buckets is None:
+            return self.num_frames, self.height, self.width
+        if self.row_buckets[index] == NO_BUCKET:
+            raise ClipError("its clip could not be probed when the buckets were made")
+        return self.buckets[self.row_buckets[index]]
+
+    def probe(self, row: dict) -> tuple[int, float | None, int, int]:
+        """``(frames, frames per second, height, width)`` of a row's clip from its header,
+        without decoding; ``ClipError`` when it cannot be read."""
+        source = self.source(row)
+        if not source.path.exists():
+            raise ClipError(f"{source.path} does not exist")
+        return (*source.probe(), *source.size())
+
+    def fits(self, total: int, rate: float | None, num_frames: int) -> bool:
+        """Whether a clip of ``total`` frames at ``rate`` holds ``num_frames`` taken frames (a
+        header without a count, 0, is taken to: reading finds a short clip, as without buckets)."""
+        if not total:
+            return True
+        try:
+            return frame_indices(num_frames, frame_step(rate, self.frame_stride, self.fps))[-1] < total
+        except ClipError:
+            return False
 
     def source(self, row: dict) -> ClipSource:
         """A row's clip: its resolved ``clip`` (a ``VideoRow``), or with ``video_column`` the path
@@ -363,27 +420,29 @@ class VideoCaptionDataset(SeededRows):
         fps = row.get("fps")
         return ClipSource(Path(path), float(fps) if fps not in (None, "") else None)
 
-    def clip_frames(self, row: dict, rng: random.Random) -> np.ndarray:
-        """The ``num_frames`` frames of one row's clip (uint8 ``(F, H, W, 3)``); ``ClipError`` when
-        it does not decode or is too short."""
+    def clip_frames(self, row: dict, rng: random.Random, num_frames: int | None = None) -> np.ndarray:
+        """The ``num_frames`` (default ``self.num_frames``) frames of one row's clip (uint8
+        ``(F, H, W, 3)``); ``ClipError`` when it does not decode or is too short."""
+        num_frames = num_frames or self.num_frames
         source = self.source(row)
         if not source.path.exists():
             raise ClipError(f"{source.path} does not exist")
         total, rate = source.probe()
         step = frame_step(rate, self.frame_stride, self.fps)
-        span = frame_indices(self.num_frames, step)[-1] + 1  # source frames the clip must have
+        span = frame_indices(num_frames, step)[-1] + 1  # source frames the clip must have
         if total and total < span:
             raise ClipError(
-                f"too short: {total} frames, {span} needed for --num_frames {self.num_frames} "
+                f"too short: {total} frames, {span} needed for --num_frames {num_frames} "
                 + (f"at --fps {self.fps:g}" if self.fps else f"with --frame_stride {self.frame_stride}")
             )
         start = rng.randint(0, total - span) if self.random_start and total else 0
-        return source.read(frame_indices(self.num_frames, step, start))
+        return source.read(frame_indices(num_frames, step, start))
 
     def cache_key(self) -> dict:
         """What a cache of this dataset's clips depends on beyond the images' settings."""
         return {"num_frames": self.num_frames, "frame_stride": self.frame_stride, "fps": self.fps,
-                "height": self.height, "width": self.width, "random_start": self.random_start}  # fmt: skip
+                "height": self.height, "width": self.width, "random_start": self.random_start,
+                "buckets": [list(b) for b in self.buckets] if self.buckets is not None else None}  # fmt: skip
 
     def clip_pixels(self, index: int) -> torch.Tensor | None:
         """Row ``index``'s clip as epoch 0 of training reads it (its start and crop; never flipped:
@@ -392,23 +451,27 @@ class VideoCaptionDataset(SeededRows):
         row, rng = self.dataset[index], self._rng(index, epoch=0)
         pick_caption(row[self.caption_column], rng)  # the same draws as __getitem__, in order
         try:
-            frames = self.clip_frames(row, rng)
+            num_frames, height, width = self.shape_of(index)
+            frames = self.clip_frames(row, rng, num_frames)
         except ClipError:
             return None
-        return transform_clip(frames, self.height, self.width, self.center_crop, False, rng)[0]
+        return transform_clip(frames, height, width, self.center_crop, False, rng)[0]
 
     def _readable_row(self, index: int) -> tuple[int, str, random.Random, np.ndarray | None]:
         """The first usable row from ``index`` on: its index, caption, random draws (the caption
         drawn first, then the clip's start, crop and flip) and frames."""
-        for offset in range(len(self.dataset)):
-            i = (index + offset) % len(self.dataset)
+        n = len(self.dataset)
+        for i in ((index + offset) % n for offset in range(n)):
+            if self.row_buckets is not None and self.row_buckets[i] != self.row_buckets[index]:
+                continue  # a stand-in from the same bucket: a batch keeps one shape
             row = self.dataset[i]
             rng = self._rng(i)
             caption = pick_caption(row[self.caption_column], rng)
             try:
                 if i in self.unreadable_rows:
                     raise ClipError("skipped when the frozen-model cache was built")
-                return i, caption, rng, self.clip_frames(row, rng) if self.with_videos else None
+                num_frames = self.shape_of(i)[0]
+                return i, caption, rng, self.clip_frames(row, rng, num_frames) if self.with_videos else None
             except ClipError as e:
                 if i not in self.skipped_rows:
                     self.skipped_rows.add(i)
@@ -424,10 +487,69 @@ class VideoCaptionDataset(SeededRows):
         item = {k: v[0] for k, v in self._tokenize([caption]).items()}
         item["index"] = i
         if frames is not None:
+            _, height, width = self.shape_of(i)
             item["pixel_values"] = transform_clip(
-                frames, self.height, self.width, self.center_crop, self.random_flip, rng
+                frames, height, width, self.center_crop, self.random_flip, rng
             )[0]
         return item
+
+
+def parse_video_buckets(spec: str, num_frames: int) -> list[tuple[int, int, int]]:
+    """``--aspect_ratio_buckets`` of a video family: ``"frames,height,width;..."`` entries, or
+    ``"height,width"`` ones at ``num_frames`` (``--num_frames``). ``DataError`` for an entry
+    that is neither; the shapes' fit to the VAE is checked by ``check_video_shape``."""
+    buckets: list[tuple[int, int, int]] = []
+    for entry in (e.strip() for e in spec.split(";")):
+        if not entry:
+            continue
+        parts = [p.strip() for p in entry.split(",")]
+        if len(parts) not in (2, 3) or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise DataError(
+                f"--aspect_ratio_buckets entry {entry!r} is not 'frames,height,width' or 'height,width' "
+                "(positive integers)"
+            )
+        bucket = (
+            tuple(int(p) for p in parts) if len(parts) == 3 else (num_frames, int(parts[0]), int(parts[1]))
+        )
+        if bucket not in buckets:
+            buckets.append(bucket)
+    if not buckets:
+        raise DataError(f"--aspect_ratio_buckets {spec!r} names no bucket")
+    return buckets
+
+
+def nearest_clip_bucket(frames: int, height: int, width: int, buckets, fits) -> int:
+    """The bucket of a clip of ``frames`` x ``height`` x ``width``: among the buckets whose frame
+    count the clip holds (``fits(frames, n)``), the longest, then the nearest aspect ratio
+    (``buckets.nearest_bucket``); ``NO_BUCKET`` when the clip is shorter than every bucket."""
+    longest = max((b[0] for b in buckets if fits(frames, b[0])), default=None)
+    if longest is None:
+        return NO_BUCKET
+    candidates = [i for i, b in enumerate(buckets) if b[0] == longest]
+    return candidates[nearest_bucket(height, width, [buckets[i][1:] for i in candidates])]
+
+
+def bucket_clips(clips: VideoCaptionDataset, buckets: Sequence[tuple[int, int, int]]) -> list[int]:
+    """Each row's bucket index (``NO_BUCKET`` for a clip that cannot be probed or is shorter than
+    every bucket), every rank probing the headers of its share of the rows. Collective: call on
+    every rank."""
+    from ..runtime.distributed import all_gather_object, get_rank, get_world_size
+
+    rank, world = get_rank(), get_world_size()
+    per_rank = -(-len(clips.dataset) // world)
+    mine = []
+    for i in range(rank * per_rank, min(len(clips.dataset), (rank + 1) * per_rank)):
+        row = clips.dataset[i]
+        try:
+            total, rate, height, width = clips.probe(row)
+        except ClipError as e:
+            logger.warning("skipping row %d: unusable clip (%s)", i, e)
+            mine.append(NO_BUCKET)
+            continue
+        mine.append(
+            nearest_clip_bucket(total, height, width, buckets, lambda t, n, r=rate: clips.fits(t, r, n))
+        )
+    return [b for share in all_gather_object(mine) for b in share]
 
 
 # -------------------------------------------------------------------------------- writing clips
@@ -513,11 +635,14 @@ def write_shapes_videos(
     layout: str = "video",
     fps: float = 8,
     width: int | None = None,
+    sizes: list[tuple[int, int]] | None = None,
 ) -> Path:
     """Write a video folder of moving coloured shapes with captions ("a red circle moving
     right") and return it: ``layout="video"`` writes mp4 clips (``00000.mp4``, ...),
     ``"frames"`` one folder of PNG frames per clip (with an ``fps`` column), each listed in
-    ``metadata.jsonl`` (``file_name``, ``text``). The tiny default of the video families."""
+    ``metadata.jsonl`` (``file_name``, ``text``). The tiny default of the video families.
+    Clips are ``size`` x ``width`` (default ``size``), or take their (width, height) in turn
+    from ``sizes`` (landscape and portrait clips: aspect-ratio buckets)."""
     if layout not in ("video", "frames"):
         raise ValueError(f"layout must be 'video' or 'frames', got {layout!r}")
     folder = Path(folder)
@@ -527,7 +652,8 @@ def write_shapes_videos(
     for i in range(num_clips):
         colour, shape = rng.choice(sorted(COLOURS)), rng.choice(SHAPES)
         direction = rng.choice(sorted(DIRECTIONS))
-        clip = shapes_clip(colour, shape, direction, frames, size, rng, width)
+        clip_width, clip_height = sizes[i % len(sizes)] if sizes else (width, size)
+        clip = shapes_clip(colour, shape, direction, frames, clip_height, rng, clip_width)
         caption = f"a {colour} {shape} moving {direction}"
         if layout == "video":
             name = f"{i:05d}.mp4"

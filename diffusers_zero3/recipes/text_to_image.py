@@ -223,7 +223,7 @@ class TextToImageTrainer:
                 continue
             if not self.image_caption_rows:
                 raise ArgumentError(f"{flag} is not supported by {type(self).__name__} yet")
-            if self.family.video:
+            if self.family.video and flag != "--use_aspect_ratio_buckets":
                 raise ArgumentError(f"{flag} applies to image families, not to {self.family.title}")
 
     def _load_models(self) -> None:
@@ -614,7 +614,7 @@ class TextToImageTrainer:
         check_enough_rows(len(ds), self.accelerator.num_processes, args.train_batch_size)
         self.hf_dataset = ds
         try:
-            self.train_dataset = VideoCaptionDataset(
+            clips = VideoCaptionDataset(
                 ds, lambda captions: self.family.tokenize(self.tokenizers, captions, args.max_sequence_length),
                 args.num_frames, args.resolution, height=args.height, width=args.width,
                 frame_stride=args.frame_stride, fps=args.fps, center_crop=args.center_crop,
@@ -624,6 +624,45 @@ class TextToImageTrainer:
             )  # fmt: skip
         except ValueError as e:
             raise ArgumentError(str(e)) from e
+        self.train_dataset = clips
+        if args.use_aspect_ratio_buckets:
+            self._bucket_clips(clips)
+
+    def _bucket_clips(self, clips) -> None:
+        """``--use_aspect_ratio_buckets`` for a video family: ``(frames, height, width)`` buckets
+        (``--aspect_ratio_buckets "f,h,w;..."``, or ``"h,w"`` at ``--num_frames``; by default
+        ``--height`` x ``--width``'s area at common ratios), each checked against the VAE; each
+        clip in the longest bucket it holds, at the nearest ratio (collective: every rank probes
+        its share of the clips' headers)."""
+        from ..data.video import bucket_clips, check_video_shape, parse_video_buckets
+
+        args, acc = self.args, self.accelerator
+        vae_config = self.family.component_class("vae").load_config(
+            self.component_sources.get("vae", Path(self.source) / "vae")
+        )
+        try:
+            if args.aspect_ratio_buckets:
+                self.buckets = parse_video_buckets(args.aspect_ratio_buckets, args.num_frames)
+            else:
+                side = round(math.sqrt(args.height * args.width))
+                spatial = default_buckets(side, self.family.latent_multiple(vae_config))
+                self.buckets = [(args.num_frames, h, w) for h, w in spatial]
+            for frames, height, width in self.buckets:
+                check_video_shape(frames, height, width, self.family, vae_config)
+        except ValueError as e:  # DataError too
+            raise ArgumentError(f"--aspect_ratio_buckets: {e}") from e
+        row_buckets = bucket_clips(clips, self.buckets)
+        clips.set_buckets(self.buckets, row_buckets)
+        clips.skipped_rows.update(i for i, b in enumerate(row_buckets) if b == NO_BUCKET)
+        self.bucket_sampler = BucketBatchSampler(
+            row_buckets, args.train_batch_size, acc.num_processes, args.seed or 0
+        )
+        log_rank_zero(describe_buckets(self.buckets, row_buckets, self.bucket_sampler.global_batch))
+        if len(self.bucket_sampler) == 0:
+            raise DataError(
+                f"no aspect-ratio bucket holds processes x --train_batch_size = {self.bucket_sampler.global_batch} "
+                "clips: lower the batch size, use fewer buckets, or add data"
+            )
 
     def _maybe_resume(self) -> None:
         processes, batch = self.accelerator.num_processes, self.args.train_batch_size
