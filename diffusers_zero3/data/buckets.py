@@ -259,7 +259,9 @@ def bucket_rows(dataset, image_column: str, buckets: Sequence[Bucket]) -> list[i
     return [b for share in shares for b in share]
 
 
-def describe_buckets(buckets: Sequence[tuple[int, ...]], row_buckets: Sequence[int], global_batch: int) -> str:
+def describe_buckets(
+    buckets: Sequence[tuple[int, ...]], row_buckets: Sequence[int], global_batch: int
+) -> str:
     """One log line: images (clips, for ``(frames, height, width)`` buckets) per bucket, and how
     many of them an epoch trains (whole global batches of ``global_batch``; the rest wait for
     another epoch's order)."""
