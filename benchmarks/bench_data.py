@@ -261,6 +261,11 @@ def data_variants(work: Path, pipe: Path, small: Path, varied: Path) -> list[tup
         from diffusers_zero3.data.images import ImageCaptionDataset
         from diffusers_zero3.data.streaming import StreamedExamples, StreamedRows, streamed_loader
 
+        # datasets sleeps 5 s at the end of every stream read with threads (its workaround for an
+        # Arrow crash at shutdown): once per epoch in training, once per 64 samples here. Left out
+        # of the throughput (and stated beside the table).
+        datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = 0
+
         def make(w):
             source = datasets.load_dataset("parquet", data_files=streamed[res], split="train", streaming=True)
             rows = StreamedRows(source, "image", global_batch=BATCH, seed=0, shuffle_buffer_size=64)

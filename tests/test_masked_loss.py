@@ -134,3 +134,43 @@ def test_the_dataset_gives_each_row_its_mask():
     torch.testing.assert_close(
         item["loss_mask"][0], (item["pixel_values"][0] + 1) / 2, atol=1 / 255 + 1e-6, rtol=0
     )
+
+
+def test_a_clip_mask_goes_to_the_latents_as_a_causal_video_vae_compresses_time():
+    """(n, 1, F, H, W) -> (n, 1, f, h, w): the first frame alone, then each group of (F-1)/(f-1)."""
+    mask = torch.zeros(1, 1, 5, 4, 4)
+    mask[:, :, 0, :2, :2] = 1.0  # the first frame: its top-left quarter
+    mask[:, :, 3, :, :2] = 1.0  # one of frames 1-4: its left half
+    weights = latent_loss_weights(mask, torch.zeros(1, 16, 2, 2, 2))
+    assert weights.shape == (1, 1, 2, 2, 2)
+    expected = torch.tensor([[[[1.0, 0.0], [0.0, 0.0]], [[0.25, 0.0], [0.25, 0.0]]]]).unsqueeze(0)
+    torch.testing.assert_close(weights, expected)
+    assert latent_loss_weights(mask[:, :, :1], torch.zeros(1, 16, 1, 2, 2)).shape == (1, 1, 1, 2, 2)
+    with pytest.raises(ValueError, match="does not map onto"):
+        latent_loss_weights(torch.zeros(1, 1, 4, 4, 4), torch.zeros(1, 16, 3, 2, 2))
+
+
+def test_a_video_rows_mask_clip_takes_its_clips_frames_crop_and_flip(tmp_path):
+    import json
+
+    from diffusers_zero3.data.video import (
+        VideoCaptionDataset,
+        load_video_caption_dataset,
+        write_shapes_videos,
+    )
+
+    folder = write_shapes_videos(tmp_path / "clips", num_clips=2, frames=7, sizes=[(48, 32)])
+    rows = [json.loads(line) for line in (folder / "metadata.jsonl").read_text().splitlines()]
+    (folder / "metadata.jsonl").write_text(
+        "".join(json.dumps({**r, "mask": r["file_name"]}) + "\n" for r in rows)
+    )
+    clips = VideoCaptionDataset(
+        load_video_caption_dataset(folder), lambda c: {"input_ids": torch.zeros(len(c), 2, dtype=torch.long)},
+        5, 24, random_start=True, random_flip=True, seed=1, mask_column="mask",
+    )  # fmt: skip
+    for i in range(2):
+        item = clips[i]
+        rgb = (item["pixel_values"] + 1) * 127.5  # (3, F, H, W) back to 0-255
+        luma = (rgb[0] * 299 + rgb[1] * 587 + rgb[2] * 114) / 1000 / 255  # PIL's "L"
+        assert item["loss_mask"].shape == (1, 5, 24, 24)
+        torch.testing.assert_close(item["loss_mask"][0], luma, atol=2 / 255, rtol=0)

@@ -7,6 +7,7 @@ tests/test_bad_input.py."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -42,14 +43,20 @@ def _generate(folder) -> list:
 
 
 def test_wan21_umt5_sharded_ema_videos_buckets_exact_resume_and_output(tiny_wan, tmp_path):
-    """On landscape and portrait clips in two (frames, height, width) buckets."""
+    """On landscape and portrait clips in two (frames, height, width) buckets, with loss masks."""
     from diffusers_zero3.data.video import write_shapes_videos
 
     pipe, _ = tiny_wan
-    data = str(write_shapes_videos(tmp_path / "clips", num_clips=8, frames=7, sizes=[(48, 32), (32, 48)]))
+    folder = write_shapes_videos(tmp_path / "clips", num_clips=8, frames=7, sizes=[(48, 32), (32, 48)])
+    rows = [json.loads(line) for line in (folder / "metadata.jsonl").read_text().splitlines()]
+    # each clip its own loss mask (a clip of grey levels: its luminance)
+    (folder / "metadata.jsonl").write_text(
+        "".join(json.dumps({**r, "mask": r["file_name"]}) + "\n" for r in rows)
+    )
+    data = str(folder)
     out = tmp_path / "run"
     common = [*_common(pipe, data), "--use_ema", "--checkpointing_steps", "2", "--use_aspect_ratio_buckets",
-              "--aspect_ratio_buckets", "5,32,48;5,48,32"]  # fmt: skip
+              "--aspect_ratio_buckets", "5,32,48;5,48,32", "--mask_column", "mask"]  # fmt: skip
     validation = ["--validation_prompts", "a red circle moving right", "--validation_steps", "4",
                   "--num_validation_inference_steps", "2"]  # fmt: skip
     _, log = run_launcher([*LAUNCH, *common, *validation, "--output_dir", str(out)], timeout=400)

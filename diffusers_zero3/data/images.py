@@ -378,6 +378,11 @@ class ImageCaptionDataset(SeededRows):
     ):
         if (buckets is None) != (row_buckets is None):
             raise ValueError("give buckets and row_buckets together")
+        if not with_images and image_column in getattr(dataset, "features", {}):
+            import datasets
+
+            # training from a latent cache reads captions alone: the images are not decoded
+            dataset = dataset.cast_column(image_column, datasets.Image(decode=False))
         self.dataset = dataset
         self.buckets = list(buckets) if buckets is not None else None
         self.row_buckets = list(row_buckets) if row_buckets is not None else None

@@ -358,6 +358,7 @@ class VideoCaptionDataset(SeededRows):
         with_videos: bool = True,
         unreadable_rows: Sequence[int] = (),
         empty_prompt_probability: float = 0.0,
+        mask_column: str | None = None,
     ):
         if frame_stride < 1:
             raise ValueError(f"--frame_stride must be at least 1, got {frame_stride}")
@@ -382,6 +383,14 @@ class VideoCaptionDataset(SeededRows):
         self.skipped_rows: set[int] = set()
         self.buckets: list[tuple[int, int, int]] | None = None
         self.row_buckets: list[int] | None = None
+        self.mask_column = mask_column
+
+    def mask_source(self, row: dict) -> ClipSource:
+        """A row's loss-mask clip (``mask_column``: a video file or frame folder, relative to the
+        dataset's folder)."""
+        path = Path(row[self.mask_column])
+        folder = getattr(self.dataset, "folder", None)
+        return ClipSource(path if path.is_absolute() or folder is None else Path(folder) / path)
 
     def set_buckets(self, buckets: Sequence[tuple[int, int, int]], row_buckets: Sequence[int]) -> None:
         """Train each row at its bucket's ``(frames, height, width)`` (``bucket_clips``)."""
@@ -423,6 +432,12 @@ class VideoCaptionDataset(SeededRows):
     def clip_frames(self, row: dict, rng: random.Random, num_frames: int | None = None) -> np.ndarray:
         """The ``num_frames`` (default ``self.num_frames``) frames of one row's clip (uint8
         ``(F, H, W, 3)``); ``ClipError`` when it does not decode or is too short."""
+        return self._clip(row, rng, num_frames)[0]
+
+    def _clip(
+        self, row: dict, rng: random.Random, num_frames: int | None = None
+    ) -> tuple[np.ndarray, list[int]]:
+        """``clip_frames``, and the source frame indices they were taken at."""
         num_frames = num_frames or self.num_frames
         source = self.source(row)
         if not source.path.exists():
@@ -436,7 +451,8 @@ class VideoCaptionDataset(SeededRows):
                 + (f"at --fps {self.fps:g}" if self.fps else f"with --frame_stride {self.frame_stride}")
             )
         start = rng.randint(0, total - span) if self.random_start and total else 0
-        return source.read(frame_indices(num_frames, step, start))
+        indices = frame_indices(num_frames, step, start)
+        return source.read(indices), indices
 
     def cache_key(self) -> dict:
         """What a cache of this dataset's clips depends on beyond the images' settings."""
@@ -457,9 +473,9 @@ class VideoCaptionDataset(SeededRows):
             return None
         return transform_clip(frames, height, width, self.center_crop, False, rng)[0]
 
-    def _readable_row(self, index: int) -> tuple[int, str, random.Random, np.ndarray | None]:
+    def _readable_row(self, index: int) -> tuple[int, str, random.Random, np.ndarray | None, list[int]]:
         """The first usable row from ``index`` on: its index, caption, random draws (the caption
-        drawn first, then the clip's start, crop and flip) and frames."""
+        drawn first, then the clip's start, crop and flip), frames and their source indices."""
         n = len(self.dataset)
         for i in ((index + offset) % n for offset in range(n)):
             if self.row_buckets is not None and self.row_buckets[i] != self.row_buckets[index]:
@@ -470,8 +486,12 @@ class VideoCaptionDataset(SeededRows):
             try:
                 if i in self.unreadable_rows:
                     raise ClipError("skipped when the frozen-model cache was built")
-                num_frames = self.shape_of(i)[0]
-                return i, caption, rng, self.clip_frames(row, rng, num_frames) if self.with_videos else None
+                if not self.with_videos:
+                    return i, caption, rng, None, []
+                frames, indices = self._clip(row, rng, self.shape_of(i)[0])
+                if self.mask_column is not None:
+                    self.mask_source(row).read(indices)  # a mask that does not decode: the row is skipped
+                return i, caption, rng, frames, indices
             except ClipError as e:
                 if i not in self.skipped_rows:
                     self.skipped_rows.add(i)
@@ -479,7 +499,7 @@ class VideoCaptionDataset(SeededRows):
         raise DataError(f"no readable clip of {self.num_frames} frames in the dataset")
 
     def __getitem__(self, index: int) -> dict:
-        i, caption, rng, frames = self._readable_row(index)
+        i, caption, rng, frames, indices = self._readable_row(index)
         if self.empty_prompt_probability and random.Random(f"{self.seed}-{self.epoch}-{i}-empty").random() < (
             self.empty_prompt_probability
         ):
@@ -488,10 +508,32 @@ class VideoCaptionDataset(SeededRows):
         item["index"] = i
         if frames is not None:
             _, height, width = self.shape_of(i)
-            item["pixel_values"] = transform_clip(
+            item["pixel_values"], crop = transform_clip(
                 frames, height, width, self.center_crop, self.random_flip, rng
-            )[0]
+            )
+            if self.mask_column is not None:  # the mask clip's same frames, crop and flip
+                mask = self.mask_source(self.dataset[i]).read(indices)
+                item["loss_mask"] = crop_mask_clip(mask, crop, height, width)
         return item
+
+
+def crop_mask_clip(mask: np.ndarray, crop: ClipCrop, height: int, width: int) -> torch.Tensor:
+    """A loss-mask clip (uint8 ``(F, H, W, 3)``, grey levels: white trains) through its clip's
+    resize, crop and flip (``crop``); ``(1, F, height, width)`` floats in [0, 1]."""
+    from PIL import Image
+
+    top, left = crop.crop_top_left
+    out = []
+    for frame in mask:
+        image = Image.fromarray(frame).convert("L")
+        if image.size != (crop.original_size[1], crop.original_size[0]):
+            image = image.resize((crop.original_size[1], crop.original_size[0]), Image.BILINEAR)
+        image = image.resize((crop.resized_size[1], crop.resized_size[0]), Image.BILINEAR)
+        image = image.crop((left, top, left + width, top + height))
+        if crop.flipped:
+            image = image.transpose(Image.FLIP_LEFT_RIGHT)
+        out.append(np.asarray(image, dtype=np.float32) / 255.0)
+    return torch.from_numpy(np.stack(out)).unsqueeze(0)
 
 
 def parse_video_buckets(spec: str, num_frames: int) -> list[tuple[int, int, int]]:

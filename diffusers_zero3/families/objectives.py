@@ -147,11 +147,29 @@ def diffusion_target(
 
 
 def latent_loss_weights(mask: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
-    """A per-pixel loss mask ``(n, 1, H, W)`` (``--mask_column``: 1 trains, 0 is ignored)
-    averaged down to the latents' grid: ``(n, 1, h, w)``, or ``(n, 1, 1, h, w)`` for 5-D
-    latents (frames); each latent pixel weighs the mean of the image pixels it encodes."""
-    weights = F.interpolate(mask.to(latents.device, torch.float32), size=latents.shape[-2:], mode="area")
-    return weights.unsqueeze(2) if latents.ndim == 5 else weights
+    """A per-pixel loss mask (``--mask_column``: 1 trains, 0 is ignored) averaged down to the
+    latents' grid: ``(n, 1, H, W)`` to ``(n, 1, h, w)``, or ``(n, 1, 1, h, w)`` for 5-D latents of
+    one frame; each latent pixel weighs the mean of the image pixels it encodes. A clip's mask
+    ``(n, 1, F, H, W)`` goes to ``(n, 1, f, h, w)`` the way a causal video VAE (Wan's) compresses
+    time: the first frame alone, then each group of ``(F - 1) / (f - 1)`` frames."""
+    mask = mask.to(latents.device, torch.float32)
+    if mask.ndim == 4:
+        weights = F.interpolate(mask, size=latents.shape[-2:], mode="area")
+        return weights.unsqueeze(2) if latents.ndim == 5 else weights
+    n, _, frames, height, width = mask.shape
+    f = latents.shape[2]
+    if f > 1:
+        if (frames - 1) % (f - 1):
+            raise ValueError(f"a mask of {frames} frames does not map onto {f} latent frames")
+        group = (frames - 1) // (f - 1)
+        rest = mask[:, :, 1:].reshape(n, 1, f - 1, group, height, width).mean(dim=3)
+        mask = torch.cat([mask[:, :, :1], rest], dim=2)
+    else:
+        mask = mask.mean(dim=2, keepdim=True)
+    weights = F.interpolate(
+        mask.transpose(1, 2).reshape(n * f, 1, height, width), size=latents.shape[-2:], mode="area"
+    )
+    return weights.reshape(n, f, 1, *latents.shape[-2:]).transpose(1, 2)
 
 
 def weighted_sample_means(error: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:

@@ -144,12 +144,14 @@ class ExpertFlowMatchingObjective:
             u[bad] = compute_density_for_timestep_sampling(batch_size=int(bad.sum()), **density)
         raise RuntimeError("no timestep drawn on the expert's side of the boundary")
 
-    def loss(self, predict, latents: torch.Tensor, generators=None, reduction: str = "mean") -> torch.Tensor:
+    def loss(
+        self, predict, latents: torch.Tensor, generators=None, reduction: str = "mean", loss_weights=None
+    ) -> torch.Tensor:
         """Noise (this rank's RNG or each sample's generator), then timesteps on the expert's side,
         then the rectified-flow loss of ``objectives.flow_matching_loss``."""
         from diffusers.training_utils import compute_loss_weighting_for_sd3
 
-        from .objectives import WEIGHTING_SCHEMES, flow_matching_loss, sample_noise
+        from .objectives import WEIGHTING_SCHEMES, flow_matching_loss, sample_noise, weighted_sample_means
 
         s = self.settings
         noise = sample_noise(latents, 0.0, generators) if generators else torch.randn_like(latents)
@@ -157,7 +159,7 @@ class ExpertFlowMatchingObjective:
             return flow_matching_loss(
                 predict, self.noise_scheduler, latents, noise, weighting_scheme=s.weighting_scheme,
                 logit_mean=s.logit_mean, logit_std=s.logit_std, mode_scale=s.mode_scale,
-                generators=generators, reduction=reduction,
+                generators=generators, reduction=reduction, loss_weights=loss_weights,
             )  # fmt: skip
         if s.weighting_scheme not in WEIGHTING_SCHEMES:
             raise ValueError(
@@ -171,8 +173,8 @@ class ExpertFlowMatchingObjective:
         noisy = (1.0 - sigmas) * latents + sigmas * noise
         model_pred = predict(noisy, timesteps)
         weighting = compute_loss_weighting_for_sd3(weighting_scheme=s.weighting_scheme, sigmas=sigmas)
-        error = (weighting.float() * (model_pred.float() - (noise - latents).float()) ** 2).reshape(n, -1)
-        per_sample = error.mean(dim=1)
+        error = weighting.float() * (model_pred.float() - (noise - latents).float()) ** 2
+        per_sample = weighted_sample_means(error, loss_weights)
         return per_sample if reduction == "none" else per_sample.mean()
 
 
@@ -361,6 +363,7 @@ class Wan(Family):
         settings,
         generators=None,
         reduction="mean",
+        loss_weights=None,
         *,
         expert: str | None = None,
         boundary: float | None = None,
@@ -374,6 +377,7 @@ class Wan(Family):
             latents,
             generators,
             reduction,
+            loss_weights=loss_weights,
         )
 
     def predict(self, denoiser, noisy_latents, timesteps, cond, *, guidance_scale=None, **kwargs):

@@ -223,8 +223,6 @@ class TextToImageTrainer:
                 continue
             if not self.image_caption_rows:
                 raise ArgumentError(f"{flag} is not supported by {type(self).__name__} yet")
-            if self.family.video and flag != "--use_aspect_ratio_buckets":
-                raise ArgumentError(f"{flag} applies to image families, not to {self.family.title}")
 
     def _load_models(self) -> None:
         args, src = self.args, self.source
@@ -620,10 +618,19 @@ class TextToImageTrainer:
                 frame_stride=args.frame_stride, fps=args.fps, center_crop=args.center_crop,
                 random_flip=args.random_flip, seed=args.seed or 0, caption_column=args.caption_column,
                 empty_prompt_probability=args.proportion_empty_prompts,
-                with_videos=self.placements.get("vae") != "cache",
+                with_videos=self.placements.get("vae") != "cache", mask_column=args.mask_column,
             )  # fmt: skip
         except ValueError as e:
             raise ArgumentError(str(e)) from e
+        if args.mask_column is not None:
+            if args.mask_column not in ds.column_names:
+                raise DataError(
+                    f"--mask_column {args.mask_column!r} is not a column of the metadata; columns are: "
+                    f"{', '.join(ds.column_names)}"
+                )
+            log_rank_zero(
+                f"loss masks: the clips named in column {args.mask_column!r}, averaged down to the latents"
+            )
         self.train_dataset = clips
         if args.use_aspect_ratio_buckets:
             self._bucket_clips(clips)
@@ -733,10 +740,10 @@ class TextToImageTrainer:
         # whichever rank trains it, so a run resumed on another number of processes continues.
         generators = sample_generators(self.args.seed or 0, self.epoch, batch["index"])
         latents, cond, _ = self.frozen(batch, self.accelerator.device, generators)
+        masked = {}
+        if "loss_mask" in batch:  # --mask_column: each latent pixel weighs what it encodes of the mask
+            masked["loss_weights"] = latent_loss_weights(batch["loss_mask"], latents)
         if len(getattr(self.family, "experts", ())) < 2:
-            masked = {}
-            if "loss_mask" in batch:  # --mask_column: each latent pixel weighs what it encodes of the mask
-                masked["loss_weights"] = latent_loss_weights(batch["loss_mask"], latents)
             return self.family.loss(
                 self.denoiser,
                 self.noise_scheduler,
@@ -752,7 +759,7 @@ class TextToImageTrainer:
         denoiser = self.denoiser if expert == self.trained_folder else self._expert_part().engine
         return self.family.loss(
             denoiser, self.noise_scheduler, latents, cond, self.objective_settings, generators,
-            expert=expert, boundary=self.boundary,
+            expert=expert, boundary=self.boundary, **masked,
         )  # fmt: skip
 
     def _backward(self, loss: torch.Tensor) -> None:
