@@ -117,6 +117,7 @@ def test_each_rank_decodes_its_rows_and_an_unreadable_one_is_replaced(tmp_path, 
     assert batch["pixel_values"].shape == (4, 3, 16, 16)
     assert batch["index"].tolist() == [4, 6, 6, 7]  # row 5 stood in for by a readable row of its batch
     assert "skipping streamed row 5: unreadable image" in caplog.text
+    assert collate.skipped_rows == {(0, 5)}  # counted for the end-of-run summary
     red = (batch["pixel_values"][:, 0, 0, 0] + 1) * 127.5
     assert red.round().tolist() == [36.0, 54.0, 54.0, 63.0]  # the rows' own colours, decoded
     loader = streamed_loader(rows, collate, batch_size=4)

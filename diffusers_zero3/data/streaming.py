@@ -73,9 +73,9 @@ class StreamedRows(torch.utils.data.IterableDataset):
     start (or from ``start_at``'s position), whole global batches of ``global_batch`` rows
     (the rest of an epoch is dropped). Iterate it in the main process: inside a loader worker
     ``datasets`` would give each worker some of the shards (another order);
-    ``StreamedExamples`` decodes in threads instead. ``skipped_rows`` stays empty (the rows are
-    decoded, and an unreadable one named, in ``StreamedExamples``): the trainer's summary
-    reads it as it reads a map-style dataset's.
+    ``StreamedExamples`` decodes in threads instead. ``skipped_rows`` is filled by the
+    ``StreamedExamples`` given it (the rows are decoded there): the trainer's summary reads it
+    as it reads a map-style dataset's.
     """
 
     def __init__(
@@ -90,7 +90,7 @@ class StreamedRows(torch.utils.data.IterableDataset):
         self.shuffle_buffer_size = shuffle_buffer_size
         self.epoch = 0
         self.resumed: dict[int, int] = {}  # epoch -> rows of it consumed before this run resumed it
-        self.skipped_rows: set[int] = set()
+        self.skipped_rows: set = set()  # (epoch, position) of rows StreamedExamples could not read
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -138,11 +138,20 @@ class StreamedExamples:
     while it decodes and resizes).
     """
 
-    def __init__(self, examples: ImageCaptionDataset, image_column: str, threads: int = 0):
+    def __init__(
+        self,
+        examples: ImageCaptionDataset,
+        image_column: str,
+        threads: int = 0,
+        skipped_rows: set | None = None,
+    ):
         self.examples = examples
         self.image_column = image_column
         self.threads = threads
         self._pool = None
+        # (epoch, position) of each unreadable row, for the end-of-run count: give StreamedRows'
+        # skipped_rows to share it (the collate runs in the main process)
+        self.skipped_rows = skipped_rows if skipped_rows is not None else set()
 
     def _map(self, fn, items: list) -> list:
         if self.threads <= 0:
@@ -164,6 +173,7 @@ class StreamedExamples:
             logger.warning(
                 "skipping streamed row %d: unreadable image (%s: %s)", item["index"], type(e).__name__, e
             )
+            self.skipped_rows.add((self.examples.epoch, item["index"]))
             return None
         return row
 

@@ -378,7 +378,12 @@ class TextToImageTrainer:
             interpolation=args.image_interpolation_mode,
             tokenize=lambda captions: self.family.tokenize(self.tokenizers, captions, args.max_sequence_length),
         )  # fmt: skip
-        self.collate_fn = StreamedExamples(examples, self.image_column, threads=args.dataloader_num_workers)
+        self.collate_fn = StreamedExamples(
+            examples,
+            self.image_column,
+            threads=args.dataloader_num_workers,
+            skipped_rows=self.train_dataset.skipped_rows,
+        )
         log_rank_zero(
             f"streaming {args.dataset_name or args.train_data_dir} ({source.n_shards} shard(s)), shuffle buffer "
             f"{args.shuffle_buffer_size} rows"
