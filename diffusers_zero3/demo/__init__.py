@@ -105,6 +105,15 @@ def write_instance_images(
     return folder
 
 
+def png_value(image) -> dict:
+    """A PIL image as a ``datasets.Image`` value: its PNG bytes."""
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return {"bytes": buf.getvalue(), "path": None}
+
+
 def write_controlnet_dataset(
     folder: str | os.PathLike, num_images: int = 32, size: int = 32, seed: int = 0
 ) -> Path:
@@ -112,8 +121,6 @@ def write_controlnet_dataset(
     ``conditioning_image``, ``text``) and return its folder: a coloured shape, its mask (white
     shape on black: what the ControlNet learns to follow) and a caption; plus one mask PNG per
     shape, ``<folder>-masks/<shape>.png``, for --validation_image."""
-    import io
-
     import datasets
 
     folder = Path(folder)
@@ -122,11 +129,6 @@ def write_controlnet_dataset(
         f.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     rows = {"image": [], "conditioning_image": [], "text": []}
-
-    def png(image) -> dict:
-        buf = io.BytesIO()
-        image.save(buf, format="PNG")
-        return {"bytes": buf.getvalue(), "path": None}
 
     for i in range(num_images):
         colour, shape = rng.choice(sorted(COLOURS)), rng.choice(SHAPES)
@@ -138,8 +140,8 @@ def write_controlnet_dataset(
             .point(lambda v: 255 if v < 200 else 0)
             .convert("RGB")
         )
-        rows["image"].append(png(image))
-        rows["conditioning_image"].append(png(mask))
+        rows["image"].append(png_value(image))
+        rows["conditioning_image"].append(png_value(mask))
         rows["text"].append(f"a {colour} {shape}")
         if not (masks / f"{shape}.png").exists():
             mask.save(masks / f"{shape}.png")
@@ -163,8 +165,6 @@ def write_masked_shapes_dataset(
     black on the background (``--mask_column mask`` trains on the shapes alone). Images take
     their (width, height) in turn from ``sizes`` (default landscape 48 x 32 and portrait 32 x 48:
     aspect-ratio buckets)."""
-    import io
-
     import datasets
 
     folder = Path(folder)
@@ -173,18 +173,13 @@ def write_masked_shapes_dataset(
     rng = random.Random(seed)
     rows = {"image": [], "mask": [], "text": []}
 
-    def png(image) -> dict:
-        buf = io.BytesIO()
-        image.save(buf, format="PNG")
-        return {"bytes": buf.getvalue(), "path": None}
-
     for i in range(num_images):
         colour, shape = rng.choice(sorted(COLOURS)), rng.choice(SHAPES)
         width, height = sizes[i % len(sizes)]
         image = shape_image(colour, shape, height, random.Random(f"{seed}-{i}"), width=width)
         mask = image.convert("L").point(lambda v: 0 if v == 235 else 255)  # the background is (235, 235, 235)
-        rows["image"].append(png(image))
-        rows["mask"].append(png(mask))
+        rows["image"].append(png_value(image))
+        rows["mask"].append(png_value(mask))
         rows["text"].append(f"a {colour} {shape}")
     features = datasets.Features(
         {"image": datasets.Image(), "mask": datasets.Image(), "text": datasets.Value("string")}
@@ -246,8 +241,6 @@ def write_preference_dataset(
     is the matching one, at random. ``ties`` more rows have ``label_0`` 0.5 (dropped by
     training, as upstream). Loads with ``datasets.load_dataset(folder)``.
     """
-    import io
-
     import datasets
 
     folder = Path(folder)
@@ -261,9 +254,7 @@ def write_preference_dataset(
         label = 0.5 if i >= num_pairs else float(rng.random() < 0.5)
         first, second = (good, bad) if label != 0 else (bad, good)
         for column, image in (("jpg_0", first), ("jpg_1", second)):
-            buf = io.BytesIO()
-            image.save(buf, format="PNG")
-            rows[column].append(buf.getvalue())
+            rows[column].append(png_value(image)["bytes"])
         rows["label_0"].append(label)
         rows["caption"].append(f"a {colour} {shape}")
     datasets.Dataset.from_dict(rows).to_parquet(str(folder / "train-00000-of-00001.parquet"))
