@@ -165,7 +165,7 @@ def test_bucketed_crops_through_the_dataset(tmp_path):
     assert pixels.shape == (3, 48, 80) and crop.target_size == (48, 80)
     # covered then cropped: 100 x 200 -> 48 x 96 (scale 0.48), a 48 x 80 crop
     assert crop.resized_size == (48, 96) and crop.original_size == (100, 200)
-    assert crop.mirrored((48, 80)).crop_top_left[1] == 96 - 80 - crop.crop_top_left[1]
+    assert crop.mirrored().crop_top_left[1] == 96 - 80 - crop.crop_top_left[1]
     with pytest.raises(DataError, match="image_interpolation_mode"):
         transform_image_with_crop(image, 32, False, False, random.Random(0), "cubic")
 

@@ -58,9 +58,12 @@ def load_image_caption_dataset(
     return ds[split]
 
 
-def resolve_columns(dataset, image_column: str | None, caption_column: str | None) -> tuple[str, str]:
-    """The image and caption column names, defaulting to the first two columns as upstream."""
-    names = list(dataset.column_names)
+def resolve_columns(
+    names: Sequence[str], image_column: str | None, caption_column: str | None
+) -> tuple[str, str]:
+    """The image and caption column names among a dataset's column ``names``, defaulting to
+    the first two columns as upstream."""
+    names = list(names)
     image_column = image_column or names[0]
     caption_column = caption_column or (names[1] if len(names) > 1 else None)
     for flag, col in (("--image_column", image_column), ("--caption_column", caption_column)):
@@ -143,8 +146,7 @@ def prepare_image_column(dataset, image_column: str, folder: str | None = None):
                     f"--image_column {image_column!r} holds relative image paths (e.g. {relative[0]!r}) "
                     f"and {where} to resolve them against"
                 )
-            local = [_resolve_image_path(v, root) if _is_relative_path(v) else v for v in sample]
-            local = [v for v in local if "://" not in v]
+            local = [_resolve_image_path(v, root) for v in sample if "://" not in v]
             if local and not any(os.path.exists(v) for v in local):  # a wrong folder, not a few missing files
                 raise DataError(
                     f"--image_column {image_column!r} holds image paths, and none of the first {len(local)} "
@@ -233,13 +235,12 @@ class CropInfo:
     crop_top_left: tuple[int, int]
     flipped: bool
     resized_size: tuple[int, int]  # (height, width) after the image was resized to cover the crop
-    target_size: tuple[int, int] = (0, 0)
+    target_size: tuple[int, int]
 
-    def mirrored(self, size: int | tuple[int, int]) -> CropInfo:
-        """The same crop (of ``size``: the resolution, or the bucket) seen in the horizontally
-        flipped resized image."""
+    def mirrored(self) -> CropInfo:
+        """The same crop seen in the horizontally flipped resized image."""
         top, left = self.crop_top_left
-        mirrored_left = self.resized_size[1] - left - target_size(size)[1]
+        mirrored_left = self.resized_size[1] - left - self.target_size[1]
         return CropInfo(
             self.original_size, (top, mirrored_left), not self.flipped, self.resized_size, self.target_size
         )
@@ -273,7 +274,7 @@ def transform_image_with_crop(
     info = CropInfo((h, w), (top, left), False, (nh, nw), (th, tw))
     if random_flip and rng.random() < 0.5:
         image = image.transpose(Image.FLIP_LEFT_RIGHT)
-        info = info.mirrored((th, tw))  # the same crop, seen in the flipped image
+        info = info.mirrored()  # the same crop, seen in the flipped image
     arr = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
     return torch.from_numpy(arr).permute(2, 0, 1).contiguous(), info
 

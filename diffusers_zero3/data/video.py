@@ -473,9 +473,12 @@ class VideoCaptionDataset(SeededRows):
             return None
         return transform_clip(frames, height, width, self.center_crop, False, rng)[0]
 
-    def _readable_row(self, index: int) -> tuple[int, str, random.Random, np.ndarray | None, list[int]]:
+    def _readable_row(
+        self, index: int
+    ) -> tuple[int, str, random.Random, np.ndarray | None, np.ndarray | None]:
         """The first usable row from ``index`` on: its index, caption, random draws (the caption
-        drawn first, then the clip's start, crop and flip), frames and their source indices."""
+        drawn first, then the clip's start, crop and flip), frames, and its mask clip's frames at
+        the same indices (``mask_column``; None without)."""
         n = len(self.dataset)
         for i in ((index + offset) % n for offset in range(n)):
             if self.row_buckets is not None and self.row_buckets[i] != self.row_buckets[index]:
@@ -487,11 +490,11 @@ class VideoCaptionDataset(SeededRows):
                 if i in self.unreadable_rows:
                     raise ClipError("skipped when the frozen-model cache was built")
                 if not self.with_videos:
-                    return i, caption, rng, None, []
+                    return i, caption, rng, None, None
                 frames, indices = self._clip(row, rng, self.shape_of(i)[0])
-                if self.mask_column is not None:
-                    self.mask_source(row).read(indices)  # a mask that does not decode: the row is skipped
-                return i, caption, rng, frames, indices
+                # a mask that does not decode: the row is skipped like its clip
+                mask = self.mask_source(row).read(indices) if self.mask_column is not None else None
+                return i, caption, rng, frames, mask
             except ClipError as e:
                 if i not in self.skipped_rows:
                     self.skipped_rows.add(i)
@@ -499,7 +502,7 @@ class VideoCaptionDataset(SeededRows):
         raise DataError(f"no readable clip of {self.num_frames} frames in the dataset")
 
     def __getitem__(self, index: int) -> dict:
-        i, caption, rng, frames, indices = self._readable_row(index)
+        i, caption, rng, frames, mask = self._readable_row(index)
         if self.empty_prompt_probability and random.Random(f"{self.seed}-{self.epoch}-{i}-empty").random() < (
             self.empty_prompt_probability
         ):
@@ -511,8 +514,7 @@ class VideoCaptionDataset(SeededRows):
             item["pixel_values"], crop = transform_clip(
                 frames, height, width, self.center_crop, self.random_flip, rng
             )
-            if self.mask_column is not None:  # the mask clip's same frames, crop and flip
-                mask = self.mask_source(self.dataset[i]).read(indices)
+            if mask is not None:  # the mask clip's same frames, crop and flip
                 item["loss_mask"] = crop_mask_clip(mask, crop, height, width)
         return item
 

@@ -360,7 +360,6 @@ def _encode_share(
                 skipped.append(i)
         mine = [i for i in mine if i not in set(skipped)]
     if vae is not None and row_buckets is not None:  # bucket by bucket: a chunk (and a shard) has one shape
-        mine = sorted(mine, key=lambda i: row_buckets[i])
         groups = [[i for i in mine if row_buckets[i] == b] for b in sorted({row_buckets[i] for i in mine})]
     else:
         groups = [mine]
@@ -412,7 +411,7 @@ def _encode_share(
                     # the same crop seen in the flipped image, as live training records it
                     # CPU: written to the cache file, as original_size
                     out["crop_top_left_flipped"] = torch.tensor(
-                        [c.mirrored(c.target_size).crop_top_left for _, c in crops]
+                        [c.mirrored().crop_top_left for _, c in crops]
                     )
         return out
 

@@ -207,22 +207,18 @@ class TextToImageTrainer:
         """``--use_aspect_ratio_buckets`` and ``--mask_column`` where this trainer and family
         take them; one error line otherwise (before anything loads)."""
         args = self.args
+        given = [flag for flag, on in (("--use_aspect_ratio_buckets", args.use_aspect_ratio_buckets),
+                                       ("--mask_column", args.mask_column is not None),
+                                       ("--streaming", args.streaming)) if on]  # fmt: skip
         if args.streaming:
             if args.max_train_steps is None:
                 raise ArgumentError(
                     "--streaming needs --max_train_steps (a stream has no length to count epochs by)"
                 )
-            for flag, given in (("--use_aspect_ratio_buckets", args.use_aspect_ratio_buckets),
-                                ("--mask_column", args.mask_column is not None)):  # fmt: skip
-                if given:
-                    raise ArgumentError(f"{flag} with --streaming is not supported yet")
-        for flag, given in (("--use_aspect_ratio_buckets", args.use_aspect_ratio_buckets),
-                            ("--mask_column", args.mask_column is not None),
-                            ("--streaming", args.streaming)):  # fmt: skip
-            if not given:
-                continue
-            if not self.image_caption_rows:
-                raise ArgumentError(f"{flag} is not supported by {type(self).__name__} yet")
+            if given[0] != "--streaming":
+                raise ArgumentError(f"{given[0]} with --streaming is not supported yet")
+        if given and not self.image_caption_rows:
+            raise ArgumentError(f"{given[0]} is not supported by {type(self).__name__} yet")
 
     def _load_models(self) -> None:
         args, src = self.args, self.source
@@ -314,7 +310,9 @@ class TextToImageTrainer:
         ds = load_image_caption_dataset(
             args.dataset_name, args.dataset_config_name, args.train_data_dir, args.cache_dir
         )
-        self.image_column, self.caption_column = resolve_columns(ds, args.image_column, args.caption_column)
+        self.image_column, self.caption_column = resolve_columns(
+            ds.column_names, args.image_column, args.caption_column
+        )
         ds = prepare_image_column(ds, self.image_column, args.dataset_name or args.train_data_dir)
         if args.mask_column is not None:
             if args.mask_column not in ds.column_names:
@@ -359,7 +357,7 @@ class TextToImageTrainer:
         )
         columns = source.column_names or list(next(iter(source)))
         self.image_column, self.caption_column = resolve_columns(
-            datasets.Dataset.from_dict({c: [] for c in columns}), args.image_column, args.caption_column
+            columns, args.image_column, args.caption_column
         )
         if not isinstance((source.features or {}).get(self.image_column), datasets.Image):
             raise DataError(
@@ -394,11 +392,8 @@ class TextToImageTrainer:
         ``--aspect_ratio_buckets`` or ``--resolution``), each row's bucket, and the sampler that
         draws one bucket per global batch (``self.bucket_sampler``). Collective (every rank
         reads the image headers of its share)."""
-        args, acc = self.args, self.accelerator
-        vae_config = self.family.component_class("vae").load_config(
-            self.component_sources.get("vae", Path(self.source) / "vae")
-        )
-        multiple = self.family.latent_multiple(vae_config)
+        args = self.args
+        multiple = self.family.latent_multiple(self._vae_config())
         try:
             if args.aspect_ratio_buckets:
                 self.buckets = parse_buckets(args.aspect_ratio_buckets, multiple)
@@ -407,16 +402,28 @@ class TextToImageTrainer:
         except DataError as e:
             raise ArgumentError(str(e)) from e
         row_buckets = bucket_rows(ds, self.image_column, self.buckets)
+        self._make_bucket_sampler(row_buckets)
+        return row_buckets
+
+    def _make_bucket_sampler(self, row_buckets: list[int]) -> None:
+        """``self.bucket_sampler`` over ``self.buckets``, logged; one error line when no bucket
+        fills a global batch."""
+        args = self.args
         self.bucket_sampler = BucketBatchSampler(
-            row_buckets, args.train_batch_size, acc.num_processes, seed=args.seed or 0
+            row_buckets, args.train_batch_size, self.accelerator.num_processes, seed=args.seed or 0
         )
         log_rank_zero(describe_buckets(self.buckets, row_buckets, self.bucket_sampler.global_batch))
         if len(self.bucket_sampler) == 0:
             raise DataError(
                 f"no aspect-ratio bucket holds processes x --train_batch_size = {self.bucket_sampler.global_batch} "
-                "images: lower the batch size, use fewer buckets, or add data"
+                f"{'clips' if self.family.video else 'images'}: lower the batch size, use fewer buckets, or add data"
             )
-        return row_buckets
+
+    def _vae_config(self) -> dict:
+        """The VAE's config (its folder, or the one ``--component vae=PATH`` gives)."""
+        return self.family.component_class("vae").load_config(
+            self.component_sources.get("vae", Path(self.source) / "vae")
+        )
 
     def _select_rows(self, ds):
         """``--max_train_samples`` rows of ``ds`` (shuffled by the seed), checked to give every
@@ -592,11 +599,8 @@ class TextToImageTrainer:
         args = self.args
         args.num_frames = args.num_frames or 81
         args.height, args.width = args.height or args.resolution, args.width or args.resolution
-        vae_config = self.family.component_class("vae").load_config(
-            self.component_sources.get("vae", Path(self.source) / "vae")
-        )
         try:
-            check_video_shape(args.num_frames, args.height, args.width, self.family, vae_config)
+            check_video_shape(args.num_frames, args.height, args.width, self.family, self._vae_config())
         except ValueError as e:
             raise ArgumentError(str(e)) from e
         if args.rank is not None and len(self._trained_folders()) > 1:
@@ -648,10 +652,8 @@ class TextToImageTrainer:
         its share of the clips' headers)."""
         from ..data.video import bucket_clips, check_video_shape, parse_video_buckets
 
-        args, acc = self.args, self.accelerator
-        vae_config = self.family.component_class("vae").load_config(
-            self.component_sources.get("vae", Path(self.source) / "vae")
-        )
+        args = self.args
+        vae_config = self._vae_config()
         try:
             if args.aspect_ratio_buckets:
                 self.buckets = parse_video_buckets(args.aspect_ratio_buckets, args.num_frames)
@@ -666,15 +668,7 @@ class TextToImageTrainer:
         row_buckets = bucket_clips(clips, self.buckets)
         clips.set_buckets(self.buckets, row_buckets)
         clips.skipped_rows.update(i for i, b in enumerate(row_buckets) if b == NO_BUCKET)
-        self.bucket_sampler = BucketBatchSampler(
-            row_buckets, args.train_batch_size, acc.num_processes, args.seed or 0
-        )
-        log_rank_zero(describe_buckets(self.buckets, row_buckets, self.bucket_sampler.global_batch))
-        if len(self.bucket_sampler) == 0:
-            raise DataError(
-                f"no aspect-ratio bucket holds processes x --train_batch_size = {self.bucket_sampler.global_batch} "
-                "clips: lower the batch size, use fewer buckets, or add data"
-            )
+        self._make_bucket_sampler(row_buckets)
 
     def _maybe_resume(self) -> None:
         processes, batch = self.accelerator.num_processes, self.args.train_batch_size
@@ -951,8 +945,8 @@ class TextToImageTrainer:
             rows = self.train_dataset.position_after(epoch, done_in_epoch)
             state = {"epoch": epoch, "batches_in_epoch": 0, "stream_rows": rows}
         elif self.bucket_sampler is not None:  # samples consumed per bucket: resumable on any N
-            start = self.bucket_start if epoch == self.first_epoch else None
-            position = self.bucket_sampler.position_after(epoch, done_in_epoch - self.resume_batches, start)
+            # the resumed position applies to its own epoch alone (position_after checks)
+            position = self.bucket_sampler.position_after(epoch, done_in_epoch, self.bucket_start)
             state = {**position.to_state(), "batches_in_epoch": 0, "buckets": [list(b) for b in self.buckets]}
         else:
             state = resume_position(epoch, done_in_epoch, len(self.loader))
