@@ -6,9 +6,15 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: install test test-unit test-fast test-gpu train train-reward train-grpo train-dpo train-dreambooth train-controlnet smoke-gpu bench style quality clean
 
+# The authors' packages that the hpsv2 and imagereward tests score against (test only; the
+# package never imports them): without their dependencies, which pull torchvision, whose
+# registry wheel does not import beside the CPU build of torch 2.13 (tests/reference_imports.py).
+REFERENCE_PACKAGES = open_clip_torch timm image-reward fairscale ftfy wcwidth regex
+
 install:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH_SPEC)"
 	$(PYTHON) -m pip install -e ".[test]" -c constraints.txt
+	$(PYTHON) -m pip install --no-deps -c constraints.txt $(REFERENCE_PACKAGES)
 
 test:
 	$(PYTHON) -m pytest tests -q

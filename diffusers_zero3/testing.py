@@ -26,6 +26,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -86,6 +87,59 @@ def _kill(procs: list[subprocess.Popen]) -> None:
         p.wait()
 
 
+class _ForkedRank:
+    """A rank forked from the preloading fork server, with ``Popen``'s ``poll``/``pid``."""
+
+    def __init__(self, process: Any):
+        self.process = process
+        self.pid = process.pid
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        if self.process.exitcode is None:
+            try:  # its session (it calls setsid first): whatever it started goes too
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:  # not yet its own session leader
+                self.process.kill()
+        self.process.join()
+
+
+def _wait_for_ranks(
+    procs: Sequence[Any], logs: list[Path], timeout_s: float, grace_s: float, kill: Callable[[], None]
+) -> list[str]:
+    """Wait for every rank (``poll()``), then read and remove their logs; ``RanksFailed`` as
+    ``launch_local_ranks`` describes."""
+    world_size = len(procs)
+    start = time.monotonic()
+    first_failure = None
+    timed_out = False
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if first_failure is None and any(p.poll() not in (None, 0) for p in procs):
+            first_failure = now
+        if now - start > timeout_s:
+            timed_out = True
+            break
+        if first_failure is not None and now - first_failure > grace_s:
+            break
+        time.sleep(0.2)
+    kill()
+    codes = [p.poll() for p in procs]
+    outputs = [log.read_text(errors="replace") for log in logs]
+    for log in logs:
+        log.unlink()
+    logs[0].parent.rmdir()
+    if timed_out or any(c != 0 for c in codes):
+        what = f"ranks timed out after {timeout_s:.0f}s (a hang)" if timed_out else "a rank failed"
+        report = "\n".join(
+            f"===== rank {r} (exit {codes[r]}) =====\n{_tail(outputs[r])}" for r in range(world_size)
+        )
+        raise RanksFailed(f"{what}; exit codes {codes}\n{report}", outputs, codes, timed_out)
+    return outputs
+
+
 def launch_local_ranks(
     argv_for_rank: Callable[[int], Sequence[str]],
     world_size: int = 2,
@@ -117,43 +171,106 @@ def launch_local_ranks(
                     start_new_session=True,
                 )
             )
-    start = time.monotonic()
-    first_failure = None
-    timed_out = False
-    while any(p.poll() is None for p in procs):
-        now = time.monotonic()
-        if first_failure is None and any(p.poll() not in (None, 0) for p in procs):
-            first_failure = now
-        if now - start > timeout_s:
-            timed_out = True
-            break
-        if first_failure is not None and now - first_failure > grace_s:
-            break
-        time.sleep(0.2)
-    _kill(procs)
-    codes = [p.returncode for p in procs]
-    outputs = [log.read_text(errors="replace") for log in logs]
-    for log in logs:
-        log.unlink()
-    logdir.rmdir()
-    if timed_out or any(c != 0 for c in codes):
-        what = f"ranks timed out after {timeout_s:.0f}s (a hang)" if timed_out else "a rank failed"
-        report = "\n".join(
-            f"===== rank {r} (exit {codes[r]}) =====\n{_tail(outputs[r])}" for r in range(world_size)
+    return _wait_for_ranks(procs, logs, timeout_s, grace_s, lambda: _kill(procs))
+
+
+def start_rank_forkserver(preload: Sequence[str], env: dict[str, str] | None = None) -> None:
+    """Start the fork server that ``run_function_on_ranks(..., preloaded=True)`` forks its
+    ranks from, after it imported the modules ``preload`` names (torch, DeepSpeed, diffusers:
+    the seconds every fresh rank would spend importing them).
+
+    ``env`` is set while the server starts, so that what the preloaded modules read at import
+    (``DS_ACCELERATOR``, ``CUDA_VISIBLE_DEVICES``) is the ranks'. A no-op once the server runs
+    (one per process: the first call's preload and env hold).
+    """
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _forked_rank_main(target: str, payload: str, env: dict[str, str], cwd: str | None, log: str) -> None:
+    """A forked rank: its own session, its output into ``log``, the rank's environment; then
+    as ``python -m diffusers_zero3.testing target payload``."""
+    os.setsid()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd:
+        os.chdir(cwd)
+    if env.get("OMP_NUM_THREADS"):  # OpenMP read it when the server imported torch
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    sys.argv = [sys.argv[0], target, payload]
+    os._exit(_rank_main())
+
+
+def _launch_forked_ranks(
+    target: str,
+    payload: str,
+    world_size: int,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+    grace_s: float = 30.0,
+) -> list[str]:
+    """``launch_local_ranks`` of ``module:function`` with ranks forked from the fork server."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    port = free_port()
+    logdir = Path(tempfile.mkdtemp(prefix="dz3-ranks-"))
+    procs, logs = [], []
+    for rank in range(world_size):
+        log = logdir / f"rank{rank}.log"
+        log.touch()
+        logs.append(log)
+        process = ctx.Process(
+            target=_forked_rank_main,
+            args=(target, payload, rank_env(rank, world_size, port, env), cwd, str(log)),
+            name=f"rank{rank}",
         )
-        raise RanksFailed(f"{what}; exit codes {codes}\n{report}", outputs, codes, timed_out)
-    return outputs
+        process.start()
+        procs.append(_ForkedRank(process))
+
+    def kill() -> None:
+        for p in procs:
+            p.kill()
+
+    return _wait_for_ranks(procs, logs, timeout_s, grace_s, kill)
 
 
 def run_function_on_ranks(
-    target: str, kwargs: dict | None = None, world_size: int = 2, timeout_s: float = 600.0, **launch_kwargs
+    target: str,
+    kwargs: dict | None = None,
+    world_size: int = 2,
+    timeout_s: float = 600.0,
+    *,
+    preloaded: bool = False,
+    **launch_kwargs,
 ) -> list[str]:
     """Run ``module:function`` with JSON-serialisable ``kwargs`` on every local rank.
 
     Each rank calls the function, then tears its process group down cleanly. See
-    ``launch_local_ranks`` for failures and timeouts.
+    ``launch_local_ranks`` for failures and timeouts. ``preloaded``: fork the ranks from the
+    server of ``start_rank_forkserver`` (one with nothing preloaded if none runs yet), which
+    spares each rank its imports; every rank is still a new process.
     """
     payload = json.dumps(kwargs or {})
+    if preloaded:
+        return _launch_forked_ranks(target, payload, world_size, timeout_s, **launch_kwargs)
     return launch_local_ranks(
         lambda rank: [sys.executable, "-m", "diffusers_zero3.testing", target, payload],
         world_size=world_size,

@@ -12,10 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from diffusers_zero3.testing import RanksFailed, run_function_on_ranks
+from diffusers_zero3.testing import RanksFailed, run_function_on_ranks, start_rank_forkserver
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TIMEOUT = float(os.environ.get("DZ3_TEST_RANK_TIMEOUT", 300))
+# Ranks are forked from a server that imported torch, DeepSpeed, diffusers... once
+# (tests/rank_preload.py): each is a new process without the ~5 s of imports.
+# DZ3_TEST_FRESH_RANKS=1 starts every rank as a new interpreter instead.
+FRESH_RANKS = os.environ.get("DZ3_TEST_FRESH_RANKS") == "1"
 
 
 def _test_env(extra: dict[str, str] | None) -> dict[str, str]:
@@ -34,13 +38,20 @@ def _test_env(extra: dict[str, str] | None) -> dict[str, str]:
 
 
 def run_on_ranks(fn, world_size: int = 2, timeout: float = DEFAULT_TIMEOUT, env=None, **kwargs) -> list[str]:
-    """Run the module-level function ``fn(**kwargs)`` on every rank; return their outputs."""
+    """Run the module-level function ``fn(**kwargs)`` on every rank; return their outputs.
+
+    The ranks are forked from the harness's preloading server (``rank_preload``) unless
+    ``DZ3_TEST_FRESH_RANKS=1``.
+    """
+    if not FRESH_RANKS:
+        start_rank_forkserver(["tests.rank_preload"], _test_env(None))
     try:
         return run_function_on_ranks(
             f"{fn.__module__}:{fn.__qualname__}",
             kwargs,
             world_size=world_size,
             timeout_s=timeout,
+            preloaded=not FRESH_RANKS,
             env=_test_env(env),
             cwd=str(REPO_ROOT),
         )

@@ -1,10 +1,20 @@
-"""The multi-rank harness itself: a hang and a failing rank must fail, with the ranks' output."""
+"""The multi-rank harness itself: a hang and a failing rank must fail, with the ranks' output,
+whether the ranks are new interpreters or forked from the preloading server."""
 
 import pytest
 
-from diffusers_zero3.testing import RanksFailed, run_function_on_ranks
+from diffusers_zero3.testing import RanksFailed, run_function_on_ranks, start_rank_forkserver
+from tests.distributed_harness import _test_env
 
-pytestmark = pytest.mark.multirank  # each test starts 2 real ranks (one waits out a 12 s hang)
+pytestmark = pytest.mark.multirank  # each test starts 2 real ranks (one waits out a hang)
+
+LAUNCHES = pytest.mark.parametrize("preloaded", [False, True], ids=["fresh", "forked"])
+
+
+def _launch(target: str, preloaded: bool, timeout_s: float, env: dict | None = None) -> list[str]:
+    if preloaded:
+        start_rank_forkserver(["tests.rank_preload"], _test_env(None))
+    return run_function_on_ranks(target, timeout_s=timeout_s, preloaded=preloaded, env=_test_env(env))
 
 
 def worker_rank1_hangs():
@@ -29,11 +39,13 @@ def worker_rank1_raises():
         raise ValueError("deliberate failure on rank 1")
 
 
-def test_hang_becomes_failure_with_outputs():
-    with pytest.raises(RanksFailed) as info:
-        run_function_on_ranks(
+@LAUNCHES
+def test_hang_becomes_failure_with_outputs(preloaded):
+    with pytest.raises(RanksFailed) as info:  # a forked rank starts in well under a second
+        _launch(
             "tests.test_harness:worker_rank1_hangs",
-            timeout_s=12,
+            preloaded,
+            timeout_s=6 if preloaded else 12,
             env={"DIFFUSERS_ZERO3_PG_TIMEOUT": "600"},
         )
     err = info.value
@@ -41,8 +53,9 @@ def test_hang_becomes_failure_with_outputs():
     assert "rank 0 started" in str(err) and "rank 1 started" in str(err)
 
 
-def test_failing_rank_traceback_is_reported():
+@LAUNCHES
+def test_failing_rank_traceback_is_reported(preloaded):
     with pytest.raises(RanksFailed) as info:
-        run_function_on_ranks("tests.test_harness:worker_rank1_raises", timeout_s=60)
+        _launch("tests.test_harness:worker_rank1_raises", preloaded, timeout_s=60)
     assert info.value.codes[1] == 1 and not info.value.timed_out
     assert "ValueError: deliberate failure on rank 1" in str(info.value)

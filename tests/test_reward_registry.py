@@ -196,16 +196,16 @@ def test_specs_parse_names_weights_models_and_placements():
         ),
         (
             ["hpsv2"],
-            ["hpsv2=xswu/HPSv2"],
             [],
-            "--reward hpsv2 is not available: it needs open_clip_torch (pip install open_clip_torch hpsv2)",
+            [],
+            "--reward hpsv2 needs its weights: --reward_model hpsv2=PATH_OR_HUB_ID (published: xswu/HPSv2)",
         ),
         (
             ["imagereward"],
             [],
             [],
-            "--reward imagereward is not available: it needs BLIP from the image-reward"
-            " package (pip install image-reward)",
+            "--reward imagereward needs its weights: --reward_model imagereward=PATH_OR_HUB_ID"
+            " (published: THUDM/ImageReward)",
         ),
     ],
 )

@@ -1,6 +1,6 @@
 """Rewards for online RL of diffusion models: the command-line specs (``specs``), the
 built-in reward models (``builtin``: PickScore, CLIPScore, the LAION aesthetic predictor, a
-VLM judge), their tensor preprocessing (``images``) and the weighted sum over them
+VLM judge; ``hps``: HPSv2; ``imagereward``: ImageReward), their tensor preprocessing (``images``) and the weighted sum over them
 (``registry``), each reward a ``placement.rewards.ParallelReward``.
 
 Images are float tensors ``[B, 3, H, W]`` in ``[0, 1]`` on the accelerator's device.

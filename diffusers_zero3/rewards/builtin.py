@@ -21,8 +21,14 @@ a forward would be an empty partition). None imports its authors' packages.
   (``aesthetic_head.safetensors``, or the published ``sac+logos+ava1-l14-linearMSE.pth``).
 * ``vlm``: a Qwen2-VL / Qwen2.5-VL judge: ``P(Yes) / (P(Yes) + P(No))`` from the next-token
   logits of its answer to a question about the image and the prompt (``VLMJudge.question``).
-* ``hpsv2``, ``imagereward``: named, not built in (they need open_clip / BLIP): asking for
-  them is an ``ArgumentError`` that says so.
+* ``hpsv2``: HPSv2 / HPSv2.1 (tgxs002/HPSv2, ``img_score.py``): ``cos(text, image)`` of an
+  open_clip ViT-H-14 fine-tuned on human preferences, its checkpoint converted to a
+  ``CLIPModel`` (``rewards.hps``; open_clip is not needed). Weights: ``xswu/HPSv2``.
+* ``imagereward``: ImageReward (Xu et al. 2023, THUDM/ImageReward): a BLIP text encoder
+  cross-attending to the ViT's image tokens, its [CLS] feature through an MLP head,
+  ``(mlp - mean) / std`` with the published constants, as the authors' ``ImageReward.score``
+  (``rewards.imagereward``, on transformers' BLIP classes; the image-reward package is not
+  needed). Weights: ``THUDM/ImageReward`` (``ImageReward.pt``, ``med_config.json``).
 """
 
 from __future__ import annotations
@@ -430,6 +436,20 @@ class VLMJudge(nn.Module):
         return pair.softmax(dim=-1)[:, 0]
 
 
+def _load_hpsv2(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module:
+    """``rewards.hps.HPSv2.from_pretrained``, imported when called (``hps`` imports this module)."""
+    from .hps import HPSv2
+
+    return HPSv2.from_pretrained(path, dtype)
+
+
+def _load_imagereward(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module:
+    """``rewards.imagereward.ImageRewardModel.from_pretrained``, imported when called."""
+    from .imagereward import ImageRewardModel
+
+    return ImageRewardModel.from_pretrained(path, dtype)
+
+
 # ------------------------------------------------------------------ the table
 
 
@@ -442,15 +462,13 @@ class BuiltinReward:
         summary: what it scores, one line.
         published: the weights to pass as ``--reward_model NAME=...`` for the published model.
         load: ``load(path, dtype, **options) -> nn.Module`` with ``preprocess``/``forward``
-            (``vlm`` takes ``question=``); None when not built in.
-        unavailable: why it cannot be used here (then ``load`` is None).
+            (``vlm`` takes ``question=``).
     """
 
     name: str
     summary: str
     published: str
-    load: Callable[..., nn.Module] | None = None
-    unavailable: str | None = None
+    load: Callable[..., nn.Module]
 
     @property
     def needs_weights(self) -> bool:
@@ -487,17 +505,16 @@ BUILTINS: dict[str, BuiltinReward] = {
         ),
         BuiltinReward(
             "hpsv2",
-            "HPSv2: an open_clip ViT-H-14 fine-tuned on human preferences",
+            "HPSv2: cos(text, image) of an open_clip ViT-H-14 fine-tuned on human preferences, as a CLIPModel"
+            " (HPSv2.1: xswu/HPSv2/HPS_v2.1_compressed.pt)",
             "xswu/HPSv2",
-            unavailable="it needs open_clip_torch (pip install open_clip_torch hpsv2), which this package does not"
-            " load yet; score with your own function meanwhile: --reward my_module:my_hps",
+            _load_hpsv2,
         ),
         BuiltinReward(
             "imagereward",
-            "ImageReward: BLIP with an MLP head trained on human preferences",
+            "ImageReward: (mlp - mean) / std of a BLIP text encoder's [CLS] feature, cross-attending to the image",
             "THUDM/ImageReward",
-            unavailable="it needs BLIP from the image-reward package (pip install image-reward), which this package"
-            " does not load yet; score with your own function meanwhile: --reward my_module:my_imagereward",
+            _load_imagereward,
         ),
     )
 }

@@ -216,8 +216,6 @@ def load_rewards(
             )
         elif spec.is_builtin:
             load = BUILTINS[spec.name].load
-            if load is None:
-                raise ValueError(f"reward {spec.name!r} is not built in: {BUILTINS[spec.name].unavailable}")
             kwargs = {"question": vlm_question} if spec.name == "vlm" and vlm_question else {}
             if spec.name == "vlm" and spec.placement in ("shard", "offload"):
                 # the judge read straight into partitions: a 7-72 B model never whole on a rank

@@ -1,7 +1,7 @@
 """The reward flags of a command line, parsed into one typed list of ``RewardSpec``.
 
 * ``--reward SPEC[=WEIGHT]`` (repeatable): ``SPEC`` is a built-in name (``pickscore``,
-  ``clip_score``, ``aesthetic``, ``vlm``; see ``rewards.builtin``), ``module:function``, a
+  ``clip_score``, ``aesthetic``, ``vlm``, ``hpsv2``, ``imagereward``; see ``rewards.builtin``), ``module:function``, a
   function ``fn(images, prompts) -> scores`` (one number per image), or ``module:Class``, a
   reward model class with ``from_pretrained`` (its weights from ``--reward_model``);
   ``WEIGHT`` its weight in the sum (default 1.0).
@@ -125,15 +125,13 @@ def import_reward_function(spec: str) -> Callable[..., Any]:
 
 
 def _builtin(name: str) -> None:
-    """Raise ``ArgumentError`` for a name that is no usable built-in."""
+    """Raise ``ArgumentError`` for a name that is no built-in."""
     builtin = BUILTINS.get(name)
     if builtin is None:
         raise ArgumentError(
             f"--reward {name}: unknown built-in reward; choose one of {', '.join(sorted(BUILTINS))},"
             " or give a function as module:function"
         )
-    if builtin.unavailable:
-        raise ArgumentError(f"--reward {name} is not available: {builtin.unavailable}")
 
 
 def parse_reward_specs(
