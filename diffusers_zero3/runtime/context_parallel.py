@@ -1,0 +1,160 @@
+"""Context parallelism (Ulysses, ring) for a denoiser trained under ZeRO-3.
+
+The N ranks form groups of K that process the same samples and split each sample's token
+sequence K ways (diffusers' context parallelism: each model's ``_cp_plan`` says which inputs
+are split at which module and where the output is gathered; attention exchanges heads with an
+all-to-all (Ulysses) or passes key/value chunks around (ring)). ZeRO-3 still partitions the
+parameters, gradients and optimizer state over all N ranks.
+
+Gradients: every rank of a group computes the whole loss (the output is gathered) and the
+gradient of its own share of the tokens; the group's shares sum to the sample's gradient.
+ZeRO-3 averages over all N ranks, which divides that sum by K too often: ``loss_scale`` (= K)
+multiplies the loss before the backward so that training equals data parallelism over the
+N / K groups on the same global batch (tests/test_context_parallel.py: losses and updated
+weights of K=2 against K=1, Wan, Flux.1, Qwen-Image).
+
+diffusers' ``ModelMixin.enable_parallelism`` builds its own mesh over the whole world and picks
+the device as ``rank % torch.accelerator.device_count()``, which is 0 on a CPU host;
+``enable_context_parallel`` does its steps with a mesh whose first dimension is the data-parallel
+groups. The diffusers names it uses (checked on diffusers 0.42.1): ``ContextParallelConfig``,
+``ParallelConfig`` (``models._modeling_parallel``), ``hooks.context_parallel.apply_context_parallel``,
+a model's ``_cp_plan`` / ``_parallel_config`` and an attention processor's ``_parallel_config`` /
+``_attention_backend``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+CONTEXT_PARALLEL_MODES = ("ulysses", "ring")
+DIFFUSERS_CHECKED = "0.42.1"
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """The context-parallel layout of the ranks.
+
+    Attributes:
+        size: K, the ranks that split one sample's sequence.
+        mode: ``"ulysses"`` or ``"ring"``.
+        mesh: the ``("dp", "ring", "ulysses")`` device mesh over every rank.
+    """
+
+    size: int
+    mode: str
+    mesh: DeviceMesh
+
+    @property
+    def data_parallel_size(self) -> int:
+        """N / K: the groups that see different samples."""
+        return self.mesh.size(0)
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's group: ranks with the same one take the same samples."""
+        return self.mesh.get_local_rank("dp")
+
+    @property
+    def loss_scale(self) -> float:
+        """What the loss is multiplied by before the backward (see the module docstring)."""
+        return float(self.size)
+
+
+def check_context_parallel(size: int, mode: str, world_size: int, model: Any | None = None) -> None:
+    """Raise ``ValueError`` (one line) when ``size``/``mode`` cannot split ``model`` over
+    ``world_size`` ranks: K not dividing the ranks, a model without a ``_cp_plan``, attention
+    heads that Ulysses cannot split K ways, or ring attention on a backend without the
+    log-sum-exp it needs. Not a collective."""
+    if mode not in CONTEXT_PARALLEL_MODES:
+        raise ValueError(
+            f"context parallel mode must be one of {', '.join(CONTEXT_PARALLEL_MODES)}, got {mode!r}"
+        )
+    if size < 1 or world_size % size:
+        raise ValueError(f"context parallel size {size} must divide the number of processes ({world_size})")
+    if model is None or size == 1:
+        return
+    name = type(model).__name__
+    if getattr(model, "_cp_plan", None) is None:
+        raise ValueError(
+            f"{name} has no context-parallel plan (_cp_plan): train it with context parallel size 1"
+        )
+    heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
+    if mode == "ulysses" and heads is not None and heads % size:
+        raise ValueError(
+            f"Ulysses context parallelism splits the attention heads: {name} has {heads}, not divisible by {size}"
+        )
+    if mode == "ring":
+        backend = _attention_backend(model)
+        if backend in ("native", None):
+            raise ValueError(
+                f"ring attention needs an attention backend that returns the log-sum-exp (flash, _native_cudnn,"
+                f" sage); {name} uses {backend or 'native'}: set_attention_backend() or use ulysses"
+            )
+
+
+def _attention_backend(model: torch.nn.Module) -> str | None:
+    """The attention backend of ``model``'s first attention processor (the active one when unset)."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    for module in model.modules():
+        processor = getattr(module, "processor", None)
+        if processor is not None and hasattr(processor, "_attention_backend"):
+            backend = processor._attention_backend
+            if backend is None:
+                backend, _ = _AttentionBackendRegistry.get_active_backend()
+            return getattr(backend, "value", backend)
+    return None
+
+
+def context_parallel(
+    size: int, mode: str = "ulysses", device_type: str | None = None
+) -> ContextParallel | None:
+    """The ranks grouped K = ``size`` at a time (consecutive ranks: one machine's, where the
+    all-to-alls are cheap); None for ``size`` 1.
+
+    Collective: call on every rank (it creates the groups' process groups).
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    check_context_parallel(size, mode, world)
+    if size == 1:
+        return None
+    ring, ulysses = (size, 1) if mode == "ring" else (1, size)
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    mesh = init_device_mesh(
+        device_type, (world // size, ring, ulysses), mesh_dim_names=("dp", "ring", "ulysses")
+    )
+    return ContextParallel(size=size, mode=mode, mesh=mesh)
+
+
+def enable_context_parallel(model: torch.nn.Module, cp: ContextParallel, device: torch.device) -> None:
+    """Split ``model``'s sequence over ``cp``'s groups, as its ``_cp_plan`` says: what
+    ``enable_parallelism`` does, on this package's mesh and ``device`` (the rank's). Call it
+    before ``deepspeed.initialize`` (or on the engine's module); the model must then be called
+    with ``return_dict=False`` (the plan's hooks take tensors). Not a collective itself, but
+    every forward of the model is one within the group.
+    """
+    import torch.distributed as dist
+    from diffusers.hooks.context_parallel import apply_context_parallel
+    from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
+
+    check_context_parallel(cp.size, cp.mode, dist.get_world_size(), model)
+    ring, ulysses = (cp.size, 1) if cp.mode == "ring" else (1, cp.size)
+    cp_config = ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses, mesh=cp.mesh)
+    config = ParallelConfig(context_parallel_config=cp_config)
+    config.setup(dist.get_rank(), dist.get_world_size(), device, mesh=cp.mesh)
+    model._parallel_config = config
+    for module in model.modules():
+        processor = getattr(module, "processor", None)
+        if processor is not None and hasattr(processor, "_parallel_config"):
+            processor._parallel_config = config
+    apply_context_parallel(model, cp_config, model._cp_plan)

@@ -1,0 +1,157 @@
+"""Context parallelism under ZeRO-3 (``runtime.context_parallel``): its one-line refusals, and on
+2 real ranks a ZeRO-3 engine whose sequence is split K=2 ways (Ulysses) training one step exactly
+as one unsplit model (K=1) does on the same sample, for Wan 2.1, Flux.1 and Qwen-Image (fp32;
+in bf16 the split forward against the unsplit one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed_harness import run_on_ranks
+
+# family: (its tiny denoiser's constructor arguments, latents shape, text length, text width)
+MODELS = {
+    "wan": (
+        "WanTransformer3DModel",
+        dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+             text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+             qk_norm="rms_norm_across_heads", rope_max_seq_len=32),
+        (1, 16, 2, 8, 8), 8, 32,
+    ),
+    "flux": (
+        "FluxTransformer2DModel",
+        dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+             num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=False,
+             axes_dims_rope=(4, 4, 8)),
+        (1, 16, 8, 8), 8, 32,
+    ),
+    "qwenimage": (
+        "QwenImageTransformer2DModel",
+        dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+             joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4)),
+        (1, 4, 1, 8, 8), 8, 16,
+    ),
+}  # fmt: skip
+
+
+def _build(name: str, seed: int = 0) -> torch.nn.Module:
+    import diffusers
+
+    cls, kwargs, *_ = MODELS[name]
+    torch.manual_seed(seed)
+    return getattr(diffusers, cls)(**kwargs)
+
+
+def _inputs(name: str) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """The same noisy latents, timestep, conditioning and target on every rank."""
+    _, _, shape, text_length, text_width = MODELS[name]
+    gen = torch.Generator().manual_seed(5)
+    latents = torch.randn(shape, generator=gen)
+    cond = {"encoder_hidden_states": torch.randn(1, text_length, text_width, generator=gen)}
+    if name == "flux":
+        cond["pooled_projections"] = torch.randn(1, 32, generator=gen)
+    if name == "qwenimage":
+        cond["encoder_hidden_states_mask"] = torch.ones(1, text_length, dtype=torch.long)
+    target = torch.randn(shape, generator=gen)
+    return latents, torch.tensor([600.0]), cond, target
+
+
+def worker_context_parallel_trains_like_one_model(names: list[str]):
+    import deepspeed
+
+    from diffusers_zero3.families import family_named
+    from diffusers_zero3.runtime.context_parallel import context_parallel, enable_context_parallel
+    from diffusers_zero3.runtime.zero3 import gathered_parameters, zero3_init_disabled
+    from tests.common import zero3_config
+
+    deepspeed.init_distributed("gloo")
+    cp = context_parallel(2, "ulysses")
+    assert cp.data_parallel_size == 1 and cp.data_parallel_rank == 0 and cp.loss_scale == 2.0
+    lr = 1.0
+    for name in names:
+        family = family_named(name)
+        latents, t, cond, target = _inputs(name)
+        with zero3_init_disabled():
+            reference = _build(name)
+            model = _build(name)
+        # K = 1: one unsplit model, the sample's whole gradient, one SGD step
+        out_ref = family.predict(reference, latents, t, cond)
+        loss_ref = (out_ref - target).pow(2).mean()
+        loss_ref.backward()
+        grads = [
+            torch.zeros_like(p) if p.grad is None else p.grad for p in reference.parameters()
+        ]  # unused: none
+        expected = torch.cat([(p - lr * g).detach().flatten() for p, g in zip(reference.parameters(), grads)])
+        unscaled = torch.cat(
+            [(p - lr * g / 2).detach().flatten() for p, g in zip(reference.parameters(), grads)]
+        )
+
+        # K = 2 under ZeRO-3: each rank half the tokens, parameters partitioned over both
+        enable_context_parallel(model, cp, torch.device("cpu"))
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        config = {**zero3_config(), "zero_allow_untested_optimizer": True}
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        out = family.predict(engine, latents, t, cond)
+        torch.testing.assert_close(out, out_ref.detach(), rtol=1e-5, atol=1e-6)
+        loss = (out - target).pow(2).mean()
+        torch.testing.assert_close(loss, loss_ref.detach(), rtol=1e-6, atol=0)
+        engine.backward(loss * cp.loss_scale)
+        engine.step()
+        with gathered_parameters(list(engine.module.parameters())):
+            updated = torch.cat([p.detach().flatten().clone() for p in engine.module.parameters()])
+        worst = (updated - expected).abs().max().item()
+        torch.testing.assert_close(updated, expected, rtol=1e-5, atol=1e-6)
+        # the control: without the loss scale ZeRO-3's average over the 2 ranks halves the step
+        assert not torch.allclose(expected, unscaled, rtol=1e-5, atol=1e-6)
+        engine.destroy()
+
+        # bf16: the split forward against the unsplit one, the same bf16 weights
+        with zero3_init_disabled():
+            reference, model = _build(name).to(torch.bfloat16), _build(name).to(torch.bfloat16)
+        enable_context_parallel(model, cp, torch.device("cpu"))
+        bf16 = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in cond.items()}
+        with torch.no_grad():
+            out_ref = family.predict(reference, latents.to(torch.bfloat16), t, bf16)
+            out = family.predict(model, latents.to(torch.bfloat16), t, bf16)
+        bf16_diff = (out.float() - out_ref.float()).abs().max().item()
+        torch.testing.assert_close(out, out_ref, rtol=1.6e-2, atol=1e-2)
+        print(
+            f"OK cp {name} loss {loss.item():.6f} max weight diff {worst:.2e} bf16 output diff {bf16_diff:.2e}",
+            flush=True,
+        )
+
+
+@pytest.mark.multirank
+def test_a_sequence_split_two_ways_trains_like_one_model_under_zero3():
+    outs = run_on_ranks(worker_context_parallel_trains_like_one_model, names=list(MODELS))
+    for name in MODELS:
+        assert all(f"OK cp {name}" in o for o in outs), outs[0][-3000:]
+    print("".join(line for line in outs[0].splitlines(keepends=True) if line.startswith("OK cp")))
+
+
+@pytest.mark.unit
+def test_each_context_parallel_mistake_is_one_line():
+    from diffusers import UNet2DConditionModel
+
+    from diffusers_zero3.runtime.context_parallel import check_context_parallel
+
+    with torch.device("meta"):
+        wan = _build("wan")
+        unet = UNet2DConditionModel(block_out_channels=(32, 64), cross_attention_dim=32, layers_per_block=1,
+                                    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))  # fmt: skip
+    cases = [
+        ((3, "ulysses", 4, wan), "context parallel size 3 must divide the number of processes (4)"),
+        ((2, "tree", 2, wan), "context parallel mode must be one of ulysses, ring, got 'tree'"),
+        ((2, "ulysses", 2, unet), "UNet2DConditionModel has no context-parallel plan (_cp_plan)"),
+        ((4, "ulysses", 4, wan), "Ulysses context parallelism splits the attention heads: WanTransformer3DModel "
+                                 "has 2, not divisible by 4"),
+        ((2, "ring", 2, wan), "ring attention needs an attention backend that returns the log-sum-exp"),
+    ]  # fmt: skip
+    for args, message in cases:
+        with pytest.raises(ValueError) as info:
+            check_context_parallel(*args)
+        assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+    check_context_parallel(2, "ulysses", 4, wan)  # fine: 2 heads over 2, 2 groups of 2
+    check_context_parallel(1, "ulysses", 3, unet)  # K = 1: nothing to split
