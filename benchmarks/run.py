@@ -26,6 +26,7 @@ SUITES = [
     "grpo",
     "cache",
     "data",
+    "context_parallel",
 ]
 
 
