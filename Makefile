@@ -36,10 +36,12 @@ test-gpu:
 # The default runs take one process per GPU on a CUDA host, else 2 CPU ranks (diffusers_zero3/runtime/launch.py);
 # NUM_PROCESSES=N overrides.
 # BUCKETS=1: an image family on landscape and portrait images with --use_aspect_ratio_buckets.
+# CONTEXT_PARALLEL=K: each sample's tokens split over groups of K ranks (MODEL=wan; a denoiser with a context-parallel plan).
 MODEL ?= sd
 BUCKETS ?= 0
+CONTEXT_PARALLEL ?= 1
 train:
-	PYTHON=$(PYTHON) MODEL=$(MODEL) BUCKETS=$(BUCKETS) bash scripts/train_default.sh
+	PYTHON=$(PYTHON) MODEL=$(MODEL) BUCKETS=$(BUCKETS) CONTEXT_PARALLEL=$(CONTEXT_PARALLEL) bash scripts/train_default.sh
 
 train-reward:
 	PYTHON=$(PYTHON) bash scripts/train_reward_default.sh

@@ -508,6 +508,18 @@ class TextToImageSettings(CommonSettings):
         group="video (Wan)",
     )
     # --- this package's flags
+    context_parallel_size: int = flag(
+        1,
+        "Ranks that split each sample's token sequence (context parallelism beside ZeRO-3): groups of K "
+        "consecutive ranks train the same samples, each on 1/K of the tokens; for denoisers with a "
+        "context-parallel plan (Wan, Flux.1, Flux.2, Qwen-Image). 1: off.",
+    )
+    context_parallel_mode: str = flag(
+        "ulysses",
+        "Ulysses (the attention heads exchanged with an all-to-all; K must divide the heads) or ring "
+        "(key/value chunks passed around; needs an attention backend with the log-sum-exp, e.g. flash).",
+        choices=["ulysses", "ring"],
+    )
     component: list[str] = component_pairs_flag()
     frozen_cache_dir: str | None = flag(None, "Folder of 'cache' outputs (default: OUTPUT_DIR/frozen_cache).")
     validation_steps: int | None = flag(None, "Also validate every N steps.")

@@ -9,6 +9,8 @@
 #   varied sizes), Flux's T5 sharded, SD3's T5 and VAE cached.
 #   BUCKETS=1: an image family on landscape and portrait images with aspect-ratio buckets
 #   (--use_aspect_ratio_buckets: one bucket per micro-batch, the same on every rank).
+#   CONTEXT_PARALLEL=K: each sample's tokens split over groups of K ranks
+#   (--context_parallel_size; a family whose denoiser has a context-parallel plan, e.g. wan).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -25,11 +27,16 @@ if [ "${BUCKETS:-0}" = 1 ]; then
   BUCKET_ARGS=(--use_aspect_ratio_buckets --train_batch_size 4)
   VARIED=(--varied)
 fi
+CP_ARGS=()
+if [ "${CONTEXT_PARALLEL:-1}" != 1 ]; then
+  CP_ARGS=(--context_parallel_size "$CONTEXT_PARALLEL")
+fi
 DEFAULT=$($PYTHON -m diffusers_zero3.demo "$OUT" --model "$MODEL" "${VARIED[@]}" --shell) || exit 2
 eval "$DEFAULT"
 RUN="$OUT/run-$MODEL"
 [ "$MODEL" = sd ] && RUN="$OUT/run"
 [ "${BUCKETS:-0}" = 1 ] && RUN="$RUN-buckets"
+[ "${CONTEXT_PARALLEL:-1}" != 1 ] && RUN="$RUN-cp$CONTEXT_PARALLEL"
 $PYTHON -m accelerate.commands.launch --config_file configs/accelerate_zero3.yaml --num_processes "$NUM_PROCESSES" \
   scripts/train_text_to_image.py \
   --pretrained_model_name_or_path "$PIPE" \
@@ -38,7 +45,7 @@ $PYTHON -m accelerate.commands.launch --config_file configs/accelerate_zero3.yam
   --resolution 32 --center_crop --random_flip \
   --train_batch_size 8 --max_train_steps 120 \
   --learning_rate 1e-3 --lr_scheduler constant --lr_warmup_steps 0 \
-  --use_ema "${RUN_ARGS[@]}" "${BUCKET_ARGS[@]}" \
+  --use_ema "${RUN_ARGS[@]}" "${BUCKET_ARGS[@]}" "${CP_ARGS[@]}" \
   --checkpointing_steps 60 --checkpoints_total_limit 2 \
   --validation_prompts "a red circle" "a blue square" "a green circle" "a yellow square" \
   --validation_epochs 15 --num_validation_inference_steps 20 \

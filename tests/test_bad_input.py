@@ -373,6 +373,7 @@ VIDEO_CASES = [
         ["--pretrained_model_name_or_path", "{sd}", "--num_frames", "5"],
         "--num_frames applies to video families",
     ),
+    (["--context_parallel_size", "3"], "context parallel size 3 must divide the number of processes (1)"),
 ]
 
 

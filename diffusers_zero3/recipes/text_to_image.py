@@ -55,6 +55,12 @@ from ..families.objectives import (
 )
 from ..placement.frozen_inputs import place_frozen_models, resolve_component_sources
 from ..placement.plan import resolve_auto_placements
+from ..runtime.context_parallel import (
+    ContextParallel,
+    check_context_parallel,
+    context_parallel,
+    enable_context_parallel,
+)
 from ..runtime.distributed import log_rank_zero, max_over_ranks
 from ..runtime.ds_config import fill_auto_bucket_sizes
 from ..runtime.memory import MIB, MemoryLog, heap_bytes, model_state_bytes, return_large_frees_to_os
@@ -127,6 +133,7 @@ class TextToImageTrainer:
         self.extra_parts: list = []
         self.trained_folder: str | None = None  # the first trained model's folder (set as it loads)
         self._second_expert = None  # Wan 2.2's low-noise expert, when both train
+        self.cp: ContextParallel | None = None  # --context_parallel_size > 1
         self._cuts: list = []  # per micro-batch: (part, kept outputs, cut outputs) to backward through
 
     # ------------------------------------------------------------------ setup
@@ -190,6 +197,7 @@ class TextToImageTrainer:
             placements=self.placements,
             use_8bit_adam=args.use_8bit_adam,
         )
+        self.cp = self._context_parallel()
         clear_interrupted_writes(args.output_dir)
         set_seed(args.seed if args.seed is not None else 0)
         if args.allow_tf32 and torch.cuda.is_available():
@@ -202,6 +210,42 @@ class TextToImageTrainer:
         self.memory.mark("frozen models placed")
         self._prepare_training()
         self.memory.mark("prepared")
+
+    def _context_parallel(self) -> ContextParallel | None:
+        """``--context_parallel_size``: the groups of ranks that split each sample's sequence
+        (None for 1); one error line for what cannot be split. Collective (it creates the
+        groups' process groups)."""
+        args = self.args
+        if args.context_parallel_size == 1:
+            return None
+        if args.streaming or args.use_aspect_ratio_buckets:
+            raise ArgumentError(
+                "--context_parallel_size is not combined with --streaming or --use_aspect_ratio_buckets yet: "
+                "give a fixed-resolution dataset"
+            )
+        try:
+            check_context_parallel(
+                args.context_parallel_size, args.context_parallel_mode, self.accelerator.num_processes
+            )
+        except ValueError as e:
+            raise ArgumentError(str(e)) from e
+        if self.accelerator.state.deepspeed_plugin is None:
+            raise ArgumentError(
+                "--context_parallel_size needs DeepSpeed: launch with a ZeRO-3 accelerate config"
+            )
+        return context_parallel(
+            args.context_parallel_size, args.context_parallel_mode, self.accelerator.device.type
+        )
+
+    @property
+    def data_processes(self) -> int:
+        """The ranks that take different samples: all of them, or the context-parallel groups."""
+        return self.cp.data_parallel_size if self.cp is not None else self.accelerator.num_processes
+
+    def _data_state(self, state: dict) -> dict:
+        """A checkpoint's state with ``world_size`` the processes that took different samples
+        (``data_parallel_size`` where it was written under context parallelism)."""
+        return {**state, "world_size": state.get("data_parallel_size", state["world_size"])}
 
     def _check_data_flags(self) -> None:
         """``--use_aspect_ratio_buckets`` and ``--mask_column`` where this trainer and family
@@ -431,7 +475,7 @@ class TextToImageTrainer:
         args = self.args
         if args.max_train_samples is not None:
             ds = ds.shuffle(seed=args.seed or 0).select(range(min(args.max_train_samples, len(ds))))
-        check_enough_rows(len(ds), self.accelerator.num_processes, args.train_batch_size)
+        check_enough_rows(len(ds), self.data_processes, args.train_batch_size)
         return ds
 
     def _place_frozen(self) -> None:
@@ -467,13 +511,20 @@ class TextToImageTrainer:
         from diffusers.optimization import get_scheduler
 
         args, acc = self.args, self.accelerator
+        if self.cp is not None:  # after LoRA's layers, so that the plan's modules are the wrapped ones
+            for model in (self.denoiser, self._second_expert):
+                if model is not None:
+                    try:
+                        enable_context_parallel(model, self.cp, acc.device)
+                    except ValueError as e:
+                        raise ArgumentError(str(e)) from e
         lr = args.learning_rate
         if args.scale_lr:
             lr = scaled_learning_rate(
                 lr,
                 gradient_accumulation_steps=args.gradient_accumulation_steps,
                 train_batch_size=args.train_batch_size,
-                num_processes=acc.num_processes,
+                num_processes=self.data_processes,
             )
         self._learning_rate = lr
         optimizer = adamw(self.denoiser, args, lr)  # the adapters alone under LoRA
@@ -501,7 +552,7 @@ class TextToImageTrainer:
             )
         if args.max_train_steps is None:
             steps = updates_per_epoch(
-                math.ceil(len(loader) / acc.num_processes), args.gradient_accumulation_steps
+                math.ceil(len(loader) / self.data_processes), args.gradient_accumulation_steps
             )
             args.max_train_steps = args.num_train_epochs * steps
         scheduler = get_scheduler(
@@ -513,11 +564,16 @@ class TextToImageTrainer:
             power=args.lr_power,
         )
         # The denoiser first: accelerate's backward drives the first engine it prepared.
+        # Context parallelism: the loader dealt out to the groups, not to every rank.
         self.denoiser_part, self.loader = prepare_first_part(
-            acc, self._first_part_name(), self.denoiser, optimizer, scheduler, dataloader=loader,
+            acc, self._first_part_name(), self.denoiser, optimizer, scheduler,
+            dataloader=loader if self.cp is None else None,
+            micro_batch_size=None if self.cp is None else args.train_batch_size,
             max_grad_norm=args.max_grad_norm, use_ema=bool(args.use_ema),
             ema_device="cpu" if args.offload_ema else None,
         )  # fmt: skip
+        if self.cp is not None:
+            self.loader = self._group_loader(loader)
         part = self.denoiser_part
         self.denoiser, self.optimizer, self.lr_scheduler, self.ema = (
             part.engine,
@@ -536,6 +592,26 @@ class TextToImageTrainer:
             acc.init_trackers(args.tracker_project_name, config)
         self._prepare_extra_parts()
         self._maybe_resume()
+
+    def _group_loader(self, loader):
+        """``loader`` prepared as accelerate prepares it, but dealt out to the context-parallel
+        groups: every rank of a group gets the same batches."""
+        from accelerate.data_loader import prepare_data_loader
+
+        acc = self.accelerator
+        return prepare_data_loader(
+            loader,
+            acc.device,
+            num_processes=self.cp.data_parallel_size,
+            process_index=self.cp.data_parallel_rank,
+            split_batches=acc.split_batches,
+            put_on_device=True,
+            rng_types=acc.rng_types.copy(),
+            even_batches=acc.even_batches,
+            use_seedable_sampler=acc.use_seedable_sampler,
+            data_seed=acc.dataloader_config.data_seed,
+            non_blocking=acc.non_blocking,
+        )
 
     def _prepare_extra_parts(self) -> None:
         """Build the job's other trained models (``self.extra_parts``), after the denoiser's
@@ -618,7 +694,7 @@ class TextToImageTrainer:
             raise ArgumentError(
                 "--max_train_samples applies to image datasets; use a folder of the clips to train on"
             )
-        check_enough_rows(len(ds), self.accelerator.num_processes, args.train_batch_size)
+        check_enough_rows(len(ds), self.data_processes, args.train_batch_size)
         self.hf_dataset = ds
         try:
             clips = VideoCaptionDataset(
@@ -671,7 +747,7 @@ class TextToImageTrainer:
         self._make_bucket_sampler(row_buckets)
 
     def _maybe_resume(self) -> None:
-        processes, batch = self.accelerator.num_processes, self.args.train_batch_size
+        processes, batch = self.data_processes, self.args.train_batch_size
 
         def check(state: dict) -> None:  # before anything is loaded: where would the data resume?
             if ("stream_rows" in state) != self.args.streaming:
@@ -697,7 +773,7 @@ class TextToImageTrainer:
                     )
                 return  # a bucket position resumes on any number of processes
             try:
-                batches_to_skip(state, processes, batch)
+                batches_to_skip(self._data_state(state), processes, batch)
             except ValueError as e:
                 raise CheckpointError(f"cannot resume from step {state['global_step']}: {e}") from e
 
@@ -724,8 +800,8 @@ class TextToImageTrainer:
             self.bucket_sampler.start_at(self.bucket_start)
             self.resume_batches = 0
         else:
-            self.resume_batches = batches_to_skip(state, processes, batch)
-        if int(state["world_size"]) != processes:
+            self.resume_batches = batches_to_skip(self._data_state(state), processes, batch)
+        if int(self._data_state(state)["world_size"]) != processes:
             log_rank_zero(
                 f"{path} was written by {state['world_size']} processes; resharded for {processes} "
                 f"(batch {self.resume_batches} of epoch {self.first_epoch} next)"
@@ -768,6 +844,8 @@ class TextToImageTrainer:
         the other expert (both trained), that expert alone (its backward, and its step at the
         boundary: its own engine under ZeRO-3, accelerate's backward and its own optimizer
         under DDP). Every rank, every micro-batch."""
+        if self.cp is not None:  # ZeRO-3 averages over every rank: a group's shares make one sample
+            loss = loss * self.cp.loss_scale
         part = self._expert_part()
         if part is not None and self._expert_of_step() == part.name:
             sync = self.accelerator.sync_gradients
@@ -879,7 +957,7 @@ class TextToImageTrainer:
             if done_in_epoch == 0 and not (resumed_at and epoch == self.first_epoch):  # a stream too short
                 raise DataError(
                     f"epoch {epoch} of the data gave no batch: it holds fewer rows than processes x "
-                    f"--train_batch_size = {acc.num_processes * args.train_batch_size}"
+                    f"--train_batch_size = {self.data_processes * args.train_batch_size}"
                 )
             if (
                 args.validation_prompts
@@ -951,6 +1029,7 @@ class TextToImageTrainer:
         else:
             state = resume_position(epoch, done_in_epoch, len(self.loader))
         state["train_batch_size"] = self.args.train_batch_size
+        state["data_parallel_size"] = self.data_processes
         path = save_training_checkpoint(
             self.accelerator,
             self.args.output_dir,

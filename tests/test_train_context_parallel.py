@@ -1,0 +1,63 @@
+"""scripts/train_text_to_image.py with --context_parallel_size 2 on the tiny Wan 2.1: 2 ZeRO-3
+ranks split each clip's tokens (Ulysses) and train like one process on the same global batch
+(losses and the saved transformer within fp32 rounding), with EMA, a checkpoint that one
+process resumes exactly, and validation videos. A bad K: tests/test_bad_input.py (video cases),
+tests/test_context_parallel.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed_harness import accelerate_launch, resume_in_fresh_folder, run_launcher, step_values
+
+pytestmark = pytest.mark.e2e
+
+SCRIPT = "scripts/train_text_to_image.py"
+
+
+def _common(pipe: str, data: str) -> list[str]:
+    return ["--pretrained_model_name_or_path", pipe, "--train_data_dir", data, "--resolution", "32",
+            "--center_crop", "--random_flip", "--num_frames", "5", "--train_batch_size", "2",
+            "--max_train_steps", "4", "--learning_rate", "1e-3", "--lr_warmup_steps", "0", "--seed", "3",
+            "--report_to", "none", "--max_sequence_length", "16", "--text_encoder_placement", "shard",
+            "--use_ema", "--checkpointing_steps", "2"]  # fmt: skip
+
+
+def _transformer(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(next((folder / "transformer").glob("*.safetensors"))))
+
+
+def test_wan_split_two_ways_trains_like_one_process_and_resumes_on_one(tiny_wan, tmp_path):
+    pipe, data = tiny_wan
+    split, single = tmp_path / "cp2", tmp_path / "one"
+    validation = ["--validation_prompts", "a red circle moving right", "--validation_steps", "4",
+                  "--num_validation_inference_steps", "2"]  # fmt: skip
+    _, log = run_launcher(
+        [*accelerate_launch(SCRIPT, 2), *_common(pipe, data), "--context_parallel_size", "2", *validation,
+         "--output_dir", str(split)], timeout=400,
+    )  # fmt: skip
+    _, log1 = run_launcher([*accelerate_launch(SCRIPT, 1), *_common(pipe, data), "--output_dir", str(single)])
+    losses, reference = step_values(log), step_values(log1)
+    assert sorted(losses) == sorted(reference) == [1, 2, 3, 4], log[-3000:]
+    # the same global batch of 2 clips each step, the same noise: one process's losses
+    for step in reference:
+        assert losses[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-7), (losses, reference)
+    after, alone, before = _transformer(split), _transformer(single), _transformer(Path(pipe))
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    for key in alone:
+        torch.testing.assert_close(after[key], alone[key], rtol=1e-4, atol=1e-6)
+    assert (split / "validation" / "step-000004-0.mp4").stat().st_size > 0
+
+    # the K=2 run's checkpoint resumed by one process: steps 3 and 4 as before
+    log2 = resume_in_fresh_folder(
+        [*accelerate_launch(SCRIPT, 1), *_common(pipe, data)], split, tmp_path / "resumed"
+    )
+    again = step_values(log2)
+    assert sorted(again) == [3, 4], log2[-3000:]
+    for step in again:
+        assert again[step] == pytest.approx(losses[step], rel=1e-5, abs=1e-7), (again, losses)
