@@ -1,7 +1,8 @@
-"""scripts/train_text_to_image.py with --context_parallel_size 2 on the tiny Wan 2.1: 2 ZeRO-3
-ranks split each clip's tokens (Ulysses) and train like one process on the same global batch
-(losses and the saved transformer within fp32 rounding), with EMA, a checkpoint that one
-process resumes exactly, and validation videos. A bad K: tests/test_bad_input.py (video cases),
+"""scripts/train_text_to_image.py with --context_parallel_size 2 on the tiny Wan 2.2 A14B (both
+experts, each its own ZeRO-3 engine, the umT5 sharded, the VAE cached): 2 ranks split each
+clip's tokens (Ulysses) and train like one process on the same global batch (losses and both
+saved experts within fp32 rounding), with EMA, a checkpoint that one process resumes exactly,
+and validation videos. A bad K: tests/test_bad_input.py (video cases),
 tests/test_context_parallel.py."""
 
 from __future__ import annotations
@@ -23,17 +24,17 @@ def _common(pipe: str, data: str) -> list[str]:
             "--center_crop", "--random_flip", "--num_frames", "5", "--train_batch_size", "2",
             "--max_train_steps", "4", "--learning_rate", "1e-3", "--lr_warmup_steps", "0", "--seed", "3",
             "--report_to", "none", "--max_sequence_length", "16", "--text_encoder_placement", "shard",
-            "--use_ema", "--checkpointing_steps", "2"]  # fmt: skip
+            "--use_ema", "--checkpointing_steps", "2", "--vae_placement", "cache", "--train_experts", "both"]  # fmt: skip
 
 
-def _transformer(folder: Path) -> dict[str, torch.Tensor]:
+def _weights(folder: Path, component: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return load_file(str(next((folder / "transformer").glob("*.safetensors"))))
+    return load_file(str(next((folder / component).glob("*.safetensors"))))
 
 
-def test_wan_split_two_ways_trains_like_one_process_and_resumes_on_one(tiny_wan, tmp_path):
-    pipe, data = tiny_wan
+def test_wan22_split_two_ways_trains_like_one_process_and_resumes_on_one(tiny_wan22, tmp_path):
+    pipe, data = tiny_wan22
     split, single = tmp_path / "cp2", tmp_path / "one"
     validation = ["--validation_prompts", "a red circle moving right", "--validation_steps", "4",
                   "--num_validation_inference_steps", "2"]  # fmt: skip
@@ -47,10 +48,12 @@ def test_wan_split_two_ways_trains_like_one_process_and_resumes_on_one(tiny_wan,
     # the same global batch of 2 clips each step, the same noise: one process's losses
     for step in reference:
         assert losses[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-7), (losses, reference)
-    after, alone, before = _transformer(split), _transformer(single), _transformer(Path(pipe))
-    assert any(not torch.equal(before[k], after[k]) for k in before)
-    for key in alone:
-        torch.testing.assert_close(after[key], alone[key], rtol=1e-4, atol=1e-6)
+    assert "frozen-model cache:" in log and "text_encoder: shard" in log, log[-3000:]
+    for expert in ("transformer", "transformer_2"):
+        after, alone, before = (_weights(f, expert) for f in (split, single, Path(pipe)))
+        assert any(not torch.equal(before[k], after[k]) for k in before), expert
+        for key in alone:
+            torch.testing.assert_close(after[key], alone[key], rtol=1e-4, atol=1e-6)
     assert (split / "validation" / "step-000004-0.mp4").stat().st_size > 0
 
     # the K=2 run's checkpoint resumed by one process: steps 3 and 4 as before

@@ -74,17 +74,22 @@ class Zero3Layout:
         return cls(optim_grid, dsu._parse_model_states_stage3([model_grid[0][0]]), dp_degree)
 
     def extract(self, temp: Path, saved_rank: int) -> None:
-        """Cut saved rank ``saved_rank``'s optimizer file into per-parameter fragments."""
+        """Cut saved rank ``saved_rank``'s optimizer file into per-parameter fragments (an
+        optimizer that never stepped given zero moments first: ``with_zero_moments``)."""
         import deepspeed.checkpoint.ds_to_universal as dsu
 
-        dsu.extract_zero_shards_stage3(
-            self.optim_grid,
-            [self.shapes],
-            self.dp_degree,
-            str(temp),
-            (0, saved_rank),
-            exclude_param_names=set(),
-        )
+        grid = self.optim_grid
+        patched = with_zero_moments(Path(grid[0][saved_rank]), temp.parent / "zero-moments")
+        if patched is not None:
+            grid = [list(row) for row in grid]
+            grid[0][saved_rank] = str(patched)
+        try:
+            dsu.extract_zero_shards_stage3(
+                grid, [self.shapes], self.dp_degree, str(temp), (0, saved_rank), exclude_param_names=set()
+            )
+        finally:
+            if patched is not None:
+                patched.unlink()
 
     def merge(self, zero: Path, temp: Path, name: str) -> None:
         """Merge the fragments of parameter ``name`` into its universal folder."""
@@ -93,10 +98,20 @@ class Zero3Layout:
         dsu.merge_zero3_slices(self.dp_degree, str(zero), str(temp), name)
 
     def save_optimizer_state(self, dst: Path) -> None:
-        """DeepSpeed's ``optimizer_state.pt`` (a copy of saved rank 0's optimizer file)."""
+        """DeepSpeed's ``optimizer_state.pt`` (a copy of saved rank 0's optimizer file; zero
+        moments where it never stepped: DeepSpeed's universal load reads its ``step``)."""
         import deepspeed.checkpoint.ds_to_universal as dsu
 
-        dsu._save_optimizer_state_stage3(argparse.Namespace(output_folder=str(dst)), self.optim_grid[0])
+        files = list(self.optim_grid[0])
+        patched = with_zero_moments(Path(files[0]), dst / "zero-moments-state")
+        if patched is not None:
+            files[0] = str(patched)
+        try:
+            dsu._save_optimizer_state_stage3(argparse.Namespace(output_folder=str(dst)), files)
+        finally:
+            if patched is not None:
+                patched.unlink()
+                patched.parent.rmdir()
 
     @staticmethod
     def copy_model_states(src: Path, dst: Path) -> None:
@@ -106,6 +121,33 @@ class Zero3Layout:
         for f in sorted(src.glob("*model_states.pt")):
             if not dsu._is_expert_model_state_file(str(f)):
                 shutil.copy2(f, dst)
+
+
+def with_zero_moments(optim_file: Path, folder: Path) -> Path | None:
+    """A copy of ZeRO-3 optimizer file ``optim_file`` in ``folder`` whose sub-groups without Adam
+    state (an optimizer that has not stepped yet, e.g. the Wan 2.2 expert no step has drawn)
+    have zero moments, which is what Adam's first step starts from; None when every sub-group
+    has its state. ``ds_to_universal.extract_zero_shards_stage3`` reads ``exp_avg`` of every
+    sub-group and fails on a missing one (a ``KeyError``)."""
+    import deepspeed.checkpoint.ds_to_universal as dsu
+
+    try:
+        saved = torch.load(optim_file, map_location="cpu", weights_only=False, mmap=True)
+    except RuntimeError:  # not torch.save's zip format, which mmap needs
+        saved = torch.load(optim_file, map_location="cpu", weights_only=False)
+    optim = saved[dsu.OPTIMIZER_STATE_DICT]
+    state = optim["optimizer_state_dict"]["state"]
+    missing = [i for i in range(len(optim["fp32_flat_groups"])) if "exp_avg" not in state.get(i, {})]
+    if not missing:
+        return None
+    for i in missing:
+        flat = optim["fp32_flat_groups"][i]
+        state[i] = {"step": torch.zeros((), dtype=torch.float32, device=flat.device), "exp_avg": torch.zeros_like(flat),
+                    "exp_avg_sq": torch.zeros_like(flat)}  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / optim_file.name
+    torch.save(saved, out)
+    return out
 
 
 def load_universal(engine: Any, folder: str, tag: str) -> None:
