@@ -23,8 +23,8 @@ def case_context_parallel(size: int):
     from diffusers import WanTransformer3DModel
 
     from benchmarks.common import peak_rss_since_reset_bytes, reset_peak_rss
-    from diffusers_zero3.runtime.memory import current_rss_bytes
     from diffusers_zero3.runtime.context_parallel import context_parallel, enable_context_parallel
+    from diffusers_zero3.runtime.memory import current_rss_bytes
     from diffusers_zero3.runtime.zero3 import zero3_init_disabled
 
     deepspeed.init_distributed("gloo")
@@ -73,7 +73,10 @@ def case_context_parallel(size: int):
 
 def main() -> None:
     rows = []
-    results = {size: run_case("benchmarks.bench_context_parallel:case_context_parallel", size=size) for size in (1, 2)}
+    results = {
+        size: run_case("benchmarks.bench_context_parallel:case_context_parallel", size=size)
+        for size in (1, 2)
+    }
     base = results[1]
     for size, ranks in results.items():
         rise = max(r["rise"] for r in ranks)
