@@ -1,10 +1,13 @@
-"""scripts/train_grpo.py: its settings' errors, its noise, schedule and padding helpers, and 2-rank
-launches with groups that straddle the ranks and do not divide evenly: on a tiny SD3 (LoRA +
-Flow-GRPO with a function reward beside a sharded CLIP reward, resumed; full fine-tuning +
-DiffusionNFT with a sharded reference, resumed on 1 and 3 processes), a tiny Flux.1 (LoRA + grpo
-with dynamic shifting and the guidance input; full fine-tuning + nft) and a tiny Z-Image (LoRA +
-grpo with CFG). Each round's log line carries DeepSpeed's optimizer-step count, checked against
-one step per micro-batch."""
+"""scripts/train_grpo.py: its settings' errors, its noise, schedule and padding helpers, each
+family's sampling schedule, latent shape, decode and guidance against its pipeline's (Qwen-Image,
+Flux.2 [dev] and [klein]), and 2-rank launches with groups that straddle the ranks and do not
+divide evenly: on a tiny SD3 (LoRA + Flow-GRPO with a function reward beside a sharded CLIP
+reward, resumed; full fine-tuning + DiffusionNFT with a sharded reference, resumed on 1 and 3
+processes), a tiny Flux.1 (LoRA + grpo with dynamic shifting and the guidance input; full
+fine-tuning + nft), a tiny Z-Image (LoRA + grpo with CFG), a tiny Qwen-Image (LoRA + grpo with
+true CFG), a tiny Flux.2 [dev] (full fine-tuning + nft with the guidance input) and a tiny
+Flux.2 [klein] (LoRA + grpo with CFG). Each round's log line carries DeepSpeed's optimizer-step
+count, checked against one step per micro-batch."""
 
 from __future__ import annotations
 
@@ -51,6 +54,47 @@ def tiny_zimage(tmp_path_factory):
     from diffusers_zero3.families import ZIMAGE
 
     return str(save_tiny_pipeline(ZIMAGE, tmp_path_factory.mktemp("zimage") / "tiny-zimage"))
+
+
+@pytest.fixture(scope="module")
+def tiny_qwenimage(tmp_path_factory):
+    """A tiny Qwen-Image (one-frame 5-D latents, per-channel statistics that are not 0 and 1,
+    the published scheduler: dynamic exponential shifting to a terminal sigma)."""
+    from diffusers_zero3.demo import save_tiny_pipeline
+    from diffusers_zero3.families import QWENIMAGE
+
+    return str(save_tiny_pipeline(QWENIMAGE, tmp_path_factory.mktemp("qwenimage") / "tiny-qwenimage"))
+
+
+@pytest.fixture(scope="module")
+def tiny_flux2(tmp_path_factory):
+    """A tiny Flux.2 [dev] (guidance embedded; batch-norm latent statistics that are not 0 and 1)."""
+    from diffusers_zero3.demo import save_tiny_pipeline
+    from diffusers_zero3.families import FLUX2
+
+    return str(save_tiny_pipeline(FLUX2, tmp_path_factory.mktemp("flux2") / "tiny-flux2"))
+
+
+@pytest.fixture(scope="module")
+def tiny_flux2_klein(tmp_path_factory):
+    """A tiny Flux.2 [klein] base model (no guidance embedding: CFG)."""
+    from diffusers_zero3.demo import save_tiny_pipeline
+    from diffusers_zero3.families import FLUX2_KLEIN
+
+    return str(save_tiny_pipeline(FLUX2_KLEIN, tmp_path_factory.mktemp("klein") / "tiny-flux2-klein"))
+
+
+def _load_pipeline(family, folder: str):
+    """``family``'s pipeline from ``folder``, the tokenizer loaded by the family (FLUX.2-dev's
+    folder holds a processor that transformers builds only with torchvision)."""
+    from pathlib import Path
+
+    import diffusers
+
+    pipe = getattr(diffusers, family.pipeline_class).from_pretrained(folder, tokenizer=None)
+    pipe.register_modules(tokenizer=family.load_tokenizer(Path(folder) / "tokenizer"))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
 
 
 @pytest.fixture(scope="module")
@@ -153,17 +197,25 @@ def test_no_reward_is_an_error():
 
 
 @pytest.mark.unit
-def test_a_family_it_is_not_tested_on_is_refused_in_one_line(tiny_pipeline, tmp_path):
-    """An SD 1.x pipeline (no flow matching) and any flow family without an end-to-end test
-    here are refused before anything is loaded, naming the families it trains."""
+@pytest.mark.parametrize("kind", ["sd", "wan"])
+def test_a_family_it_is_not_tested_on_is_refused_in_one_line(kind, tiny_pipeline, tmp_path):
+    """An SD 1.x pipeline (no flow matching) and a flow family without an end-to-end test here
+    (Wan 2.1) are refused before anything is loaded, naming the families it trains."""
     from diffusers_zero3.errors import ArgumentError
     from diffusers_zero3.recipes.grpo import GRPOTrainer
 
-    settings = _parse("--pretrained_model_name_or_path", tiny_pipeline, "--prompts", "a", "--output_dir",
+    folder = tiny_pipeline
+    if kind == "wan":
+        from diffusers_zero3.demo import save_tiny_pipeline
+        from diffusers_zero3.families import WAN
+
+        folder = str(save_tiny_pipeline(WAN, tmp_path / "tiny-wan"))
+    settings = _parse("--pretrained_model_name_or_path", folder, "--prompts", "a", "--output_dir",
                       str(tmp_path / "out"), "--report_to", "none", "--resolution", "32")  # fmt: skip
     trainer = GRPOTrainer(settings)
+    families = "sd3, flux, zimage, qwenimage, flux2, flux2-klein"
     with pytest.raises(
-        ArgumentError, match="trains the flow-matching families it is tested on: sd3, flux, zimage"
+        ArgumentError, match=f"trains the flow-matching families it is tested on: {families}$"
     ):
         trainer.setup()
 
@@ -245,6 +297,122 @@ def test_sampling_schedule_is_the_pipelines(dynamic):
     reference = scheduler()
     reference.set_timesteps(6, device=cpu, **({"mu": mu} if dynamic else {}))
     assert torch.equal(sd3, reference.sigmas.float()) and not torch.equal(sd3, flux)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", ["qwenimage", "flux2", "flux2-klein"])
+def test_sampling_schedule_and_latent_shape_are_the_pipelines(name, request):
+    """Qwen-Image's schedule (linspace sigmas, ``calculate_shift`` with its own bounds, exponential
+    shifting stretched to its terminal sigma) and Flux.2's (``compute_empirical_mu`` of the
+    tokens and the step count): the sigmas the pipeline itself leaves on its scheduler after a
+    call, for a non-square image; and the latents' shape is the pipeline's."""
+    import torch
+
+    from diffusers_zero3.families import family_named
+    from diffusers_zero3.recipes.grpo import sampling_schedule
+
+    family = family_named(name)
+    folder = request.getfixturevalue(f"tiny_{name.replace('-', '_')}")
+    pipe = _load_pipeline(family, folder)
+    height, width, steps = 32, 48, 5
+    seen = []  # the packed latents the pipeline gives its transformer
+    hook = pipe.transformer.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append(kwargs["hidden_states"].shape), with_kwargs=True
+    )
+    try:
+        pipe(prompt="a red circle", num_inference_steps=steps, height=height, width=width, max_sequence_length=64,
+             generator=torch.Generator().manual_seed(0), output_type="latent")  # fmt: skip
+    finally:
+        hook.remove()
+    shape = family.denoiser_latent_shape(pipe.vae.config, height, width)
+    # the pipeline's tokens: one per 2x2 patch (Qwen-Image) or per patchified pixel (Flux.2)
+    assert seen[0][1] == family.image_seq_len(shape, pipe.vae.config, pipe.transformer.config), seen
+    assert seen[0][1] * seen[0][2] == torch.Size(shape).numel()
+    ours = sampling_schedule(
+        family, family.load_noise_scheduler(folder), steps, shape, pipe.vae.config, pipe.transformer.config,
+        torch.device("cpu"),
+    )  # fmt: skip
+    assert ours.shape == (steps + 1,) and ours[-1] == 0 and ours[0] == 1
+    assert torch.equal(ours, pipe.scheduler.sigmas.float()), (ours, pipe.scheduler.sigmas)
+    # another resolution shifts otherwise (mu follows the image's tokens)
+    other = family.denoiser_latent_shape(pipe.vae.config, 64, 64)
+    assert not torch.equal(ours, sampling_schedule(
+        family, family.load_noise_scheduler(folder), steps, other, pipe.vae.config, pipe.transformer.config,
+        torch.device("cpu"),
+    ))  # fmt: skip
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", ["qwenimage", "flux2"])
+def test_decode_is_the_pipelines(name, request):
+    """The trainer's decode of the pipeline's final latents (in the denoiser's layout) equals the
+    pipeline's own ``output_type="pt"`` images: Qwen-Image's per-channel mean and std undone and
+    its one frame, Flux.2's batch-norm statistics undone and unpatchified (both tiny VAEs have
+    statistics that are not 0 and 1, so a normalisation left in place shows)."""
+    import torch
+
+    from diffusers_zero3.families import family_named
+    from diffusers_zero3.recipes.grpo import decode_images
+
+    family = family_named(name)
+    folder = request.getfixturevalue(f"tiny_{name}")
+    pipe = _load_pipeline(family, folder)
+    size = 32
+
+    def run(output_type: str):
+        return pipe(prompt=["a red circle", "a blue square"], num_inference_steps=2, height=size, width=size,
+                    max_sequence_length=64, generator=torch.Generator().manual_seed(0),
+                    output_type=output_type).images  # fmt: skip
+
+    packed, expected = run("latent"), run("pt")
+    shape = family.denoiser_latent_shape(pipe.vae.config, size, size)
+    if name == "qwenimage":
+        latents = pipe._unpack_latents(packed, size, size, pipe.vae_scale_factor)
+    else:
+        latents = pipe._unpack_latents_with_ids(packed, pipe._prepare_latent_ids(torch.zeros(2, *shape)))
+    assert latents.shape[1:] == shape
+    with torch.no_grad():
+        images = decode_images(
+            family, pipe.vae, family.latent_normalizer(pipe.vae.config, f"{folder}/vae"), latents
+        )
+    assert images.shape == expected.shape == (2, 3, size, size)
+    torch.testing.assert_close(images, expected, rtol=0, atol=1e-6)
+    # the statistics matter here: undoing a mean 0 and std 1 instead gives other images
+    from diffusers_zero3.families.base import ChannelMeanStd
+    from diffusers_zero3.families.flux2 import BatchNormLatents
+
+    channels = shape[0]
+    if name == "qwenimage":
+        plain = ChannelMeanStd({"latents_mean": [0.0] * channels, "latents_std": [1.0] * channels})
+    else:
+        plain = BatchNormLatents(torch.zeros(channels), torch.ones(channels), 0.0)
+    with torch.no_grad():
+        assert (decode_images(family, pipe.vae, plain, latents) - expected).abs().max() > 1e-3
+
+
+@pytest.mark.unit
+def test_guidance_follows_the_pipelines():
+    """Qwen-Image's true CFG (the combination rescaled per packed token to the prompt's norm),
+    written as ``QwenImagePipeline.__call__`` on packed predictions; plain CFG elsewhere; no CFG
+    for a guidance-embedded transformer (Flux.1 / Flux.2 [dev]) or a step-distilled Flux.2 [klein]."""
+    import torch
+
+    from diffusers_zero3.families import FLUX2, FLUX2_KLEIN, QWENIMAGE, SD3
+    from diffusers_zero3.families.qwenimage import pack_latents, unpack_latents
+
+    g = torch.Generator().manual_seed(0)
+    neg, cond = torch.randn(2, 8, 4 * 6, generator=g), torch.randn(2, 8, 4 * 6, generator=g)  # 2x4 tokens
+    comb = neg + 3.0 * (cond - neg)  # the pipeline's lines, on its packed tokens
+    expected = comb * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
+    ours = QWENIMAGE.guided_velocity(unpack_latents(neg, 4, 8), unpack_latents(cond, 4, 8), 3.0)
+    assert ours.shape == (2, 6, 1, 4, 8)
+    torch.testing.assert_close(pack_latents(ours), expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(SD3.guided_velocity(neg, cond, 3.0), comb)
+    assert QWENIMAGE.classifier_free_guidance({}, {"guidance_embeds": False}, 2.0)
+    assert not FLUX2.classifier_free_guidance({}, {"guidance_embeds": True}, 4.0)
+    assert FLUX2_KLEIN.classifier_free_guidance({"is_distilled": False}, {"guidance_embeds": False}, 4.0)
+    assert not FLUX2_KLEIN.classifier_free_guidance({"is_distilled": True}, {"guidance_embeds": False}, 4.0)
+    assert not FLUX2_KLEIN.classifier_free_guidance({}, {"guidance_embeds": False}, 1.0)
 
 
 # ------------------------------------------------------------------ end to end
@@ -409,3 +577,81 @@ def test_zimage_lora_grpo_with_cfg(tiny_zimage, tmp_path):
     pipe = ZImagePipeline.from_pretrained(tiny_zimage)
     pipe.load_lora_weights(out)
     assert any("lora" in n for n, _ in pipe.transformer.named_parameters())
+
+
+@pytest.mark.e2e
+def test_qwenimage_lora_grpo_with_true_cfg(tiny_qwenimage, tmp_path):
+    """Qwen-Image: one-frame 5-D latents through the SDE and the loss, its VAE's per-channel
+    statistics undone before the decode, and true CFG (rescaled to the prompt's norm) with the
+    empty prompt's shorter states padded to the prompts'."""
+    out = tmp_path / "qwenimage-lora"
+    argv = [*LAUNCH, "--pretrained_model_name_or_path", tiny_qwenimage, *SMALL, "--rank", "4", "--reward", REDNESS,
+            "--guidance_scale", "2", "--max_sequence_length", "16", "--kl_beta", "0.01", "--output_dir", str(out)]  # fmt: skip
+    _, log = run_launcher(argv, timeout=240)
+    assert sorted(_rounds(log)) == [1, 2] and "ignored" not in log, log[-3000:]  # CFG runs
+    # rank 0's 5 samples: 2 micro-batches of 3, each one step over its 2 trained timesteps
+    assert _optimizer_steps(log) == {1: 2, 2: 4}, log[-3000:]
+    rewards = json.loads((out / "rewards.json").read_text())
+    assert set(rewards) == {"mean", REDNESS, "seconds"} and len(rewards["mean"]) == 2
+    _check_seconds(rewards["seconds"], 2)
+
+    import torch
+    from diffusers import QwenImagePipeline
+
+    pipe = QwenImagePipeline.from_pretrained(tiny_qwenimage)
+    pipe.load_lora_weights(out)
+    assert any("lora" in n for n, _ in pipe.transformer.named_parameters())
+    image = pipe("a red circle", num_inference_steps=2, height=32, width=32, max_sequence_length=16,
+                 generator=torch.Generator().manual_seed(0))  # fmt: skip
+    assert image.images[0].size == (32, 32)
+
+
+@pytest.mark.e2e
+def test_flux2_full_fine_tuning_nft_with_guidance_input(tiny_flux2, tmp_path):
+    """Flux.2 [dev]: patchified latents, the empirical mu of its schedule, the batch-norm
+    statistics undone and the latents unpatchified before the decode, --guidance_scale as the
+    transformer's guidance input (no CFG), a sharded reference for the KL."""
+    out = tmp_path / "flux2-full"
+    argv = [*LAUNCH, "--pretrained_model_name_or_path", tiny_flux2, *SMALL, "--objective", "nft", "--reward", REDNESS,
+            "--guidance_scale", "3.5", "--max_sequence_length", "64", "--kl_beta", "0.1", "--output_dir", str(out)]  # fmt: skip
+    _, log = run_launcher(argv, timeout=240)
+    assert sorted(_rounds(log)) == [1, 2] and "reference: shard" in log, log[-3000:]
+    assert "ignored" not in log and _optimizer_steps(log) == {1: 2, 2: 4}, log[-3000:]
+    rewards = json.loads((out / "rewards.json").read_text())
+    assert set(rewards) == {"mean", REDNESS, "seconds"} and len(rewards["mean"]) == 2
+    _check_seconds(rewards["seconds"], 2)
+
+    from diffusers import Flux2Transformer2DModel
+    from safetensors.torch import load_file
+
+    from diffusers_zero3.families import FLUX2
+
+    before = load_file(f"{tiny_flux2}/transformer/diffusion_pytorch_model.safetensors")
+    after = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert before.keys() == after.keys() and any(not (before[k] == after[k]).all() for k in before)
+    assert isinstance(_load_pipeline(FLUX2, str(out)).transformer, Flux2Transformer2DModel)
+
+
+@pytest.mark.e2e
+def test_flux2_klein_lora_grpo_with_cfg(tiny_flux2_klein, tmp_path):
+    """Flux.2 [klein] (a base model: no guidance input): CFG with the empty prompt, as
+    ``Flux2KleinPipeline``; the LoRA loads with its ``load_lora_weights``."""
+    out = tmp_path / "klein-lora"
+    argv = [*LAUNCH, "--pretrained_model_name_or_path", tiny_flux2_klein, *SMALL, "--rank", "4", "--reward", REDNESS,
+            "--guidance_scale", "2", "--max_sequence_length", "16", "--output_dir", str(out)]  # fmt: skip
+    _, log = run_launcher(argv, timeout=240)
+    assert sorted(_rounds(log)) == [1, 2] and _optimizer_steps(log) == {1: 2, 2: 4}, log[-3000:]
+    assert "ignored" not in log, log[-3000:]  # a base model: CFG runs
+    rewards = json.loads((out / "rewards.json").read_text())
+    assert set(rewards) == {"mean", REDNESS, "seconds"} and len(rewards["mean"]) == 2
+
+    import torch
+
+    from diffusers_zero3.families import FLUX2_KLEIN
+
+    pipe = _load_pipeline(FLUX2_KLEIN, tiny_flux2_klein)
+    pipe.load_lora_weights(out)
+    assert any("lora" in n for n, _ in pipe.transformer.named_parameters())
+    image = pipe(prompt="a red circle", num_inference_steps=2, height=32, width=32, max_sequence_length=16,
+                 generator=torch.Generator().manual_seed(0))  # fmt: skip
+    assert image.images[0].size == (32, 32)

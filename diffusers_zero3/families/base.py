@@ -76,6 +76,11 @@ class ScaleShift:
             latents = latents - self.shift_factor
         return latents * self.scaling_factor
 
+    def inverse(self, latents: torch.Tensor) -> torch.Tensor:
+        """The VAE's latents of denoiser latents: ``latents / scaling_factor + shift_factor``, as
+        the pipelines write it before ``vae.decode``."""
+        return latents / self.scaling_factor + (self.shift_factor or 0.0)
+
 
 class ChannelMeanStd:
     """Per-channel latent normalisation ``(latents - mean[c]) / std[c]`` (Wan's and Qwen-Image's
@@ -91,6 +96,14 @@ class ChannelMeanStd:
         mean = self.mean.to(latents.device, latents.dtype).view(shape)
         std = self.std.to(latents.device, latents.dtype).view(shape)
         return (latents - mean) / std
+
+    def inverse(self, latents: torch.Tensor) -> torch.Tensor:
+        """The VAE's latents of denoiser latents in ``latents``' dtype, as ``QwenImagePipeline``
+        (and ``WanPipeline``) write it before ``vae.decode``: ``latents / (1 / std[c]) + mean[c]``."""
+        shape = (1, -1, *([1] * (latents.ndim - 2)))
+        mean = self.mean.to(latents.device, latents.dtype).view(shape)
+        std = self.std.to(latents.device, latents.dtype).view(shape)
+        return latents / (1.0 / std) + mean
 
 
 # -------------------------------------------------------------------------------- families
@@ -388,6 +401,69 @@ class Family:
         """The family's pipeline set up to generate ``resolution`` x ``resolution`` images
         (a pipeline that rescales every request to its own default area changes that here)."""
         return pipeline
+
+    # ------------------------------------------------------------------ sampling (online RL)
+
+    def vae_scale_factor(self, vae_config: dict) -> int:
+        """The VAE's spatial downsampling (the pipeline's ``vae_scale_factor``)."""
+        return 2 ** (len(vae_config["block_out_channels"]) - 1)
+
+    def denoiser_latent_shape(self, vae_config: dict, height: int, width: int) -> tuple[int, ...]:
+        """One sample's denoiser latents for ``height`` x ``width`` images, without the batch: what
+        ``predict`` takes and ``latent_normalizer`` gives (``(C, h, w)`` here)."""
+        f = self.vae_scale_factor(vae_config)
+        return (vae_config["latent_channels"], height // f, width // f)
+
+    def image_seq_len(self, latent_shape: tuple[int, ...], vae_config: dict, denoiser_config: dict) -> int:
+        """The denoiser's image tokens for latents of ``latent_shape`` (``denoiser_latent_shape``),
+        as the pipeline counts them for its schedule's shift: the transformer's patches (SD3) or
+        the family's 2x2 packing (Flux.1, Qwen-Image, Z-Image)."""
+        packing = self.latent_multiple(vae_config) // self.vae_scale_factor(vae_config)
+        patch = max(denoiser_config.get("patch_size") or 1, packing)
+        return (latent_shape[-2] // patch) * (latent_shape[-1] // patch)
+
+    def sampling_sigmas(self, steps: int) -> list[float] | None:
+        """The sigmas the pipeline's ``__call__`` gives ``set_timesteps`` by default; None where the
+        scheduler spaces them itself (``StableDiffusion3Pipeline``)."""
+        return None
+
+    def sampling_mu(self, scheduler_config: dict, image_seq_len: int, steps: int) -> float | None:
+        """The pipeline's ``mu`` (the resolution-dependent shift) under ``use_dynamic_shifting``:
+        ``calculate_shift`` of the image's tokens with the scheduler config's bounds, as
+        ``FluxPipeline`` computes it; None without dynamic shifting (the scheduler ignores it)."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        if not scheduler_config.get("use_dynamic_shifting"):
+            return None
+        return calculate_shift(
+            image_seq_len, scheduler_config.get("base_image_seq_len", 256),
+            scheduler_config.get("max_image_seq_len", 4096), scheduler_config.get("base_shift", 0.5),
+            scheduler_config.get("max_shift", 1.15),
+        )  # fmt: skip
+
+    def classifier_free_guidance(
+        self, model_index: dict, denoiser_config: dict, guidance_scale: float
+    ) -> bool:
+        """Whether the pipeline runs CFG at ``guidance_scale`` (a conditional and an empty-prompt
+        call per step): above 1, unless the transformer takes the scale as an input
+        (``guidance_embeds``, e.g. Flux.1 [dev]). ``model_index`` is the pipeline's
+        ``model_index.json``."""
+        return guidance_scale > 1 and not denoiser_config.get("guidance_embeds", False)
+
+    def guided_velocity(
+        self, v_uncond: torch.Tensor, v_cond: torch.Tensor, guidance_scale: float
+    ) -> torch.Tensor:
+        """CFG's combination of the empty-prompt and the prompt's predictions, as the pipeline's
+        loop: ``v_uncond + guidance_scale * (v_cond - v_uncond)``."""
+        return v_uncond + guidance_scale * (v_cond - v_uncond)
+
+    def decode_latents(self, vae, normalize, latents: torch.Tensor) -> torch.Tensor:
+        """Images ``(N, 3, H, W)`` in about [-1, 1] of denoiser latents, as the pipeline decodes
+        them: the normalisation undone (``normalize``: ``latent_normalizer``'s map, its
+        ``inverse``) in fp32, then ``vae.decode`` in the VAE's dtype. Collective when the VAE is
+        sharded."""
+        x = normalize.inverse(latents.float()).to(vae.dtype)
+        return vae.decode(x, return_dict=False)[0]
 
     # ------------------------------------------------------------------ pipelines
 

@@ -66,6 +66,12 @@ class Flux(Family):
     def latent_multiple(self, vae_config):
         return 2 * super().latent_multiple(vae_config)
 
+    def sampling_sigmas(self, steps):
+        """``FluxPipeline``'s ``numpy.linspace(1, 1 / steps, steps)``."""
+        import numpy
+
+        return numpy.linspace(1.0, 1 / steps, steps).tolist()
+
     def predict(self, denoiser, noisy_latents, timesteps, cond, *, guidance_scale=None):
         n, _, h, w = noisy_latents.shape
         states = cond["encoder_hidden_states"]

@@ -47,6 +47,14 @@ def patchify_latents(latents: torch.Tensor) -> torch.Tensor:
     return x.reshape(n, c * 4, h // 2, w // 2)
 
 
+def unpatchify_latents(latents: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``patchify_latents``, (N, 4C, H/2, W/2) -> (N, C, H, W)
+    (``Flux2Pipeline._unpatchify_latents``)."""
+    n, c4, h, w = latents.shape
+    x = latents.reshape(n, c4 // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3)
+    return x.reshape(n, c4 // 4, h * 2, w * 2)
+
+
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
     """(N, C, h, w) -> (N, h*w, C) tokens in row-major order (``Flux2Pipeline._pack_latents``)."""
     n, c, h, w = latents.shape
@@ -124,6 +132,13 @@ class BatchNormLatents:
         mean = self.mean.to(z.device).view(1, -1, 1, 1)
         std = self.std.to(z.device).view(1, -1, 1, 1)
         return (z - mean) / std
+
+    def inverse(self, latents: torch.Tensor) -> torch.Tensor:
+        """The VAE's latents of denoiser latents in ``latents``' dtype, as ``Flux2Pipeline`` writes
+        it before ``vae.decode``: ``z * std[c] + mean[c]``, then unpatchified."""
+        mean = self.mean.to(latents.device, latents.dtype).view(1, -1, 1, 1)
+        std = self.std.to(latents.device, latents.dtype).view(1, -1, 1, 1)
+        return unpatchify_latents(latents * std + mean)
 
 
 # -------------------------------------------------------------------------------- families
@@ -253,6 +268,27 @@ class Flux2(Family):
     def latent_multiple(self, vae_config):
         return 2 * super().latent_multiple(vae_config)  # 2x2 patches
 
+    def denoiser_latent_shape(self, vae_config, height, width):
+        """The patchified latents: ``(4C, h / 2, w / 2)``."""
+        f = 2 * self.vae_scale_factor(vae_config)
+        return (4 * vae_config["latent_channels"], height // f, width // f)
+
+    def image_seq_len(self, latent_shape, vae_config, denoiser_config):
+        return latent_shape[-2] * latent_shape[-1]  # one token per patchified latent pixel
+
+    def sampling_sigmas(self, steps):
+        """The pipelines' ``numpy.linspace(1, 1 / steps, steps)``."""
+        import numpy
+
+        return numpy.linspace(1.0, 1 / steps, steps).tolist()
+
+    def sampling_mu(self, scheduler_config, image_seq_len, steps):
+        """The pipelines' ``compute_empirical_mu(image_seq_len, num_steps)`` (not the scheduler
+        config's bounds); the scheduler ignores it without ``use_dynamic_shifting``."""
+        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+        return compute_empirical_mu(image_seq_len=image_seq_len, num_steps=steps)
+
     # ------------------------------------------------------------------ denoiser
 
     def predict(self, denoiser, noisy_latents, timesteps, cond, *, guidance_scale=None):
@@ -329,6 +365,11 @@ class Flux2Klein(Flux2):
 
     def add_special_tokens(self, tokenizer, texts):
         return True  # the pipeline's tokenizer(text) call (Qwen adds no BOS either way)
+
+    def classifier_free_guidance(self, model_index, denoiser_config, guidance_scale):
+        """CFG above 1 for a base model; a step-distilled one (``is_distilled`` in
+        ``model_index.json``) runs none, as ``Flux2KleinPipeline``."""
+        return guidance_scale > 1 and not model_index.get("is_distilled", False)
 
     def validation_kwargs(self, max_sequence_length, guidance_scale):
         # --guidance_scale is dev's embedded guidance: klein validates at the pipeline's CFG, as its script

@@ -74,6 +74,33 @@ class QwenImage(Family):
     def latent_multiple(self, vae_config):
         return 2 * 2 ** len(vae_config["temperal_downsample"])  # spatial downsampling, then 2x2 packing
 
+    def vae_scale_factor(self, vae_config):
+        return 2 ** len(vae_config["temperal_downsample"])  # QwenImagePipeline.vae_scale_factor
+
+    def denoiser_latent_shape(self, vae_config, height, width):
+        """One frame of the video VAE's latents: ``(z_dim, 1, h, w)``."""
+        f = self.vae_scale_factor(vae_config)
+        return (vae_config["z_dim"], 1, height // f, width // f)
+
+    def sampling_sigmas(self, steps):
+        """``QwenImagePipeline``'s ``numpy.linspace(1, 1 / steps, steps)``."""
+        import numpy
+
+        return numpy.linspace(1.0, 1 / steps, steps).tolist()
+
+    def guided_velocity(self, v_uncond, v_cond, guidance_scale):
+        """``QwenImagePipeline``'s true CFG: the combination rescaled, per packed token, to the
+        norm of the prompt's prediction (``comb * |cond| / |comb|`` over each token's 4C values)."""
+        h, w = v_cond.shape[-2:]
+        cond = pack_latents(v_cond)
+        comb = pack_latents(v_uncond + guidance_scale * (v_cond - v_uncond))
+        scale = torch.norm(cond, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True)
+        return unpack_latents(comb * scale, h, w)
+
+    def decode_latents(self, vae, normalize, latents):
+        """The one frame ``vae.decode`` gives (``[:, :, 0]``), as the pipeline takes it."""
+        return super().decode_latents(vae, normalize, latents)[:, :, 0]
+
     def predict(self, denoiser, noisy_latents, timesteps, cond, *, guidance_scale=None):
         n, _, _, h, w = noisy_latents.shape
         packed = denoiser(

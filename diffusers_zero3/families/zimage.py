@@ -65,6 +65,10 @@ class ZImage(Family):
     def latent_multiple(self, vae_config):
         return 2 * super().latent_multiple(vae_config)  # the transformer's 2x2 patches
 
+    def sampling_sigmas(self, steps):
+        """``get_default_z_image_sigmas``: ``torch.linspace(1, 1 / steps, steps)`` in fp32."""
+        return torch.linspace(1.0, 1 / steps, steps).tolist()  # CPU: a list of floats
+
     def predict(self, denoiser, noisy_latents, timesteps, cond, *, guidance_scale=None):
         """As ``ZImagePipeline.__call__`` without CFG: one ``(C, 1, H, W)`` latent and one
         ``(L_i, D)`` caption per sample in the transformer's dtype, the timestep ``1 - sigma``,

@@ -20,10 +20,15 @@ normalises each reward within its prompt's group over every rank's samples
   points before the round's first update.
 
 A micro-batch's trained timesteps are one backward each and one optimizer step together (their
-gradients averaged, as Flow-GRPO accumulates; ``--step_every_timestep``: a step each). The
-sampling schedule is the family pipeline's (``set_sampling_timesteps``: Flux's and Z-Image's
-linspace sigmas, ``mu`` of the image's token count under dynamic shifting); a guidance-distilled
-transformer (Flux.1 [dev]) takes ``--guidance_scale`` as its guidance input instead of CFG.
+gradients averaged, as Flow-GRPO accumulates; ``--step_every_timestep``: a step each). What
+differs between families is the family's (``families.base.Family``, its sampling section): the
+denoiser latents' shape (Qwen-Image's one-frame 5-D latents, Flux.2's patchified ones), the
+sampling schedule (``sampling_schedule``: the pipeline's sigmas and ``mu``, e.g. Flux.2's
+``compute_empirical_mu``), the decode (``decode_images``: the latent normalisation undone as
+the pipeline does, Flux.2's batch-norm statistics and unpatchify, Qwen-Image's per-channel mean
+and std and one frame) and CFG (Qwen-Image's true CFG rescales to the prompt's norm); a
+guidance-distilled transformer (Flux.1 [dev], Flux.2 [dev]) takes ``--guidance_scale`` as its
+guidance input instead of CFG, and a step-distilled Flux.2 [klein] runs neither.
 Rank 0's wall-clock seconds of each phase of a round (sampling with the VAE decode, rewards
 with the advantage gather, training) go to ``rewards.json`` under ``"seconds"``. Dummy samples
 go through every forward (a sharded model's forward is a collective: every rank must call it as
@@ -95,9 +100,9 @@ from ..training.parts import adamw, prepare_first_part, step_part
 from ..training.schedule import first_last_means
 
 OBJECTIVES = ("grpo", "nft")
-# tested end to end (tests/test_train_grpo.py); Qwen-Image's 5-D latents, Flux.2, HiDream and
-# Wan are not handled yet: refused in one line rather than trained wrong
-GRPO_FAMILIES = ("sd3", "flux", "zimage")
+# tested end to end (tests/test_train_grpo.py); HiDream, Wan (video) and the others are not
+# tried yet: refused in one line rather than trained wrong
+GRPO_FAMILIES = ("sd3", "flux", "zimage", "qwenimage", "flux2", "flux2-klein")
 PHASES = ("sampling", "rewards", "training")  # rewards.json "seconds": one list per phase
 _C = CommonSettings
 
@@ -257,7 +262,7 @@ class Round:
     prompts: list[str]
     cond: dict[str, torch.Tensor]
     uncond: dict[str, torch.Tensor] | None
-    latents: torch.Tensor  # [P, T + 1, C, H, W]
+    latents: torch.Tensor  # [P, T + 1, *family.denoiser_latent_shape]: [C, H, W], Qwen-Image [C, 1, H, W]
     log_probs: torch.Tensor  # [P, T]
     sigmas: torch.Tensor  # [T + 1]
     images: torch.Tensor | None = None  # [P, 3, H, W], dropped once scored
@@ -302,38 +307,63 @@ def nft_noise_generator(
 
 
 def pipeline_sigmas(pipeline_class: str, steps: int) -> list[float] | None:
-    """The sigmas a pipeline's ``__call__`` gives ``set_timesteps`` by default: ``FluxPipeline``'s
-    ``numpy.linspace(1, 1 / steps, steps)``, ``ZImagePipeline``'s the same from ``torch.linspace``
-    (fp32); None where the scheduler spaces them itself (``StableDiffusion3Pipeline``)."""
-    import numpy
+    """The sigmas a pipeline's ``__call__`` gives ``set_timesteps`` by default (its family's
+    ``sampling_sigmas``): ``FluxPipeline``'s ``numpy.linspace(1, 1 / steps, steps)``,
+    ``ZImagePipeline``'s the same from ``torch.linspace`` (fp32); None where the scheduler spaces
+    them itself (``StableDiffusion3Pipeline``)."""
+    from ..families import FAMILIES
 
-    if pipeline_class == "FluxPipeline":
-        return numpy.linspace(1.0, 1 / steps, steps).tolist()
-    if pipeline_class == "ZImagePipeline":
-        return torch.linspace(1.0, 1 / steps, steps).tolist()  # CPU: a list of floats
-    return None
+    return FAMILIES[pipeline_class].sampling_sigmas(steps)
 
 
 def set_sampling_timesteps(
-    scheduler, steps: int, image_seq_len: int, device: torch.device, *, sigmas: list[float] | None = None
-) -> torch.Tensor:
+    scheduler, steps: int, image_seq_len: int, device: torch.device, *, sigmas: list[float] | None = None,
+    mu: float | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Set ``scheduler``'s (``FlowMatchEulerDiscreteScheduler``) timesteps as the pipelines do and
     return its sigmas ``[steps + 1]`` (the last 0) on ``device`` in fp32: from ``sigmas``
     (``pipeline_sigmas``) or the scheduler's own spacing, shifted by the config's ``shift`` or,
-    under ``use_dynamic_shifting``, by ``mu = calculate_shift(image_seq_len, base_image_seq_len,
-    max_image_seq_len, base_shift, max_shift)`` of the scheduler's config, as the pipelines
-    compute it (``image_seq_len``: the denoiser's tokens per image). Not a collective."""
+    under ``use_dynamic_shifting``, by ``mu`` (a family's ``sampling_mu``; by default
+    ``calculate_shift(image_seq_len, base_image_seq_len, max_image_seq_len, base_shift,
+    max_shift)`` of the scheduler's config, as ``FluxPipeline`` computes it; ``image_seq_len``:
+    the denoiser's tokens per image). Not a collective."""
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
     config = scheduler.config
     kwargs: dict[str, Any] = {} if sigmas is None else {"sigmas": sigmas}
-    if config.get("use_dynamic_shifting"):
+    if mu is not None:
+        kwargs["mu"] = mu
+    elif config.get("use_dynamic_shifting"):
         kwargs["mu"] = calculate_shift(
             image_seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
             config.get("base_shift", 0.5), config.get("max_shift", 1.15),
         )  # fmt: skip
     scheduler.set_timesteps(steps, device=device, **kwargs)
     return scheduler.sigmas.to(device=device, dtype=torch.float32)
+
+
+def sampling_schedule(
+    family, scheduler, steps: int, latent_shape: tuple[int, ...], vae_config: dict, denoiser_config: dict,
+    device: torch.device,
+) -> torch.Tensor:  # fmt: skip
+    """The sampling schedule ``[steps + 1]`` (ending at 0, fp32, on ``device``) of ``family``'s
+    pipeline for denoiser latents of ``latent_shape`` (``family.denoiser_latent_shape``): its
+    ``sampling_sigmas`` and its ``sampling_mu`` of the image's tokens (``family.image_seq_len``),
+    set on ``scheduler``. Not a collective."""
+    seq_len = family.image_seq_len(latent_shape, vae_config, denoiser_config)
+    return set_sampling_timesteps(
+        scheduler, steps, seq_len, device, sigmas=family.sampling_sigmas(steps),
+        mu=family.sampling_mu(scheduler.config, seq_len, steps),
+    )  # fmt: skip
+
+
+def decode_images(family, vae, normalize, latents: torch.Tensor) -> torch.Tensor:
+    """Images ``[N, 3, H, W]`` in [0, 1] (fp32) of denoiser latents, as ``family``'s pipeline
+    decodes them with ``output_type="pt"``: ``family.decode_latents`` (``normalize``, the
+    family's ``latent_normalizer``, undone; the VAE's decode), then ``x / 2 + 0.5`` clamped.
+    Collective when the VAE is sharded."""
+    images = family.decode_latents(vae, normalize, latents)
+    return (images.float() / 2 + 0.5).clamp(0, 1)
 
 
 def wall_clock(device: torch.device) -> float:
@@ -468,8 +498,15 @@ class GRPOTrainer:
             raise ArgumentError(
                 f"--resolution {args.resolution} must be a multiple of {multiple} for {family.name}"
             )
-        # a guidance-distilled transformer (Flux.1 [dev]) takes --guidance_scale as an input: no CFG
+        # a guidance-distilled transformer (Flux.1 [dev], Flux.2 [dev]) takes --guidance_scale as an
+        # input: no CFG; otherwise CFG where the pipeline runs it (not a step-distilled Flux.2 [klein])
         self.guidance_embeds = bool(denoiser.config.get("guidance_embeds", False))
+        model_index = json.loads((Path(self.source) / "model_index.json").read_text())
+        self.cfg = family.classifier_free_guidance(model_index, denoiser.config, args.guidance_scale)
+        if args.guidance_scale > 1 and not (self.cfg or self.guidance_embeds):
+            log_rank_zero(
+                f"--guidance_scale {args.guidance_scale} ignored: the {family.title} pipeline runs no CFG"
+            )
         self.reference = None
         if args.rank is None and self._needs_reference():
             self.reference = load_frozen_component(
@@ -556,7 +593,7 @@ class GRPOTrainer:
             .float()
             .chunk(2)
         )
-        return v_u + self.args.guidance_scale * (v_c - v_u)
+        return self.family.guided_velocity(v_u, v_c, self.args.guidance_scale)
 
     @contextlib.contextmanager
     def _reference(self):
@@ -581,12 +618,9 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def _decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Images in [0, 1] of denoiser latents (the family's normalisation undone). Collective
-        when the VAE is sharded."""
-        config = self.vae.config
-        x = latents / config.scaling_factor + (config.get("shift_factor") or 0.0)
-        images = self.vae.decode(x.to(self.vae.dtype), return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        """Images in [0, 1] of denoiser latents (``decode_images``: the family's normalisation
+        undone as its pipeline does). Collective when the VAE is sharded."""
+        return decode_images(self.family, self.vae, self.frozen.normalize_latents, latents)
 
     # ------------------------------------------------------------------ one round
 
@@ -604,20 +638,15 @@ class GRPOTrainer:
         padded, real = pad_assignment(pairs, length)
         prompts = [args.prompts[p] for p, _ in padded]
         cond = self._encode(prompts)
-        cfg = args.guidance_scale > 1 and not self.guidance_embeds
-        uncond = self._encode([""] * len(prompts)) if cfg else None
-        vae_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
-        side = args.resolution // vae_factor
-        channels = self.vae.config.latent_channels
-        sigmas = self._sampling_sigmas(side, vae_factor)
+        uncond = self._encode([""] * len(prompts)) if self.cfg else None
+        shape = self.family.denoiser_latent_shape(self.vae.config, args.resolution, args.resolution)
+        sigmas = self._sampling_sigmas(shape)
         generators = [sample_generator(args.seed, round_index, p, m) for p, m in padded]
         # CPU: each sample's own CPU generator (the same noise on any device and rank), then moved
-        latents = torch.cat([torch.randn(1, channels, side, side, generator=g) for g in generators]).to(
-            device
-        )
+        latents = torch.cat([torch.randn(1, *shape, generator=g) for g in generators]).to(device)
         batch = Round(
             index=round_index, pairs=padded, real=torch.tensor(real, device=device), prompts=prompts, cond=cond,
-            uncond=uncond, latents=latents.new_empty(length, args.num_inference_steps + 1, channels, side, side),
+            uncond=uncond, latents=latents.new_empty(length, args.num_inference_steps + 1, *shape),
             log_probs=latents.new_empty(length, args.num_inference_steps), sigmas=sigmas,
         )  # fmt: skip
         batch.latents[:, 0] = latents
@@ -636,17 +665,13 @@ class GRPOTrainer:
         batch.images = torch.cat(images)
         return batch
 
-    def _sampling_sigmas(self, side: int, vae_factor: int) -> torch.Tensor:
-        """The sampling schedule ``[T + 1]`` (ending at 0) for latents of ``side`` x ``side``
-        (the VAE downsampling ``vae_factor``), as the family's pipeline sets it
-        (``set_sampling_timesteps``), on the device in fp32. Not a collective."""
-        # the denoiser's tokens per side: its patches (SD3) or Flux's 2x2 packing
-        packing = self.family.latent_multiple(self.vae.config) // vae_factor
-        tokens_per_side = side // max(self.part.module.config.get("patch_size") or 1, packing)
-        steps = self.args.num_inference_steps
-        return set_sampling_timesteps(
-            self.scheduler, steps, tokens_per_side**2, self.accelerator.device,
-            sigmas=pipeline_sigmas(self.family.pipeline_class, steps),
+    def _sampling_sigmas(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """The sampling schedule ``[T + 1]`` (ending at 0) for denoiser latents of ``shape``, as the
+        family's pipeline sets it (``sampling_schedule``), on the device in fp32. Not a
+        collective."""
+        return sampling_schedule(
+            self.family, self.scheduler, self.args.num_inference_steps, shape, self.vae.config,
+            self.part.module.config, self.accelerator.device,
         )  # fmt: skip
 
     def score_round(self, batch: Round) -> tuple[float, dict[str, float]]:
@@ -863,9 +888,11 @@ __all__ = [
     "LORA_WEIGHT_NAME",
     "PHASES",
     "cat_padded",
+    "decode_images",
     "nft_noise_generator",
     "pad_assignment",
     "pipeline_sigmas",
+    "sampling_schedule",
     "set_sampling_timesteps",
     "sample_generator",
     "wall_clock",
