@@ -115,6 +115,15 @@ def tiny_zimage(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_krea2(tmp_path_factory):
+    """A tiny Krea 2 pipeline (Qwen3-VL text encoder) and an 8-image dataset: ``(pipeline, dataset)``."""
+    from diffusers_zero3.demo import prepare_default
+
+    pipe, data = prepare_default(tmp_path_factory.mktemp("krea2"), num_images=8, model="krea2")
+    return str(pipe), str(data)
+
+
+@pytest.fixture(scope="session")
 def tiny_hidream(tmp_path_factory):
     """A tiny HiDream-I1 pipeline without its Llama encoder (saved beside it, ``<pipeline>-llama``,
     as it is supplied separately) and an 8-image dataset: ``(pipeline, dataset)``."""

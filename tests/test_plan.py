@@ -47,6 +47,12 @@ PUBLISHED = {
     ("Wan-AI/Wan2.2-T2V-A14B-Diffusers", "transformer"): 14_288_491_584,
     ("Wan-AI/Wan2.2-T2V-A14B-Diffusers", "transformer_2"): 14_288_491_584,
     ("Wan-AI/Wan2.2-TI2V-5B-Diffusers", "transformer"): 4_999_787_712,
+    # krea/Krea-2-Raw and -Turbo: the transformer (the model cards' "12.9B"; 12,820,073,036 is the
+    # hub's safetensors total for krea/Krea-2-Turbo as model catalogs list it) and Qwen3-VL-4B-Instruct
+    # (4,437,815,808: its loaded total, vision tower included; its language model is Qwen3-4B's 4.02B)
+    ("krea/Krea-2-Raw", "transformer"): 12_820_073_036,
+    ("krea/Krea-2-Raw", "text_encoder"): 4_437_815_808,
+    ("krea/Krea-2-Turbo", "transformer"): 12_820_073_036,
 }
 
 

@@ -22,6 +22,7 @@ CASES = {
     "zimage": (["text_encoder"], [], []),
     "flux2": (["text_encoder"], [], ["--guidance_scale", "2.5"]),  # dev is guidance-distilled
     "flux2-klein": (["text_encoder"], [], []),
+    "krea2": (["text_encoder"], [], []),
     # the Llama (text_encoder_4, with its tokenizer) supplied from its own folder, as in real use
     "hidream": (["text_encoder_3", "text_encoder_4"], [], ["--component", "text_encoder_4={pipeline}-llama"]),
 }

@@ -23,6 +23,7 @@ from ..families import (
     FLUX,
     FLUX2,
     FLUX2_KLEIN,
+    KREA2,
     QWENIMAGE,
     SD,
     SD3,
@@ -35,6 +36,7 @@ from ..families import (
 )
 from ..families.flux2 import FLUX2_SCHEDULER
 from ..families.hidream import TRAINING_SHIFT
+from ..families.krea2 import KREA2_SCHEDULER, TEXT_ENCODER_SELECT_LAYERS
 from ..families.qwenimage import QWEN_IMAGE_SCHEDULER
 from ..families.wan import WAN_SCHEDULER, Wan
 from ..families.zimage import ZIMAGE_TURBO_SCHEDULER
@@ -43,6 +45,7 @@ from .tokenizers import (
     local_clip_tokenizer,
     local_t5_tokenizer,
     read_back,
+    write_krea2_tokenizer,
     write_llama3_tokenizer,
     write_mistral3_tokenizer,
     write_qwen3_tokenizer,
@@ -569,6 +572,100 @@ def save_tiny_zimage_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
     return folder
 
 
+# -------------------------------------------------------------------------------- Krea 2
+
+
+def save_tiny_krea2_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
+    """Save a tiny ``Krea2Pipeline`` folder (fp32 safetensors) and return its path.
+
+    The published structure at tiny widths: a ``Qwen3VLModel`` with Qwen3-VL-4B's 36 decoder
+    layers (so the pipeline's default twelve taps, ``hidden_states[2], [5], ..., [35]``, are
+    the ones read: neither the embeddings nor the last layer), grouped-query attention and
+    interleaved mRoPE, a 2-block vision tower; a 2-block transformer with twelve text layers
+    and the published two layer-wise and two refiner text-fusion blocks, grouped-query
+    attention; Qwen-Image's VAE small (4x downsampling) with per-channel statistics that are
+    not 0 and 1 (so that a missing normalisation shows); Krea 2's scheduler; a locally written
+    tokenizer. Not a collective.
+    """
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, Krea2Transformer2DModel
+    from transformers import Qwen3VLConfig, Qwen3VLModel
+
+    from ..runtime.zero3 import zero3_init_disabled
+
+    folder = Path(folder)
+    tokenizer = read_back(write_krea2_tokenizer, folder)
+    tid = tokenizer.convert_tokens_to_ids
+    with zero3_init_disabled():
+        torch.manual_seed(seed)
+        transformer = Krea2Transformer2DModel(
+            in_channels=16,  # 4 latent channels in 2x2 patches
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=32,
+            timestep_embed_dim=16,
+            text_hidden_dim=16,
+            num_text_layers=len(TEXT_ENCODER_SELECT_LAYERS),
+            text_num_attention_heads=2,
+            text_num_key_value_heads=1,
+            text_intermediate_size=32,
+            num_layerwise_text_blocks=2,
+            num_refiner_text_blocks=2,
+            axes_dims_rope=(4, 2, 2),
+        )
+        vae = AutoencoderKLQwenImage(
+            base_dim=8,
+            z_dim=4,
+            dim_mult=[1, 2, 2],
+            num_res_blocks=1,
+            temperal_downsample=[False, True],
+            latents_mean=[-0.25, 0.1, 0.4, -0.05],
+            latents_std=[1.5, 0.75, 1.25, 2.0],
+        )
+        config = Qwen3VLConfig(
+            text_config=dict(
+                vocab_size=len(tokenizer),
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=36,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=8,
+                max_position_embeddings=2048,
+                rope_scaling={"mrope_interleaved": True, "mrope_section": [2, 1, 1], "rope_type": "default"},
+                rope_theta=5000000,
+                tie_word_embeddings=True,
+                bos_token_id=tid("<|endoftext|>"),
+                eos_token_id=tid("<|im_end|>"),
+            ),
+            vision_config=dict(
+                depth=2,
+                hidden_size=16,
+                intermediate_size=16,
+                num_heads=2,
+                out_hidden_size=16,
+                num_position_embeddings=64,
+                deepstack_visual_indexes=[1],
+            ),
+            image_token_id=tid("<|image_pad|>"),
+            video_token_id=tid("<|video_pad|>"),
+            vision_start_token_id=tid("<|vision_start|>"),
+            vision_end_token_id=tid("<|vision_end|>"),
+            tie_word_embeddings=True,
+        )
+        text_encoder = Qwen3VLModel(config).eval()
+    pipe = KREA2.pipeline(
+        transformer,
+        vae,
+        {"text_encoder": text_encoder},
+        {"text_encoder": tokenizer},
+        FlowMatchEulerDiscreteScheduler(**KREA2_SCHEDULER),
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
 # -------------------------------------------------------------------------------- HiDream-I1
 
 
@@ -931,6 +1028,7 @@ TINY_PIPELINES: dict[str, Callable[[str | os.PathLike, int], Path]] = {
     "wan": partial(save_tiny_wan_pipeline, WAN),
     "wan22": partial(save_tiny_wan_pipeline, WAN22),
     "wan22_5b": partial(save_tiny_wan_pipeline, WAN22_5B),
+    "krea2": save_tiny_krea2_pipeline,
 }
 
 

@@ -235,6 +235,29 @@ def write_qwenimage_tokenizer(folder: str | os.PathLike) -> Path:
     return folder
 
 
+# Krea 2 (Qwen3-VL): Qwen2.5-VL's special tokens and Qwen3's thinking tags
+QWEN3_VL_SPECIAL_TOKENS = (*QWEN_VL_SPECIAL_TOKENS, "<think>", "</think>")
+
+
+def write_krea2_tokenizer(folder: str | os.PathLike) -> Path:
+    """A small byte-level ``Qwen2Tokenizer`` (Qwen3-VL's class) with Qwen3-VL's special tokens
+    whose learnt merges make every word of the Qwen-Image template one token, as in the real
+    vocabulary: Krea 2's block then holds, as the pipeline counts, the 34 prefix tokens it drops
+    and the 5 suffix tokens it appends after the padding (both checked here)."""
+    from transformers import AutoTokenizer
+
+    from ..families.krea2 import DROPPED_PREFIX_TOKENS, PROMPT_PREFIX, PROMPT_SUFFIX, SUFFIX_TOKENS
+
+    folder = write_qwen2_tokenizer(
+        folder, QWEN3_VL_SPECIAL_TOKENS, texts=(PROMPT_TEMPLATE.replace("{}", " "),)
+    )
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    for text, count in ((PROMPT_PREFIX, DROPPED_PREFIX_TOKENS), (PROMPT_SUFFIX, SUFFIX_TOKENS)):
+        if len(tokenizer(text).input_ids) != count:
+            raise AssertionError(f"the template part {text!r} is not {count} tokens")
+    return folder
+
+
 # Z-Image and Flux.2 [klein] (Qwen3)
 QWEN3_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
 

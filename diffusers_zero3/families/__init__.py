@@ -14,7 +14,7 @@ written once and asks the family. A family's tiny pipeline is a fixture, built i
 One module per family: ``sd`` (SD 1.x/2.x), ``sdxl``, ``sd3``, ``flux`` (Flux.1),
 ``qwenimage`` (Qwen-Image), ``zimage`` (Z-Image), ``hidream`` (HiDream-I1), ``flux2`` (Flux.2
 [dev] and [klein]), ``wan`` (Wan 2.1, Wan 2.2 A14B and TI2V-5B: one pipeline class, told apart
-by ``Family.matches``).
+by ``Family.matches``), ``krea2`` (Krea 2).
 
 ``detect_family(folder)`` picks the family from the pipeline's ``model_index.json``
 (``_class_name``); an unsupported pipeline gets one ``CheckpointError`` listing the supported
@@ -32,6 +32,7 @@ from .base import Family, PublishedConfig, TextEncoderSpec
 from .flux import FLUX, latent_image_ids, pack_latents, unpack_latents
 from .flux2 import FLUX2, FLUX2_KLEIN
 from .hidream import HIDREAM
+from .krea2 import KREA2
 from .qwenimage import QWENIMAGE
 from .sd import SD
 from .sd3 import SD3
@@ -52,6 +53,7 @@ ALL_FAMILIES: tuple[Family, ...] = (
     WAN,
     WAN22,
     WAN22_5B,
+    KREA2,
 )
 # by pipeline class (the first family of a class: WanPipeline's three are told apart by family_of_index)
 FAMILIES: dict[str, Family] = {}
@@ -106,6 +108,7 @@ __all__ = [
     "FROZEN_COMPONENTS",
     "Family",
     "HIDREAM",
+    "KREA2",
     "PublishedConfig",
     "QWENIMAGE",
     "SD",

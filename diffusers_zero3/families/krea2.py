@@ -1,0 +1,303 @@
+"""Krea 2 (``Krea2Pipeline``): a 12.8 B single-stream MMDiT (``Krea2Transformer2DModel``) whose
+text conditioning is a stack of twelve hidden states of a frozen Qwen3-VL 4 B (``Qwen3VLModel``,
+text path only) per token, fused inside the transformer; Qwen-Image's causal video VAE
+(``AutoencoderKLQwenImage``: 5-D latents of one frame, per-channel mean and std); 2x2-packed
+latents; flow matching as diffusers' ``train_dreambooth_lora_krea2.py`` (uniform timesteps by
+default, target ``noise - latents``, the transformer's output taken as is).
+
+The prompt is Qwen-Image's chat template tokenized as the pipeline's fixed-length block
+(``Krea2Pipeline.get_text_hidden_states``): ``[prefix | caption | pad | suffix]``, the padding in
+the middle, text positions counting valid tokens only (cumulative mask, the same on the three
+mRoPE axes), the 34 prefix tokens dropped from the outputs. The transformer reads every one of
+the ``max_sequence_length`` rows with their mask (no trimming), as the pipeline and the script.
+
+Neither Qwen3-VL nor the transformer can take an empty batch: for one, ``encode_text`` and
+``predict`` call their model on one dummy row and return none of it (lockstep kept).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import ChannelMeanStd, Family, PublishedConfig, TextEncoderSpec
+from .qwenimage import PROMPT_TEMPLATE, pack_latents, unpack_latents
+from .qwenimage import PUBLISHED_VAE as QWEN_IMAGE_VAE
+
+# Krea2Pipeline.__init__: the Qwen-Image template split around the caption, the prefix dropped.
+PROMPT_PREFIX = PROMPT_TEMPLATE.split("{}")[0]
+PROMPT_SUFFIX = PROMPT_TEMPLATE.split("{}")[1]  # "<|im_end|>\n<|im_start|>assistant\n"
+DROPPED_PREFIX_TOKENS = 34  # Krea2Pipeline.prompt_template_encode_start_idx
+SUFFIX_TOKENS = 5  # Krea2Pipeline.prompt_template_encode_num_suffix_tokens
+# Krea2Pipeline's default text_encoder_select_layers: indices into Qwen3-VL-4B's hidden_states
+# (0 is the embeddings' output), one every 3 layers from the 2nd to the 35th of 36.
+TEXT_ENCODER_SELECT_LAYERS = (2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35)
+PATCH_SIZE = 2  # Krea2Pipeline's patch_size (the script packs 2x2 patches too)
+
+
+def text_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Qwen3-VL's position ids of a Krea 2 prompt block, ``(3, B, L)``: the index among the
+    row's valid tokens (padding takes no position, so the suffix after the padding continues
+    the caption), the same on the three mRoPE axes, as ``get_text_hidden_states`` builds them."""
+    positions = (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+    return positions.unsqueeze(0).expand(3, -1, -1)
+
+
+def position_ids(text_length: int, grid_height: int, grid_width: int, device) -> torch.Tensor:
+    """The transformer's rotary coordinates ``(text_length + grid_height * grid_width, 3)``:
+    text rows at the origin, image tokens at ``(0, row, column)`` of the packed grid, as
+    ``Krea2Pipeline.prepare_position_ids``."""
+    text = torch.zeros(text_length, 3, device=device)
+    image = torch.zeros(grid_height, grid_width, 3, device=device)
+    image[..., 1] = torch.arange(grid_height, device=device)[:, None]
+    image[..., 2] = torch.arange(grid_width, device=device)[None, :]
+    return torch.cat([text, image.reshape(grid_height * grid_width, 3)], dim=0)
+
+
+class ScriptLatentNorm(ChannelMeanStd):
+    """``(latents - latents_mean) * (1 / latents_std)`` computed in fp32 and returned in the
+    latents' dtype: the script's arithmetic (its statistics are fp32 tensors, the result is cast
+    to the training dtype), so bf16 latents match it to the bit."""
+
+    def __call__(self, latents: torch.Tensor) -> torch.Tensor:
+        shape = (1, -1, *([1] * (latents.ndim - 2)))
+        mean = self.mean.to(latents.device).view(shape)
+        inv_std = (1.0 / self.std).to(latents.device).view(shape)
+        return ((latents - mean) * inv_std).to(latents.dtype)
+
+
+class Krea2(Family):
+    """Krea 2: twelve stacked Qwen3-VL states per token with their mask; one-frame packed latents."""
+
+    # ------------------------------------------------------------------ prompts
+
+    def token_length(self, spec, tokenizer, max_sequence_length=None):
+        # the pipeline's block: the 34 dropped prefix tokens, then max_sequence_length rows
+        return DROPPED_PREFIX_TOKENS + self.sequence_length(spec, tokenizer, max_sequence_length)
+
+    def prompt_text(self, spec, caption, tokenizer=None):
+        """The text tokenized before the padding: the template's prefix and the caption (the
+        suffix is tokenized apart and appended after the padding)."""
+        return PROMPT_PREFIX + caption
+
+    def tokenize(self, tokenizers, captions, max_sequence_length=None):
+        """``[prefix + caption, padded and truncated to the block less the suffix | suffix]`` per
+        caption, with its mask: ``Krea2Pipeline.get_text_hidden_states``'s ids."""
+        spec = self.text_encoders[0]
+        if spec.name not in tokenizers or not captions:
+            return super().tokenize(tokenizers, captions, max_sequence_length)  # nothing to render
+        tokenizer = tokenizers[spec.name]
+        length = self.token_length(spec, tokenizer, max_sequence_length)
+        text = tokenizer(
+            [self.prompt_text(spec, c, tokenizer) for c in captions],
+            truncation=True,
+            padding="max_length",
+            max_length=length - SUFFIX_TOKENS,
+            return_tensors="pt",
+        )
+        suffix = tokenizer([PROMPT_SUFFIX] * len(captions), return_tensors="pt")
+        if suffix.input_ids.shape[1] != SUFFIX_TOKENS:
+            raise ValueError(
+                f"the Krea 2 template suffix {PROMPT_SUFFIX!r} is {suffix.input_ids.shape[1]} tokens "
+                f"with this tokenizer, the pipeline expects {SUFFIX_TOKENS}"
+            )
+        return {
+            spec.input_key: torch.cat([text.input_ids, suffix.input_ids], dim=1),
+            spec.mask_key: torch.cat([text.attention_mask, suffix.attention_mask], dim=1),
+        }
+
+    def encode_text(self, name, encoder, input_ids, attention_mask=None):
+        """``hidden_states[i]`` for the twelve selected layers stacked per token, ``(B, L, 12, H)``,
+        after the dropped prefix, with the mask: the pipeline's ``encode_prompt`` (its position
+        ids, its boolean mask; the padded rows kept as it keeps them). The whole model is called
+        (under ZeRO-3 its root forward ends each trace)."""
+        n = input_ids.shape[0]
+        if n == 0:  # Qwen3-VL cannot take an empty batch: one dummy row keeps a sharded encoder in lockstep
+            input_ids = input_ids.new_zeros(1, input_ids.shape[1])
+            attention_mask = None
+        # no mask: every token valid (the planner sizes outputs so, on the meta device)
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        # On the meta device transformers cannot inspect a mask, and only its cache path skips that.
+        meta = input_ids.is_meta
+        out = encoder(
+            input_ids=input_ids,
+            attention_mask=None if meta else mask.bool(),
+            position_ids=text_position_ids(mask),
+            output_hidden_states=True,
+            use_cache=meta,
+        )
+        stacked = torch.stack([out.hidden_states[i] for i in TEXT_ENCODER_SELECT_LAYERS], dim=2)
+        return {
+            "prompt_embeds": stacked[:n, DROPPED_PREFIX_TOKENS:],
+            "prompt_embeds_mask": mask[:n, DROPPED_PREFIX_TOKENS:].long(),
+        }
+
+    def conditioning(self, outputs):
+        """Every row of the fixed-length block with its mask (kept as integers: cached and cast
+        with the batch; ``predict`` hands the transformer a boolean mask)."""
+        return {
+            "encoder_hidden_states": outputs["prompt_embeds"],
+            "encoder_attention_mask": outputs["prompt_embeds_mask"],
+        }
+
+    # ------------------------------------------------------------------ latents
+
+    def latent_normalizer(self, vae_config, vae_folder=None):
+        return ScriptLatentNorm(vae_config)
+
+    def latent_distribution(self, vae, pixels):
+        return vae.encode(pixels.unsqueeze(2)).latent_dist  # a video VAE: one frame
+
+    def latent_multiple(self, vae_config):
+        return PATCH_SIZE * 2 ** len(vae_config["temperal_downsample"])  # VAE, then 2x2 packing
+
+    # ------------------------------------------------------------------ denoiser
+
+    def predict(self, denoiser, noisy_latents, timesteps, cond, *, guidance_scale=None):
+        """As ``train_dreambooth_lora_krea2.py`` calls the transformer (the pipeline's call):
+        2x2-packed latents, every text row with its boolean mask, ``timestep = t / 1000`` in fp32
+        (the script's; the pipeline casts it to the latents' dtype), the position ids of text and
+        grid; the output unpacked (the velocity ``noise - latents``, used as is). Krea 2 has no
+        embedded guidance (``guidance_scale`` is unused)."""
+        n, _, _, h, w = noisy_latents.shape
+        states = cond["encoder_hidden_states"]
+        mask = cond["encoder_attention_mask"].bool()
+        hidden, t = pack_latents(noisy_latents), (timesteps / 1000).float().expand(n)
+        if n == 0:  # the transformer cannot reshape an empty batch: one dummy row, then none of it
+            hidden = hidden.new_zeros(1, *hidden.shape[1:])
+            states = states.new_zeros(1, *states.shape[1:])
+            mask, t = mask.new_ones(1, mask.shape[1]), t.new_ones(1)
+        out = denoiser(
+            hidden_states=hidden,
+            encoder_hidden_states=states,
+            timestep=t,
+            position_ids=position_ids(states.shape[1], h // 2, w // 2, noisy_latents.device),
+            encoder_attention_mask=mask,
+            return_dict=False,
+        )[0]
+        return unpack_latents(out[:n], h, w)
+
+    def validation_kwargs(self, max_sequence_length, guidance_scale):
+        # --guidance_scale is Flux's distilled guidance: validation runs at the pipeline's CFG
+        return {"max_sequence_length": max_sequence_length or self.default_max_sequence_length}
+
+    # ------------------------------------------------------------------ pipelines
+
+    def published(self):
+        components = {
+            "transformer": ("diffusers", "Krea2Transformer2DModel", PUBLISHED_TRANSFORMER),
+            "text_encoder": ("transformers", "Qwen3VLModel", PUBLISHED_TEXT_ENCODER),
+            "vae": ("diffusers", "AutoencoderKLQwenImage", QWEN_IMAGE_VAE),
+        }
+        note = (
+            "text_encoder is Qwen3-VL-4B-Instruct's Qwen3VLModel, counted whole: its vision tower (415 M) "
+            "never runs, and prompts take hidden_states up to index 35, so its last decoder layer and final "
+            "norm (101 M) run for nothing"
+        )
+        return (
+            PublishedConfig("krea/Krea-2-Raw", "Krea 2 Raw", self.pipeline_class, components, note),
+            PublishedConfig("krea/Krea-2-Turbo", "Krea 2 Turbo", self.pipeline_class, components, note),
+        )
+
+
+KREA2 = Krea2(
+    name="krea2",
+    title="Krea 2",
+    pipeline_class="Krea2Pipeline",
+    text_encoders=(
+        TextEncoderSpec(
+            "text_encoder", "Qwen3VLModel", "tokenizer", "input_ids", uses_max_sequence_length=True
+        ),
+    ),
+    denoiser="transformer",
+    denoiser_class="Krea2Transformer2DModel",
+    vae_class="AutoencoderKLQwenImage",
+    supports_dream=False,
+    flow_matching=True,
+    default_max_sequence_length=512,  # the pipeline's and train_dreambooth_lora_krea2.py's
+    default_weighting_scheme="none",
+    # train_dreambooth_lora_krea2.py's default --lora_layers (the Krea 2 authors' set)
+    lora_target_modules=(
+        "img_in",
+        "final_layer.linear",
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "to_gate",
+        "ff.up",
+        "ff.down",
+        "text_fusion.projector",
+        "txt_in.linear_1",
+        "txt_in.linear_2",
+        "time_embed.linear_1",
+        "time_embed.linear_2",
+        "time_mod_proj",
+    ),
+    default_run_args=(
+        "--text_encoder_placement",
+        "shard",
+        "--vae_placement",
+        "replicate",
+        "--max_sequence_length",
+        "32",
+    ),
+)
+
+# krea/Krea-2-Raw's and krea/Krea-2-Turbo's transformer (the same shapes): the keys that set them,
+# Krea2Transformer2DModel's defaults (diffusers' docs; 28 blocks at width 6144).
+PUBLISHED_TRANSFORMER = dict(
+    in_channels=64,
+    num_layers=28,
+    attention_head_dim=128,
+    num_attention_heads=48,
+    num_key_value_heads=12,
+    intermediate_size=16384,
+    timestep_embed_dim=256,
+    text_hidden_dim=2560,
+    num_text_layers=12,
+    text_num_attention_heads=20,
+    text_num_key_value_heads=20,
+    text_intermediate_size=6912,
+    num_layerwise_text_blocks=2,
+    num_refiner_text_blocks=2,
+    axes_dims_rope=(32, 48, 48),
+)
+PUBLISHED_TEXT_ENCODER = dict(  # Qwen/Qwen3-VL-4B-Instruct
+    text_config=dict(
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=262144,
+        rope_scaling={"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
+        rope_theta=5000000,
+        tie_word_embeddings=True,
+    ),
+    vision_config=dict(
+        depth=24,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_heads=16,
+        out_hidden_size=2560,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=2304,
+        deepstack_visual_indexes=[5, 11, 17],
+        hidden_act="gelu_pytorch_tanh",
+        in_channels=3,
+    ),
+    tie_word_embeddings=True,
+)
+# Krea2Pipeline's scheduler (its docstring): resolution-aware exponential shift at inference;
+# training's sigmas stay linear (dynamic shifting), as the script loads it.
+KREA2_SCHEDULER = dict(
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=1.15,
+    base_image_seq_len=256,
+    max_image_seq_len=6400,
+)
