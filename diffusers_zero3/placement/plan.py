@@ -33,8 +33,12 @@ of the training dtype, the trained model's persistence threshold and bucket size
   (``--reward_model NAME=FOLDER``, a folder or hub id with the model's ``config.json``): frozen
   models as above, never cached (they see fresh samples every step).
 
-Activations are not counted: the recommendation keeps ``--margin`` (default 25 %) of the
-device memory free for them.
+Activations are not counted in the recommendation: it keeps ``--margin`` (default 25 %) of the
+device memory free for them. For a Wan transformer (video) the plan adds ``activations``: the
+bytes a rank keeps for the backward of one clip (``placement.activations``, with
+``--gradient_checkpointing`` or without) at ``--context_parallel_size K``, and with
+``--device_memory`` the same for every K dividing the processes, the smallest K whose model
+states plus activations fit the device memory less the margin (``context_parallel_fits``).
 """
 
 from __future__ import annotations
@@ -393,6 +397,8 @@ class PlanOptions:
     fixed_placements: dict[str, str] = field(default_factory=dict)  # components the user placed
     reference: bool = False  # a frozen copy of the denoiser (full fine-tuning with DPO or GRPO's KL)
     reward_models: dict[str, str] = field(default_factory=dict)  # {name: folder with its config.json}
+    context_parallel_size: int = 1  # K: ranks splitting one sample's tokens (the activations' count)
+    gradient_checkpointing: bool = False  # the activations' count: each block recomputed in the backward
 
 
 def make_plan(pipeline: str | os.PathLike, options: PlanOptions) -> dict:
@@ -407,6 +413,11 @@ def make_plan(pipeline: str | os.PathLike, options: PlanOptions) -> dict:
             f"--num_processes ({options.num_processes}) must be a positive multiple of --num_machines "
             f"({options.num_machines})"
         )
+    k = options.context_parallel_size
+    if k < 1 or options.num_processes % k:
+        raise ValueError(
+            f"--context_parallel_size ({k}) must be a positive divisor of --num_processes ({options.num_processes})"
+        )
     family, components = job_components(pipeline, options)
     plan = {
         "pipeline": str(pipeline),
@@ -416,7 +427,91 @@ def make_plan(pipeline: str | os.PathLike, options: PlanOptions) -> dict:
     }
     if not plan["fits"]:
         plan["advice"] = what_would_fit(components, family, options)
+    activations = plan_activations(components, family, options, plan["components"])
+    if activations is not None:
+        plan.update(activations)
+        plan["notes"] = [n for n in plan["notes"] if "frames x height x width" not in n]
     return plan
+
+
+def plan_activations(
+    components: dict[str, Component], family, options: PlanOptions, planned: dict
+) -> dict | None:
+    """``{"activations": ..., "context_parallel_fits": ...}`` for a Wan transformer given a clip
+    (``num_frames`` above 1, or a ``context_parallel_size``; None otherwise and for any other
+    denoiser): the activation bytes per rank of one micro-batch (batch 1) at the
+    clip of ``options`` and ``options.context_parallel_size``; with a device memory, one row per
+    K dividing the processes (and the heads, for Ulysses): the model states per rank of the
+    placements ``recommend`` picks for ``planned`` (the plan's components) in what the
+    activations leave of the device memory less the margin, whether both fit, its placements,
+    and the smallest K that fits (None when none does)."""
+    from dataclasses import replace
+
+    from ..families.wan import vae_compression
+    from .activations import activation_bytes, latent_tokens, wan_shape
+
+    denoiser = components.get(family.denoiser)
+    if denoiser is None or denoiser.class_name != "WanTransformer3DModel" or "vae" not in components:
+        return None
+    if options.num_frames == 1 and options.context_parallel_size == 1:
+        return None  # no clip given: the note says what grows with it
+    shape = wan_shape(denoiser.config, bool(getattr(family, "expand_timesteps", False)))
+    vae_config = components["vae"].config
+    spatial = vae_compression(vae_config)[1]
+    height, width = options.height or options.resolution, options.width or options.resolution
+    frames = family.latent_frames(options.num_frames, vae_config)
+    tokens = latent_tokens(frames, height // spatial, width // spatial, shape.patch)
+    spec = next((e for e in family.text_encoders if e.name in components), None)
+    text = (
+        512
+        if spec is None
+        else text_sequence_length(components[spec.name], spec, family, options.max_sequence_length)
+    )
+    b = _bytes(resolve_dtype(options.mixed_precision, {}, None))
+
+    def at(k: int) -> dict:
+        return activation_bytes(
+            shape,
+            tokens,
+            text,
+            b,
+            context_parallel_size=k,
+            gradient_checkpointing=options.gradient_checkpointing,
+        )
+
+    out: dict = {
+        "activations": {
+            "tokens": tokens,
+            "latent_grid": [frames, height // spatial // shape.patch[1], width // spatial // shape.patch[2]],
+            "text_length": text,
+            "context_parallel_size": options.context_parallel_size,
+            "gradient_checkpointing": options.gradient_checkpointing,
+            **at(options.context_parallel_size),
+        }
+    }
+    if options.device_memory is None:
+        return out
+    budget = int(options.device_memory * (1 - options.margin))
+    rows = []
+    for k in range(1, options.num_processes + 1):
+        if options.num_processes % k or shape.heads % k:
+            continue
+        act = at(k)
+        left = max(0, budget - act["bytes"]) / (1 - options.margin)  # the device memory the states may use
+        states = recommend(planned, replace(options, device_memory=int(left)))
+        rows.append(
+            {
+                "context_parallel_size": k,
+                "tokens_per_rank": act["tokens_per_rank"],
+                "activation_bytes": act["bytes"],
+                "state_bytes": states["total_bytes_per_rank"],
+                "fits": states["total_bytes_per_rank"] + act["bytes"] <= budget,
+                "recommended": states["recommended"],
+            }
+        )
+    smallest = next((r["context_parallel_size"] for r in rows if r["fits"]), None)
+    out["context_parallel_fits"] = {"budget_bytes_per_rank": budget, "rows": rows, "smallest": smallest}
+    return out
 
 
 VISION_PARTS = ("visual.", "vision_tower.", "multi_modal_projector.")
@@ -686,9 +781,44 @@ def format_table(plan: dict) -> str:
         total += f" of {plan['budget_bytes_per_rank'] / GIB:.2f} GiB usable"
         total += " (fits)" if plan["fits"] else " (does NOT fit)"
     lines.append(total + "; activations not included")
+    lines.extend(_activation_lines(plan))
     lines.extend(f"note: {n}" for n in plan.get("notes", []))
     lines.extend(plan.get("advice", []))
     return "\n".join(lines)
+
+
+def _activation_lines(plan: dict) -> list[str]:
+    """The table's lines for a plan's ``activations`` and ``context_parallel_fits`` (none
+    without them)."""
+    act = plan.get("activations")
+    if act is None:
+        return []
+    f, h, w = act["latent_grid"]
+    ckpt = "with" if act["gradient_checkpointing"] else "without"
+    lines = [
+        f"activations per rank (one clip of {f} x {h} x {w} = {act['tokens']:,} tokens, {act['text_length']} text "
+        f"tokens, {ckpt} gradient checkpointing): K={act['context_parallel_size']}: "
+        f"{act['tokens_per_rank']:,} tokens per rank, {act['bytes'] / GIB:.2f} GiB"
+    ]
+    fits = plan.get("context_parallel_fits")
+    if fits is None:
+        return lines
+    lines.append(
+        f"{'K':>3} {'tokens/rank':>12} {'activ. GiB':>11} {'states GiB':>11} {'total GiB':>10}  fits  placements"
+    )
+    for r in fits["rows"]:
+        total = r["activation_bytes"] + r["state_bytes"]
+        lines.append(
+            f"{r['context_parallel_size']:>3} {r['tokens_per_rank']:>12,} {r['activation_bytes'] / GIB:>11.2f} "
+            f"{r['state_bytes'] / GIB:>11.2f} {total / GIB:>10.2f}  {'yes' if r['fits'] else 'no ':<4}"
+            + ", ".join(f"{n}={p}" for n, p in r["recommended"].items())
+        )
+    usable = f"{fits['budget_bytes_per_rank'] / GIB:.2f} GiB usable"
+    if fits["smallest"] is None:
+        lines.append(f"no --context_parallel_size up to {plan['num_processes']} fits the {usable}")
+    else:
+        lines.append(f"smallest --context_parallel_size that fits the {usable}: {fits['smallest']}")
+    return lines
 
 
 _SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -738,6 +868,15 @@ def parser() -> argparse.ArgumentParser:
         default=[],
         metavar="NAME=FOLDER",
         help="count a reward model from the folder (or hub id) of its config.json; repeatable",
+    )
+    p.add_argument(
+        "--context_parallel_size",
+        type=int,
+        default=1,
+        help="K ranks split each clip's tokens (the activations' count, Wan); must divide --num_processes",
+    )
+    p.add_argument(
+        "--gradient_checkpointing", action="store_true", help="count activations with each block recomputed"
     )
     p.add_argument("--margin", type=float, default=0.25, help="share of the device memory kept free")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -791,6 +930,8 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         num_frames=args.num_frames,
         max_sequence_length=args.max_sequence_length,
         margin=args.margin,
+        context_parallel_size=args.context_parallel_size,
+        gradient_checkpointing=args.gradient_checkpointing,
     )
 
 
