@@ -145,6 +145,7 @@ CASES = [
     Case("zimage-bf16-ema", "t2i", "zimage", "--use_ema", family_defaults=True),
     Case("flux2-bf16-ema", "t2i", "flux2", "--use_ema", family_defaults=True),
     Case("flux2-klein-bf16-lora4", "t2i", "flux2-klein", "--rank 4", family_defaults=True),
+    Case("krea2-bf16-ema", "t2i", "krea2", "--use_ema", family_defaults=True),
     # HiDream's Llama comes from its own folder (--component text_encoder_4=...-llama)
     Case("hidream-bf16-ema", "t2i", "hidream", "--use_ema", family_defaults=True),
     Case("wan-bf16-ema", "t2i", "wan", "--use_ema", family_defaults=True),

@@ -19,6 +19,7 @@ FIXTURES = {
     "flux2": "tiny_flux2",
     "flux2-klein": "tiny_flux2_klein",
     "hidream": "tiny_hidream",
+    "krea2": "tiny_krea2",
     "wan": "tiny_wan",
     "wan22": "tiny_wan22",
     "wan22_5b": "tiny_wan22_5b",
