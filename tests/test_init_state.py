@@ -131,19 +131,39 @@ GEOMETRY: dict[str, dict[str, dict]] = {
     },  # fmt: skip
     "krea2": {  # Krea 2: head dim 128 (image and text streams), rope axes 32/48/48, theta 1000
         "transformer": {
-            "attention_head_dim": 128, "num_attention_heads": 1, "num_key_value_heads": 1, "num_layers": 1,
-            "axes_dims_rope": [32, 48, 48], "text_hidden_dim": 128, "text_num_attention_heads": 1,
+            "attention_head_dim": 128,
+            "num_attention_heads": 1,
+            "num_key_value_heads": 1,
+            "num_layers": 1,
+            "axes_dims_rope": [32, 48, 48],
+            "text_hidden_dim": 128,
+            "text_num_attention_heads": 1,
             "text_num_key_value_heads": 1,
         },
         "text_encoder": {  # Qwen3-VL 4B: text head dim 128, interleaved mrope 24/20/20, theta 5e6; vision head dim 64
             "text_config": {
-                "hidden_size": 128, "head_dim": 128, "num_attention_heads": 1, "num_key_value_heads": 1,
-                "num_hidden_layers": 1, "max_position_embeddings": 262144,
-                "rope_parameters": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_theta": 5000000,
-                                    "rope_type": "default"},
+                "hidden_size": 128,
+                "head_dim": 128,
+                "num_attention_heads": 1,
+                "num_key_value_heads": 1,
+                "num_hidden_layers": 1,
+                "max_position_embeddings": 262144,
+                "rope_parameters": {
+                    "mrope_interleaved": True,
+                    "mrope_section": [24, 20, 20],
+                    "rope_theta": 5000000,
+                    "rope_type": "default",
+                },
             },
-            "vision_config": {"hidden_size": 64, "num_heads": 1, "depth": 1, "out_hidden_size": 128,
-                              "deepstack_visual_indexes": [0], "num_position_embeddings": 2304, "patch_size": 16},
+            "vision_config": {
+                "hidden_size": 64,
+                "num_heads": 1,
+                "depth": 1,
+                "out_hidden_size": 128,
+                "deepstack_visual_indexes": [0],
+                "num_position_embeddings": 2304,
+                "patch_size": 16,
+            },
         },
     },  # fmt: skip
     "wan": {"transformer": _WAN},
