@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .builtin import AestheticHead
 from .images import (
     CLIP_MEAN,
     CLIP_STD,
@@ -78,31 +79,9 @@ _VISION_BLOCK_PARTS = {
 }
 
 
-class ImageRewardHead(nn.Module):
-    """The MLP of ``ImageReward.py`` (``MLP``; linear layers only, its ReLUs commented out
-    there), with its module names, so that the published ``mlp.*`` weights load as they are.
-
-    Args:
-        input_size: the text encoder's width (768 published).
-    """
-
-    def __init__(self, input_size: int = 768):
-        super().__init__()
-        self.input_size = input_size
-        self.layers = nn.Sequential(
-            nn.Linear(input_size, 1024),
-            nn.Dropout(0.2),
-            nn.Linear(1024, 128),
-            nn.Dropout(0.2),
-            nn.Linear(128, 64),
-            nn.Dropout(0.1),
-            nn.Linear(64, 16),
-            nn.Linear(16, 1),
-        )
-
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        """``[B, 1]`` raw rewards of ``[B, input_size]`` first-token features."""
-        return self.layers(features)
+# ``ImageReward.py``'s ``MLP`` is LAION's aesthetic head to the module names (linear layers and
+# dropouts; its ReLUs are commented out there): the published ``mlp.*`` weights load into it.
+ImageRewardHead = AestheticHead
 
 
 # ------------------------------------------------------------------ preprocessing
