@@ -357,6 +357,7 @@ def vlm_folder(tmp_path_factory):
     from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    from diffusers_zero3.demo.pipelines import vl_token_ids
     from diffusers_zero3.demo.tokenizers import QWEN_VL_SPECIAL_TOKENS, write_qwen2_tokenizer
 
     folder = tmp_path_factory.mktemp("vlm")
@@ -373,8 +374,7 @@ def vlm_folder(tmp_path_factory):
                          pad_token_id=tid("<|endoftext|>")),
         vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
                            spatial_merge_size=2, temporal_patch_size=2),
-        image_token_id=tid("<|image_pad|>"), video_token_id=tid("<|video_pad|>"),
-        vision_start_token_id=tid("<|vision_start|>"), vision_end_token_id=tid("<|vision_end|>"),
+        **vl_token_ids(tid),
         tie_word_embeddings=False,
     )  # fmt: skip
     model = Qwen2VLForConditionalGeneration(config).eval()

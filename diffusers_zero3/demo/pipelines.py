@@ -414,6 +414,33 @@ def save_tiny_flux_pipeline(folder: str | os.PathLike, seed: int = 0, guidance_e
 # -------------------------------------------------------------------------------- Qwen-Image
 
 
+def tiny_qwenimage_vae():
+    """Qwen-Image's VAE (``AutoencoderKLQwenImage``, also Krea 2's) at 4x downsampling, with
+    per-channel statistics that are not 0 and 1 (so that a missing normalisation shows). Build it
+    inside ``zero3_init_disabled()``."""
+    from diffusers import AutoencoderKLQwenImage
+
+    return AutoencoderKLQwenImage(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False, True],
+        latents_mean=[-0.25, 0.1, 0.4, -0.05],
+        latents_std=[1.5, 0.75, 1.25, 2.0],
+    )
+
+
+def vl_token_ids(tid) -> dict[str, int]:
+    """A Qwen VL config's image/video token ids from its tokenizer's ``convert_tokens_to_ids``."""
+    return {
+        "image_token_id": tid("<|image_pad|>"),
+        "video_token_id": tid("<|video_pad|>"),
+        "vision_start_token_id": tid("<|vision_start|>"),
+        "vision_end_token_id": tid("<|vision_end|>"),
+    }
+
+
 def save_tiny_qwenimage_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
     """Save a tiny ``QwenImagePipeline`` folder (fp32 safetensors) and return its path.
 
@@ -423,7 +450,6 @@ def save_tiny_qwenimage_pipeline(folder: str | os.PathLike, seed: int = 0) -> Pa
     scheduler, and a locally written tokenizer. Not a collective.
     """
     from diffusers import (
-        AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
         QwenImageTransformer2DModel,
     )
@@ -447,15 +473,7 @@ def save_tiny_qwenimage_pipeline(folder: str | os.PathLike, seed: int = 0) -> Pa
             guidance_embeds=False,
             axes_dims_rope=(8, 4, 4),
         )
-        vae = AutoencoderKLQwenImage(
-            base_dim=8,
-            z_dim=4,
-            dim_mult=[1, 2, 2],
-            num_res_blocks=1,
-            temperal_downsample=[False, True],
-            latents_mean=[-0.25, 0.1, 0.4, -0.05],
-            latents_std=[1.5, 0.75, 1.25, 2.0],
-        )
+        vae = tiny_qwenimage_vae()
         config = Qwen2_5_VLConfig(
             text_config=dict(
                 vocab_size=len(tokenizer),
@@ -478,10 +496,7 @@ def save_tiny_qwenimage_pipeline(folder: str | os.PathLike, seed: int = 0) -> Pa
                 out_hidden_size=16,
                 fullatt_block_indexes=[1],
             ),
-            image_token_id=tid("<|image_pad|>"),
-            video_token_id=tid("<|video_pad|>"),
-            vision_start_token_id=tid("<|vision_start|>"),
-            vision_end_token_id=tid("<|vision_end|>"),
+            **vl_token_ids(tid),
             tie_word_embeddings=False,
         )
         text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
@@ -587,7 +602,7 @@ def save_tiny_krea2_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
     not 0 and 1 (so that a missing normalisation shows); Krea 2's scheduler; a locally written
     tokenizer. Not a collective.
     """
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, Krea2Transformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, Krea2Transformer2DModel
     from transformers import Qwen3VLConfig, Qwen3VLModel
 
     from ..runtime.zero3 import zero3_init_disabled
@@ -614,15 +629,7 @@ def save_tiny_krea2_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
             num_refiner_text_blocks=2,
             axes_dims_rope=(4, 2, 2),
         )
-        vae = AutoencoderKLQwenImage(
-            base_dim=8,
-            z_dim=4,
-            dim_mult=[1, 2, 2],
-            num_res_blocks=1,
-            temperal_downsample=[False, True],
-            latents_mean=[-0.25, 0.1, 0.4, -0.05],
-            latents_std=[1.5, 0.75, 1.25, 2.0],
-        )
+        vae = tiny_qwenimage_vae()
         config = Qwen3VLConfig(
             text_config=dict(
                 vocab_size=len(tokenizer),
@@ -648,10 +655,7 @@ def save_tiny_krea2_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
                 num_position_embeddings=64,
                 deepstack_visual_indexes=[1],
             ),
-            image_token_id=tid("<|image_pad|>"),
-            video_token_id=tid("<|video_pad|>"),
-            vision_start_token_id=tid("<|vision_start|>"),
-            vision_end_token_id=tid("<|vision_end|>"),
+            **vl_token_ids(tid),
             tie_word_embeddings=True,
         )
         text_encoder = Qwen3VLModel(config).eval()
