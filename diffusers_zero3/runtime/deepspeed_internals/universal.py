@@ -6,7 +6,10 @@ package's ``__init__``."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +56,7 @@ class Zero3Layout:
         zero3_files = dsu._filter_zero3_optim_files(dsu._get_optim_files(str(src)))
         if not zero3_files:
             return None
-        try:  # memory-mapped: only the header is read, not the rank's whole optimizer partition
-            header = torch.load(zero3_files[0], map_location="cpu", weights_only=False, mmap=True)
-        except RuntimeError:  # not torch.save's zip format, which mmap needs
-            header = torch.load(zero3_files[0], map_location="cpu", weights_only=False)
+        header = _load_mapped(zero3_files[0])  # only the header is read, not the whole partition
         stage = header[dsu.OPTIMIZER_STATE_DICT].get(dsu.ZERO_STAGE, 1)
         del header
         if stage <= 2:
@@ -78,18 +78,12 @@ class Zero3Layout:
         optimizer that never stepped given zero moments first: ``with_zero_moments``)."""
         import deepspeed.checkpoint.ds_to_universal as dsu
 
-        grid = self.optim_grid
-        patched = with_zero_moments(Path(grid[0][saved_rank]), temp.parent / "zero-moments")
-        if patched is not None:
-            grid = [list(row) for row in grid]
-            grid[0][saved_rank] = str(patched)
-        try:
+        grid = [list(row) for row in self.optim_grid]
+        with with_zero_moments(Path(grid[0][saved_rank]), temp.parent) as optim_file:
+            grid[0][saved_rank] = str(optim_file)
             dsu.extract_zero_shards_stage3(
                 grid, [self.shapes], self.dp_degree, str(temp), (0, saved_rank), exclude_param_names=set()
             )
-        finally:
-            if patched is not None:
-                patched.unlink()
 
     def merge(self, zero: Path, temp: Path, name: str) -> None:
         """Merge the fragments of parameter ``name`` into its universal folder."""
@@ -103,15 +97,9 @@ class Zero3Layout:
         import deepspeed.checkpoint.ds_to_universal as dsu
 
         files = list(self.optim_grid[0])
-        patched = with_zero_moments(Path(files[0]), dst / "zero-moments-state")
-        if patched is not None:
-            files[0] = str(patched)
-        try:
+        with with_zero_moments(Path(files[0]), dst) as optim_file:
+            files[0] = str(optim_file)
             dsu._save_optimizer_state_stage3(argparse.Namespace(output_folder=str(dst)), files)
-        finally:
-            if patched is not None:
-                patched.unlink()
-                patched.parent.rmdir()
 
     @staticmethod
     def copy_model_states(src: Path, dst: Path) -> None:
@@ -123,31 +111,43 @@ class Zero3Layout:
                 shutil.copy2(f, dst)
 
 
-def with_zero_moments(optim_file: Path, folder: Path) -> Path | None:
-    """A copy of ZeRO-3 optimizer file ``optim_file`` in ``folder`` whose sub-groups without Adam
-    state (an optimizer that has not stepped yet, e.g. the Wan 2.2 expert no step has drawn)
-    have zero moments, which is what Adam's first step starts from; None when every sub-group
-    has its state. ``ds_to_universal.extract_zero_shards_stage3`` reads ``exp_avg`` of every
-    sub-group and fails on a missing one (a ``KeyError``)."""
+def _load_mapped(path: str | Path) -> Any:
+    """``torch.load`` of a checkpoint file, memory-mapped where its format allows (torch.save's
+    zip format): only what is read is paged in."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except RuntimeError:  # not torch.save's zip format, which mmap needs
+        return torch.load(path, map_location="cpu", weights_only=False)
+
+
+@contextlib.contextmanager
+def with_zero_moments(optim_file: Path, scratch: Path) -> Iterator[Path]:
+    """The ZeRO-3 optimizer file to read in place of ``optim_file``: itself, or, where a
+    sub-group has no Adam state (an optimizer that has not stepped yet, e.g. the Wan 2.2 expert
+    no step has drawn), a copy with zero moments there (what Adam's first step starts from), in a
+    folder of its own under ``scratch`` that is removed on exit. DeepSpeed's universal extract
+    (``extract_zero_shards_stage3``) and load read ``exp_avg`` and ``step`` of every sub-group
+    and fail on a missing one (a ``KeyError``)."""
     import deepspeed.checkpoint.ds_to_universal as dsu
 
-    try:
-        saved = torch.load(optim_file, map_location="cpu", weights_only=False, mmap=True)
-    except RuntimeError:  # not torch.save's zip format, which mmap needs
-        saved = torch.load(optim_file, map_location="cpu", weights_only=False)
+    saved = _load_mapped(optim_file)
     optim = saved[dsu.OPTIMIZER_STATE_DICT]
     state = optim["optimizer_state_dict"]["state"]
     missing = [i for i in range(len(optim["fp32_flat_groups"])) if "exp_avg" not in state.get(i, {})]
     if not missing:
-        return None
+        yield optim_file
+        return
     for i in missing:
         flat = optim["fp32_flat_groups"][i]
         state[i] = {"step": torch.zeros((), dtype=torch.float32, device=flat.device), "exp_avg": torch.zeros_like(flat),
                     "exp_avg_sq": torch.zeros_like(flat)}  # fmt: skip
-    folder.mkdir(parents=True, exist_ok=True)
-    out = folder / optim_file.name
-    torch.save(saved, out)
-    return out
+    scratch.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=".zero-moments-", dir=scratch))
+    try:
+        torch.save(saved, folder / optim_file.name)
+        yield folder / optim_file.name
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def load_universal(engine: Any, folder: str, tag: str) -> None:
