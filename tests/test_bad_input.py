@@ -377,6 +377,24 @@ VIDEO_CASES = [
 ]
 
 
+GRPO_CASES = [
+    (["--context_parallel_size", "3"], "context parallel size 3 must divide the number of processes (1)"),
+    (["--context_parallel_size", "2", "--context_parallel_mode", "rope"], "argument --context_parallel_mode"),
+]
+
+
+@pytest.mark.parametrize("change, message", GRPO_CASES, ids=[" ".join(c) for c, _ in GRPO_CASES])
+def test_grpo_bad_input(tiny_flux, tmp_path, capfd, change, message):
+    pipe = tiny_flux[0]
+    files = {str(p.relative_to(pipe)) for p in Path(pipe).rglob("*")}
+    out = tmp_path / "out"
+    argv = ["--pretrained_model_name_or_path", pipe, "--prompts", "a", "--reward",
+            "diffusers_zero3.demo.rewards:redness", "--output_dir", str(out), "--resolution", "32",
+            "--report_to", "none", "--rank", "4", *change]  # fmt: skip
+    code, log = _run_in_process("train_grpo", argv, capfd)
+    _check(code, log, message, out, pipe, files)
+
+
 @pytest.mark.parametrize("change, message", VIDEO_CASES, ids=[" ".join(c) for c, _ in VIDEO_CASES])
 def test_video_bad_input(default_data, tiny_wan, tmp_path, capfd, change, message):
     pipe, clips = tiny_wan

@@ -20,6 +20,7 @@ from tests.distributed_harness import accelerate_launch, resume_in_fresh_folder,
 
 LAUNCH = accelerate_launch("scripts/train_grpo.py")
 REDNESS = "diffusers_zero3.demo.rewards:redness"
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 # 3 prompts x 3 images = 9 samples on 2 ranks: 5 and 4, groups spread over both
 SMALL = ["--prompts", "a red circle", "a blue square", "a green circle", "--group_size", "3",
          "--resolution", "32", "--num_inference_steps", "3", "--max_train_steps", "2",
@@ -516,19 +517,39 @@ def test_full_fine_tuning_nft_with_sharded_reference_resumed_on_1_and_3_processe
 
 
 @pytest.mark.e2e
-def test_flux_lora_grpo_with_dynamic_shifting_and_distilled_guidance(tiny_flux, tmp_path):
-    out = tmp_path / "flux-lora"
-    argv = [*LAUNCH, "--pretrained_model_name_or_path", tiny_flux, *SMALL, "--rank", "4", "--reward", REDNESS,
-            "--guidance_scale", "3.5", "--max_sequence_length", "16", "--kl_beta", "0.01",
-            "--text_encoder_2_placement", "shard", "--output_dir", str(out)]  # fmt: skip
-    _, log = run_launcher(argv, timeout=240)
-    assert sorted(_rounds(log)) == [1, 2], log[-3000:]
+def test_flux_lora_grpo_split_over_two_ranks_equals_one_process(tiny_flux, tmp_path):
+    """Flux.1 with dynamic shifting and its distilled guidance, LoRA with the KL to the base, on
+    one process (K=1); its round-1 checkpoint resumed with --context_parallel_size 2 on 2 ranks,
+    one group that draws all 9 samples and splits every transformer sequence in two (Ulysses).
+    Round 2's rewards (sampling) and the trained adapters (training) equal the one process's, and
+    the LoRA loads in the pipeline. (The comparison starts from a checkpoint because the adapters'
+    initial values depend on the number of processes.)"""
+    flags = ["--pretrained_model_name_or_path", tiny_flux, *SMALL, "--rank", "4", "--reward", REDNESS,
+             "--guidance_scale", "3.5", "--max_sequence_length", "16", "--kl_beta", "0.01",
+             "--text_encoder_2_placement", "shard", "--checkpointing_steps", "1"]  # fmt: skip
+    single, out = tmp_path / "flux-lora-1", tmp_path / "flux-lora-cp2"
+    _, log1 = run_launcher([*accelerate_launch("scripts/train_grpo.py", 1), *flags, "--output_dir", str(single)],
+                           timeout=240)  # fmt: skip
+    # one process trains all 9 samples: 3 micro-batches of 3 a round
+    assert sorted(_rounds(log1)) == [1, 2] and _optimizer_steps(log1) == {1: 3, 2: 6}, log1[-3000:]
+    one = json.loads((single / "rewards.json").read_text())
+    log = resume_in_fresh_folder([*LAUNCH, *flags, "--context_parallel_size", "2"], single, out, "checkpoint-1",
+                                 timeout=240)  # fmt: skip
+    # the 2 ranks are one group: rank 0 also takes all 9 samples
+    assert sorted(_rounds(log)) == [2] and _optimizer_steps(log) == {2: 6}, log[-3000:]
     rewards = json.loads((out / "rewards.json").read_text())
     assert set(rewards) == {"mean", REDNESS, "seconds"} and len(rewards["mean"]) == 2
-    _check_seconds(rewards["seconds"], 2)
+    assert rewards["mean"] == pytest.approx(one["mean"], rel=1e-5, abs=1e-7), (rewards, one)
 
     import torch
     from diffusers import FluxPipeline
+    from safetensors.torch import load_file
+
+    split, whole = load_file(out / LORA_WEIGHTS), load_file(single / LORA_WEIGHTS)
+    assert split.keys() == whole.keys()
+    worst = max((split[k] - whole[k]).abs().max().item() for k in split)
+    moved = max((v.abs().max().item() for k, v in split.items() if "lora_B" in k), default=0.0)
+    assert moved > 1e-4 and worst < 1e-6, (moved, worst)  # trained (lora_B starts at 0), and alike
 
     pipe = FluxPipeline.from_pretrained(tiny_flux)
     pipe.load_lora_weights(out)

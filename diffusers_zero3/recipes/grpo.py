@@ -29,6 +29,14 @@ the pipeline does, Flux.2's batch-norm statistics and unpatchify, Qwen-Image's p
 and std and one frame) and CFG (Qwen-Image's true CFG rescales to the prompt's norm); a
 guidance-distilled transformer (Flux.1 [dev], Flux.2 [dev]) takes ``--guidance_scale`` as its
 guidance input instead of CFG, and a step-distilled Flux.2 [klein] runs neither.
+With ``--context_parallel_size K`` (``runtime.context_parallel``: a denoiser with a ``_cp_plan``,
+Flux.1, Flux.2, Qwen-Image) the ranks form groups of K that draw the same share of the round (the
+same prompts and per-sample noise), each rank computing 1/K of every denoiser sequence (the policy's
+and a frozen reference's); the decode and the rewards run on every rank of a group on the same
+images, so the advantage gather sees each sample K times, which leaves its group's mean and
+(population) standard deviation as they are; the loss is multiplied by K before the backward, so
+that training equals data parallelism over the N / K groups (tests/test_train_grpo.py: K=2 on 2
+ranks against 1 process).
 Rank 0's wall-clock seconds of each phase of a round (sampling with the VAE decode, rewards
 with the advantage gather, training) go to ``rewards.json`` under ``"seconds"``. Dummy samples
 go through every forward (a sharded model's forward is a collective: every rank must call it as
@@ -54,6 +62,7 @@ from ..args import (
     ENGINE_PLACEMENT_CHOICES,
     ArgumentError,
     CommonSettings,
+    TextToImageSettings,
     check_positive,
     component_placements,
     flag,
@@ -74,6 +83,12 @@ from ..rl import (
     samples_per_rank,
     sde_kl,
     sde_step_with_logprob,
+)
+from ..runtime.context_parallel import (
+    ContextParallel,
+    check_context_parallel,
+    context_parallel,
+    enable_context_parallel,
 )
 from ..runtime.distributed import log_rank_zero
 from ..runtime.ds_config import weight_dtype
@@ -181,6 +196,9 @@ class GRPOSettings(CommonSettings):
         "Every N rounds, save rank 0's samples of the round with their rewards as "
         "OUTPUT_DIR/samples/round-N.png and .json (default: at every checkpoint).",
     )
+    # --- context parallelism: a group of K ranks samples and trains the same samples
+    context_parallel_size: int = redefault(TextToImageSettings, "context_parallel_size", 1)
+    context_parallel_mode: str = redefault(TextToImageSettings, "context_parallel_mode", "ulysses")
     # --- LoRA
     rank: int | None = flag(None, "Train LoRA adapters of this rank (None: full fine-tuning).")
     lora_alpha: float | None = flag(None, "LoRA alpha (default: the rank).")
@@ -447,6 +465,7 @@ class GRPOTrainer:
         self.seconds: dict[str, list[float | None]] = {phase: [] for phase in PHASES}
         self.trained_rounds = 0
         self.optimizer_steps = 0  # optimizer steps taken by this process (not restored on resume)
+        self.cp: ContextParallel | None = None  # --context_parallel_size > 1
 
     # ------------------------------------------------------------------ setup
 
@@ -482,6 +501,7 @@ class GRPOTrainer:
             args, deepspeed_active=acc.state.deepspeed_plugin is not None, on_cpu=acc.device.type == "cpu",
             placements=checked,
         )  # fmt: skip
+        self.cp = self._context_parallel()
         clear_interrupted_writes(args.output_dir)
         set_seed(args.seed, device_specific=True)  # LoRA's init: the engine broadcasts rank 0's
         self.dtype = weight_dtype(acc)
@@ -491,6 +511,8 @@ class GRPOTrainer:
         if args.rank is not None:
             targets = args.lora_layers.split(",") if args.lora_layers else family.lora_target_modules
             add_lora_adapters(denoiser, rank=args.rank, target_modules=targets, alpha=args.lora_alpha)
+        if self.cp is not None:  # after LoRA's layers, so that the plan's modules are the wrapped ones
+            self._split_sequence(denoiser)
         self.frozen = place_frozen_models(acc, family, self.source, placements)
         self.vae = self.frozen.models["vae"]
         multiple = family.latent_multiple(self.vae.config)
@@ -513,6 +535,8 @@ class GRPOTrainer:
                 acc, self.source, family.denoiser, args.reference_placement, family.denoiser_cls(),
                 dtype=self.dtype, label="reference",
             )  # fmt: skip
+            if self.cp is not None:
+                self._split_sequence(self.reference.module)
             log_rank_zero(self.reference.describe())
         specs = parse_reward_specs(args.reward, args.reward_model, args.reward_placement)
         self.reward_names = [s.name for s in specs]
@@ -552,6 +576,39 @@ class GRPOTrainer:
                 log_rank_zero(
                     f"{path} was written by {state['world_size']} processes; resharded for {acc.num_processes}"
                 )
+
+    def _context_parallel(self) -> ContextParallel | None:
+        """``--context_parallel_size``: the groups of K ranks that sample, score and train the same
+        samples, each rank of a group on 1/K of every sequence (None for 1); one error line for
+        what cannot be split. Collective (it creates the groups' process groups)."""
+        args, acc = self.args, self.accelerator
+        if args.context_parallel_size == 1:
+            return None
+        try:
+            check_context_parallel(args.context_parallel_size, args.context_parallel_mode, acc.num_processes)
+        except ValueError as e:
+            raise ArgumentError(str(e)) from e
+        if acc.state.deepspeed_plugin is None:
+            raise ArgumentError(
+                "--context_parallel_size needs DeepSpeed: launch with a ZeRO-3 accelerate config"
+            )
+        return context_parallel(args.context_parallel_size, args.context_parallel_mode, acc.device.type)
+
+    def _split_sequence(self, model: torch.nn.Module) -> None:
+        """Split ``model``'s (the policy's, the frozen reference's) sequence over the context-parallel
+        groups; one error line for a model that cannot be split. Not a collective."""
+        try:
+            enable_context_parallel(model, self.cp, self.accelerator.device)
+        except ValueError as e:
+            raise ArgumentError(str(e)) from e
+
+    @property
+    def sampling_ranks(self) -> tuple[int, int]:
+        """``(groups, this rank's group)`` of the round's samples: every rank, or under context
+        parallelism the groups of K ranks (each rank of a group draws the same samples)."""
+        if self.cp is not None:
+            return self.cp.data_parallel_size, self.cp.data_parallel_rank
+        return self.accelerator.num_processes, self.accelerator.process_index
 
     def _placements(self) -> dict[str, str]:
         """``{frozen component: placement}``; a placement flag for a component the family lacks
@@ -630,11 +687,12 @@ class GRPOTrainer:
         Collective: every rank makes the same number of every model call."""
         args, acc = self.args, self.accelerator
         device = acc.device
+        groups, group = self.sampling_ranks
         pairs = group_assignment(
-            args.prompts_per_round, args.group_size, acc.num_processes, acc.process_index, round_index, args.seed,
+            args.prompts_per_round, args.group_size, groups, group, round_index, args.seed,
             dataset_size=len(args.prompts),
         )  # fmt: skip
-        length = samples_per_rank(args.prompts_per_round, args.group_size, acc.num_processes)
+        length = samples_per_rank(args.prompts_per_round, args.group_size, groups)
         padded, real = pad_assignment(pairs, length)
         prompts = [args.prompts[p] for p, _ in padded]
         cond = self._encode(prompts)
@@ -790,7 +848,7 @@ class GRPOTrainer:
                     # a micro-batch's last trained timestep; the loss is divided by their number
                     with acc.accumulate(self.engine):
                         loss, _ = self._loss(batch, i, rows)
-                        acc.backward(loss)
+                        acc.backward(loss * self.cp.loss_scale if self.cp is not None else loss)
                         step_part(self.part, acc, acc.sync_gradients)
                     if acc.sync_gradients:
                         self.optimizer_steps += 1
