@@ -520,6 +520,12 @@ class TextToImageSettings(CommonSettings):
         "(key/value chunks passed around; needs an attention backend with the log-sum-exp, e.g. flash).",
         choices=["ulysses", "ring"],
     )
+    attention_backend: str | None = flag(
+        None,
+        "diffusers' attention backend of the trained denoiser (set_attention_backend: e.g. flash, "
+        "_native_cudnn, sage; ring context parallelism needs one that returns the log-sum-exp). "
+        "Default: the model's (native).",
+    )
     component: list[str] = component_pairs_flag()
     frozen_cache_dir: str | None = flag(None, "Folder of 'cache' outputs (default: OUTPUT_DIR/frozen_cache).")
     validation_steps: int | None = flag(None, "Also validate every N steps.")

@@ -134,7 +134,7 @@ def test_a_sequence_split_two_ways_trains_like_one_model_under_zero3():
 def test_each_context_parallel_mistake_is_one_line():
     from diffusers import UNet2DConditionModel
 
-    from diffusers_zero3.runtime.context_parallel import check_context_parallel
+    from diffusers_zero3.runtime.context_parallel import check_context_parallel, set_attention_backend
 
     with torch.device("meta"):
         wan = _build("wan")
@@ -155,3 +155,10 @@ def test_each_context_parallel_mistake_is_one_line():
         assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
     check_context_parallel(2, "ulysses", 4, wan)  # fine: 2 heads over 2, 2 groups of 2
     check_context_parallel(1, "ulysses", 3, unet)  # K = 1: nothing to split
+    # --attention_backend: one that returns the log-sum-exp lets ring through; one that cannot run
+    # here (flash-attn is not installed) is one line naming the flag
+    set_attention_backend(wan, "_native_cudnn")
+    check_context_parallel(2, "ring", 2, wan)
+    with pytest.raises(ValueError) as info:
+        set_attention_backend(wan, "flash")
+    assert str(info.value).startswith("--attention_backend flash: ") and "\n" not in str(info.value)

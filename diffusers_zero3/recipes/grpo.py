@@ -89,6 +89,7 @@ from ..runtime.context_parallel import (
     check_context_parallel,
     context_parallel,
     enable_context_parallel,
+    set_attention_backend,
 )
 from ..runtime.distributed import log_rank_zero
 from ..runtime.ds_config import weight_dtype
@@ -199,6 +200,7 @@ class GRPOSettings(CommonSettings):
     # --- context parallelism: a group of K ranks samples and trains the same samples
     context_parallel_size: int = redefault(TextToImageSettings, "context_parallel_size", 1)
     context_parallel_mode: str = redefault(TextToImageSettings, "context_parallel_mode", "ulysses")
+    attention_backend: str | None = redefault(TextToImageSettings, "attention_backend", None)
     # --- LoRA
     rank: int | None = flag(None, "Train LoRA adapters of this rank (None: full fine-tuning).")
     lora_alpha: float | None = flag(None, "LoRA alpha (default: the rank).")
@@ -511,6 +513,11 @@ class GRPOTrainer:
         if args.rank is not None:
             targets = args.lora_layers.split(",") if args.lora_layers else family.lora_target_modules
             add_lora_adapters(denoiser, rank=args.rank, target_modules=targets, alpha=args.lora_alpha)
+        if args.attention_backend is not None:
+            try:
+                set_attention_backend(denoiser, args.attention_backend)
+            except ValueError as e:
+                raise ArgumentError(str(e)) from e
         if self.cp is not None:  # after LoRA's layers, so that the plan's modules are the wrapped ones
             self._split_sequence(denoiser)
         self.frozen = place_frozen_models(acc, family, self.source, placements)
@@ -535,6 +542,8 @@ class GRPOTrainer:
                 acc, self.source, family.denoiser, args.reference_placement, family.denoiser_cls(),
                 dtype=self.dtype, label="reference",
             )  # fmt: skip
+            if args.attention_backend is not None:
+                set_attention_backend(self.reference.module, args.attention_backend)  # it ran on the policy
             if self.cp is not None:
                 self._split_sequence(self.reference.module)
             log_rank_zero(self.reference.describe())

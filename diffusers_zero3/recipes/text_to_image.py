@@ -60,6 +60,7 @@ from ..runtime.context_parallel import (
     check_context_parallel,
     context_parallel,
     enable_context_parallel,
+    set_attention_backend,
 )
 from ..runtime.distributed import log_rank_zero, max_over_ranks
 from ..runtime.ds_config import fill_auto_bucket_sizes
@@ -511,6 +512,13 @@ class TextToImageTrainer:
         from diffusers.optimization import get_scheduler
 
         args, acc = self.args, self.accelerator
+        if args.attention_backend is not None:
+            for model in (self.denoiser, self._second_expert):
+                if model is not None:
+                    try:
+                        set_attention_backend(model, args.attention_backend)
+                    except ValueError as e:
+                        raise ArgumentError(str(e)) from e
         if self.cp is not None:  # after LoRA's layers, so that the plan's modules are the wrapped ones
             for model in (self.denoiser, self._second_expert):
                 if model is not None:

@@ -94,8 +94,20 @@ def check_context_parallel(size: int, mode: str, world_size: int, model: Any | N
         if backend in ("native", None):
             raise ValueError(
                 f"ring attention needs an attention backend that returns the log-sum-exp (flash, _native_cudnn,"
-                f" sage); {name} uses {backend or 'native'}: set_attention_backend() or use ulysses"
+                f" sage); {name} uses {backend or 'native'}: choose one (--attention_backend, set_attention_backend())"
+                " or use ulysses"
             )
+
+
+def set_attention_backend(model: torch.nn.Module, backend: str) -> None:
+    """``model.set_attention_backend(backend)`` (diffusers' registry names: ``flash``,
+    ``_native_cudnn``, ``sage``, ...), a backend that cannot run here raised as one-line
+    ``ValueError``. Not a collective."""
+    try:
+        model.set_attention_backend(backend)
+    except (RuntimeError, ValueError, ImportError) as e:
+        message = " ".join(str(e).split())
+        raise ValueError(f"--attention_backend {backend}: {message}") from e
 
 
 def _attention_backend(model: torch.nn.Module) -> str | None:
