@@ -162,3 +162,49 @@ def test_each_context_parallel_mistake_is_one_line():
     with pytest.raises(ValueError) as info:
         set_attention_backend(wan, "flash")
     assert str(info.value).startswith("--attention_backend flash: ") and "\n" not in str(info.value)
+
+
+def _batches(loader) -> list[list[int]]:
+    return [b.tolist() if torch.is_tensor(b) else [int(x) for x in b] for b in loader]
+
+
+@pytest.mark.unit
+def test_group_loader_deals_batches_to_groups_not_to_ranks(tmp_path):
+    """``group_loader`` for 2 groups (4 ranks at K=2): the ranks of a group build the same batches
+    (the shuffle is seeded), the groups' batches are disjoint and together cover the epoch, for a
+    shuffled dataset, an aspect-ratio bucket sampler (one bucket per global batch) and a stream
+    (read by every rank, each group keeping its rows; accelerate's dispatching from rank 0 would
+    give every group rank 0's)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    from diffusers_zero3.data.buckets import BucketBatchSampler
+    from diffusers_zero3.runtime.context_parallel import group_loader
+
+    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    rows = list(range(24))
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield from rows
+
+    buckets = [i % 3 for i in rows]  # 3 buckets of 8 rows
+    makers = {
+        "shuffled": lambda: torch.utils.data.DataLoader(
+            rows,
+            batch_size=2,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(5),  # CPU: a sampler's
+        ),
+        "buckets": lambda: torch.utils.data.DataLoader(
+            rows, batch_sampler=BucketBatchSampler(buckets, 2, num_processes=2, seed=5)
+        ),
+        "stream": lambda: torch.utils.data.DataLoader(Stream(), batch_size=2, drop_last=True),
+    }
+    for name, make in makers.items():
+        groups = [_batches(group_loader(make(), acc, 2, g)) for g in (0, 1)]
+        assert groups[0] == _batches(group_loader(make(), acc, 2, 0)), name  # the group's other rank
+        seen = [x for g in groups for b in g for x in b]
+        assert sorted(seen) == rows and set(sum(groups[0], [])).isdisjoint(sum(groups[1], [])), (name, groups)
+        if name == "buckets":  # a global batch (both groups' k-th batches) is one bucket
+            assert all(len({buckets[x] for x in a + b}) == 1 for a, b in zip(*groups)), groups

@@ -1,5 +1,5 @@
 """scripts/train_text_to_image.py with --context_parallel_size 2 on the tiny Wan 2.2 A14B (both
-experts, each its own ZeRO-3 engine, the umT5 sharded, the VAE cached): 2 ranks split each
+experts, each its own ZeRO-3 engine, the umT5 sharded, the VAE cached, aspect-ratio buckets): 2 ranks split each
 clip's tokens (Ulysses) and train like one process on the same global batch (losses and both
 saved experts within fp32 rounding), with EMA, a checkpoint that one process resumes exactly,
 and validation videos. A bad K: tests/test_bad_input.py (video cases),
@@ -24,7 +24,8 @@ def _common(pipe: str, data: str) -> list[str]:
             "--center_crop", "--random_flip", "--num_frames", "5", "--train_batch_size", "2",
             "--max_train_steps", "4", "--learning_rate", "1e-3", "--lr_warmup_steps", "0", "--seed", "3",
             "--report_to", "none", "--max_sequence_length", "16", "--text_encoder_placement", "shard",
-            "--use_ema", "--checkpointing_steps", "2", "--vae_placement", "cache", "--train_experts", "both"]  # fmt: skip
+            "--use_ema", "--checkpointing_steps", "2", "--vae_placement", "cache", "--train_experts", "both",
+            "--use_aspect_ratio_buckets", "--aspect_ratio_buckets", "5,32,48;5,48,32"]  # fmt: skip
 
 
 def _weights(folder: Path, component: str) -> dict[str, torch.Tensor]:
@@ -34,7 +35,12 @@ def _weights(folder: Path, component: str) -> dict[str, torch.Tensor]:
 
 
 def test_wan22_split_two_ways_trains_like_one_process_and_resumes_on_one(tiny_wan22, tmp_path):
-    pipe, data = tiny_wan22
+    """On landscape and portrait clips in two aspect-ratio buckets: the bucket sampler deals
+    whole global batches to the groups, so K=2 on 2 ranks (one group) draws one process's."""
+    from diffusers_zero3.data.video import write_shapes_videos
+
+    pipe, _ = tiny_wan22
+    data = str(write_shapes_videos(tmp_path / "clips", num_clips=8, frames=7, sizes=[(48, 32), (32, 48)]))
     split, single = tmp_path / "cp2", tmp_path / "one"
     validation = ["--validation_prompts", "a red circle moving right", "--validation_steps", "4",
                   "--num_validation_inference_steps", "2"]  # fmt: skip
@@ -49,6 +55,7 @@ def test_wan22_split_two_ways_trains_like_one_process_and_resumes_on_one(tiny_wa
     for step in reference:
         assert losses[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-7), (losses, reference)
     assert "frozen-model cache:" in log and "text_encoder: shard" in log, log[-3000:]
+    assert "5x32x48: 4, 5x48x32: 4" in log, log[-3000:]
     for expert in ("transformer", "transformer_2"):
         after, alone, before = (_weights(f, expert) for f in (split, single, Path(pipe)))
         assert any(not torch.equal(before[k], after[k]) for k in before), expert

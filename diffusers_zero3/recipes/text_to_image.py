@@ -60,6 +60,7 @@ from ..runtime.context_parallel import (
     check_context_parallel,
     context_parallel,
     enable_context_parallel,
+    group_loader,
     set_attention_backend,
 )
 from ..runtime.distributed import log_rank_zero, max_over_ranks
@@ -219,11 +220,6 @@ class TextToImageTrainer:
         args = self.args
         if args.context_parallel_size == 1:
             return None
-        if args.streaming or args.use_aspect_ratio_buckets:
-            raise ArgumentError(
-                "--context_parallel_size is not combined with --streaming or --use_aspect_ratio_buckets yet: "
-                "give a fixed-resolution dataset"
-            )
         try:
             check_context_parallel(
                 args.context_parallel_size, args.context_parallel_mode, self.accelerator.num_processes
@@ -412,7 +408,7 @@ class TextToImageTrainer:
             source = source.take(args.max_train_samples)
         self.hf_dataset = None  # nothing to cache from: --streaming refuses the cache placement
         self.train_dataset = StreamedRows(
-            source, self.image_column, global_batch=args.train_batch_size * self.accelerator.num_processes,
+            source, self.image_column, global_batch=args.train_batch_size * self.data_processes,
             seed=args.seed or 0, shuffle_buffer_size=args.shuffle_buffer_size,
         )  # fmt: skip
         examples = ImageCaptionDataset(
@@ -455,7 +451,7 @@ class TextToImageTrainer:
         fills a global batch."""
         args = self.args
         self.bucket_sampler = BucketBatchSampler(
-            row_buckets, args.train_batch_size, self.accelerator.num_processes, seed=args.seed or 0
+            row_buckets, args.train_batch_size, self.data_processes, seed=args.seed or 0
         )
         log_rank_zero(describe_buckets(self.buckets, row_buckets, self.bucket_sampler.global_batch))
         if len(self.bucket_sampler) == 0:
@@ -581,7 +577,7 @@ class TextToImageTrainer:
             ema_device="cpu" if args.offload_ema else None,
         )  # fmt: skip
         if self.cp is not None:
-            self.loader = self._group_loader(loader)
+            self.loader = group_loader(loader, acc, self.cp.data_parallel_size, self.cp.data_parallel_rank)
         part = self.denoiser_part
         self.denoiser, self.optimizer, self.lr_scheduler, self.ema = (
             part.engine,
@@ -600,26 +596,6 @@ class TextToImageTrainer:
             acc.init_trackers(args.tracker_project_name, config)
         self._prepare_extra_parts()
         self._maybe_resume()
-
-    def _group_loader(self, loader):
-        """``loader`` prepared as accelerate prepares it, but dealt out to the context-parallel
-        groups: every rank of a group gets the same batches."""
-        from accelerate.data_loader import prepare_data_loader
-
-        acc = self.accelerator
-        return prepare_data_loader(
-            loader,
-            acc.device,
-            num_processes=self.cp.data_parallel_size,
-            process_index=self.cp.data_parallel_rank,
-            split_batches=acc.split_batches,
-            put_on_device=True,
-            rng_types=acc.rng_types.copy(),
-            even_batches=acc.even_batches,
-            use_seedable_sampler=acc.use_seedable_sampler,
-            data_seed=acc.dataloader_config.data_seed,
-            non_blocking=acc.non_blocking,
-        )
 
     def _prepare_extra_parts(self) -> None:
         """Build the job's other trained models (``self.extra_parts``), after the denoiser's

@@ -170,3 +170,29 @@ def enable_context_parallel(model: torch.nn.Module, cp: ContextParallel, device:
         if processor is not None and hasattr(processor, "_parallel_config"):
             processor._parallel_config = config
     apply_context_parallel(model, cp_config, model._cp_plan)
+
+
+def group_loader(loader: torch.utils.data.DataLoader, accelerator, groups: int, group: int):
+    """``loader`` prepared as ``accelerator.prepare`` prepares it, but dealt out to ``groups``
+    groups of ranks instead of to every rank: each rank of group ``group`` (a
+    ``ContextParallel``'s ``data_parallel_rank``) gets the same batches, the groups' batches
+    together are what ``groups`` processes would get. A map-style dataset's sampler or batch
+    sampler is sharded as accelerate shards it; an iterable dataset (a stream) is read whole by
+    every rank, which keeps its group's rows (accelerate's ``IterableDatasetShard``; its
+    dispatching from rank 0 would deal to every rank). Not a collective."""
+    from accelerate.data_loader import prepare_data_loader
+
+    return prepare_data_loader(
+        loader,
+        accelerator.device,
+        num_processes=groups,
+        process_index=group,
+        split_batches=accelerator.split_batches,
+        put_on_device=True,
+        rng_types=accelerator.rng_types.copy(),
+        dispatch_batches=False,
+        even_batches=accelerator.even_batches,
+        use_seedable_sampler=accelerator.use_seedable_sampler,
+        data_seed=accelerator.dataloader_config.data_seed,
+        non_blocking=accelerator.non_blocking,
+    )
