@@ -157,8 +157,13 @@ def test_each_context_parallel_mistake_is_one_line():
     check_context_parallel(1, "ulysses", 3, unet)  # K = 1: nothing to split
     # --attention_backend: one that returns the log-sum-exp lets ring through; one that cannot run
     # here (flash-attn is not installed) is one line naming the flag
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    before = _AttentionBackendRegistry.get_active_backend()[0]
     set_attention_backend(wan, "_native_cudnn")
     check_context_parallel(2, "ring", 2, wan)
+    # the model's processors alone: the process's active backend (every other model's) is as it was
+    assert _AttentionBackendRegistry.get_active_backend()[0] == before
     with pytest.raises(ValueError) as info:
         set_attention_backend(wan, "flash")
     assert str(info.value).startswith("--attention_backend flash: ") and "\n" not in str(info.value)

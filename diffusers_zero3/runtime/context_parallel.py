@@ -19,7 +19,8 @@ the device as ``rank % torch.accelerator.device_count()``, which is 0 on a CPU h
 groups. The diffusers names it uses (checked on diffusers 0.42.1): ``ContextParallelConfig``,
 ``ParallelConfig`` (``models._modeling_parallel``), ``hooks.context_parallel.apply_context_parallel``,
 a model's ``_cp_plan`` / ``_parallel_config`` and an attention processor's ``_parallel_config`` /
-``_attention_backend``.
+``_attention_backend``, ``attention_dispatch._AttentionBackendRegistry`` (``get_active_backend``,
+``set_active_backend``).
 """
 
 from __future__ import annotations
@@ -101,13 +102,21 @@ def check_context_parallel(size: int, mode: str, world_size: int, model: Any | N
 
 def set_attention_backend(model: torch.nn.Module, backend: str) -> None:
     """``model.set_attention_backend(backend)`` (diffusers' registry names: ``flash``,
-    ``_native_cudnn``, ``sage``, ...), a backend that cannot run here raised as one-line
-    ``ValueError``. Not a collective."""
+    ``_native_cudnn``, ``sage``, ...) for ``model``'s attention processors alone, a backend that
+    cannot run here raised as one-line ``ValueError``. diffusers' method also makes it the
+    process's active backend, which every other model without a backend of its own then runs
+    (a VAE in fp32 on ``flash``, which takes bf16/fp16 only): the active one is restored. Not a
+    collective."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    active, _ = _AttentionBackendRegistry.get_active_backend()
     try:
         model.set_attention_backend(backend)
     except (RuntimeError, ValueError, ImportError) as e:
         message = " ".join(str(e).split())
         raise ValueError(f"--attention_backend {backend}: {message}") from e
+    finally:
+        _AttentionBackendRegistry.set_active_backend(active)
 
 
 def _attention_backend(model: torch.nn.Module) -> str | None:
