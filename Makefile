@@ -16,8 +16,12 @@ install:
 	$(PYTHON) -m pip install -e ".[test]" -c constraints.txt
 	$(PYTHON) -m pip install --no-deps -c constraints.txt $(REFERENCE_PACKAGES)
 
+# the fast tier with FAST_WORKERS pytest-xdist workers, then the e2e (script launches: 2 ranks
+# each, which is what a 2-core machine holds) and gpu tiers in one process; both always run
 test:
-	$(PYTHON) -m pytest tests -q
+	$(PYTHON) -m pytest tests -q -m "unit or multirank" -n $(FAST_WORKERS); fast=$$?; \
+	$(PYTHON) -m pytest tests -q -m "e2e or gpu"; e2e=$$?; \
+	test $$fast -eq 0 -a $$e2e -eq 0
 
 # the unit tier alone (single process, under two minutes)
 test-unit:
