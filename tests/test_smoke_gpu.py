@@ -124,7 +124,9 @@ def test_family_cases_train_as_make_train_does(smoke, tmp_path):
         start = argv.index(defaults[0])
         assert argv[start : start + len(defaults)] == defaults, case.name
         images = argv[argv.index("--train_data_dir") + 1]
-        assert images == str(tmp_path / ("shapes-videos" if family_named(case.model).video else "shapes"))
+        family = family_named(case.model)
+        folder = "shapes-videos" if family.video else "edits" if family.edits else "shapes"
+        assert images == str(tmp_path / folder)
     hidream = next(c for c in smoke.CASES if c.model == "hidream")
     argv = smoke.case_argv(hidream, tmp_path, tmp_path / "run", smoke.STEPS)
     assert f"text_encoder_4={tmp_path / 'tiny-hidream'}-llama" in argv

@@ -469,7 +469,13 @@ class ImageCaptionDataset(SeededRows):
             item["target_size"] = torch.tensor(crop.target_size)  # CPU: as original_size
             if self.mask_column is not None:
                 item["loss_mask"] = transform_mask(row[self.mask_column], crop)
+            item.update(self.paired_items(row, crop))
         return item
+
+    def paired_items(self, row: dict, crop: CropInfo) -> dict:
+        """Items of the row's other images taken through its image's geometry ``crop`` (none
+        here; ``pairs.PairedImageDataset`` gives an editing pair's sources)."""
+        return {}
 
 
 def collate(examples: list[dict]) -> dict:

@@ -209,7 +209,13 @@ def prepare_default(
     """
     folder = Path(folder)
     family = family_named(model)
-    if (model == "sdxl" or varied) and not family.video:
+    if family.edits:  # a folder of editing pairs (data.pairs' layout)
+        from .edits import write_edit_pairs
+
+        pipe, data = folder / f"tiny-{model}", folder / ("edits-varied" if varied else "edits")
+        if not (data / f"{num_images - 1:05d}.txt").exists():
+            write_edit_pairs(data, num_pairs=num_images, sizes=VARIED_SIZES if varied else None)
+    elif (model == "sdxl" or varied) and not family.video:
         pipe, data = folder / f"tiny-{model}", folder / "shapes-varied"
         if not (data / "metadata.jsonl").exists():
             write_shapes_dataset(data, num_images=num_images, sizes=VARIED_SIZES)

@@ -125,6 +125,11 @@ class Family:
     vae_in_fp32: bool = False  # SDXL's VAE overflows in fp16
     sample_latents: bool = True  # False: the latent distribution's mode, as Z-Image's script trains
     video: bool = False  # trains on clips: (N, 3, F, H, W) pixels, --num_frames
+    # instruction editing: trains on (source image(s), instruction) -> target pairs (data.pairs;
+    # FrozenInputs adds the sources' latents to the conditioning as "source_latents")
+    edits: bool = False
+    # the text encoder reads the source images too (Qwen-Image-Edit's VL): it runs live, never cached
+    encodes_source_images: bool = False
     uses_time_ids: bool = False
     supports_dream: bool = True
     flow_matching: bool = False  # flow matching with FlowMatchEulerDiscreteScheduler's sigmas

@@ -116,12 +116,28 @@ class FrozenInputs:
             cond = None
         if cond is None:
             cond = conditioning_on(self.family, outputs, device, self.dtype)
+        if "source_pixel_values" in batch:  # an editing family's source image(s) of each sample
+            cond["source_latents"] = self.source_latents(batch["source_pixel_values"], device)
         ids = None
         if self.family.uses_time_ids:
             target = targets if targets is not None else self.resolution  # buckets: each crop's shape
             ids = time_ids(sizes.to(device), crops.to(device), target).to(self.dtype)
             cond["time_ids"] = ids
         return latents, cond, ids
+
+    @torch.no_grad()
+    def source_latents(self, pixels: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """An editing family's source latents ``(N, K, C, h, w)`` of source images ``(N, K, 3, H,
+        W)`` in [-1, 1]: the live VAE's mode (``FluxKontextPipeline`` encodes its image with
+        ``sample_mode="argmax"``), normalised as the target's, in the training dtype. Collective
+        when the VAE is sharded (every rank encodes its batch's K sources in one call)."""
+        vae = self.models["vae"]
+        if vae is None:
+            raise ValueError("source images need the VAE live: it is cached here")
+        n, k = pixels.shape[:2]
+        flat = pixels.reshape(n * k, *pixels.shape[2:]).to(device, vae.dtype)
+        latents = self.normalize_latents(self.family.latent_distribution(vae, flat).mode())
+        return latents.to(self.dtype).reshape(n, k, *latents.shape[1:])
 
     @contextlib.contextmanager
     def validation_modules(self, accelerator) -> Iterator[dict[str, torch.nn.Module]]:

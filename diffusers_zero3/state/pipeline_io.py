@@ -27,6 +27,7 @@ def generate_validation_images(
     dtype: torch.dtype | None = None,
     height: int | None = None,
     width: int | None = None,
+    sources: list | None = None,
     **pipeline_kwargs,
 ) -> list:
     """One image per prompt from a pipeline around the current weights. Collective: call on
@@ -38,7 +39,8 @@ def generate_validation_images(
     same number of times on every rank; all ranks get the same images, and one of them writes.
     ``pipeline_kwargs`` go to the pipeline call (a family's ``validation_kwargs``, e.g.
     Flux's ``max_sequence_length`` and ``guidance_scale``). A video pipeline gives each prompt's
-    frames (a list of PIL images) instead of an image.
+    frames (a list of PIL images) instead of an image. ``sources`` (one per prompt) are an editing
+    pipeline's source images (its ``image`` argument).
 
     ``dtype`` is the training's weight dtype: bf16 or fp16 run the pipeline under
     ``torch.autocast``, as diffusers' own training scripts validate. Without it the models'
@@ -56,6 +58,8 @@ def generate_validation_images(
     with torch.autocast(device.type, dtype=dtype, enabled=lower) if lower else contextlib.nullcontext():
         for i, prompt in enumerate(prompts):
             generator = torch.Generator(device=device).manual_seed(seed + i)
+            if sources is not None:
+                pipeline_kwargs["image"] = sources[i]
             out = pipeline(
                 prompt=prompt,  # by name: Flux.2's first positional argument is an image
                 num_inference_steps=num_inference_steps,
