@@ -536,6 +536,7 @@ def plan_notes(pipeline: str, components: dict[str, Component], family=None) -> 
             comp.trainable
             or name.startswith("reward:")
             or not hasattr(comp.meta_module().config, "vision_config")
+            or (family is not None and family.encodes_source_images)  # its vision tower runs
         ):
             # (a reward judge runs its vision tower)
             continue
