@@ -183,6 +183,31 @@ def gathered_lora_state_dict(denoiser: torch.nn.Module) -> dict[str, torch.Tenso
     return state
 
 
+def _write_lora_file(path: Path, layers: dict[str, dict[str, torch.Tensor]]) -> None:
+    """``layers`` (``{"<component>_lora_layers": state dict}``) as diffusers' ``save_lora_weights``
+    writes them: every key prefixed with its component's name, safetensors with format ``pt``."""
+    from safetensors.torch import save_file
+
+    state = {
+        f"{name.removesuffix('_lora_layers')}.{key}": tensor.contiguous()
+        for name, sd in layers.items()
+        for key, tensor in sd.items()
+    }
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+def load_lora_into(pipeline, family, folder: str | os.PathLike) -> None:
+    """Load ``save_lora_zero3``'s file from ``folder`` into ``pipeline``: its
+    ``load_lora_weights``, or, for a pipeline class without one (NucleusMoE-Image), the
+    denoiser's own ``load_lora_adapter`` with the file's prefix. Not a collective."""
+    if hasattr(pipeline, "load_lora_weights"):
+        pipeline.load_lora_weights(folder)
+    else:
+        getattr(pipeline, family.denoiser).load_lora_adapter(
+            str(folder), prefix=family.denoiser, weight_name=LORA_WEIGHT_NAME
+        )
+
+
 def save_lora_zero3(denoiser, family, output_dir: str | os.PathLike, others: dict | None = None) -> Path:
     """Write ``output_dir/pytorch_lora_weights.safetensors`` in diffusers' LoRA format for the
     family's pipeline class, gathered from the partitions. Collective: call on every rank.
@@ -194,7 +219,8 @@ def save_lora_zero3(denoiser, family, output_dir: str | os.PathLike, others: dic
     ``ema.averaged_weights()`` to save the EMA adapters. Every tensor's shape is checked against
     its adapter (never an empty or shape-[0] tensor); the file is written by the global main
     process into a staging folder and moved into place, so an existing file is replaced whole
-    or not at all. The result loads with ``pipeline.load_lora_weights(output_dir)``.
+    or not at all. The result loads with ``pipeline.load_lora_weights(output_dir)`` (with
+    ``load_lora_into`` for a pipeline class that has no LoRA loader: NucleusMoE-Image).
     """
     import diffusers
     from diffusers.utils import convert_state_dict_to_diffusers
@@ -215,7 +241,10 @@ def save_lora_zero3(denoiser, family, output_dir: str | os.PathLike, others: dic
                 f"{name}_lora_layers": convert(sd)
                 for name, sd in {family.denoiser: state, **other_states}.items()
             }
-            pipeline_class.save_lora_weights(staging, **layers, weight_name=LORA_WEIGHT_NAME)
+            if hasattr(pipeline_class, "save_lora_weights"):
+                pipeline_class.save_lora_weights(staging, **layers, weight_name=LORA_WEIGHT_NAME)
+            else:  # no LoRA loader in the pipeline (NucleusMoE-Image): the same file, by hand
+                _write_lora_file(staging / LORA_WEIGHT_NAME, layers)
             fsync_tree(staging)
             os.replace(staging / LORA_WEIGHT_NAME, final)
         finally:
