@@ -77,7 +77,7 @@ def placement_rows(n: int = 8, resolution: int = 1024) -> list[dict]:
 
 
 # the published defaults of each video pipeline: (frames, height, width)
-VIDEO_CLIPS = {"Wan 2.2 TI2V 5B": (121, 704, 1280)}
+VIDEO_CLIPS = {"Wan 2.2 TI2V 5B": (121, 704, 1280), "HunyuanVideo 1.5 480p T2V": (121, 480, 848)}
 DEFAULT_CLIP = (81, 480, 832)
 
 
