@@ -494,6 +494,22 @@ class TextToImageSettings(CommonSettings):
         "ignored; in between weighs in between), averaged down to the latents.",
         group="data",
     )
+    # --- instruction editing (Flux.1 Kontext; data/pairs.py)
+    source_image_column: str | None = flag(
+        None,
+        "The column of source images of an editing family (default source_image): one image or path per row, "
+        "or a list of them (several sources per row, as many on every row).",
+        group="data",
+    )
+    edit_prompt_column: str | None = flag(
+        None, "The column of edit instructions (default: --caption_column).", group="data"
+    )
+    validation_image: list[str] | None = flag(
+        None,
+        "Source images an editing family's validation edits with its --validation_prompts (one for every "
+        "prompt, or one per prompt); without it the prompts generate from text alone.",
+        group="data",
+    )
     # --- video families (Wan)
     num_frames: int | None = flag(None, "Frames per clip (1 + 4k for Wan; default 81).", group="video (Wan)")
     frame_stride: int = flag(1, "Source frames between two frames of a clip.", group="video (Wan)")
@@ -506,6 +522,12 @@ class TextToImageSettings(CommonSettings):
         "both, each its own ZeRO-3 engine (default both).",
         choices=["high", "low", "both"],
         group="video (Wan)",
+    )
+    train_denoisers: str | None = flag(
+        None,
+        "Ideogram 4: train transformer (the default, as diffusers' script), unconditional_transformer "
+        "(its CFG negative branch: the image alone) or both, each its own ZeRO-3 engine, one a step in turn.",
+        choices=["transformer", "unconditional", "both"],
     )
     # --- this package's flags
     context_parallel_size: int = flag(
@@ -736,8 +758,22 @@ def validate_family(args: TextToImageSettings, family) -> None:
                 raise ArgumentError(
                     f"--{name} applies to video families (Wan), not to a {family.pipeline_class}"
                 )
+    for name in ("source_image_column", "edit_prompt_column"):
+        if vars(args)[name] is not None and not family.edits:
+            raise ArgumentError(
+                f"--{name} applies to editing families (Flux.1 Kontext), not to a {family.pipeline_class}"
+            )
     if args.train_experts is not None and len(getattr(family, "experts", ())) < 2:
         raise ArgumentError(f"--train_experts applies to Wan 2.2's two experts, not to a {family.title}")
+    if args.train_denoisers is not None and not hasattr(family, "trained_denoisers"):
+        raise ArgumentError(
+            f"--train_denoisers applies to Ideogram 4's two transformers, not to a {family.title}"
+        )
+    if args.train_denoisers not in (None, "transformer") and args.rank is not None:
+        raise ArgumentError(
+            f"--rank with --train_denoisers {args.train_denoisers}: the pipeline's load_lora_weights loads "
+            "adapters into transformer only; train LoRA adapters on transformer (the default)"
+        )
     if args.dream_training and not family.supports_dream:
         raise ArgumentError(f"--dream_training is not supported for {family.pipeline_class}")
     objective = "flow matching" if family.flow_matching else "DDPM noise prediction"

@@ -146,11 +146,17 @@ CASES = [
     Case("flux2-bf16-ema", "t2i", "flux2", "--use_ema", family_defaults=True),
     Case("flux2-klein-bf16-lora4", "t2i", "flux2-klein", "--rank 4", family_defaults=True),
     Case("krea2-bf16-ema", "t2i", "krea2", "--use_ema", family_defaults=True),
+    Case("kontext-bf16-ema", "t2i", "kontext", "--use_ema", family_defaults=True),  # editing pairs
+    # editing pairs; Qwen2.5-VL (sharded) reads the source images
+    Case("qwenimage-edit-bf16-ema", "t2i", "qwenimage-edit", "--use_ema", family_defaults=True),
+    Case("nucleusmoe-bf16-ema", "t2i", "nucleusmoe", "--use_ema", family_defaults=True),  # MoE transformer
+    Case("ideogram4-bf16-ema", "t2i", "ideogram4", "--use_ema", family_defaults=True),  # two transformers
     # HiDream's Llama comes from its own folder (--component text_encoder_4=...-llama)
     Case("hidream-bf16-ema", "t2i", "hidream", "--use_ema", family_defaults=True),
     Case("wan-bf16-ema", "t2i", "wan", "--use_ema", family_defaults=True),
     Case("wan22-bf16-both-experts", "t2i", "wan22", "--use_ema --train_experts both", family_defaults=True),
     Case("wan22_5b-bf16-ema", "t2i", "wan22_5b", "--use_ema", family_defaults=True),
+    Case("hunyuanvideo15-bf16-ema", "t2i", "hunyuanvideo15", "--use_ema", family_defaults=True),
     Case(
         "reward-bf16",
         "reward",
@@ -204,6 +210,8 @@ def _train_images(model: str) -> str:
 
     if model == "sdxl":
         return "shapes-varied"
+    if family_named(model).edits:
+        return "edits"  # a folder of editing pairs
     return "shapes-videos" if family_named(model).video else "shapes"
 
 

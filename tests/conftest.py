@@ -124,6 +124,47 @@ def tiny_krea2(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_ideogram4(tmp_path_factory):
+    """A tiny Ideogram 4 pipeline (Qwen3-VL text encoder, two transformers) and an 8-image
+    dataset: ``(pipeline, dataset)``."""
+    from diffusers_zero3.demo import prepare_default
+
+    pipe, data = prepare_default(tmp_path_factory.mktemp("ideogram4"), num_images=8, model="ideogram4")
+    return str(pipe), str(data)
+
+
+@pytest.fixture(scope="session")
+def tiny_nucleusmoe(tmp_path_factory):
+    """A tiny NucleusMoE-Image pipeline (Qwen3-VL text encoder, MoE transformer) and an 8-image
+    dataset: ``(pipeline, dataset)``."""
+    from diffusers_zero3.demo import prepare_default
+
+    pipe, data = prepare_default(tmp_path_factory.mktemp("nucleusmoe"), num_images=8, model="nucleusmoe")
+    return str(pipe), str(data)
+
+
+@pytest.fixture(scope="session")
+def tiny_kontext(tmp_path_factory):
+    """A tiny Flux.1 Kontext pipeline and a folder of 8 editing pairs: ``(pipeline, dataset)``."""
+    from diffusers_zero3.demo import prepare_default
+
+    pipe, data = prepare_default(tmp_path_factory.mktemp("kontext"), num_images=8, model="kontext")
+    return str(pipe), str(data)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwenimage_edit(tmp_path_factory):
+    """A tiny Qwen-Image-Edit-Plus pipeline (Qwen2.5-VL with its vision tower) and a folder of 8
+    editing pairs: ``(pipeline, dataset)``."""
+    from diffusers_zero3.demo import prepare_default
+
+    pipe, data = prepare_default(
+        tmp_path_factory.mktemp("qwenimage_edit"), num_images=8, model="qwenimage-edit"
+    )
+    return str(pipe), str(data)
+
+
+@pytest.fixture(scope="session")
 def tiny_hidream(tmp_path_factory):
     """A tiny HiDream-I1 pipeline without its Llama encoder (saved beside it, ``<pipeline>-llama``,
     as it is supplied separately) and an 8-image dataset: ``(pipeline, dataset)``."""
@@ -166,6 +207,18 @@ def tiny_wan22(tmp_path_factory):
     from diffusers_zero3.demo import prepare_default
 
     pipe, data = prepare_default(tmp_path_factory.mktemp("wan22"), num_images=16, model="wan22")
+    return str(pipe), str(data)
+
+
+@pytest.fixture(scope="session")
+def tiny_hunyuanvideo15(tmp_path_factory):
+    """A tiny HunyuanVideo 1.5 pipeline (Qwen2.5-VL and ByT5 encoders, a video VAE) and 16 clips of
+    moving shapes: ``(pipeline, clips)``."""
+    from diffusers_zero3.demo import prepare_default
+
+    pipe, data = prepare_default(
+        tmp_path_factory.mktemp("hunyuanvideo15"), num_images=16, model="hunyuanvideo15"
+    )
     return str(pipe), str(data)
 
 

@@ -374,14 +374,20 @@ VIDEO_CASES = [
         "--num_frames applies to video families",
     ),
     (["--context_parallel_size", "3"], "context parallel size 3 must divide the number of processes (1)"),
-    (["--attention_backend", "flash"], "--attention_backend flash: Flash Attention backend 'flash' is not usable"),
+    (
+        ["--attention_backend", "flash"],
+        "--attention_backend flash: Flash Attention backend 'flash' is not usable",
+    ),
 ]
 
 
 GRPO_CASES = [
     (["--context_parallel_size", "3"], "context parallel size 3 must divide the number of processes (1)"),
     (["--context_parallel_size", "2", "--context_parallel_mode", "rope"], "argument --context_parallel_mode"),
-    (["--attention_backend", "flash"], "--attention_backend flash: Flash Attention backend 'flash' is not usable"),
+    (
+        ["--attention_backend", "flash"],
+        "--attention_backend flash: Flash Attention backend 'flash' is not usable",
+    ),
 ]
 
 

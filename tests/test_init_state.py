@@ -30,6 +30,10 @@ _QWEN3 = {  # Qwen3-4B (Z-Image, FLUX.2 [klein])
     "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
 }  # fmt: skip
 _WAN = {"attention_head_dim": 128, "num_attention_heads": 1, "num_layers": 1, "rope_max_seq_len": 1024}
+_IDEOGRAM4 = {
+    "attention_head_dim": 256, "num_attention_heads": 1, "num_layers": 1, "mrope_section": [24, 20, 20],
+    "rope_theta": 5000000,
+}  # fmt: skip
 GEOMETRY: dict[str, dict[str, dict]] = {
     "sd": {"text_encoder": {"max_position_embeddings": 77}},
     "sdxl": {"text_encoder_2": {"max_position_embeddings": 77}},
@@ -45,6 +49,9 @@ GEOMETRY: dict[str, dict[str, dict]] = {
         },
     },  # fmt: skip
     "flux": {
+        "transformer": {"attention_head_dim": 128, "num_attention_heads": 1, "axes_dims_rope": [16, 56, 56]}
+    },
+    "kontext": {  # Flux.1 Kontext [dev]: Flux.1 [dev]'s geometry
         "transformer": {"attention_head_dim": 128, "num_attention_heads": 1, "axes_dims_rope": [16, 56, 56]}
     },
     "qwenimage": {
@@ -166,10 +173,98 @@ GEOMETRY: dict[str, dict[str, dict]] = {
             },
         },
     },  # fmt: skip
+    "nucleusmoe": {  # NucleusMoE-Image: head dim 128, rope axes 16/56/56 (4096 positions, theta 10000)
+        "transformer": {
+            "attention_head_dim": 128,
+            "num_attention_heads": 1,
+            "num_key_value_heads": 1,
+            "num_layers": 1,
+            "axes_dims_rope": [16, 56, 56],
+        },
+        "text_encoder": {  # Qwen3-VL 8B: text head dim 128, interleaved mrope 24/20/20, theta 5e6; vision head dim 72
+            "text_config": {
+                "hidden_size": 128,
+                "head_dim": 128,
+                "num_attention_heads": 1,
+                "num_key_value_heads": 1,
+                "num_hidden_layers": 1,
+                "max_position_embeddings": 262144,
+                "rope_parameters": {
+                    "mrope_interleaved": True,
+                    "mrope_section": [24, 20, 20],
+                    "rope_theta": 5000000,
+                    "rope_type": "default",
+                },
+            },
+            "vision_config": {
+                "hidden_size": 72,
+                "num_heads": 1,
+                "depth": 1,
+                "out_hidden_size": 128,
+                "deepstack_visual_indexes": [0],
+                "num_position_embeddings": 2304,
+                "patch_size": 16,
+            },
+        },
+    },  # fmt: skip
+    "ideogram4": {  # Ideogram 4: head dim 256, interleaved mrope 24/20/20, theta 5e6 (both transformers)
+        "transformer": _IDEOGRAM4,
+        "unconditional_transformer": _IDEOGRAM4,
+        "text_encoder": {  # Qwen3-VL 8B: text head dim 128, interleaved mrope 24/20/20, theta 5e6; vision head dim 72
+            "text_config": {
+                "hidden_size": 128,
+                "head_dim": 128,
+                "num_attention_heads": 1,
+                "num_key_value_heads": 1,
+                "num_hidden_layers": 1,
+                "max_position_embeddings": 262144,
+                "rope_parameters": {
+                    "mrope_interleaved": True,
+                    "mrope_section": [24, 20, 20],
+                    "rope_theta": 5000000,
+                    "rope_type": "default",
+                },
+            },
+            "vision_config": {
+                "hidden_size": 72,
+                "num_heads": 1,
+                "depth": 1,
+                "out_hidden_size": 128,
+                "deepstack_visual_indexes": [0],
+                "num_position_embeddings": 2304,
+                "patch_size": 16,
+            },
+        },
+    },  # fmt: skip
+    "hunyuanvideo15": {  # HunyuanVideo 1.5: head dim 128, rope axes 16/56/56 at theta 256 (computed per call)
+        "transformer": {
+            "attention_head_dim": 128,
+            "num_attention_heads": 1,
+            "num_layers": 1,
+            "num_refiner_layers": 1,
+            "rope_axes_dim": [16, 56, 56],
+            "rope_theta": 256.0,
+        },
+        "text_encoder": {  # Qwen2.5-VL 7B's text model: head dim 128, mrope 16/24/24, theta 1e6
+            "hidden_size": 128,
+            "num_attention_heads": 1,
+            "num_key_value_heads": 1,
+            "num_hidden_layers": 1,
+            "layer_types": ["full_attention"],
+            "max_position_embeddings": 128000,
+            "rope_parameters": {
+                "mrope_section": [16, 24, 24],
+                "rope_theta": 1000000.0,
+                "rope_type": "default",
+            },
+        },
+    },  # fmt: skip
     "wan": {"transformer": _WAN},
     "wan22": {"transformer": _WAN, "transformer_2": _WAN},
     "wan22_5b": {"transformer": _WAN},
 }
+# Qwen-Image-Edit-2509: Qwen-Image's transformer and Qwen2.5-VL 7B (its vision tower runs there)
+GEOMETRY["qwenimage-edit"] = GEOMETRY["qwenimage"]
 # HiDream's Llama 3.1 8B comes from a folder of its own (--component): head dim 128, llama3 rope.
 LLAMA_31 = {
     "vocab_size": 300, "hidden_size": 128, "intermediate_size": 64, "num_attention_heads": 1,

@@ -29,6 +29,9 @@ PUBLISHED = {
     # Qwen2.5-VL-7B-Instruct (its model card's 8.29B, vision tower and lm_head included)
     ("Qwen/Qwen-Image", "transformer"): 20_430_401_088,
     ("Qwen/Qwen-Image", "text_encoder"): 8_292_166_656,
+    # Qwen/Qwen-Image-Edit-2509: Qwen-Image's transformer and VAE, Qwen2.5-VL-7B whose vision tower runs
+    ("Qwen/Qwen-Image-Edit-2509", "transformer"): 20_430_401_088,
+    ("Qwen/Qwen-Image-Edit-2509", "text_encoder"): 8_292_166_656,
     # Tongyi-MAI/Z-Image-Turbo: the transformer ("6B") and Qwen3-4B ("4.02B")
     ("Tongyi-MAI/Z-Image-Turbo", "transformer"): 6_154_908_736,
     ("Tongyi-MAI/Z-Image-Turbo", "text_encoder"): 4_022_468_096,
@@ -53,6 +56,22 @@ PUBLISHED = {
     ("krea/Krea-2-Raw", "transformer"): 12_820_073_036,
     ("krea/Krea-2-Raw", "text_encoder"): 4_437_815_808,
     ("krea/Krea-2-Turbo", "transformer"): 12_820_073_036,
+    # NucleusAI/Nucleus-Image: the sparse MoE transformer (the model card's "17B total", 64 experts
+    # in 29 of 32 blocks) and Qwen3-VL-8B-Instruct ("8.77B", vision tower and lm_head included)
+    ("NucleusAI/Nucleus-Image", "transformer"): 16_922_679_296,
+    ("NucleusAI/Nucleus-Image", "text_encoder"): 8_767_123_696,
+    # black-forest-labs/FLUX.1-Kontext-dev: Flux.1 [dev]'s shapes ("12B"), its T5-XXL
+    ("black-forest-labs/FLUX.1-Kontext-dev", "transformer"): 11_901_408_320,
+    ("black-forest-labs/FLUX.1-Kontext-dev", "text_encoder_2"): 4_762_310_656,
+    # ideogram-ai/ideogram-v4: the conditional transformer (Ideogram4Transformer2DModel's defaults:
+    # 34 blocks at width 4608; its unconditional twin is frozen and not planned) and Qwen3-VL-8B-Instruct
+    # as a head-less Qwen3VLModel (vision tower included; its language model 7,568,405,504)
+    ("ideogram-ai/ideogram-v4", "transformer"): 9_279_288_448,
+    ("ideogram-ai/ideogram-v4", "text_encoder"): 8_144_793_840,
+    # hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v: the transformer (the model card's "8.3B") and
+    # Qwen2.5-VL-7B-Instruct's text model alone (Qwen2_5_VLTextModel: no vision tower, no lm_head)
+    ("hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v", "transformer"): 8_326_608_160,
+    ("hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v", "text_encoder"): 7_070_619_136,
 }
 
 

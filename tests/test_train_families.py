@@ -23,6 +23,11 @@ CASES = {
     "flux2": (["text_encoder"], [], ["--guidance_scale", "2.5"]),  # dev is guidance-distilled
     "flux2-klein": (["text_encoder"], [], []),
     "krea2": (["text_encoder"], [], []),
+    "ideogram4": (["text_encoder"], [], []),
+    # T5; trains on a folder of editing pairs; validation and the output edit an image
+    "kontext": (["text_encoder_2"], [], ["--validation_image", "{pipeline}-source.png"]),
+    # the system prompt takes about 65 of the tokens: room for the caption
+    "nucleusmoe": (["text_encoder"], [], ["--max_sequence_length", "96"]),
     # the Llama (text_encoder_4, with its tokenizer) supplied from its own folder, as in real use
     "hidream": (["text_encoder_3", "text_encoder_4"], [], ["--component", "text_encoder_4={pipeline}-llama"]),
 }
@@ -42,6 +47,10 @@ def _common(pipe: str, data: str, steps: int, extra: list[str]) -> list[str]:
 def _generate(pipeline, family, **kwargs):
     pipeline = family.prepare_validation_pipeline(pipeline, 32)
     pipeline.set_progress_bar_config(disable=True)
+    if family.edits:  # an editing pipeline edits a source image
+        from diffusers_zero3.demo import shape_image
+
+        kwargs.setdefault("image", shape_image("red", "circle"))
     return pipeline(
         prompt="a red circle", num_inference_steps=2, height=32, width=32, **family.validation_kwargs(16, None),
         **kwargs,
@@ -72,6 +81,7 @@ def test_llm_encoder_sharded_ema_checkpoint_exact_resume_and_output(name, reques
     assert sorted(losses) == [1, 2, 3, 4], log[-3000:]
     for encoder in llm:
         assert f"{encoder}: shard" in log
+    assert ("editing pairs: 1 source image(s) per target" in log) == family.edits
     assert f"{family.pipeline_class}.from_pretrained" in log
     assert (out / "validation" / "step-000004.png").exists()
 
@@ -85,7 +95,8 @@ def test_llm_encoder_sharded_ema_checkpoint_exact_resume_and_output(name, reques
         load_file(str(out / family.denoiser / weights)),
     )
     assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
-    for component in (*family.frozen_components, *family.tokenizer_folders):
+    untrained = [d for d in getattr(family, "pipeline_denoisers", ()) if d != family.denoiser]  # Ideogram 4's
+    for component in (*family.frozen_components, *family.tokenizer_folders, *untrained):
         source = Path(pipe) / component
         if source.is_dir():
             assert _files(out / component) == _files(source), component
@@ -106,6 +117,8 @@ def test_llm_encoder_sharded_ema_checkpoint_exact_resume_and_output(name, reques
 def test_llm_encoder_cached_and_lora_adapters_load_in_the_pipeline(name, request, tmp_path):
     from diffusers import DiffusionPipeline
 
+    from diffusers_zero3.training.lora import load_lora_into
+
     family, pipe, data = _family(name, request)
     llm, others, extra = CASES[name]
     placements = [a for e in llm for a in (f"--{e}_placement", "cache")] + others
@@ -121,7 +134,7 @@ def test_llm_encoder_cached_and_lora_adapters_load_in_the_pipeline(name, request
     assert (out / "validation" / "step-000002.png").exists()  # the cached encoder reloaded for it
     pipeline = DiffusionPipeline.from_pretrained(pipe, **_supplied(family, pipe))
     base = _generate(pipeline, family, output_type="latent", generator=torch.Generator().manual_seed(0))
-    pipeline.load_lora_weights(out)
+    load_lora_into(pipeline, family, out)  # load_lora_weights; NucleusMoE-Image's transformer's own
     adapted = _generate(pipeline, family, output_type="latent", generator=torch.Generator().manual_seed(0))
     assert not torch.allclose(base, adapted)  # the trained adapters reach the denoiser
 

@@ -36,7 +36,9 @@ from ..families import (
 )
 from ..families.flux2 import FLUX2_SCHEDULER
 from ..families.hidream import TRAINING_SHIFT
+from ..families.ideogram4 import ACTIVATION_LAYERS, IDEOGRAM4
 from ..families.krea2 import KREA2_SCHEDULER, TEXT_ENCODER_SELECT_LAYERS
+from ..families.nucleusmoe import NUCLEUSMOE, NUCLEUSMOE_SCHEDULER
 from ..families.qwenimage import QWEN_IMAGE_SCHEDULER
 from ..families.wan import WAN_SCHEDULER, Wan
 from ..families.zimage import ZIMAGE_TURBO_SCHEDULER
@@ -45,10 +47,13 @@ from .tokenizers import (
     local_clip_tokenizer,
     local_t5_tokenizer,
     read_back,
+    write_ideogram4_tokenizer,
     write_krea2_tokenizer,
     write_llama3_tokenizer,
     write_mistral3_tokenizer,
+    write_nucleusmoe_tokenizer,
     write_qwen3_tokenizer,
+    write_qwenimage_edit_tokenizer,
     write_qwenimage_tokenizer,
     write_umt5_tokenizer,
     write_zimage_tokenizer,
@@ -411,6 +416,30 @@ def save_tiny_flux_pipeline(folder: str | os.PathLike, seed: int = 0, guidance_e
     return folder
 
 
+def save_tiny_kontext_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
+    """Save a tiny ``FluxKontextPipeline`` folder: the tiny Flux.1 pipeline's parts
+    (``save_tiny_flux_pipeline``, guidance-distilled as Kontext [dev]; byte-identical weights)
+    under Kontext's pipeline class, and beside it ``<folder>-source.png`` (a red circle, 32 px):
+    the source image of the default run's validation edits (``--validation_image``). Not a
+    collective."""
+    import shutil
+    import tempfile
+
+    from diffusers import FluxKontextPipeline
+
+    from . import shape_image
+
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    shape_image("red", "circle").save(f"{folder}-source.png")
+    with tempfile.TemporaryDirectory(dir=folder.parent if folder.parent.is_dir() else None) as tmp:
+        flux = save_tiny_flux_pipeline(Path(tmp) / "flux", seed)
+        FluxKontextPipeline.from_pretrained(flux).save_pretrained(folder, safe_serialization=True)
+        for name in ("tokenizer", "tokenizer_2"):  # the locally written tokenizer files as they are
+            shutil.copytree(flux / name, folder / name, dirs_exist_ok=True)
+    return folder
+
+
 # -------------------------------------------------------------------------------- Qwen-Image
 
 
@@ -507,6 +536,63 @@ def save_tiny_qwenimage_pipeline(folder: str | os.PathLike, seed: int = 0) -> Pa
         {"text_encoder": tokenizer},
         FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
     )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def save_tiny_qwenimage_edit_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
+    """Save a tiny ``QwenImageEditPlusPipeline`` folder (fp32 safetensors) and return its path.
+
+    The tiny Qwen-Image's shapes (``save_tiny_qwenimage_pipeline``: a 2-block transformer, a
+    2-layer Qwen2.5-VL whose 2-block vision tower runs here, with the published patching: 14 px
+    patches, 2x2 merges), a locally written tokenizer for the edit template, and as
+    ``processor`` Qwen2-VL's image processor (PIL backend) with that tokenizer
+    (``Qwen2VLImageTextProcessor``: no torchvision). Beside it ``<folder>-source.png`` (a red
+    circle, 32 px): the source image of the default run's validation edits. Not a collective.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from ..families import QWENIMAGE_EDIT
+    from ..families import qwenimage_edit as edit
+    from ..runtime.zero3 import zero3_init_disabled
+    from . import shape_image
+
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    shape_image("red", "circle").save(f"{folder}-source.png")
+    tokenizer = read_back(write_qwenimage_edit_tokenizer, folder)
+    processor = getattr(edit, edit.PROCESSOR_CLASS)(
+        image_processor=Qwen2VLImageProcessorPil(), tokenizer=tokenizer
+    )
+    tid = tokenizer.convert_tokens_to_ids
+    with zero3_init_disabled():
+        torch.manual_seed(seed)
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+            num_attention_heads=3, joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
+        )  # fmt: skip
+        vae = tiny_qwenimage_vae()
+        config = Qwen2_5_VLConfig(
+            text_config=dict(
+                vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
+                rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
+                rope_theta=1000000.0, bos_token_id=tid("<|endoftext|>"), eos_token_id=tid("<|im_end|>"),
+            ),
+            vision_config=dict(
+                depth=2, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16,
+                fullatt_block_indexes=[1], patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+            ),
+            **vl_token_ids(tid),
+            tie_word_embeddings=False,
+        )  # fmt: skip
+        text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+    pipe = QWENIMAGE_EDIT.pipeline(
+        transformer, vae, {"text_encoder": text_encoder}, {"text_encoder": processor},
+        FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
+    )  # fmt: skip
     pipe.save_pretrained(folder, safe_serialization=True)
     return folder
 
@@ -665,6 +751,95 @@ def save_tiny_krea2_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
         {"text_encoder": text_encoder},
         {"text_encoder": tokenizer},
         FlowMatchEulerDiscreteScheduler(**KREA2_SCHEDULER),
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+# -------------------------------------------------------------------------------- NucleusMoE-Image
+
+
+def save_tiny_nucleusmoe_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
+    """Save a tiny ``NucleusMoEImagePipeline`` folder (fp32 safetensors) and return its path.
+
+    The published structure at tiny widths: a ``Qwen3VLForConditionalGeneration`` with
+    Qwen3-VL-8B's 36 decoder layers (so the pipeline's ``hidden_states[-8]`` is neither the
+    embeddings nor the last layer), grouped-query attention and interleaved mRoPE, a 2-block
+    vision tower; a 5-block transformer whose first three blocks are dense (SwiGLU of width 128)
+    and last two a mixture of 4 experts (expert-choice routing, capacity factor 2: every expert
+    takes 8 of the 16 tokens of a 32 px image), grouped-query attention; Qwen-Image's VAE small (4x
+    downsampling) with per-channel statistics that are not 0 and 1; Qwen-Image's scheduler; a
+    locally written tokenizer with Qwen3-VL's chat template as the ``processor`` (the published
+    ``Qwen3VLProcessor`` needs torchvision; the pipeline only renders and tokenizes text with
+    it). Not a collective.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, NucleusMoEImageTransformer2DModel
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from ..runtime.zero3 import zero3_init_disabled
+
+    folder = Path(folder)
+    tokenizer = read_back(write_nucleusmoe_tokenizer, folder)
+    tid = tokenizer.convert_tokens_to_ids
+    with zero3_init_disabled():
+        torch.manual_seed(seed)
+        transformer = NucleusMoEImageTransformer2DModel(
+            patch_size=2,
+            in_channels=16,  # 4 latent channels in 2x2 patches
+            out_channels=4,
+            num_layers=5,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            joint_attention_dim=16,
+            axes_dims_rope=(4, 2, 2),
+            mlp_ratio=6.0,  # the dense blocks' SwiGLU: int(32 * 6 * 2 / 3) // 128 * 128 = 128 (0 at 4.0)
+            moe_enabled=True,
+            dense_moe_strategy="leave_first_three_blocks_dense",
+            num_experts=4,
+            moe_intermediate_dim=16,
+            capacity_factors=[0.0, 0.0, 0.0, 2.0, 2.0],
+        )
+        for block in transformer.transformer_blocks:  # the packed experts are torch.empty at __init__
+            if block.moe_enabled:
+                for weight in block.img_mlp.experts.parameters():
+                    torch.nn.init.normal_(weight, std=0.25)
+        vae = tiny_qwenimage_vae()
+        config = Qwen3VLConfig(
+            text_config=dict(
+                vocab_size=len(tokenizer),
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=36,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=8,
+                max_position_embeddings=2048,
+                rope_scaling={"mrope_interleaved": True, "mrope_section": [2, 1, 1], "rope_type": "default"},
+                rope_theta=5000000,
+                tie_word_embeddings=False,
+                bos_token_id=tid("<|endoftext|>"),
+                eos_token_id=tid("<|im_end|>"),
+            ),
+            vision_config=dict(
+                depth=2,
+                hidden_size=16,
+                intermediate_size=16,
+                num_heads=2,
+                out_hidden_size=16,
+                num_position_embeddings=64,
+                deepstack_visual_indexes=[1],
+            ),
+            **vl_token_ids(tid),
+            tie_word_embeddings=False,
+        )
+        text_encoder = Qwen3VLForConditionalGeneration(config).eval()
+    pipe = NUCLEUSMOE.pipeline(
+        transformer,
+        vae,
+        {"text_encoder": text_encoder},
+        {"text_encoder": tokenizer},
+        FlowMatchEulerDiscreteScheduler(**NUCLEUSMOE_SCHEDULER),
     )
     pipe.save_pretrained(folder, safe_serialization=True)
     return folder
@@ -1016,6 +1191,167 @@ def save_tiny_wan_pipeline(family: Wan, folder: str | os.PathLike, seed: int = 0
     return folder
 
 
+# -------------------------------------------------------------------------------- Ideogram 4
+
+
+def save_tiny_ideogram4_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
+    """Save a tiny ``Ideogram4Pipeline`` folder (fp32 safetensors) and return its path.
+
+    The published structure at tiny widths: a ``Qwen3VLModel`` with Qwen3-VL-8B's 36 decoder
+    layers (so the thirteen taps are the published layers, the last one the final decoder
+    layer before the norm), interleaved mRoPE, a 2-block vision tower; two 2-block transformers
+    of the same shapes and different weights (``transformer``, ``unconditional_transformer``);
+    Flux.2's VAE small but with the published 8x downsampling (the sigma density's
+    resolution-aware mean reads 16 px per token) and batch-norm statistics that are not 0 and
+    1; the default ``FlowMatchEulerDiscreteScheduler``; a locally written tokenizer. No
+    ``prompt_enhancer_head`` (optional). Not a collective.
+    """
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Ideogram4Transformer2DModel
+    from transformers import Qwen3VLConfig, Qwen3VLModel
+
+    from ..runtime.zero3 import zero3_init_disabled
+
+    folder = Path(folder)
+    tokenizer = read_back(write_ideogram4_tokenizer, folder)
+    tid = tokenizer.convert_tokens_to_ids
+    text_hidden = 16
+    with zero3_init_disabled():
+        denoisers = []
+        for i in range(2):
+            torch.manual_seed(seed + i)
+            denoisers.append(
+                Ideogram4Transformer2DModel(
+                    in_channels=16,  # 4 latent channels in 2x2 patches
+                    num_layers=2,
+                    attention_head_dim=8,
+                    num_attention_heads=4,
+                    intermediate_size=32,
+                    adaln_dim=16,
+                    llm_features_dim=len(ACTIVATION_LAYERS) * text_hidden,
+                    rope_theta=5_000_000,
+                    mrope_section=(2, 1, 1),
+                )
+            )
+        torch.manual_seed(seed)
+        vae = AutoencoderKLFlux2(
+            sample_size=32,
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(8, 8, 8, 8),
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=4,
+        )
+        generator = torch.Generator().manual_seed(seed + 1)  # CPU: the tiny VAE is built there and saved
+        with torch.no_grad():
+            # CPU: as the generator
+            vae.bn.running_mean.copy_(0.1 * torch.randn(vae.bn.num_features, generator=generator))
+            # CPU: as the generator
+            vae.bn.running_var.copy_(0.5 + torch.rand(vae.bn.num_features, generator=generator))
+        config = Qwen3VLConfig(
+            text_config=dict(
+                vocab_size=len(tokenizer),
+                hidden_size=text_hidden,
+                intermediate_size=32,
+                num_hidden_layers=36,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=8,
+                max_position_embeddings=2048,
+                rope_scaling={"mrope_interleaved": True, "mrope_section": [2, 1, 1], "rope_type": "default"},
+                rope_theta=5000000,
+                tie_word_embeddings=False,
+                bos_token_id=tid("<|endoftext|>"),
+                eos_token_id=tid("<|im_end|>"),
+            ),
+            vision_config=dict(
+                depth=2,
+                hidden_size=16,
+                intermediate_size=16,
+                num_heads=2,
+                out_hidden_size=text_hidden,
+                num_position_embeddings=64,
+                deepstack_visual_indexes=[1],
+            ),
+            **vl_token_ids(tid),
+            tie_word_embeddings=False,
+        )
+        torch.manual_seed(seed)
+        text_encoder = Qwen3VLModel(config).eval()
+    pipe = IDEOGRAM4.pipeline(
+        {"transformer": denoisers[0], "unconditional_transformer": denoisers[1]},
+        vae,
+        {"text_encoder": text_encoder},
+        {"text_encoder": tokenizer},
+        FlowMatchEulerDiscreteScheduler(),
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+# -------------------------------------------------------------------------------- HunyuanVideo 1.5
+
+
+def save_tiny_hunyuanvideo15_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
+    """Save a tiny ``HunyuanVideo15Pipeline`` folder (fp32 safetensors) and return its path: a
+    2-block transformer (2 heads of 8, rope 2/2/4) on 4 latent channels (9 input channels:
+    latents, condition latents, mask), a 3-layer Qwen2.5-VL text model (``hidden_states[-3]`` is
+    then a middle layer's), a 2-layer ByT5-shaped T5 encoder on ``ByT5Tokenizer``'s 384 ids, a
+    video VAE of the published structure at 8x spatial and 4x temporal compression with a
+    scaling factor that is not 1, the published t2v scheduler (shift 5) and guider (CFG 6), and
+    a locally written Qwen2.5-VL tokenizer whose template prefix is the 108 dropped tokens. Not
+    a collective."""
+    from diffusers import (
+        AutoencoderKLHunyuanVideo15,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideo15Transformer3DModel,
+    )
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    from ..families.hunyuanvideo15 import HUNYUANVIDEO15
+    from ..runtime.zero3 import zero3_init_disabled
+    from .tokenizers import write_byt5_tokenizer, write_hunyuanvideo15_tokenizer
+
+    folder = Path(folder)
+    tokenizer = read_back(write_hunyuanvideo15_tokenizer, folder)
+    tokenizer_2 = read_back(write_byt5_tokenizer, folder)
+    tid = tokenizer.convert_tokens_to_ids
+    with zero3_init_disabled():
+        torch.manual_seed(seed)
+        transformer = HunyuanVideo15Transformer3DModel(
+            in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
+            num_refiner_layers=1, mlp_ratio=2.0, text_embed_dim=16, text_embed_2_dim=32, image_embed_dim=12,
+            rope_axes_dim=(2, 2, 4), target_size=32, task_type="t2v",
+        )  # fmt: skip
+        torch.manual_seed(seed + 1)
+        vae = AutoencoderKLHunyuanVideo15(
+            latent_channels=4, block_out_channels=(8, 8, 16, 16), layers_per_block=1, spatial_compression_ratio=8,
+            temporal_compression_ratio=4, downsample_match_channel=False, upsample_match_channel=False,
+            scaling_factor=0.75,
+        )  # fmt: skip
+        torch.manual_seed(seed + 2)
+        text_encoder = Qwen2_5_VLTextModel(
+            Qwen2_5_VLTextConfig(
+                vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16, num_hidden_layers=3,
+                num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
+                rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
+                rope_theta=1000000.0, bos_token_id=tid("<|endoftext|>"), eos_token_id=tid("<|im_end|>"),
+                pad_token_id=tid("<|endoftext|>"),
+            )
+        ).eval()  # fmt: skip
+        torch.manual_seed(seed + 3)
+        text_encoder_2 = tiny_t5_encoder(32, len(tokenizer_2)).eval()
+    pipe = HUNYUANVIDEO15.pipeline(
+        transformer,
+        vae,
+        {"text_encoder": text_encoder, "text_encoder_2": text_encoder_2},
+        {"text_encoder": tokenizer, "text_encoder_2": tokenizer_2},
+        FlowMatchEulerDiscreteScheduler(shift=5.0),
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
 # -------------------------------------------------------------------------------- by family
 
 # Every family's tiny pipeline, by short name: ``builder(folder, seed)``.
@@ -1033,6 +1369,11 @@ TINY_PIPELINES: dict[str, Callable[[str | os.PathLike, int], Path]] = {
     "wan22": partial(save_tiny_wan_pipeline, WAN22),
     "wan22_5b": partial(save_tiny_wan_pipeline, WAN22_5B),
     "krea2": save_tiny_krea2_pipeline,
+    "kontext": save_tiny_kontext_pipeline,
+    "nucleusmoe": save_tiny_nucleusmoe_pipeline,
+    "ideogram4": save_tiny_ideogram4_pipeline,
+    "qwenimage-edit": save_tiny_qwenimage_edit_pipeline,
+    "hunyuanvideo15": save_tiny_hunyuanvideo15_pipeline,
 }
 
 

@@ -235,6 +235,26 @@ def write_qwenimage_tokenizer(folder: str | os.PathLike) -> Path:
     return folder
 
 
+def write_qwenimage_edit_tokenizer(folder: str | os.PathLike) -> Path:
+    """``write_qwenimage_tokenizer``'s construction on Qwen-Image-Edit-Plus's template: its system
+    prompt is then exactly the 64 tokens the pipeline drops, and each ``Picture k: ...`` block 8
+    tokens, as in the real vocabulary (both checked here)."""
+    from transformers import AutoTokenizer
+
+    from ..families import qwenimage_edit as edit
+
+    template = edit.PROMPT_TEMPLATE
+    folder = write_qwen2_tokenizer(
+        folder, QWEN_VL_SPECIAL_TOKENS, texts=(template.replace("{}", edit.PICTURE_TEMPLATE.format(1) + " "),)
+    )
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if len(tokenizer(template.split("{}")[0]).input_ids) != edit.DROPPED_TEMPLATE_TOKENS:
+        raise AssertionError(f"the template prefix is not {edit.DROPPED_TEMPLATE_TOKENS} tokens")
+    if len(tokenizer(edit.PICTURE_TEMPLATE.format(1)).input_ids) != edit.PICTURE_TOKENS:
+        raise AssertionError(f"a picture block is not {edit.PICTURE_TOKENS} tokens")
+    return folder
+
+
 # Krea 2 (Qwen3-VL): Qwen2.5-VL's special tokens and Qwen3's thinking tags
 QWEN3_VL_SPECIAL_TOKENS = (*QWEN_VL_SPECIAL_TOKENS, "<think>", "</think>")
 
@@ -255,6 +275,81 @@ def write_krea2_tokenizer(folder: str | os.PathLike) -> Path:
     for text, count in ((PROMPT_PREFIX, DROPPED_PREFIX_TOKENS), (PROMPT_SUFFIX, SUFFIX_TOKENS)):
         if len(tokenizer(text).input_ids) != count:
             raise AssertionError(f"the template part {text!r} is not {count} tokens")
+    return folder
+
+
+# NucleusMoE-Image (Qwen3-VL 8 B): what Qwen3-VL's chat template renders for system and user
+# messages whose content is a string or a list of text parts, and the generation prompt.
+QWEN3_VL_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}{%- if 'text' in part %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def write_nucleusmoe_tokenizer(folder: str | os.PathLike) -> Path:
+    """A small byte-level ``Qwen2Tokenizer`` (Qwen3-VL's class) with Qwen3-VL's special tokens,
+    right padding, merges that make every word of NucleusMoE-Image's system prompt one token (as
+    in the real vocabulary) and Qwen3-VL's chat template for text messages."""
+    from ..families.nucleusmoe import PROMPT_TEMPLATE as NUCLEUSMOE_TEMPLATE
+
+    return write_qwen2_tokenizer(
+        folder,
+        QWEN3_VL_SPECIAL_TOKENS,
+        texts=(NUCLEUSMOE_TEMPLATE.replace("{}", " "),),
+        chat_template=QWEN3_VL_CHAT_TEMPLATE,
+    )
+
+
+def write_ideogram4_tokenizer(folder: str | os.PathLike) -> Path:
+    """A small byte-level ``Qwen2Tokenizer`` (Qwen3-VL's class) with Qwen3-VL's special tokens,
+    Qwen3-VL's chat template for text messages and merges that make the template's words one
+    token each (Ideogram 4 renders one user turn and the generation prompt)."""
+    from ..families.ideogram4 import CHAT_PROMPT
+
+    return write_qwen2_tokenizer(
+        folder,
+        QWEN3_VL_SPECIAL_TOKENS,
+        texts=(CHAT_PROMPT.replace("{}", " "),),
+        chat_template=QWEN3_VL_CHAT_TEMPLATE,
+    )
+
+
+# HunyuanVideo 1.5 (Qwen2.5-VL, and ByT5 for the glyph text)
+def write_hunyuanvideo15_tokenizer(folder: str | os.PathLike) -> Path:
+    """A small byte-level ``Qwen2Tokenizer`` with Qwen2.5-VL's special tokens, a chat template that
+    renders system and user messages as Qwen2.5-VL's does, and merges that make every word of the
+    pipeline's system message one token, as in the real vocabulary: the rendered prefix is then
+    exactly the 108 tokens that the pipeline drops (checked here)."""
+    from transformers import AutoTokenizer
+
+    from ..families.hunyuanvideo15 import DROPPED_TEMPLATE_TOKENS as HV15_DROPPED
+    from ..families.hunyuanvideo15 import SYSTEM_MESSAGE as HV15_SYSTEM
+
+    prefix = f"<|im_start|>system\n{HV15_SYSTEM}<|im_end|>\n<|im_start|>user\n"
+    folder = write_qwen2_tokenizer(
+        folder,
+        QWEN_VL_SPECIAL_TOKENS,
+        texts=(prefix + " <|im_end|>\n<|im_start|>assistant\n",),
+        chat_template=QWEN3_VL_CHAT_TEMPLATE,
+    )
+    if len(AutoTokenizer.from_pretrained(folder)(prefix).input_ids) != HV15_DROPPED:
+        raise AssertionError(f"the template prefix is not {HV15_DROPPED} tokens")
+    return folder
+
+
+def write_byt5_tokenizer(folder: str | os.PathLike) -> Path:
+    """google/byt5-small's tokenizer (``ByT5Tokenizer``: bytes + 3 special tokens, 125 extra ids;
+    it needs no vocabulary file), written to ``folder``."""
+    from transformers import ByT5Tokenizer
+
+    folder = Path(folder)
+    ByT5Tokenizer().save_pretrained(folder)
     return folder
 
 

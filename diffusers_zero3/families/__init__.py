@@ -14,7 +14,9 @@ written once and asks the family. A family's tiny pipeline is a fixture, built i
 One module per family: ``sd`` (SD 1.x/2.x), ``sdxl``, ``sd3``, ``flux`` (Flux.1),
 ``qwenimage`` (Qwen-Image), ``zimage`` (Z-Image), ``hidream`` (HiDream-I1), ``flux2`` (Flux.2
 [dev] and [klein]), ``wan`` (Wan 2.1, Wan 2.2 A14B and TI2V-5B: one pipeline class, told apart
-by ``Family.matches``), ``krea2`` (Krea 2).
+by ``Family.matches``), ``krea2`` (Krea 2), ``kontext`` (Flux.1 Kontext: instruction editing),
+``nucleusmoe`` (NucleusMoE-Image), ``ideogram4`` (Ideogram 4), ``hunyuanvideo15``
+(HunyuanVideo 1.5), ``qwenimage_edit`` (Qwen-Image-Edit-Plus: instruction editing).
 
 ``detect_family(folder)`` picks the family from the pipeline's ``model_index.json``
 (``_class_name``); an unsupported pipeline gets one ``CheckpointError`` listing the supported
@@ -32,8 +34,13 @@ from .base import Family, PublishedConfig, TextEncoderSpec
 from .flux import FLUX, latent_image_ids, pack_latents, unpack_latents
 from .flux2 import FLUX2, FLUX2_KLEIN
 from .hidream import HIDREAM
+from .hunyuanvideo15 import HUNYUANVIDEO15
+from .ideogram4 import IDEOGRAM4
+from .kontext import KONTEXT
 from .krea2 import KREA2
+from .nucleusmoe import NUCLEUSMOE
 from .qwenimage import QWENIMAGE
+from .qwenimage_edit import QWENIMAGE_EDIT
 from .sd import SD
 from .sd3 import SD3
 from .sdxl import SDXL, time_ids
@@ -54,6 +61,11 @@ ALL_FAMILIES: tuple[Family, ...] = (
     WAN22,
     WAN22_5B,
     KREA2,
+    KONTEXT,
+    NUCLEUSMOE,
+    IDEOGRAM4,
+    HUNYUANVIDEO15,
+    QWENIMAGE_EDIT,
 )
 # by pipeline class (the first family of a class: WanPipeline's three are told apart by family_of_index)
 FAMILIES: dict[str, Family] = {}
@@ -108,9 +120,14 @@ __all__ = [
     "FROZEN_COMPONENTS",
     "Family",
     "HIDREAM",
+    "HUNYUANVIDEO15",
+    "IDEOGRAM4",
+    "KONTEXT",
     "KREA2",
+    "NUCLEUSMOE",
     "PublishedConfig",
     "QWENIMAGE",
+    "QWENIMAGE_EDIT",
     "SD",
     "SD3",
     "SDXL",

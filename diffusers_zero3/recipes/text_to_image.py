@@ -44,6 +44,7 @@ from ..data.images import (
     prepare_image_column,
     resolve_columns,
 )
+from ..data.pairs import SOURCE_COLUMN, PairedImageDataset, check_source_column, load_edit_dataset
 from ..data.streaming import StreamedExamples, StreamedRows, load_streamed_dataset, streamed_loader
 from ..errors import DataError
 from ..families import detect_family
@@ -170,7 +171,9 @@ class TextToImageTrainer:
                 component_placements(args),
                 self.source,
                 acc,
-                fixed_data=self.cacheable_data and not args.streaming,
+                # editing pairs: the VAE encodes each step's sources, and a text encoder that reads
+                # them too (Qwen-Image-Edit): "auto" never chooses the cache for them
+                fixed_data=self.cacheable_data and not args.streaming and not self.family.edits,
                 use_ema=args.use_ema,
                 rank=args.rank,
                 resolution=args.resolution,
@@ -192,6 +195,18 @@ class TextToImageTrainer:
                 "--mask_column needs each step's crop and flip of the mask: give --vae_placement replicate or shard, "
                 "not cache"
             )
+        if self._reads_pairs and self.placements.get("vae") == "cache":
+            raise ArgumentError(
+                "editing pairs encode each step's source images with the live VAE: give --vae_placement replicate, "
+                "shard or offload (not cache / --cache_latents)"
+            )
+        if self._reads_pairs and self.family.encodes_source_images:
+            for spec in self.family.text_encoders:
+                if self.placements.get(spec.name) == "cache":
+                    raise ArgumentError(
+                        f"{self.family.title}'s {spec.name} reads each step's source images: give "
+                        f"--{spec.name}_placement replicate, shard or offload (not cache)"
+                    )
         validate_launch(
             args,
             deepspeed_active=acc.state.deepspeed_plugin is not None,
@@ -258,8 +273,43 @@ class TextToImageTrainer:
                 )
             if given[0] != "--streaming":
                 raise ArgumentError(f"{given[0]} with --streaming is not supported yet")
+        if self._reads_pairs and (args.streaming or args.context_parallel_size > 1):
+            flag = "--streaming" if args.streaming else "--context_parallel_size"
+            raise ArgumentError(f"{flag} is not supported for editing pairs ({self.family.title}) yet")
+        sources = args.validation_image if self.image_caption_rows else None  # ControlNet's are its own
+        if sources:
+            if not self.family.edits:
+                raise ArgumentError(
+                    f"--validation_image is the source image of an editing family's validation; a "
+                    f"{self.family.pipeline_class} generates from --validation_prompts alone"
+                )
+            prompts = args.validation_prompts or []  # --validation_prompt joined them (args.resolve)
+            if prompts and len(sources) not in (1, len(prompts)):
+                raise ArgumentError(
+                    "give one --validation_image for every --validation_prompts, or one per prompt"
+                )
+            for path in sources:
+                if not os.path.isfile(path):
+                    raise ArgumentError(f"--validation_image {path!r} is not a file")
         if given and not self.image_caption_rows:
             raise ArgumentError(f"{given[0]} is not supported by {type(self).__name__} yet")
+
+    @property
+    def _reads_pairs(self) -> bool:
+        """Whether this trainer reads editing pairs (an editing family's image-caption rows)."""
+        return self.family.edits and self.image_caption_rows
+
+    def _validation_sources(self) -> list | None:
+        """An editing family's source image of each validation prompt (``--validation_image``:
+        one for all, or one per prompt), at the training resolution; None without them."""
+        from PIL import Image
+
+        paths, n = self.args.validation_image, len(self.args.validation_prompts or [])
+        if not (self._reads_pairs and paths):
+            return None
+        size = (self.args.width or self.args.resolution, self.args.height or self.args.resolution)
+        images = [Image.open(p).convert("RGB").resize(size, Image.BICUBIC) for p in paths]
+        return images * n if len(images) == 1 else images
 
     def _load_models(self) -> None:
         args, src = self.args, self.source
@@ -317,6 +367,8 @@ class TextToImageTrainer:
         if len(getattr(self.family, "experts", ())) > 1:
             self.boundary = self.family.boundary(src)
             log_rank_zero(f"experts trained: {', '.join(folders)} (boundary at timestep {self.boundary:g})")
+        elif hasattr(self.family, "trained_denoisers"):
+            log_rank_zero(f"denoisers trained: {', '.join(folders)}")
         if args.rank is not None:
             targets = args.lora_layers.split(",") if args.lora_layers else self.family.lora_target_modules
             adapters = add_lora_adapters(
@@ -348,13 +400,29 @@ class TextToImageTrainer:
         if args.streaming:
             self._load_streamed_data()
             return
-        ds = load_image_caption_dataset(
-            args.dataset_name, args.dataset_config_name, args.train_data_dir, args.cache_dir
-        )
+        if self.family.edits:  # (source image(s), instruction) -> target pairs: data/pairs.py
+            ds = load_edit_dataset(
+                args.dataset_name, args.dataset_config_name, args.train_data_dir, args.cache_dir,
+                args.image_column, args.source_image_column or SOURCE_COLUMN, args.edit_prompt_column or args.caption_column,
+            )  # fmt: skip
+        else:
+            ds = load_image_caption_dataset(
+                args.dataset_name, args.dataset_config_name, args.train_data_dir, args.cache_dir
+            )
         self.image_column, self.caption_column = resolve_columns(
-            ds.column_names, args.image_column, args.caption_column
+            ds.column_names, args.image_column, args.edit_prompt_column or args.caption_column
         )
         ds = prepare_image_column(ds, self.image_column, args.dataset_name or args.train_data_dir)
+        dataset_class, pairs = ImageCaptionDataset, {}
+        if self.family.edits:
+            folder = args.dataset_name or args.train_data_dir
+            pairs = {"source_column": args.source_image_column or SOURCE_COLUMN,
+                     "source_root": folder if folder and os.path.isdir(folder) else None}  # fmt: skip
+            count = check_source_column(ds, pairs["source_column"], pairs["source_root"])
+            dataset_class = PairedImageDataset
+            log_rank_zero(
+                f"editing pairs: {count} source image(s) per target, column {pairs['source_column']!r}"
+            )
         if args.mask_column is not None:
             if args.mask_column not in ds.column_names:
                 raise DataError(
@@ -365,7 +433,7 @@ class TextToImageTrainer:
         ds = self._select_rows(ds)
         self.hf_dataset = ds
         row_buckets = self._bucket_rows(ds) if args.use_aspect_ratio_buckets else None
-        self.train_dataset = ImageCaptionDataset(
+        self.train_dataset = dataset_class(
             ds,
             None,
             self.image_column,
@@ -383,6 +451,7 @@ class TextToImageTrainer:
             row_buckets=row_buckets,
             interpolation=args.image_interpolation_mode,
             mask_column=args.mask_column,
+            **pairs,
         )
         if row_buckets is not None:
             self.train_dataset.skipped_rows.update(i for i, b in enumerate(row_buckets) if b == NO_BUCKET)
@@ -627,7 +696,10 @@ class TextToImageTrainer:
 
     def _trained_folders(self) -> list[str]:
         """The folders of the trained denoiser(s): the family's; for Wan 2.2 those of
-        ``--train_experts`` (default both), the high-noise expert first."""
+        ``--train_experts`` (default both), the high-noise expert first; for Ideogram 4 those of
+        ``--train_denoisers`` (default transformer)."""
+        if hasattr(self.family, "trained_denoisers"):
+            return list(self.family.trained_denoisers(self.args.train_denoisers))
         experts = getattr(self.family, "experts", ())
         if len(experts) < 2:
             return [self.family.denoiser]
@@ -639,10 +711,13 @@ class TextToImageTrainer:
         return next((p for p in self.extra_parts if p.extra.get("expert")), None)
 
     def _expert_of_step(self) -> str:
-        """The Wan 2.2 expert this optimizer step trains (all micro-batches of a step alike)."""
+        """The Wan 2.2 expert this optimizer step trains (all micro-batches of a step alike);
+        Ideogram 4's two denoisers (both trained) take the steps in turn."""
         folders = self._trained_folders()
         if len(folders) == 1:
             return folders[0]
+        if len(getattr(self.family, "experts", ())) < 2:
+            return folders[self.global_step % len(folders)]
         from ..families.wan import expert_of_step
 
         if not hasattr(self, "_p_high"):
@@ -802,6 +877,14 @@ class TextToImageTrainer:
         masked = {}
         if "loss_mask" in batch:  # --mask_column: each latent pixel weighs what it encodes of the mask
             masked["loss_weights"] = latent_loss_weights(batch["loss_mask"], latents)
+        if hasattr(self.family, "trained_denoisers"):
+            # Ideogram 4: the denoiser of this step (both trained: in turn), as the pipeline calls it
+            trained = self._expert_of_step()
+            denoiser = self.denoiser if trained == self.trained_folder else self._expert_part().engine
+            return self.family.loss(
+                denoiser, self.noise_scheduler, latents, cond, self.objective_settings, generators,
+                trained=trained, **masked,
+            )  # fmt: skip
         if len(getattr(self.family, "experts", ())) < 2:
             return self.family.loss(
                 self.denoiser,
@@ -1055,6 +1138,7 @@ class TextToImageTrainer:
                 dtype=self.frozen.dtype,
                 height=args.height,
                 width=args.width,
+                sources=self._validation_sources(),
                 **self.family.validation_kwargs(args.max_sequence_length, args.guidance_scale),
             )
         if acc.is_main_process:
@@ -1076,11 +1160,12 @@ class TextToImageTrainer:
 
     @contextlib.contextmanager
     def _validation_denoiser(self, modules: dict):
-        """The denoiser(s) for a validation pipeline: the trained one; for Wan 2.2 both experts,
-        the one not trained reloaded for the occasion (partitioned under ZeRO-3) and freed after.
-        Collective: every rank."""
+        """The denoiser(s) for a validation pipeline: the trained one; for Wan 2.2 both experts
+        (Ideogram 4 both transformers), the one not trained reloaded for the occasion
+        (partitioned under ZeRO-3) and freed after. Collective: every rank."""
         trained = getattr(self.denoiser, "module", self.denoiser)
-        experts = getattr(self.family, "experts", ())
+        # Wan 2.2's experts; Ideogram 4's transformer and unconditional_transformer
+        experts = getattr(self.family, "experts", ()) or getattr(self.family, "pipeline_denoisers", ())
         if len(experts) < 2:
             yield trained
             return
@@ -1151,8 +1236,15 @@ class TextToImageTrainer:
                     others={p.name: p.engine for p in self.extra_parts},
                 )
             finish_trackers(self.accelerator)
+            import diffusers
+
+            loader = (  # NucleusMoE-Image's pipeline has no LoRA loader: its transformer's
+                f"{self.family.pipeline_class}.load_lora_weights"
+                if hasattr(getattr(diffusers, self.family.pipeline_class), "load_lora_weights")
+                else f"{self.family.denoiser}.load_lora_adapter, prefix {self.family.denoiser!r}"
+            )
             log_rank_zero(
-                f"LoRA weights: {os.path.abspath(path)} ({self.family.pipeline_class}.load_lora_weights)\n"
+                f"LoRA weights: {os.path.abspath(path)} ({loader})\n"
                 f"validation images: {os.path.abspath(os.path.join(args.output_dir, 'validation'))}"
             )
             return
