@@ -34,6 +34,7 @@ from .base import Family, PublishedConfig, TextEncoderSpec
 from .flux2 import PUBLISHED_VAE as FLUX2_VAE
 from .flux2 import BatchNormLatents, pack_latents, unpack_latents
 from .objectives import _per_sample, sample_noise, weighted_sample_means
+from .published import QWEN3_VL_8B
 
 # pipeline_ideogram4.QWEN3_VL_ACTIVATION_LAYERS: decoder layers whose raw outputs are stacked
 ACTIVATION_LAYERS = (0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 33, 35)
@@ -474,33 +475,4 @@ PUBLISHED_TRANSFORMER = dict(
     rope_theta=5_000_000,
     mrope_section=(24, 20, 20),
 )
-PUBLISHED_TEXT_ENCODER = dict(  # Qwen/Qwen3-VL-8B-Instruct, as a head-less Qwen3VLModel
-    text_config=dict(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=262144,
-        rope_scaling={"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
-        rope_theta=5000000,
-        tie_word_embeddings=False,
-    ),
-    vision_config=dict(
-        depth=27,
-        hidden_size=1152,
-        intermediate_size=4304,
-        num_heads=16,
-        out_hidden_size=4096,
-        patch_size=16,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        num_position_embeddings=2304,
-        deepstack_visual_indexes=[8, 16, 24],
-        hidden_act="gelu_pytorch_tanh",
-        in_channels=3,
-    ),
-    tie_word_embeddings=False,
-)
+PUBLISHED_TEXT_ENCODER = QWEN3_VL_8B  # as a head-less Qwen3VLModel

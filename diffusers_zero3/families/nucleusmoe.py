@@ -30,6 +30,7 @@ import torch
 
 from .base import PublishedConfig, TextEncoderSpec
 from .flux2 import load_flux2_tokenizer
+from .published import QWEN3_VL_8B
 from .qwenimage import PUBLISHED_VAE as QWEN_IMAGE_VAE
 from .qwenimage import QWEN_IMAGE_SCHEDULER, QwenImage, pack_latents, unpack_latents
 
@@ -227,36 +228,7 @@ PUBLISHED_TRANSFORMER = dict(
     use_sigmoid=False,
     route_scale=2.5,
 )
-PUBLISHED_TEXT_ENCODER = dict(  # Qwen/Qwen3-VL-8B-Instruct
-    text_config=dict(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=262144,
-        rope_scaling={"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
-        rope_theta=5000000,
-        tie_word_embeddings=False,
-    ),
-    vision_config=dict(
-        depth=27,
-        hidden_size=1152,
-        intermediate_size=4304,
-        num_heads=16,
-        out_hidden_size=4096,
-        patch_size=16,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        num_position_embeddings=2304,
-        deepstack_visual_indexes=[8, 16, 24],
-        hidden_act="gelu_pytorch_tanh",
-        in_channels=3,
-    ),
-    tie_word_embeddings=False,
-)
+PUBLISHED_TEXT_ENCODER = QWEN3_VL_8B
 # The scheduler of the tiny pipeline: Qwen-Image's published one (the pipeline computes mu from
 # its bounds; training's sigmas stay linear under dynamic shifting)
 NUCLEUSMOE_SCHEDULER = QWEN_IMAGE_SCHEDULER
