@@ -761,7 +761,8 @@ def validate_family(args: TextToImageSettings, family) -> None:
     for name in ("source_image_column", "edit_prompt_column"):
         if vars(args)[name] is not None and not family.edits:
             raise ArgumentError(
-                f"--{name} applies to editing families (Flux.1 Kontext), not to a {family.pipeline_class}"
+                f"--{name} applies to editing families (Flux.1 Kontext, Qwen-Image-Edit-Plus, Flux.2), not to a "
+                f"{family.pipeline_class}"
             )
     if args.train_experts is not None and len(getattr(family, "experts", ())) < 2:
         raise ArgumentError(f"--train_experts applies to Wan 2.2's two experts, not to a {family.title}")

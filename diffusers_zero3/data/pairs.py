@@ -43,6 +43,26 @@ def is_pair_folder(folder: str | os.PathLike) -> bool:
     return Path(folder).is_dir() and not any((Path(folder) / m).exists() for m in _METADATA)
 
 
+def gives_edit_pairs(
+    source_image_column: str | None,
+    edit_prompt_column: str | None,
+    dataset_name: str | None,
+    train_data_dir: str | None,
+) -> bool:
+    """Whether a run's data flags give editing pairs, for a family that trains text-to-image
+    and editing with one pipeline class (Flux.2): ``--source_image_column`` or
+    ``--edit_prompt_column`` given, or a ``--train_data_dir`` pair folder holding at least one
+    ``NAME_source`` image."""
+    if source_image_column is not None or edit_prompt_column is not None:
+        return True
+    if dataset_name is not None or train_data_dir is None or not is_pair_folder(train_data_dir):
+        return False
+    return any(
+        p.suffix.lower() in IMAGE_PATH_EXTENSIONS and _SOURCE_NAME.match(p.stem)
+        for p in Path(train_data_dir).iterdir()
+    )
+
+
 def read_pair_folder(folder: str | os.PathLike) -> list[dict[str, Any]]:
     """The pairs of a pair folder: ``{"name", "image", "sources", "text"}`` per target, sorted by
     name (absolute paths; ``sources`` in their order). Raises ``DataError`` naming the first

@@ -150,6 +150,12 @@ class Family:
         """Folders of the frozen models, each placed on its own: text encoders, then VAE."""
         return (*(e.name for e in self.text_encoders), "vae")
 
+    def editing_variant(self) -> Family | None:
+        """The family training instruction editing with the same pipeline class (Flux.2 given
+        reference images), which the trainer takes when it is given editing pairs; None for a
+        family whose pipeline only generates (or only edits)."""
+        return None
+
     @property
     def tokenizer_folders(self) -> tuple[str, ...]:
         return tuple(e.tokenizer for e in self.text_encoders)

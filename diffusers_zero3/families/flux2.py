@@ -11,10 +11,21 @@ The DiT attends to every one of the ``max_sequence_length`` text rows, pad rows 
 the conditioning keeps all of them (fixed length: each row can be cached alone). Neither the
 encoders nor the transformer (it reads ``img_ids[0]``) take an empty batch: for one,
 ``encode_text`` and ``predict`` run one dummy row and return none of it (lockstep kept).
+
+Instruction editing with reference images (``Flux2Pipeline(image=[...])``, klein's too): the
+same families with ``edits=True`` (``Flux2.editing_variant``), which the trainer takes when it
+is given editing pairs (``data.pairs.gives_edit_pairs``). Each source's latents (the VAE's
+mode, patchified and batch-normalised as the target's, as ``_encode_vae_image``) are packed and
+appended to the target's noisy tokens with rotary ids ``(10 + 10 k, y, x, 0)`` for source ``k``
+(``_prepare_image_ids``), and the prediction is read off the target's tokens alone (the
+pipelines' loop and ``train_dreambooth_lora_flux2_klein_img2img.py``; the dev script
+``..._flux2_img2img.py`` numbers a batch's sources 10, 20, ... as if they were one sample's:
+the pipeline's per-sample ids are kept).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -34,6 +45,7 @@ DEFAULT_GUIDANCE_SCALE = 3.5  # train_dreambooth_lora_flux2.py --guidance_scale
 # What the published templates render (used where no tokenizer is at hand).
 MISTRAL_PROMPT = "<s>[SYSTEM_PROMPT]" + SYSTEM_MESSAGE + "[/SYSTEM_PROMPT][INST]{}[/INST]"
 QWEN3_PROMPT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+REFERENCE_TIME = 10  # _prepare_image_ids' scale: reference image k's time coordinate is 10 + 10 k
 
 
 # -------------------------------------------------------------------------------- latents
@@ -82,6 +94,18 @@ def text_ids(n: int, length: int, device=None) -> torch.Tensor:
     zero = torch.arange(1, device=device)
     ids = torch.cartesian_prod(zero, zero, zero, torch.arange(length, device=device))
     return ids.unsqueeze(0).expand(n, -1, -1)
+
+
+def reference_ids(n: int, count: int, height: int, width: int, device=None) -> torch.Tensor:
+    """Rotary ids of ``count`` packed reference images of ``height`` x ``width`` latents each,
+    (N, count*h*w, 4) int64: image ``k``'s ``(10 + 10 k, y, x, 0)``
+    (``Flux2Pipeline._prepare_image_ids``)."""
+    rows, columns, ll = (torch.arange(s, device=device) for s in (height, width, 1))
+    ids = []
+    for k in range(count):
+        t = torch.full((1,), REFERENCE_TIME * (k + 1), dtype=torch.int64, device=device)
+        ids.append(torch.cartesian_prod(t, rows, columns, ll))
+    return torch.cat(ids, dim=0).unsqueeze(0).expand(n, -1, -1)
 
 
 def read_vae_tensors(folder: str | os.PathLike, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -187,6 +211,13 @@ class Flux2(Family):
     """Flux.2 [dev]: Mistral 3's stacked states with a system message; guidance embedded."""
 
     hidden_layers = DEV_LAYERS
+    least_source_side = 64  # the pipelines' check_image_input: reference images of 64 px a side or more
+
+    def editing_variant(self) -> Flux2:
+        """This family training instruction editing: ``edits=True`` (the same pipeline class,
+        given reference images: ``predict`` reads ``cond["source_latents"]``). The trainer
+        takes it in place of the detected family when it is given editing pairs."""
+        return dataclasses.replace(self, edits=True)
 
     def load_tokenizer(self, folder):
         return load_flux2_tokenizer(folder)
@@ -294,7 +325,10 @@ class Flux2(Family):
     def predict(self, denoiser, noisy_latents, timesteps, cond, *, guidance_scale=None):
         """As the training scripts call the transformer: the patchified latents packed into
         tokens with their ids, ``timestep = t / 1000`` (sigma), the guidance value (dev),
-        all the text rows with their ids; the output's image tokens unpacked."""
+        all the text rows with their ids; the output's image tokens unpacked. With
+        ``cond["source_latents"]`` ``(N, K, C, h, w)`` (editing), the K sources' packed tokens
+        follow the target's with ids ``reference_ids``, as the pipeline's call with ``image=[K
+        images]``; the prediction is the target's tokens' alone."""
         n, _, h, w = noisy_latents.shape
         device = noisy_latents.device
         states = cond["encoder_hidden_states"]
@@ -302,10 +336,18 @@ class Flux2(Family):
         if txt is None:
             txt = text_ids(n, states.shape[1], states.device)
         hidden, t = pack_latents(noisy_latents), timesteps.expand(n)
+        ids = latent_ids(n, h, w, device)
+        source = cond.get("source_latents")
+        if source is not None and n > 0:  # reference images: their tokens after the target's
+            count, (sh, sw) = source.shape[1], source.shape[-2:]
+            refs = [pack_latents(source[:, k].to(hidden.dtype)) for k in range(count)]
+            hidden = torch.cat([hidden, *refs], dim=1)
+            ids = torch.cat([ids, reference_ids(n, count, sh, sw, device)], dim=1)
         if n == 0:  # the transformer reads img_ids[0]: one dummy row, then none of it
             hidden = hidden.new_zeros(1, *hidden.shape[1:])
             states = states.new_zeros(1, *states.shape[1:])
             txt, t = text_ids(1, states.shape[1], states.device), t.new_ones(1)
+            ids = latent_ids(1, h, w, device)
         rows = hidden.shape[0]
         out = denoiser(
             hidden_states=hidden,
@@ -313,7 +355,7 @@ class Flux2(Family):
             guidance=guidance_values(denoiser, rows, guidance_scale, device),
             encoder_hidden_states=states,
             txt_ids=txt,
-            img_ids=latent_ids(rows, h, w, device),
+            img_ids=ids,
             return_dict=False,
         )[0]
         return unpack_latents(out[:n, : h * w], h, w)

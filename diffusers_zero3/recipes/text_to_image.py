@@ -44,7 +44,13 @@ from ..data.images import (
     prepare_image_column,
     resolve_columns,
 )
-from ..data.pairs import SOURCE_COLUMN, PairedImageDataset, check_source_column, load_edit_dataset
+from ..data.pairs import (
+    SOURCE_COLUMN,
+    PairedImageDataset,
+    check_source_column,
+    gives_edit_pairs,
+    load_edit_dataset,
+)
 from ..data.streaming import StreamedExamples, StreamedRows, load_streamed_dataset, streamed_loader
 from ..errors import DataError
 from ..families import detect_family
@@ -155,6 +161,11 @@ class TextToImageTrainer:
         check_output_dir(args.output_dir, self.source)
         pipeline_components(self.source)  # a readable model_index.json with plain component names
         self.family = detect_family(self.source)
+        editing = self.family.editing_variant()  # Flux.2: generation, or editing given pairs
+        if editing is not None and self.image_caption_rows:
+            columns = (args.source_image_column, args.edit_prompt_column)
+            if gives_edit_pairs(*columns, args.dataset_name, args.train_data_dir):
+                self.family = editing
         validate_family(args, self.family)
         self.component_sources = resolve_component_sources(
             self.family, self.source, component_overrides(args), args.revision, args.cache_dir
@@ -291,6 +302,13 @@ class TextToImageTrainer:
             for path in sources:
                 if not os.path.isfile(path):
                     raise ArgumentError(f"--validation_image {path!r} is not a file")
+            least = getattr(self.family, "least_source_side", 0)  # Flux.2's pipelines refuse smaller images
+            if min(args.width or args.resolution, args.height or args.resolution) < least:
+                raise ArgumentError(
+                    f"--validation_image: {self.family.pipeline_class} takes source images of {least} px a side "
+                    f"or more, and validation resizes them to the training size: train at {least} px or more, "
+                    "or validate without --validation_image"
+                )
         if given and not self.image_caption_rows:
             raise ArgumentError(f"{given[0]} is not supported by {type(self).__name__} yet")
 
