@@ -157,6 +157,8 @@ CASES = [
     Case("wan22-bf16-both-experts", "t2i", "wan22", "--use_ema --train_experts both", family_defaults=True),
     Case("wan22_5b-bf16-ema", "t2i", "wan22_5b", "--use_ema", family_defaults=True),
     Case("hunyuanvideo15-bf16-ema", "t2i", "hunyuanvideo15", "--use_ema", family_defaults=True),
+    # video with its sound: Gemma 3 sharded, the audio VAE and vocoder replicated; validation mp4 with audio
+    Case("ltx2-bf16-ema", "t2i", "ltx2", "--use_ema", family_defaults=True),
     Case(
         "reward-bf16",
         "reward",

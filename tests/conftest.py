@@ -223,6 +223,16 @@ def tiny_hunyuanvideo15(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_ltx2(tmp_path_factory):
+    """A tiny LTX-2 pipeline (Gemma 3 and connectors, video and audio VAEs, a vocoder) and 16
+    clips of moving shapes with a tone each (some without sound): ``(pipeline, clips)``."""
+    from diffusers_zero3.demo import prepare_default
+
+    pipe, data = prepare_default(tmp_path_factory.mktemp("ltx2"), num_images=16, model="ltx2")
+    return str(pipe), str(data)
+
+
+@pytest.fixture(scope="session")
 def tiny_wan22_5b(tmp_path_factory):
     """A tiny Wan 2.2 TI2V-5B-shaped pipeline (one expert, per-token timesteps): the folder."""
     from diffusers_zero3.demo import save_tiny_pipeline

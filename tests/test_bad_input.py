@@ -381,6 +381,29 @@ VIDEO_CASES = [
 ]
 
 
+LTX2_CASES = [
+    (["--connectors_placement", "cache"], "LTX-2's connectors run on the text encoder's stacked states"),
+    (["--audio_vae_placement", "cache"], "--audio_vae_placement cache is not supported for LTX-2"),
+    (
+        ["--context_parallel_size", "2"],
+        "--context_parallel_size with LTX-2: its audio stream is not split yet",
+    ),
+    (["--height", "48"], "--height 48"),  # the pipeline's sides: multiples of 32
+]
+
+
+@pytest.mark.parametrize("change, message", LTX2_CASES, ids=[" ".join(c) for c, _ in LTX2_CASES])
+def test_ltx2_bad_input(tiny_ltx2, tmp_path, capfd, change, message):
+    pipe, clips = tiny_ltx2
+    files = {str(p.relative_to(pipe)) for p in Path(pipe).rglob("*")}
+    out = tmp_path / "out"
+    argv = ["--pretrained_model_name_or_path", pipe, "--train_data_dir", clips, "--output_dir", str(out),
+            "--resolution", "32", "--num_frames", "5", "--train_batch_size", "1", "--max_train_steps", "1",
+            "--report_to", "none", "--max_sequence_length", "16", *change]  # fmt: skip
+    code, log = _run_in_process("train_text_to_image", argv, capfd)
+    _check(code, log, message, out, pipe, files)
+
+
 GRPO_CASES = [
     (["--context_parallel_size", "3"], "context parallel size 3 must divide the number of processes (1)"),
     (["--context_parallel_size", "2", "--context_parallel_mode", "rope"], "argument --context_parallel_mode"),

@@ -259,6 +259,48 @@ GEOMETRY: dict[str, dict[str, dict]] = {
             },
         },
     },  # fmt: skip
+    "ltx2": {  # LTX-2: video heads of 128, audio heads of 64, fp64 rope; Gemma 3 12B (head dim 256, linear x8)
+        "transformer": {
+            "attention_head_dim": 128,
+            "num_attention_heads": 1,
+            "cross_attention_dim": 128,
+            "audio_attention_head_dim": 64,
+            "audio_num_attention_heads": 1,
+            "audio_cross_attention_dim": 64,
+            "num_layers": 1,
+            "vae_scale_factors": [8, 32, 32],
+            "rope_double_precision": True,
+            "rope_type": "interleaved",
+        },
+        "connectors": {
+            "caption_channels": 128,
+            "video_connector_num_attention_heads": 1,
+            "video_connector_attention_head_dim": 128,
+            "audio_connector_num_attention_heads": 1,
+            "audio_connector_attention_head_dim": 128,
+            "video_connector_num_learnable_registers": 128,
+            "audio_connector_num_learnable_registers": 128,
+            "connector_rope_base_seq_len": 4096,
+            "rope_double_precision": True,
+            "rope_type": "interleaved",
+        },
+        "text_encoder": {
+            "text_config": {
+                "hidden_size": 256,
+                "head_dim": 256,
+                "num_attention_heads": 1,
+                "num_key_value_heads": 1,
+                "num_hidden_layers": 1,
+                "layer_types": ["full_attention"],
+                "max_position_embeddings": 131072,
+                "sliding_window": 1024,
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                },
+            },
+        },
+    },  # fmt: skip
     "wan": {"transformer": _WAN},
     "wan22": {"transformer": _WAN, "transformer_2": _WAN},
     "wan22_5b": {"transformer": _WAN},
@@ -288,9 +330,11 @@ def _save_component(library: str, class_name: str, config: dict, folder: Path) -
     """Build ``class_name`` from ``config`` whole and save it to ``folder`` (fp32 safetensors)."""
     import importlib
 
-    cls = getattr(importlib.import_module(library), class_name)
+    # a pipeline's own module (LTX-2's connectors and vocoder: "ltx2" in model_index.json)
+    module = library if library in ("diffusers", "transformers") else f"diffusers.pipelines.{library}"
+    cls = getattr(importlib.import_module(module), class_name)
     torch.manual_seed(0)
-    if library == "diffusers":
+    if library != "transformers":
         model = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
     else:
         model = cls(cls.config_class.from_dict(config))
@@ -316,7 +360,8 @@ def geometry_components(root: Path) -> list[tuple[str, str, str]]:
             )
             folder = root / family.name / name
             _save_component(library, class_name, config, folder)
-            cases.append((f"{family.name}/{name}", f"{library}:{class_name}", str(folder)))
+            module = library if library in ("diffusers", "transformers") else f"diffusers.pipelines.{library}"
+            cases.append((f"{family.name}/{name}", f"{module}:{class_name}", str(folder)))
     from transformers import LlamaConfig
 
     llama = LlamaConfig(**LLAMA_31).to_dict()

@@ -28,6 +28,7 @@ FIXTURES = {
     "wan22": "tiny_wan22",
     "wan22_5b": "tiny_wan22_5b",
     "hunyuanvideo15": "tiny_hunyuanvideo15",
+    "ltx2": "tiny_ltx2",
 }
 
 

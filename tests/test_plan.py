@@ -72,6 +72,10 @@ PUBLISHED = {
     # Qwen2.5-VL-7B-Instruct's text model alone (Qwen2_5_VLTextModel: no vision tower, no lm_head)
     ("hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v", "transformer"): 8_326_608_160,
     ("hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v", "text_encoder"): 7_070_619_136,
+    # Lightricks/LTX-2: the audio-video transformer (the model card's "19B": 14B video + 5B audio
+    # streams) and Gemma 3 12B whole as the pipeline loads it (google/gemma-3-12b-it's "12.2B")
+    ("Lightricks/LTX-2", "transformer"): 18_876_174_592,
+    ("Lightricks/LTX-2", "text_encoder"): 12_202_563_392,
 }
 
 

@@ -336,6 +336,14 @@ class VideoCaptionDataset(SeededRows):
     With buckets (``set_buckets``: ``(frames, height, width)`` shapes and each row's index into
     them, from ``bucket_clips``) a row's clip takes its bucket's frames and size, and a row that
     fails is replaced by the next usable row of the same bucket.
+
+    With ``audio`` (a ``data.audio.AudioSpec``: LTX-2) a row also holds its clip's sound:
+    ``"audio_mel"`` ``(channels, T, n_mels)`` float32, the log-mel spectrogram of the clip's span
+    (from its first taken frame, ``num_frames / frame_rate`` seconds; ``T`` as
+    ``AudioSpec.mel_frames``), ``"has_audio"`` (0-dim bool: False, and zeros, for a clip
+    without an audio stream or a frame folder) and ``"frame_rate"`` (0-dim float: the source's
+    rate over the frame step; 24 where unknown). Clips at different rates without ``fps`` give
+    spectrograms of different lengths: they batch only one to a batch.
     """
 
     def __init__(
@@ -359,6 +367,7 @@ class VideoCaptionDataset(SeededRows):
         unreadable_rows: Sequence[int] = (),
         empty_prompt_probability: float = 0.0,
         mask_column: str | None = None,
+        audio=None,
     ):
         if frame_stride < 1:
             raise ValueError(f"--frame_stride must be at least 1, got {frame_stride}")
@@ -384,6 +393,7 @@ class VideoCaptionDataset(SeededRows):
         self.buckets: list[tuple[int, int, int]] | None = None
         self.row_buckets: list[int] | None = None
         self.mask_column = mask_column
+        self.audio = audio
 
     def mask_source(self, row: dict) -> ClipSource:
         """A row's loss-mask clip (``mask_column``: a video file or frame folder, relative to the
@@ -473,12 +483,28 @@ class VideoCaptionDataset(SeededRows):
             return None
         return transform_clip(frames, height, width, self.center_crop, False, rng)[0]
 
+    def clip_audio(self, row: dict, indices: list[int], num_frames: int) -> dict[str, torch.Tensor]:
+        """``audio_mel``, ``has_audio`` and ``frame_rate`` of a row's clip taken at source frame
+        ``indices`` (see the class doc)."""
+        source = self.source(row)
+        rate = source.fps if source.is_frame_folder else source.probe()[1]
+        clip_rate = rate / frame_step(rate, self.frame_stride, self.fps) if rate else 24.0
+        path = None if source.is_frame_folder or not rate else source.path
+        start = indices[0] / rate if rate else 0.0  # the first taken frame's time
+        try:
+            mel, has_audio = self.audio.clip_mel(path, start, num_frames, clip_rate)
+        except ValueError as e:
+            raise ClipError(f"cannot read its sound ({e})") from e
+        # CPU: data-loader side (the batch moves to the device)
+        return {"audio_mel": mel, "has_audio": torch.tensor(has_audio), "frame_rate": torch.tensor(clip_rate)}
+
     def _readable_row(
         self, index: int
-    ) -> tuple[int, str, random.Random, np.ndarray | None, np.ndarray | None]:
+    ) -> tuple[int, str, random.Random, np.ndarray | None, np.ndarray | None, dict | None]:
         """The first usable row from ``index`` on: its index, caption, random draws (the caption
-        drawn first, then the clip's start, crop and flip), frames, and its mask clip's frames at
-        the same indices (``mask_column``; None without)."""
+        drawn first, then the clip's start, crop and flip), frames, its mask clip's frames at
+        the same indices (``mask_column``; None without), and its sound (``clip_audio``; None
+        without ``audio`` or without videos)."""
         n = len(self.dataset)
         for i in ((index + offset) % n for offset in range(n)):
             if self.row_buckets is not None and self.row_buckets[i] != self.row_buckets[index]:
@@ -490,11 +516,12 @@ class VideoCaptionDataset(SeededRows):
                 if i in self.unreadable_rows:
                     raise ClipError("skipped when the frozen-model cache was built")
                 if not self.with_videos:
-                    return i, caption, rng, None, None
+                    return i, caption, rng, None, None, None
                 frames, indices = self._clip(row, rng, self.shape_of(i)[0])
                 # a mask that does not decode: the row is skipped like its clip
                 mask = self.mask_source(row).read(indices) if self.mask_column is not None else None
-                return i, caption, rng, frames, mask
+                sound = self.clip_audio(row, indices, len(indices)) if self.audio is not None else None
+                return i, caption, rng, frames, mask, sound
             except ClipError as e:
                 if i not in self.skipped_rows:
                     self.skipped_rows.add(i)
@@ -502,7 +529,7 @@ class VideoCaptionDataset(SeededRows):
         raise DataError(f"no readable clip of {self.num_frames} frames in the dataset")
 
     def __getitem__(self, index: int) -> dict:
-        i, caption, rng, frames, mask = self._readable_row(index)
+        i, caption, rng, frames, mask, sound = self._readable_row(index)
         if self.empty_prompt_probability and random.Random(f"{self.seed}-{self.epoch}-{i}-empty").random() < (
             self.empty_prompt_probability
         ):
@@ -516,6 +543,8 @@ class VideoCaptionDataset(SeededRows):
             )
             if mask is not None:  # the mask clip's same frames, crop and flip
                 item["loss_mask"] = crop_mask_clip(mask, crop, height, width)
+        if sound is not None:
+            item.update(sound)
         return item
 
 
@@ -680,15 +709,22 @@ def write_shapes_videos(
     fps: float = 8,
     width: int | None = None,
     sizes: list[tuple[int, int]] | None = None,
+    audio_sample_rate: int | None = None,
+    without_audio: Sequence[int] = (),
 ) -> Path:
     """Write a video folder of moving coloured shapes with captions ("a red circle moving
     right") and return it: ``layout="video"`` writes mp4 clips (``00000.mp4``, ...),
     ``"frames"`` one folder of PNG frames per clip (with an ``fps`` column), each listed in
     ``metadata.jsonl`` (``file_name``, ``text``). The tiny default of the video families.
     Clips are ``size`` x ``width`` (default ``size``), or take their (width, height) in turn
-    from ``sizes`` (landscape and portrait clips: aspect-ratio buckets)."""
+    from ``sizes`` (landscape and portrait clips: aspect-ratio buckets). With
+    ``audio_sample_rate`` each mp4 also sounds a sine tone whose pitch is its shape's colour
+    (``data.audio.COLOUR_TONES``), except the clips numbered in ``without_audio`` (no audio
+    stream)."""
     if layout not in ("video", "frames"):
         raise ValueError(f"layout must be 'video' or 'frames', got {layout!r}")
+    if audio_sample_rate is not None and layout != "video":
+        raise ValueError("audio_sample_rate needs layout='video' (a frame folder has no sound)")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -701,7 +737,12 @@ def write_shapes_videos(
         caption = f"a {colour} {shape} moving {direction}"
         if layout == "video":
             name = f"{i:05d}.mp4"
-            write_video(folder / name, clip, fps)
+            if audio_sample_rate is not None and i not in without_audio:
+                from .audio import COLOUR_TONES, write_tone_video
+
+                write_tone_video(folder / name, clip, fps, COLOUR_TONES[colour], audio_sample_rate)
+            else:
+                write_video(folder / name, clip, fps)
             rows.append({"file_name": name, "text": caption})
         else:
             name = f"{i:05d}"
@@ -715,10 +756,19 @@ def write_validation_videos(
     videos: list[list], folder: str | os.PathLike, step: int, fps: float = 8
 ) -> list[Path]:
     """Write each validation video (a list of PIL frames) as ``step-<step>-<i>.mp4`` in
-    ``folder``; returns the paths."""
+    ``folder``, with its sound where it has one (``pipeline_io.VideoWithSound``: at its own
+    fps); returns the paths."""
     paths = []
     for i, frames in enumerate(videos):
         array = np.stack([np.asarray(frame.convert("RGB")) for frame in frames])
         h, w = array.shape[1] // 2 * 2, array.shape[2] // 2 * 2  # H.264 takes even sides
-        paths.append(write_video(Path(folder) / f"step-{step:06d}-{i}.mp4", array[:, :h, :w], fps=fps))
+        path = Path(folder) / f"step-{step:06d}-{i}.mp4"
+        if getattr(frames, "audio", None) is not None:
+            from .audio import write_video_with_audio
+
+            paths.append(
+                write_video_with_audio(path, array[:, :h, :w], frames.fps, frames.audio, frames.sample_rate)
+            )
+        else:
+            paths.append(write_video(path, array[:, :h, :w], fps=fps))
     return paths

@@ -222,9 +222,14 @@ def prepare_default(
     elif family.video:  # clips of moving shapes (mp4), 9 frames each
         from ..data.video import write_shapes_videos
 
-        pipe, data = folder / f"tiny-{model}", folder / "shapes-videos"
+        sound = family.audio_spec({})  # LTX-2: clips with a tone per colour, the last one silent
+        pipe, data = folder / f"tiny-{model}", folder / ("shapes-videos-audio" if sound else "shapes-videos")
         if not (data / "metadata.jsonl").exists():
-            write_shapes_videos(data, num_clips=min(num_images, 16), frames=9, size=32)
+            n = min(num_images, 16)
+            write_shapes_videos(
+                data, num_clips=n, frames=9, size=32,
+                audio_sample_rate=sound.sample_rate if sound else None, without_audio=(n - 1,),
+            )  # fmt: skip
     else:
         pipe, data = folder / f"tiny-{model}", folder / "shapes"
         if not (data / "metadata.jsonl").exists():

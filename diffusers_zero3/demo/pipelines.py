@@ -1352,6 +1352,99 @@ def save_tiny_hunyuanvideo15_pipeline(folder: str | os.PathLike, seed: int = 0) 
     return folder
 
 
+# -------------------------------------------------------------------------------- LTX-2
+
+
+def save_tiny_ltx2_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
+    """Save a tiny ``LTX2Pipeline`` folder (fp32 safetensors) and return its path: a 2-block
+    audio-video transformer (video 2 heads of 8 on 4 latent channels, audio 2 heads of 4 on 2 x 2
+    packed audio channels), a 3-layer Gemma 3 (its stacked states: 4 x 16 features a token) with a
+    one-block vision tower, one-layer connectors, a video VAE at 4x spatial and 2x temporal
+    compression with latent statistics and a scaling factor that are not trivial, an audio VAE
+    on 8 mel bins (stereo; 4x in time and in mel, as published) with statistics that are not trivial, a vocoder that upsamples 160x
+    (the mel hop: audio as long as its clip), the default scheduler and a locally written Gemma
+    tokenizer. Not a collective."""
+    from diffusers import (
+        AutoencoderKLLTX2Audio,
+        AutoencoderKLLTX2Video,
+        FlowMatchEulerDiscreteScheduler,
+        LTX2VideoTransformer3DModel,
+    )
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from ..families.ltx2 import LTX2
+    from ..runtime.zero3 import zero3_init_disabled
+    from .tokenizers import write_gemma3_tokenizer
+
+    folder = Path(folder)
+    tokenizer = read_back(write_gemma3_tokenizer, folder)
+    tid = tokenizer.convert_tokens_to_ids
+    with zero3_init_disabled():
+        torch.manual_seed(seed)
+        transformer = LTX2VideoTransformer3DModel(
+            in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
+            cross_attention_dim=16, vae_scale_factors=(2, 4, 4), audio_in_channels=4, audio_out_channels=4,
+            audio_num_attention_heads=2, audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2,
+            caption_channels=16, rope_type="split",
+        )  # fmt: skip
+        torch.manual_seed(seed + 1)
+        vae = AutoencoderKLLTX2Video(
+            in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8,), decoder_block_out_channels=(8,),
+            layers_per_block=(1,), decoder_layers_per_block=(1, 1), spatio_temporal_scaling=(True,),
+            decoder_spatio_temporal_scaling=(True,), decoder_inject_noise=(False, False), downsample_type=("spatial",),
+            upsample_residual=(False,), upsample_factor=(1,), timestep_conditioning=False, patch_size=2,
+            patch_size_t=1, encoder_causal=True, decoder_causal=False, scaling_factor=0.8,
+        )  # fmt: skip
+        vae.latents_mean.copy_(torch.linspace(-0.2, 0.3, 4))  # CPU: the VAE is built there, then saved
+        vae.latents_std.copy_(torch.linspace(0.6, 1.5, 4))  # CPU: as above
+        torch.manual_seed(seed + 2)
+        audio_vae = AutoencoderKLLTX2Audio(
+            base_channels=4, output_channels=2, ch_mult=(1, 1, 1), num_res_blocks=1, in_channels=2, resolution=32,
+            latent_channels=2, mel_bins=8,
+        )  # fmt: skip
+        audio_vae.latents_mean.copy_(torch.linspace(-0.1, 0.2, 4))  # CPU: built there, then saved
+        audio_vae.latents_std.copy_(torch.linspace(0.7, 1.3, 4))  # CPU: as above
+        torch.manual_seed(seed + 3)
+        vocoder = LTX2Vocoder(
+            in_channels=16, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[16, 8, 10],
+            upsample_factors=[8, 4, 5], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
+            output_sampling_rate=16000,
+        )  # fmt: skip
+        torch.manual_seed(seed + 4)
+        connectors = LTX2TextConnectors(
+            caption_channels=16, text_proj_in_factor=4, video_connector_num_attention_heads=4,
+            video_connector_attention_head_dim=4, video_connector_num_layers=1,
+            video_connector_num_learnable_registers=None, audio_connector_num_attention_heads=4,
+            audio_connector_attention_head_dim=4, audio_connector_num_layers=1,
+            audio_connector_num_learnable_registers=None, connector_rope_base_seq_len=32, rope_type="split",
+        )  # fmt: skip
+        torch.manual_seed(seed + 5)
+        text_encoder = Gemma3ForConditionalGeneration(
+            Gemma3Config(
+                text_config=dict(
+                    vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=2048,
+                    sliding_window=8, pad_token_id=tid("<pad>"), bos_token_id=tid("<bos>"), eos_token_id=tid("<eos>"),
+                ),
+                vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                   image_size=16, patch_size=4),
+                mm_tokens_per_image=4, image_token_index=tid("<image_soft_token>"),
+                boi_token_index=tid("<start_of_image>"), eoi_token_index=tid("<end_of_image>"),
+            )
+        ).eval()  # fmt: skip
+    pipe = LTX2.pipeline(
+        transformer,
+        vae,
+        {"text_encoder": text_encoder, "connectors": connectors, "audio_vae": audio_vae, "vocoder": vocoder},
+        {"text_encoder": tokenizer},
+        FlowMatchEulerDiscreteScheduler(),
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
 # -------------------------------------------------------------------------------- by family
 
 # Every family's tiny pipeline, by short name: ``builder(folder, seed)``.
@@ -1374,6 +1467,7 @@ TINY_PIPELINES: dict[str, Callable[[str | os.PathLike, int], Path]] = {
     "ideogram4": save_tiny_ideogram4_pipeline,
     "qwenimage-edit": save_tiny_qwenimage_edit_pipeline,
     "hunyuanvideo15": save_tiny_hunyuanvideo15_pipeline,
+    "ltx2": save_tiny_ltx2_pipeline,
 }
 
 

@@ -494,3 +494,35 @@ def write_qwen3_tokenizer(folder: str | os.PathLike) -> Path:
     padding with ``<|endoftext|>`` and a Qwen3-style chat template that honours
     ``enable_thinking``."""
     return write_qwen2_tokenizer(folder, QWEN3_SPECIAL_TOKENS, chat_template=QWEN3_CHAT_TEMPLATE)
+
+
+# LTX-2 (Gemma 3): Gemma's special tokens at their published ids (0-3), then the turn and image markers
+GEMMA3_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>",
+                         "<start_of_image>", "<end_of_image>", "<image_soft_token>")  # fmt: skip
+
+
+def write_gemma3_tokenizer(folder: str | os.PathLike) -> Path:
+    """Write a small byte-level BPE tokenizer with Gemma 3's special tokens to ``folder``: a
+    ``<bos>`` prepended by a plain call (as Gemma's), ``<pad>`` and left padding (the LTX-2
+    pipeline pads on the left), ``<eos>`` as EOS; the caption words one token each."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    bpe_vocab, merges = byte_bpe_vocab([])
+    offset = len(GEMMA3_SPECIAL_TOKENS)
+    vocab = {t: i for i, t in enumerate(GEMMA3_SPECIAL_TOKENS)}
+    vocab.update({t: offset + i for t, i in bpe_vocab.items()})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=False))
+    tok.pre_tokenizer = qwen_pretokenizer()
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in GEMMA3_SPECIAL_TOKENS])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>",
+        padding_side="left", model_max_length=131072,
+    )  # fmt: skip
+    folder = Path(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -16,7 +16,8 @@ One module per family: ``sd`` (SD 1.x/2.x), ``sdxl``, ``sd3``, ``flux`` (Flux.1)
 [dev] and [klein]), ``wan`` (Wan 2.1, Wan 2.2 A14B and TI2V-5B: one pipeline class, told apart
 by ``Family.matches``), ``krea2`` (Krea 2), ``kontext`` (Flux.1 Kontext: instruction editing),
 ``nucleusmoe`` (NucleusMoE-Image), ``ideogram4`` (Ideogram 4), ``hunyuanvideo15``
-(HunyuanVideo 1.5), ``qwenimage_edit`` (Qwen-Image-Edit-Plus: instruction editing).
+(HunyuanVideo 1.5), ``qwenimage_edit`` (Qwen-Image-Edit-Plus: instruction editing), ``ltx2`` (LTX-2: video
+with its sound).
 
 ``detect_family(folder)`` picks the family from the pipeline's ``model_index.json``
 (``_class_name``); an unsupported pipeline gets one ``CheckpointError`` listing the supported
@@ -38,6 +39,7 @@ from .hunyuanvideo15 import HUNYUANVIDEO15
 from .ideogram4 import IDEOGRAM4
 from .kontext import KONTEXT
 from .krea2 import KREA2
+from .ltx2 import LTX2
 from .nucleusmoe import NUCLEUSMOE
 from .qwenimage import QWENIMAGE
 from .qwenimage_edit import QWENIMAGE_EDIT
@@ -66,6 +68,7 @@ ALL_FAMILIES: tuple[Family, ...] = (
     IDEOGRAM4,
     HUNYUANVIDEO15,
     QWENIMAGE_EDIT,
+    LTX2,
 )
 # by pipeline class (the first family of a class: WanPipeline's three are told apart by family_of_index)
 FAMILIES: dict[str, Family] = {}
@@ -124,6 +127,7 @@ __all__ = [
     "IDEOGRAM4",
     "KONTEXT",
     "KREA2",
+    "LTX2",
     "NUCLEUSMOE",
     "PublishedConfig",
     "QWENIMAGE",

@@ -150,11 +150,34 @@ class Family:
         """Folders of the frozen models, each placed on its own: text encoders, then VAE."""
         return (*(e.name for e in self.text_encoders), "vae")
 
+    @property
+    def text_stage(self) -> tuple[str, ...]:
+        """The frozen models ``encode_texts`` runs on token ids, in order: the text encoders (a
+        family whose encoders' outputs go through another model adds it, LTX-2's connectors)."""
+        return tuple(e.name for e in self.text_encoders)
+
     def editing_variant(self) -> Family | None:
         """The family training instruction editing with the same pipeline class (Flux.2 given
         reference images), which the trainer takes when it is given editing pairs; None for a
         family whose pipeline only generates (or only edits)."""
         return None
+
+    @property
+    def never_cached(self) -> tuple[str, ...]:
+        """Frozen components whose outputs are never cached (the planner's ``auto`` does not
+        choose it; ``settle_placements`` refuses it)."""
+        return ()
+
+    def settle_placements(self, placements: dict[str, str]) -> dict[str, str]:
+        """The placements (``{component: placement}``) this family trains with: what one
+        component's placement implies for another's; ``ValueError`` (one line) for what
+        cannot train."""
+        for name in self.never_cached:
+            if placements.get(name) == "cache":
+                raise ValueError(
+                    f"--{name}_placement cache is not supported for {self.title}: give replicate, shard or offload"
+                )
+        return placements
 
     @property
     def tokenizer_folders(self) -> tuple[str, ...]:
@@ -313,6 +336,16 @@ class Family:
         cached, and training samples from it, or takes its mode: ``sample_latents``).
         Collective when the VAE is sharded."""
         return vae.encode(pixels).latent_dist
+
+    def audio_spec(self, audio_vae_config: dict):
+        """How a video family with sound reads each clip's audio (``data.audio.AudioSpec``);
+        None for the families without (their clips' audio is never read)."""
+        return None
+
+    def other_latents(self, models: dict[str, Any], batch: dict, device, dtype) -> dict[str, torch.Tensor]:
+        """Conditioning entries of a batch's other streams, from the live frozen models
+        (``models`` by folder): LTX-2's audio latents. Collective when such a model is sharded."""
+        return {}
 
     def latents_of(self, distribution, generators=None) -> torch.Tensor:
         """Training latents of a latent distribution: a sample (from this rank's RNG, or one

@@ -273,7 +273,8 @@ def precompute_frozen_outputs(
     family = family or SD
     if not text_encoders and vae is None:
         raise ValueError("precompute_frozen_outputs needs a text encoder, a vae, or both")
-    missing = [name for name in text_encoders if name not in tokenizers]
+    # every text encoder needs its tokenizer (a model after them, LTX-2's connectors, has none)
+    missing = [e.name for e in family.text_encoders if e.name in text_encoders and e.name not in tokenizers]
     if missing:
         raise ValueError(f"caching text embeddings needs the tokenizer of {', '.join(missing)}")
     if shard_rows is not None and shard_rows < 1:
@@ -282,7 +283,9 @@ def precompute_frozen_outputs(
         "format": CACHE_FORMAT,
         "family": family.name,
         "text_encoders": {n: model_fingerprint(m) for n, m in sorted(text_encoders.items())},
-        "tokenizers": {n: _tokenizer_fingerprint(tokenizers[n]) for n in sorted(text_encoders)},
+        "tokenizers": {
+            n: _tokenizer_fingerprint(tokenizers[n]) for n in sorted(text_encoders) if n in tokenizers
+        },
         "sequence_lengths": {
             spec.name: family.sequence_length(spec, tokenizers[spec.name], max_sequence_length)
             for spec in family.text_encoders

@@ -104,7 +104,7 @@ class FrozenInputs:
             for k, v in cached.items()
             if k not in ("latents", "original_size", "crop_top_left", "target_size")
         }
-        live = {spec.name: self.models.get(spec.name) for spec in self.family.text_encoders}
+        live = {name: self.models.get(name) for name in self.family.text_stage}
         if any(encoder is not None for encoder in live.values()):
             reached("frozen_forward")
             outputs.update(self.family.encode_texts(live, batch))
@@ -118,6 +118,7 @@ class FrozenInputs:
             cond = conditioning_on(self.family, outputs, device, self.dtype)
         if "source_pixel_values" in batch:  # an editing family's source image(s) of each sample
             cond["source_latents"] = self.source_latents(batch["source_pixel_values"], device)
+        cond.update(self.family.other_latents(self.models, batch, device, self.dtype))
         ids = None
         if self.family.uses_time_ids:
             target = targets if targets is not None else self.resolution  # buckets: each crop's shape
@@ -271,7 +272,7 @@ def place_frozen_models(
             dataset,
             cache_dir,
             text_encoders=encoders,
-            tokenizers={n: tokenizers[n] for n in encoders},
+            tokenizers={n: tokenizers[n] for n in encoders if n in tokenizers},  # not LTX-2's connectors
             family=family,
             vae=live["vae"] if "vae" in cached else None,
             image_column=image_column,

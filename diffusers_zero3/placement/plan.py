@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -143,7 +144,16 @@ def pipeline_components(pipeline: str | os.PathLike) -> tuple[object, dict[str, 
             if name.startswith("_") or not isinstance(value, list) or len(value) != 2:
                 continue
             lib, cls = value
-            if lib not in ("diffusers", "transformers") or not (folder / name / "config.json").is_file():
+            if lib is None:
+                continue  # an optional component the pipeline was saved without
+            if lib not in ("diffusers", "transformers") and importlib.util.find_spec(
+                f"diffusers.pipelines.{lib}"
+            ):
+                lib = f"diffusers.pipelines.{lib}"  # a pipeline's own module (LTX-2's connectors, vocoder)
+            if (
+                not lib.startswith(("diffusers", "transformers"))
+                or not (folder / name / "config.json").is_file()
+            ):
                 continue  # tokenizers, schedulers, absent components
             components[name] = Component(name, lib, cls, _read_json(folder / name / "config.json"))
     if family is None:
@@ -154,6 +164,8 @@ def pipeline_components(pipeline: str | os.PathLike) -> tuple[object, dict[str, 
             del components[name]  # e.g. a safety checker: not part of training
     for name in trained & set(components):
         components[name].trainable = True
+    for name in set(family.never_cached) & set(components):
+        components[name].cacheable = False
     for spec in family.text_encoders if folder is not None else ():
         tokenizer_config = folder / spec.tokenizer / "tokenizer_config.json"
         if spec.name in components and tokenizer_config.is_file():

@@ -201,6 +201,10 @@ class TextToImageTrainer:
                 f"--streaming reads each row once per epoch as it trains; nothing to cache {', '.join(cached)} from: "
                 "give those placements replicate, shard or offload"
             )
+        try:
+            self.placements = self.family.settle_placements(self.placements)
+        except ValueError as e:
+            raise ArgumentError(str(e)) from e
         if args.mask_column is not None and self.placements.get("vae") == "cache":
             raise ArgumentError(
                 "--mask_column needs each step's crop and flip of the mask: give --vae_placement replicate or shard, "
@@ -760,6 +764,10 @@ class TextToImageTrainer:
             raise ArgumentError(
                 "--rank with --train_experts both: train LoRA adapters on one expert at a time"
             )
+        if self.family.audio_spec({}) is not None and args.context_parallel_size > 1:
+            raise ArgumentError(
+                f"--context_parallel_size with {self.family.title}: its audio stream is not split yet; train with 1"
+            )
 
     def _load_video_data(self) -> None:
         from ..data.video import VideoCaptionDataset, load_video_caption_dataset
@@ -781,6 +789,7 @@ class TextToImageTrainer:
                 random_flip=args.random_flip, seed=args.seed or 0, caption_column=args.caption_column,
                 empty_prompt_probability=args.proportion_empty_prompts,
                 with_videos=self.placements.get("vae") != "cache", mask_column=args.mask_column,
+                **self._audio_of_clips(),
             )  # fmt: skip
         except ValueError as e:
             raise ArgumentError(str(e)) from e
@@ -796,6 +805,18 @@ class TextToImageTrainer:
         self.train_dataset = clips
         if args.use_aspect_ratio_buckets:
             self._bucket_clips(clips)
+
+    def _audio_of_clips(self) -> dict:
+        """``{"audio": AudioSpec}`` for a family that trains on the clips' sound (LTX-2: the
+        audio VAE's rate, channels and mel bins), else nothing."""
+        if "audio_vae" not in self.family.frozen_components:
+            return {}
+        folder = self.component_sources.get("audio_vae", Path(self.source) / "audio_vae")
+        config = self.family.component_class("audio_vae").load_config(folder)
+        log_rank_zero(
+            f"audio: each clip's sound at {config['sample_rate']} Hz, {config['mel_bins']} mel bins"
+        )
+        return {"audio": self.family.audio_spec(config)}
 
     def _bucket_clips(self, clips) -> None:
         """``--use_aspect_ratio_buckets`` for a video family: ``(frames, height, width)`` buckets

@@ -16,6 +16,18 @@ from .folders import CheckpointError, collective_publish, fsync_dir, replace_fol
 from .pretrained import save_pretrained_zero3
 
 
+class VideoWithSound(list):
+    """A validation video's PIL frames with its sound: ``audio`` ``(channels, samples)`` float in
+    [-1, 1] at ``sample_rate`` (the vocoder's), and the ``fps`` the pipeline generated at."""
+
+    def __init__(self, frames: list, audio: torch.Tensor, pipeline, pipeline_kwargs: dict):
+        super().__init__(frames)
+        self.audio = torch.as_tensor(audio).float().cpu()
+        vocoder = pipeline.vocoder.config
+        self.sample_rate = int(vocoder.get("output_sampling_rate") or pipeline.audio_sampling_rate)
+        self.fps = float(pipeline_kwargs.get("frame_rate", 24.0))  # LTX2Pipeline's default
+
+
 @torch.no_grad()
 def generate_validation_images(
     pipeline,
@@ -68,8 +80,13 @@ def generate_validation_images(
                 width=width or resolution,
                 **pipeline_kwargs,
             )
-            # an image, or a video pipeline's list of PIL frames
-            images.append(out.images[0] if hasattr(out, "images") else out.frames[0])
+            # an image, or a video pipeline's list of PIL frames (with its sound: LTX-2)
+            if hasattr(out, "images"):
+                images.append(out.images[0])
+            elif getattr(out, "audio", None) is not None:
+                images.append(VideoWithSound(out.frames[0], out.audio[0], pipeline, pipeline_kwargs))
+            else:
+                images.append(out.frames[0])
     denoiser.train(was_training)
     return images
 
