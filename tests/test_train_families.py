@@ -31,6 +31,8 @@ CASES = {
     # the Llama (text_encoder_4, with its tokenizer) supplied from its own folder, as in real use
     "hidream": (["text_encoder_3", "text_encoder_4"], [], ["--component", "text_encoder_4={pipeline}-llama"]),
 }
+# the sharded test's extra flags: Ideogram 4 trains both its transformers there, each its own engine
+SHARDED_EXTRA = {"ideogram4": ["--train_denoisers", "both"]}
 
 
 def _files(folder: Path) -> dict[str, bytes]:
@@ -72,7 +74,9 @@ def test_llm_encoder_sharded_ema_checkpoint_exact_resume_and_output(name, reques
     family, pipe, data = _family(name, request)
     llm, others, extra = CASES[name]
     placements = [a for e in llm for a in (f"--{e}_placement", "shard")] + others
-    common = [*_common(pipe, data, 4, extra), "--use_ema", "--checkpointing_steps", "2", *placements]
+    common = [*_common(pipe, data, 4, [*extra, *SHARDED_EXTRA.get(name, [])]), "--use_ema",
+              "--checkpointing_steps", "2", *placements]  # fmt: skip
+    trained = family.trained_denoisers("both") if name in SHARDED_EXTRA else (family.denoiser,)
     out = tmp_path / "run"
     validation = ["--validation_prompts", "a red circle", "--validation_steps", "4",
                   "--num_validation_inference_steps", "2"]  # fmt: skip
@@ -90,12 +94,15 @@ def test_llm_encoder_sharded_ema_checkpoint_exact_resume_and_output(name, reques
     assert type(pipeline).__name__ == family.pipeline_class
     assert _generate(pipeline, family)[0].size == (32, 32)
     weights = "diffusion_pytorch_model.safetensors"
-    before, after = (
-        load_file(str(Path(pipe) / family.denoiser / weights)),
-        load_file(str(out / family.denoiser / weights)),
-    )
-    assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
-    untrained = [d for d in getattr(family, "pipeline_denoisers", ()) if d != family.denoiser]  # Ideogram 4's
+    after = {}
+    for denoiser in trained:  # each trained denoiser changed
+        before, after[denoiser] = (
+            load_file(str(Path(pipe) / denoiser / weights)),
+            load_file(str(out / denoiser / weights)),
+        )
+        assert before.keys() == after[denoiser].keys()
+        assert any(not torch.equal(before[k], after[denoiser][k]) for k in before), denoiser
+    untrained = [d for d in getattr(family, "pipeline_denoisers", ()) if d not in trained]  # Ideogram 4's
     for component in (*family.frozen_components, *family.tokenizer_folders, *untrained):
         source = Path(pipe) / component
         if source.is_dir():
@@ -108,9 +115,10 @@ def test_llm_encoder_sharded_ema_checkpoint_exact_resume_and_output(name, reques
     assert sorted(again) == [3, 4], log2[-3000:]
     for step in again:
         assert again[step] == pytest.approx(losses[step], abs=2e-6), (step, again, losses)
-    final = load_file(str(resumed / family.denoiser / weights))
-    for k in after:
-        torch.testing.assert_close(final[k], after[k], rtol=0, atol=1e-6, msg=k)
+    for denoiser in trained:
+        final = load_file(str(resumed / denoiser / weights))
+        for k in after[denoiser]:
+            torch.testing.assert_close(final[k], after[denoiser][k], rtol=0, atol=1e-6, msg=f"{denoiser} {k}")
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
