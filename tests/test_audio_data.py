@@ -251,7 +251,7 @@ def test_write_video_with_audio_round_trips(tmp_path):
         np.stack([0.3 * np.sin(2 * np.pi * 300 * t + p) + 0.1 * np.sin(2 * np.pi * 1200 * t) for p in (0, 1)])
     ).float()
     frames = rng.integers(0, 255, (6, 16, 16, 3), dtype=np.uint8)
-    for fps in (6, 7.5):  # diffusers' encode_video; the fractional rate it truncates, here
+    for fps in (6, 7.5):  # a whole and a fractional rate (diffusers' encode_video truncates the latter)
         path = write_video_with_audio(tmp_path / f"clip-{fps}.mp4", frames, fps, wave, SR)
         back = read_audio(path, 0.0, 1.0, SR, 2)
         assert back.shape == wave.shape

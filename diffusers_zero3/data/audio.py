@@ -284,9 +284,8 @@ def write_video_with_audio(
 ) -> Path:
     """Write uint8 RGB frames ``(F, H, W, 3)`` (even sides) with ``waveform`` ``(channels,
     samples)`` float in [-1, 1] at ``sample_rate`` as an mp4 (H.264 yuv420p + stereo AAC; mono is
-    duplicated). An integer ``fps`` goes through diffusers' own LTX-2 writer,
-    ``diffusers.utils.encode_video``; a fractional one (which that writer truncates to an
-    integer) through the same codecs here."""
+    duplicated), any ``fps`` (diffusers' ``encode_video``, the LTX-2 writer, truncates a
+    fractional rate to an integer and prints a progress bar per file: the same codecs here)."""
     import av
 
     path = Path(path)
@@ -296,12 +295,7 @@ def write_video_with_audio(
         audio = audio.unsqueeze(0)
     if audio.ndim != 2 or audio.shape[0] not in (1, 2):
         raise ValueError(f"waveform must be (1 or 2 channels, samples), got shape {tuple(audio.shape)}")
-    video = torch.from_numpy(np.ascontiguousarray(frames))  # a tensor: encode_video takes it as 0..255 as is
-    if float(fps).is_integer():
-        from diffusers.utils import encode_video
-
-        encode_video(video, int(fps), str(path), audio=audio, audio_sample_rate=int(sample_rate))
-        return path
+    video = np.ascontiguousarray(frames)
     stereo = audio.expand(2, -1) if audio.shape[0] == 1 else audio
     samples = (stereo.clamp(-1, 1) * 32767.0).to(torch.int16).T.contiguous().reshape(1, -1).numpy()
     with av.open(str(path), "w") as container:
@@ -310,7 +304,7 @@ def write_video_with_audio(
         stream.pix_fmt = "yuv420p"
         sound = container.add_stream("aac", rate=int(sample_rate))
         sound.codec_context.layout = "stereo"
-        for frame in video.numpy():
+        for frame in video:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
         frame_in = av.AudioFrame.from_ndarray(samples, format="s16", layout="stereo")
