@@ -19,6 +19,18 @@ from tests.distributed_harness import (
 LAUNCH = accelerate_launch("scripts/train_text_to_image.py")
 
 
+def _fresh_adapters(unet, seed: int | None) -> dict[str, torch.Tensor]:
+    """The initial adapters ``add_lora_adapters`` gives a copy of ``unet`` with ``seed``."""
+    import copy
+
+    from diffusers_zero3.families import SD
+    from diffusers_zero3.training.lora import add_lora_adapters
+
+    copied = copy.deepcopy(unet)
+    add_lora_adapters(copied, rank=4, target_modules=SD.lora_target_modules, seed=seed)
+    return {n: p.detach() for n, p in copied.named_parameters() if "lora_" in n}
+
+
 def worker_lora_save(pipe_dir: str, out: str):
     from peft.utils import get_peft_model_state_dict
 
@@ -31,7 +43,24 @@ def worker_lora_save(pipe_dir: str, out: str):
     torch.manual_seed(0)
     accelerator = accelerator_with_zero3(zero3_init_flag=True)
     unet = load_trainable_denoiser(accelerator, pipe_dir, SD)
-    params = add_lora_adapters(unet, rank=4, target_modules=SD.lora_target_modules)
+    # Seeded adapters start as a whole model's in one process, whatever the RNG went through
+    # before (the partitioned load here, another process count); unseeded ones do not.
+    from diffusers import UNet2DConditionModel
+
+    from diffusers_zero3 import zero3_init_disabled
+
+    with zero3_init_disabled():
+        plain = UNet2DConditionModel.from_pretrained(pipe_dir, subfolder="unet")
+    histories = []
+    for history in (1, 2):  # the control: unseeded adapters carry the RNG's history
+        torch.manual_seed(history)
+        histories.append(_fresh_adapters(plain, None))
+    assert not all(torch.equal(histories[0][n], histories[1][n]) for n in histories[0] if "lora_A" in n)
+    seeded = _fresh_adapters(plain, 11)
+    params = add_lora_adapters(unet, rank=4, target_modules=SD.lora_target_modules, seed=11)
+    initial = {n: p for n, p in unet.named_parameters() if "lora_" in n}
+    assert initial.keys() == seeded.keys()
+    assert all(torch.equal(initial[n], seeded[n]) for n in initial)
     base_numel = sum(p.ds_numel for n, p in unet.named_parameters() if "lora_" not in n)
     lora_numel = sum(p.numel() for p in params)
     assert all(not p.requires_grad for n, p in unet.named_parameters() if "lora_" not in n)

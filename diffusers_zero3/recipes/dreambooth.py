@@ -347,6 +347,7 @@ class DreamBoothTrainer(TextToImageTrainer):
             add_lora_adapters(
                 model, rank=self.args.rank, target_modules=TEXT_ENCODER_LORA_TARGETS,
                 alpha=self.args.lora_alpha, dropout=self.args.lora_dropout, use_dora=self.args.use_dora,
+                seed=(self.args.seed or 0) + 1,  # not the denoiser's draws
             )  # fmt: skip
         else:
             model.requires_grad_(True)

@@ -512,7 +512,9 @@ class GRPOTrainer:
         denoiser = load_trainable_denoiser(acc, self.source, family)
         if args.rank is not None:
             targets = args.lora_layers.split(",") if args.lora_layers else family.lora_target_modules
-            add_lora_adapters(denoiser, rank=args.rank, target_modules=targets, alpha=args.lora_alpha)
+            add_lora_adapters(
+                denoiser, rank=args.rank, target_modules=targets, alpha=args.lora_alpha, seed=args.seed or 0
+            )
         if args.attention_backend is not None:
             try:
                 set_attention_backend(denoiser, args.attention_backend)

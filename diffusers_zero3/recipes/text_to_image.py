@@ -400,6 +400,7 @@ class TextToImageTrainer:
                 alpha=args.lora_alpha,
                 dropout=args.lora_dropout,
                 use_dora=args.use_dora,
+                seed=args.seed or 0,  # the same initial adapters on any number of processes
             )
             plugin = self.accelerator.state.deepspeed_plugin
             if plugin is not None:  # the reduce bucket and sub-groups: the adapters' sizes now

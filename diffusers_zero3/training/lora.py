@@ -45,6 +45,7 @@ def add_lora_adapters(
     alpha: float | None = None,
     dropout: float = 0.0,
     use_dora: bool = False,
+    seed: int | None = None,
 ) -> list[torch.nn.Parameter]:
     """Inject peft LoRA adapters (``rank``, ``alpha`` default ``rank``, ``dropout``, gaussian
     init as diffusers' LoRA scripts; ``use_dora``: DoRA, a learnt magnitude per output beside
@@ -52,8 +53,10 @@ def add_lora_adapters(
     model, or a transformers text encoder) and freeze the rest.
 
     Works on a whole or a ZeRO-3-partitioned denoiser (call before ``accelerator.prepare``, on
-    every rank, after seeding: the adapters' initial values come from the RNG; under ZeRO-3
-    the engine broadcasts rank 0's). Returns the trainable adapter parameters, the only ones
+    every rank; under ZeRO-3 the engine broadcasts rank 0's initial values). With ``seed`` the
+    initial values are drawn from that seed alone (the global RNG restored after): the same
+    whatever drew from the RNG before (loading, a partitioned or a whole model, data); without
+    it, from the global RNG as it stands. Returns the trainable adapter parameters, the only ones
     to give the optimizer. Raises ``ArgumentError`` when no module matches the targets.
     """
     from peft import LoraConfig
@@ -67,8 +70,14 @@ def add_lora_adapters(
         use_dora=use_dora,
     )
     denoiser.requires_grad_(False)
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     try:
-        with _dora_init_gathers_zero3_weights(use_dora):
+        with (
+            torch.random.fork_rng(devices=devices, enabled=seed is not None),
+            _dora_init_gathers_zero3_weights(use_dora),
+        ):
+            if seed is not None:
+                torch.manual_seed(seed)
             if _is_transformers_model(denoiser):
                 # transformers 5's own add_adapter asks for peft >= 0.22; peft's injection is what it does
                 from peft import inject_adapter_in_model
