@@ -100,6 +100,56 @@ def run_launcher(argv, timeout: float = DEFAULT_TIMEOUT, env=None, expect_rc: in
     return proc.returncode, out
 
 
+def run_launchers_side_by_side(runs: list[dict], timeout: float = DEFAULT_TIMEOUT) -> list[tuple[int, str]]:
+    """Run independent launcher commands at once, each as ``run_launcher`` would (a dict with
+    ``argv`` and optionally ``env`` and ``expect_rc``, 0 unless given; None accepts any). One
+    launch keeps about 1.3 of 2 cores busy (its launcher and a 1-rank run use one), so side by
+    side they end sooner than one after another. Every command is killed after ``timeout``
+    seconds. Returns ``[(returncode, output)]`` in order; fails like ``run_launcher``."""
+    import signal
+    import subprocess
+    import tempfile
+    import time
+
+    procs = []
+    try:
+        for run in runs:
+            fh = tempfile.TemporaryFile(mode="w+")
+            proc = subprocess.Popen(
+                run["argv"],
+                cwd=str(REPO_ROOT),
+                env={**os.environ, **_test_env(run.get("env"))},
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+            procs.append((proc, fh))
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        hung = [i for i, (p, _) in enumerate(procs) if p.poll() is None]
+        for proc, _ in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    results = []
+    for proc, fh in procs:
+        fh.seek(0)
+        results.append((proc.returncode, fh.read()))
+        fh.close()
+    for i, (run, (rc, out)) in enumerate(zip(runs, results)):
+        if i in hung:
+            pytest.fail(
+                f"{run['argv'][:4]} timed out after {timeout:.0f}s (a hang)\n{out[-8000:]}", pytrace=False
+            )
+        expect = run.get("expect_rc", 0)
+        if expect is not None and rc != expect:
+            pytest.fail(f"{run['argv'][:4]} exited {rc}, expected {expect}\n{out[-8000:]}", pytrace=False)
+    return results
+
+
 def step_values(output: str, name: str = "loss") -> dict[int, float]:
     """``{step: value}`` of a metric from a training script's ``step N loss X ...`` log lines."""
     import re

@@ -159,36 +159,52 @@ def test_a_stopped_rank_fails_the_others_within_the_timeout_in_every_phase(defau
 # --------------------------------------------------------------------------- two machines
 
 
-def _two_machines(script: str, args: list[str], logs: Path, env_extra=None, timeout=420, per_machine=None):
-    """Run ``script`` as 2 machines x 1 process on this host (accelerate's multi-node launch,
-    each process the local main of its "machine"). Returns (return codes, outputs)."""
+def _two_machines_side_by_side(jobs: list[dict], timeout: float = 420) -> list[tuple[list, list[str]]]:
+    """Run each job (a dict: ``script``, ``args``, ``logs`` (its own folder) and optionally
+    ``env_extra`` and ``per_machine``) as 2 machines x 1 process on this host (accelerate's
+    multi-node launch, each process the local main of its "machine"), all jobs at once; a job
+    with ``argv`` instead is one launcher command (its log: ``logs/launch.log``). Returns each
+    job's (return codes, outputs)."""
     from diffusers_zero3.testing import free_port
 
-    port = free_port()
-    procs = []
-    for machine in (0, 1):
-        argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                "configs/accelerate_zero3.yaml", "--num_processes", "2", "--num_machines", "2",
-                "--machine_rank", str(machine), "--main_process_ip", "127.0.0.1", "--main_process_port",
-                str(port), "--deepspeed_multinode_launcher", "standard", script, *args,
-                *((per_machine or {}).get(machine, []))]  # fmt: skip
-        fh = open(logs / f"machine{machine}.log", "w")
-        env = {**os.environ, **_test_env(env_extra)}
-        procs.append((subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                       start_new_session=True), fh))  # fmt: skip
+    procs = []  # (job index, process, log file)
+    for j, job in enumerate(jobs):
+        env = {**os.environ, **_test_env(job.get("env_extra"))}
+        if "argv" in job:
+            commands = [(job["argv"], job["logs"] / "launch.log")]
+        else:
+            port = free_port()
+            commands = [
+                ([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                  "configs/accelerate_zero3.yaml", "--num_processes", "2", "--num_machines", "2",
+                  "--machine_rank", str(machine), "--main_process_ip", "127.0.0.1", "--main_process_port",
+                  str(port), "--deepspeed_multinode_launcher", "standard", job["script"], *job["args"],
+                  *((job.get("per_machine") or {}).get(machine, []))],
+                 job["logs"] / f"machine{machine}.log")
+                for machine in (0, 1)
+            ]  # fmt: skip
+        for argv, log in commands:
+            fh = open(log, "w")
+            proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # fmt: skip
+            procs.append((j, proc, fh, log))
+    deadline = time.monotonic() + timeout
     try:
-        for proc, _ in procs:
-            proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        pass
+        while any(p.poll() is None for _, p, _, _ in procs) and time.monotonic() < deadline:
+            time.sleep(0.2)
     finally:
-        for proc, fh in procs:
+        for _, proc, fh, _ in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             fh.close()
-    outputs = [(logs / f"machine{m}.log").read_text() for m in (0, 1)]
-    return [p.returncode for p, _ in procs], outputs
+    return [
+        (
+            [p.returncode for i, p, _, _ in procs if i == j],
+            [log.read_text() for i, _, _, log in procs if i == j],
+        )
+        for j in range(len(jobs))
+    ]
 
 
 def test_two_machines_train_checkpoint_rotate_validate_save_and_resume(default_data, tmp_path):
@@ -197,10 +213,28 @@ def test_two_machines_train_checkpoint_rotate_validate_save_and_resume(default_d
     args = [*_t2i_args(pipe, data, out, 4), "--report_to", "tensorboard", "--checkpointing_steps", "2",
             "--checkpoints_total_limit", "1", "--validation_prompts", "a red circle", "--validation_steps", "4",
             "--num_validation_inference_steps", "2", "--text_encoder_placement", "shard"]  # fmt: skip
-    # The same job on one machine, for reference.
-    _, one = run_launcher([*accelerate_launch(T2I), *args[:args.index("--output_dir") + 1], str(tmp_path / "one"),
-                           *args[args.index("--output_dir") + 2 :]], timeout=400)  # fmt: skip
-    codes, logs = _two_machines(T2I, args, tmp_path)
+    local0, local1 = tmp_path / "local0", tmp_path / "local1"
+    local = [*args]
+    local[local.index("--output_dir") + 1] = str(local0)
+    local[local.index("--max_train_steps") + 1] = "2"
+    reward_args = ["--pretrained_model_name_or_path", pipe, "--reward_model_name_or_path", reward,
+                   "--prompts", "a red circle", "a blue square", "--resolution", "32", "--train_batch_size", "2",
+                   "--max_train_steps", "2", "--num_inference_steps", "2", "--learning_rate", "1e-3",
+                   "--checkpointing_steps", "1", "--checkpoints_total_limit", "1", "--report_to", "none",
+                   "--output_dir", str(tmp_path / "reward")]  # fmt: skip
+    # Four independent jobs side by side (each checked below): the job on one machine, for
+    # reference; the job on two; a save to node-local disks; the reward script on two.
+    folders = [tmp_path / name for name in ("logs-one", "logs-two", "logs-local", "logs-reward")]
+    for folder in folders:
+        folder.mkdir()
+    one_argv = [*accelerate_launch(T2I), *args[:args.index("--output_dir") + 1], str(tmp_path / "one"),
+                *args[args.index("--output_dir") + 2 :]]  # fmt: skip
+    (one_codes, (one,)), (codes, logs), local_run, reward_run = _two_machines_side_by_side(
+        [{"argv": one_argv, "logs": folders[0]}, {"script": T2I, "args": args, "logs": folders[1]},
+         {"script": T2I, "args": local, "logs": folders[2], "per_machine": {1: ["--output_dir", str(local1)]}},
+         {"script": REWARD, "args": reward_args, "logs": folders[3]}]
+    )  # fmt: skip
+    assert one_codes == [0], one[-3000:]
     assert codes == [0, 0], "\n=====\n".join(log[-3000:] for log in logs)
     reference, losses = _losses(one), _losses(logs[0])
     assert sorted(losses) == [1, 2, 3, 4]
@@ -216,43 +250,11 @@ def test_two_machines_train_checkpoint_rotate_validate_save_and_resume(default_d
     assert (out / "model_index.json").exists() and not [p for p in out.iterdir() if p.name.startswith(".")]
     assert_trained_pipeline(out, pipe, steps=4, learning_rate=1e-3)  # one job's whole, trained UNet
 
-    # Resume across the two machines: steps 5-6.
-    resumed_args = [
-        a if a != "4" or i != args.index("--max_train_steps") + 1 else "6" for i, a in enumerate(args)
-    ]
-    codes, logs = _two_machines(T2I, [*resumed_args, "--resume_from_checkpoint", "latest"], tmp_path)
-    assert codes == [0, 0], "\n=====\n".join(log[-3000:] for log in logs)
-    assert sorted(_losses(logs[0])) == [5, 6]
-    assert _checkpoints(out) == ["checkpoint-6"]
-
-    # Node-local disks: each machine sees only what it wrote itself.
-    node0, node1 = tmp_path / "node0", tmp_path / "node1"
-    shutil.copytree(out, node0, ignore=shutil.ignore_patterns("zero_pp_rank_1_*", "random_states_1.pkl"))
-    node1.mkdir()
-    shutil.copytree(out / "checkpoint-6", node1 / ".tmp-checkpoint-6",
-                    ignore=shutil.ignore_patterns("zero_pp_rank_0_*", "random_states_0.pkl", "*.json", "latest"))  # fmt: skip
-    base = [a for a in resumed_args]
-    base[base.index("--output_dir") + 1] = str(node0)
-    codes, logs = _two_machines(
-        T2I, [*base, "--resume_from_checkpoint", "latest"], tmp_path,
-        per_machine={1: ["--output_dir", str(node1)]},
-    )  # fmt: skip
-    assert all(code != 0 for code in codes), "\n=====\n".join(log[-3000:] for log in logs)
-    for log in logs:
-        assert "error: checkpoint" in log and "incomplete as seen from rank 1" in log, log[-3000:]
-        assert "every machine shares" in log and "exitcode  : 2" in log, log[-3000:]
-        # The launcher reports the failed child with its own traceback; the script prints none.
-        assert "diffusers_zero3/" not in log and 'scripts/train_text_to_image.py", line' not in log
-
     # Node-local disks when saving: each machine's --output_dir is its own folder (what the
     # same path on two machines' own disks is). The first checkpoint fails on both machines
     # with one error line, before any partition is written, and no machine keeps a
     # temporary folder or a checkpoint that lacks the other machine's files.
-    local0, local1 = tmp_path / "local0", tmp_path / "local1"
-    local = [*args]
-    local[local.index("--output_dir") + 1] = str(local0)
-    local[local.index("--max_train_steps") + 1] = "2"
-    codes, logs = _two_machines(T2I, local, tmp_path, per_machine={1: ["--output_dir", str(local1)]})
+    codes, logs = local_run
     assert all(code != 0 for code in codes), (codes, "\n=====\n".join(log[-3000:] for log in logs))
     for log in logs:
         errors = [line for line in log.splitlines() if "error:" in line]
@@ -264,20 +266,51 @@ def test_two_machines_train_checkpoint_rotate_validate_save_and_resume(default_d
         assert left == [], (node, left)
 
     # The reward script across two machines: each rank samples its own prompts and latents.
-    reward_args = ["--pretrained_model_name_or_path", pipe, "--reward_model_name_or_path", reward,
-                   "--prompts", "a red circle", "a blue square", "--resolution", "32", "--train_batch_size", "2",
-                   "--max_train_steps", "2", "--num_inference_steps", "2", "--learning_rate", "1e-3",
-                   "--checkpointing_steps", "1", "--checkpoints_total_limit", "1", "--report_to", "none",
-                   "--output_dir", str(tmp_path / "reward")]  # fmt: skip
-    codes, logs = _two_machines(REWARD, reward_args, tmp_path)
+    codes, logs = reward_run
     assert codes == [0, 0], "\n=====\n".join(log[-3000:] for log in logs)
     rewards = json.loads((tmp_path / "reward" / "rewards.json").read_text())
     assert len(rewards["per_rank"]) == 2 and rewards["per_rank"][0][0] != rewards["per_rank"][0][1]
     assert _checkpoints(tmp_path / "reward") == ["checkpoint-2"]
     assert (tmp_path / "reward" / "model_index.json").exists()
-    # ... and resumes across the two machines.
-    reward_args[reward_args.index("--max_train_steps") + 1] = "3"
-    codes, logs = _two_machines(REWARD, [*reward_args, "--resume_from_checkpoint", "latest"], tmp_path)
+
+    # Node-local disks: each machine sees only what it wrote itself (of checkpoint-4).
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    shutil.copytree(out, node0, ignore=shutil.ignore_patterns("zero_pp_rank_1_*", "random_states_1.pkl"))
+    node1.mkdir()
+    shutil.copytree(out / "checkpoint-4", node1 / ".tmp-checkpoint-4",
+                    ignore=shutil.ignore_patterns("zero_pp_rank_0_*", "random_states_0.pkl", "*.json", "latest"))  # fmt: skip
+
+    # Three jobs side by side: the resume across the two machines (steps 5-6), the resume from
+    # node-local disks, and the reward job's resume across the two machines.
+    resumed_args = [
+        a if a != "4" or i != args.index("--max_train_steps") + 1 else "6" for i, a in enumerate(args)
+    ]
+    base = [a for a in resumed_args]
+    base[base.index("--output_dir") + 1] = str(node0)
+    reward_resumed = [*reward_args, "--resume_from_checkpoint", "latest"]
+    reward_resumed[reward_resumed.index("--max_train_steps") + 1] = "3"
+    folders = [tmp_path / name for name in ("logs-resume", "logs-node", "logs-reward-resume")]
+    for folder in folders:
+        folder.mkdir()
+    (codes, logs), node_run, reward_resumed_run = _two_machines_side_by_side(
+        [{"script": T2I, "args": [*resumed_args, "--resume_from_checkpoint", "latest"], "logs": folders[0]},
+         {"script": T2I, "args": [*base, "--resume_from_checkpoint", "latest"], "logs": folders[1],
+          "per_machine": {1: ["--output_dir", str(node1)]}},
+         {"script": REWARD, "args": reward_resumed, "logs": folders[2]}]
+    )  # fmt: skip
+    assert codes == [0, 0], "\n=====\n".join(log[-3000:] for log in logs)
+    assert sorted(_losses(logs[0])) == [5, 6]
+    assert _checkpoints(out) == ["checkpoint-6"]
+
+    codes, logs = node_run
+    assert all(code != 0 for code in codes), "\n=====\n".join(log[-3000:] for log in logs)
+    for log in logs:
+        assert "error: checkpoint" in log and "incomplete as seen from rank 1" in log, log[-3000:]
+        assert "every machine shares" in log and "exitcode  : 2" in log, log[-3000:]
+        # The launcher reports the failed child with its own traceback; the script prints none.
+        assert "diffusers_zero3/" not in log and 'scripts/train_text_to_image.py", line' not in log
+
+    codes, logs = reward_resumed_run
     assert codes == [0, 0], "\n=====\n".join(log[-3000:] for log in logs)
     assert re.findall(r"step (\d+) reward", logs[0]) == ["3"], logs[0][-3000:]
     assert _checkpoints(tmp_path / "reward") == ["checkpoint-3"]

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from tests.distributed_harness import accelerate_launch, run_launcher, step_values
+from tests.distributed_harness import accelerate_launch, run_launcher, run_launchers_side_by_side, step_values
 
 pytestmark = pytest.mark.e2e
 
@@ -22,11 +22,12 @@ def _argv(pipe, data, out, processes: int, batch: int, extra: list[str]) -> list
             "--report_to", "none", "--use_ema", *extra]  # fmt: skip
 
 
-def _resume(argv: list[str], source, folder, checkpoint: str) -> str:
+def _resume_run(argv: list[str], source, folder, checkpoint: str) -> dict:
+    """A run for ``run_launchers_side_by_side``: ``folder`` holds a copy of ``source/checkpoint``
+    and ``argv`` resumes from it."""
     folder.mkdir()
     shutil.copytree(source / checkpoint, folder / checkpoint)
-    _, log = run_launcher([*argv, "--resume_from_checkpoint", "latest"], timeout=500)
-    return log
+    return {"argv": [*argv, "--resume_from_checkpoint", "latest"]}
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full-ema", "lora-ema"])
@@ -38,11 +39,24 @@ def test_resume_on_four_and_on_one_process(default_data, tmp_path, lora):
     assert sorted(step_values(log)) == [1, 2, 3, 4], log[-3000:]
     output = "pytorch_lora_weights.safetensors" if lora else "unet/diffusion_pytorch_model.safetensors"
 
+    # The resumes below read `out` alone: they run side by side.
+    runs = {}
     if not lora:  # the mechanism is the same for LoRA's engine: one continued run is enough
+        for name, processes in (("n4", 4), ("n3", 3)):
+            folder = tmp_path / name
+            runs[name] = _resume_run(
+                _argv(pipe, data, folder, processes, 1, extra), out, folder, "checkpoint-2"
+            )
+        runs["n3"]["expect_rc"] = None
+    one = tmp_path / "n1"
+    runs["n1"] = _resume_run(_argv(pipe, data, one, 1, 4, extra), out, one, "checkpoint-4")
+    results = dict(zip(runs, run_launchers_side_by_side(list(runs.values()), timeout=500)))
+
+    if not lora:
         # 2 -> 4 processes at step 2 (batch 1 per process): steps 3 and 4 are trained from
         # the first sample neither of the 2 ranks had seen (batch 2 of each rank's epoch).
         four = tmp_path / "n4"
-        log4 = _resume(_argv(pipe, data, four, 4, 1, extra), out, four, "checkpoint-2")
+        _, log4 = results["n4"]
         assert "written by 2 processes; resharded for 4 (batch 2 of epoch 0 next)" in log4, log4[-3000:]
         continued, uninterrupted = step_values(log4), step_values(log)
         assert sorted(continued) == [3, 4], log4[-3000:]
@@ -63,10 +77,7 @@ def test_resume_on_four_and_on_one_process(default_data, tmp_path, lora):
         # 8 samples done cannot resume at a step boundary of 3 processes x batch 1: one error
         # line that says what to keep, before anything is loaded or written.
         three = tmp_path / "n3"
-        three.mkdir()
-        shutil.copytree(out / "checkpoint-2", three / "checkpoint-2")
-        rc, log3 = run_launcher([*_argv(pipe, data, three, 3, 1, extra), "--resume_from_checkpoint", "latest"],
-                                timeout=500, expect_rc=None)  # fmt: skip
+        rc, log3 = results["n3"]
         assert rc != 0
         assert "error: cannot resume from step 2" in log3, log3[-3000:]
         assert "keep processes x --train_batch_size at 4" in log3, log3[-3000:]
@@ -74,7 +85,6 @@ def test_resume_on_four_and_on_one_process(default_data, tmp_path, lora):
         assert not (three / "checkpoint-2" / "universal").exists()
 
     # 2 -> 1 process at the final step: the output is the 2-rank run's, byte for byte.
-    one = tmp_path / "n1"
-    log1 = _resume(_argv(pipe, data, one, 1, 4, extra), out, one, "checkpoint-4")
+    _, log1 = results["n1"]
     assert "resharded for 1" in log1 and not step_values(log1), log1[-3000:]
     assert (one / output).read_bytes() == (out / output).read_bytes()

@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed_harness import accelerate_launch, resume_in_fresh_folder, run_launcher, step_values
+from tests.distributed_harness import (
+    accelerate_launch,
+    resume_in_fresh_folder,
+    run_launchers_side_by_side,
+    step_values,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -44,11 +49,12 @@ def test_wan22_split_two_ways_trains_like_one_process_and_resumes_on_one(tiny_wa
     split, single = tmp_path / "cp2", tmp_path / "one"
     validation = ["--validation_prompts", "a red circle moving right", "--validation_steps", "4",
                   "--num_validation_inference_steps", "2"]  # fmt: skip
-    _, log = run_launcher(
-        [*accelerate_launch(SCRIPT, 2), *_common(pipe, data), "--context_parallel_size", "2", *validation,
-         "--output_dir", str(split)], timeout=400,
+    (_, log), (_, log1) = run_launchers_side_by_side(  # K=2 and its one-process reference, side by side
+        [{"argv": [*accelerate_launch(SCRIPT, 2), *_common(pipe, data), "--context_parallel_size", "2",
+                   *validation, "--output_dir", str(split)]},
+         {"argv": [*accelerate_launch(SCRIPT, 1), *_common(pipe, data), "--output_dir", str(single)]}],
+        timeout=400,
     )  # fmt: skip
-    _, log1 = run_launcher([*accelerate_launch(SCRIPT, 1), *_common(pipe, data), "--output_dir", str(single)])
     losses, reference = step_values(log), step_values(log1)
     assert sorted(losses) == sorted(reference) == [1, 2, 3, 4], log[-3000:]
     # the same global batch of 2 clips each step, the same noise: one process's losses

@@ -8,7 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed_harness import REPO_ROOT, accelerate_launch, run_launcher, run_on_ranks, step_values
+from tests.distributed_harness import (
+    REPO_ROOT,
+    accelerate_launch,
+    run_launcher,
+    run_launchers_side_by_side,
+    run_on_ranks,
+    step_values,
+)
 
 SCRIPT = "scripts/train_controlnet.py"
 
@@ -83,19 +90,21 @@ def test_controlnet_beside_a_sharded_unet_equals_ddp_and_its_output_works(
     zero3 = tmp_path / "zero3"
     validation = ["--validation_prompt", "a red circle", "--validation_image", mask, "--num_validation_images", "2",
                   "--validation_steps", "3", "--num_validation_inference_steps", "2"]  # fmt: skip
-    _, log = run_launcher([*accelerate_launch(SCRIPT), *common, *validation, "--unet_placement", "shard",
-                           "--output_dir", str(zero3)], timeout=400)  # fmt: skip
+    ddp = tmp_path / "ddp"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+              str(free_port()), str(REPO_ROOT / SCRIPT)]  # fmt: skip
+    (_, log), (_, log_ddp) = run_launchers_side_by_side(  # ZeRO-3 and the same job under DDP, side by side
+        [{"argv": [*accelerate_launch(SCRIPT), *common, *validation, "--unet_placement", "shard",
+                   "--output_dir", str(zero3)]},
+         {"argv": [*launch, *common, "--output_dir", str(ddp)], "env": {"ACCELERATE_USE_DEEPSPEED": "false"}}],
+        timeout=400,
+    )  # fmt: skip
     losses = step_values(log)
     assert sorted(losses) == [1, 2, 3], log[-3000:]
     assert "unet: shard" in log and "ControlNet from the UNet's weights" in log
     grid = Image.open(zero3 / "validation" / "step-000003.png")
     assert grid.size == (3 * 32, 32)  # the conditioning image, then 2 samples
 
-    ddp = tmp_path / "ddp"
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-              str(free_port()), str(REPO_ROOT / SCRIPT)]  # fmt: skip
-    _, log_ddp = run_launcher([*launch, *common, "--output_dir", str(ddp)], timeout=400,
-                              env={"ACCELERATE_USE_DEEPSPEED": "false"})  # fmt: skip
     for step, value in step_values(log_ddp).items():
         assert value == pytest.approx(losses[step], abs=1e-5), (step, losses, step_values(log_ddp))
     ours, theirs = _weights(zero3), _weights(ddp)

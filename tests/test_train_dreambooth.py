@@ -15,8 +15,8 @@ import torch
 from tests.distributed_harness import (
     REPO_ROOT,
     accelerate_launch,
-    resume_in_fresh_folder,
     run_launcher,
+    run_launchers_side_by_side,
     step_values,
 )
 
@@ -84,10 +84,24 @@ def test_sd_prior_preservation_text_encoder_engine_equals_ddp_and_resumes_exactl
     assert (zero3 / "validation" / "step-000004.png").exists()
     assert (zero3 / "checkpoint-2" / "text_encoder").is_dir()  # the second engine's own checkpoint
 
-    # The same job under plain DDP (torchrun, no DeepSpeed), on the class images made above.
-    ddp = tmp_path / "ddp"
-    _, log_ddp = run_launcher([*_torchrun(), *common, "--output_dir", str(ddp)], timeout=500,
-                              env={"ACCELERATE_USE_DEEPSPEED": "false"})  # fmt: skip
+    # Three runs that read the run above alone, side by side: the same job under plain DDP
+    # (torchrun, no DeepSpeed) on the class images made above; resumed from checkpoint-2 in a
+    # fresh folder; resumed from checkpoint-2 on 4 processes (1 sample each, no accumulation).
+    ddp, resumed, four = tmp_path / "ddp", tmp_path / "resumed", tmp_path / "four"
+    for folder in (resumed, four):
+        folder.mkdir()
+        shutil.copytree(zero3 / "checkpoint-2", folder / "checkpoint-2")
+    i = common.index("--gradient_accumulation_steps") + 1
+    quad = [*accelerate_launch(SCRIPT, num_processes=4), *common[:i], "1", *common[i + 1 :],
+            "--output_dir", str(four), "--resume_from_checkpoint", "latest"]  # fmt: skip
+    (_, log_ddp), (_, log2), (_, log4) = run_launchers_side_by_side(
+        [{"argv": [*_torchrun(), *common, "--output_dir", str(ddp)], "env": {"ACCELERATE_USE_DEEPSPEED": "false"}},
+         {"argv": [*accelerate_launch(SCRIPT), *common, "--output_dir", str(resumed),
+                   "--resume_from_checkpoint", "latest"]},
+         {"argv": quad}],
+        timeout=600,
+    )  # fmt: skip
+
     assert "generating" not in log_ddp and "text_encoder: its own model and optimizer" in log_ddp
     for step, value in step_values(log_ddp).items():
         assert value == pytest.approx(losses[step], abs=1e-5), (step, losses, step_values(log_ddp))
@@ -98,9 +112,7 @@ def test_sd_prior_preservation_text_encoder_engine_equals_ddp_and_resumes_exactl
         assert _max_diff(ours, source) > 1e-5, component  # it trained
         assert _max_diff(ours, theirs) < 1e-6, component
 
-    # Resumed from checkpoint-2 in a fresh folder: both engines go on exactly.
-    resumed = tmp_path / "resumed"
-    log2 = resume_in_fresh_folder([*accelerate_launch(SCRIPT), *common], zero3, resumed)
+    # Resumed in a fresh folder: both engines go on exactly.
     again = step_values(log2)
     assert sorted(again) == [3, 4], log2[-3000:]
     for step in again:
@@ -108,16 +120,9 @@ def test_sd_prior_preservation_text_encoder_engine_equals_ddp_and_resumes_exactl
     for component in ("unet", "text_encoder"):
         assert _max_diff(_weights(resumed, component), _weights(zero3, component)) < 1e-6, component
 
-    # Resumed from checkpoint-2 on 4 processes (1 sample each, no accumulation: the same 4 per
-    # step): both engines are resharded from their universal form, and the losses and weights
-    # go on as the 2-process run's, up to the order of floating-point sums.
-    four = tmp_path / "four"
-    four.mkdir()
-    shutil.copytree(zero3 / "checkpoint-2", four / "checkpoint-2")
-    i = common.index("--gradient_accumulation_steps") + 1
-    quad = [*accelerate_launch(SCRIPT, num_processes=4), *common[:i], "1", *common[i + 1 :],
-            "--output_dir", str(four), "--resume_from_checkpoint", "latest"]  # fmt: skip
-    _, log4 = run_launcher(quad, timeout=600)
+    # On 4 processes (the same 4 samples per step): both engines are resharded from their
+    # universal form, and the losses and weights go on as the 2-process run's, up to the
+    # order of floating-point sums.
     assert "written by 2 processes; resharded for 4" in log4, log4[-3000:]
     continued = step_values(log4)
     assert sorted(continued) == [3, 4], log4[-3000:]

@@ -13,10 +13,16 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 
-from tests.distributed_harness import accelerate_launch, resume_in_fresh_folder, run_launcher
+from tests.distributed_harness import (
+    accelerate_launch,
+    resume_in_fresh_folder,
+    run_launcher,
+    run_launchers_side_by_side,
+)
 
 LAUNCH = accelerate_launch("scripts/train_grpo.py")
 REDNESS = "diffusers_zero3.demo.rewards:redness"
@@ -497,10 +503,17 @@ def test_full_fine_tuning_nft_with_sharded_reference_resumed_on_1_and_3_processe
     # round's mean over all of them, is the 2-process run's up to the order of floating-point
     # sums (other micro-batches through the transformer and the VAE). Its training is not:
     # each rank's micro-batches, hence the optimizer steps, are cut from its own share.
+    # The two resumes run side by side.
     for processes in (1, 3):
+        (tmp_path / f"n{processes}").mkdir()
+        shutil.copytree(out / "checkpoint-1", tmp_path / f"n{processes}" / "checkpoint-1")
+    logs = run_launchers_side_by_side(
+        [{"argv": [*accelerate_launch("scripts/train_grpo.py", processes), *flags, "--output_dir",
+                   str(tmp_path / f"n{processes}"), "--resume_from_checkpoint", "latest"]} for processes in (1, 3)],
+        timeout=240,
+    )  # fmt: skip
+    for processes, (_, again) in zip((1, 3), logs):
         folder = tmp_path / f"n{processes}"
-        again = resume_in_fresh_folder([*accelerate_launch("scripts/train_grpo.py", processes), *flags], out,
-                                       folder, "checkpoint-1", timeout=240)  # fmt: skip
         assert f"resharded for {processes}" in again and sorted(_rounds(again)) == [2], again[-3000:]
         # 2 steps in round 1 (2 micro-batches on rank 0), then rank 0's micro-batches of round 2:
         # 9 samples on 1 process are 3, 3 on each of 3 processes 1

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from tests.distributed_harness import accelerate_launch, run_launcher
+from tests.distributed_harness import accelerate_launch, run_launcher, run_launchers_side_by_side
 
 pytestmark = pytest.mark.e2e
 
@@ -47,36 +47,33 @@ def test_reward_fine_tuning_end_to_end_and_resume(tmp_path):
     )
     assert image.images[0].size == (32, 32)
 
-    resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
-    _, log2 = run_launcher(
-        [*LAUNCH, *common, "--output_dir", str(resumed), "--resume_from_checkpoint", "latest"], timeout=400
-    )
+    # Three resumes of `out`'s checkpoints, side by side: on 2 processes exactly, on 4
+    # processes (1 sample each, the same 4 per step) from checkpoint-2, and on 1 process (the
+    # same 4 samples per step) from the final checkpoint.
+    resumed, four, one = tmp_path / "resumed", tmp_path / "four", tmp_path / "one"
+    for folder, checkpoint in ((resumed, "checkpoint-2"), (four, "checkpoint-2"), (one, "checkpoint-4")):
+        folder.mkdir()
+        shutil.copytree(out / checkpoint, folder / checkpoint)
+    batch = common.index("--train_batch_size") + 1
+    quad = [*accelerate_launch("scripts/train_reward.py", num_processes=4), *common[:batch], "1",
+            *common[batch + 1 :], "--output_dir", str(four), "--resume_from_checkpoint", "latest"]  # fmt: skip
+    single = [*accelerate_launch("scripts/train_reward.py", num_processes=1), *common[:batch], "4",
+              *common[batch + 1 :], "--output_dir", str(one), "--resume_from_checkpoint", "latest"]  # fmt: skip
+    (_, log2), (_, log4), (_, log1) = run_launchers_side_by_side(
+        [{"argv": [*LAUNCH, *common, "--output_dir", str(resumed), "--resume_from_checkpoint", "latest"]},
+         {"argv": quad}, {"argv": single}],
+        timeout=500,
+    )  # fmt: skip
     again = _rewards(log2)
     assert sorted(again) == [3, 4], log2[-3000:]
     for step in (3, 4):
         assert again[step] == pytest.approx(rewards[step], abs=2e-6)
 
-    # On 4 processes (1 sample each, the same 4 per step) from checkpoint-2: training goes on
-    # from the resharded engine, EMA and schedule.
-    four = tmp_path / "four"
-    four.mkdir()
-    shutil.copytree(out / "checkpoint-2", four / "checkpoint-2")
-    batch = common.index("--train_batch_size") + 1
-    quad = [*accelerate_launch("scripts/train_reward.py", num_processes=4), *common[:batch], "1",
-            *common[batch + 1 :], "--output_dir", str(four), "--resume_from_checkpoint", "latest"]  # fmt: skip
-    _, log4 = run_launcher(quad, timeout=500)
+    # On 4 processes: training goes on from the resharded engine, EMA and schedule.
     assert "written by 2 processes; resharded for 4" in log4, log4[-3000:]
     assert sorted(_rewards(log4)) == [3, 4] and (four / "model_index.json").exists(), log4[-3000:]
 
-    # On 1 process (the same 4 samples per step) from the final checkpoint: the same output.
-    one = tmp_path / "one"
-    one.mkdir()
-    shutil.copytree(out / "checkpoint-4", one / "checkpoint-4")
-    single = [*accelerate_launch("scripts/train_reward.py", num_processes=1), *common[:batch], "4",
-              *common[batch + 1 :], "--output_dir", str(one), "--resume_from_checkpoint", "latest"]  # fmt: skip
-    _, log1 = run_launcher(single, timeout=400)
+    # On 1 process from the final checkpoint: the same output.
     assert "resumed from" in log1 and not _rewards(log1), log1[-3000:]
     unet = "unet/diffusion_pytorch_model.safetensors"
     assert (one / unet).read_bytes() == (out / unet).read_bytes()

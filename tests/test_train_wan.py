@@ -8,12 +8,19 @@ tests/test_bad_input.py."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed_harness import accelerate_launch, resume_in_fresh_folder, run_launcher, step_values
+from tests.distributed_harness import (
+    accelerate_launch,
+    resume_in_fresh_folder,
+    run_launcher,
+    run_launchers_side_by_side,
+    step_values,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -98,11 +105,15 @@ def test_wan21_lora_from_cached_clips_equals_live_and_loads_in_the_pipeline(tiny
     out = tmp_path / "lora"
     lora = [a for a in [*LAUNCH, *_common(pipe, data, 2), "--rank", "4"] if a != "--random_flip"]
     cached = ["--text_encoder_placement", "cache", "--vae_placement", "cache"]
-    _, log = run_launcher([*lora, *cached, "--output_dir", str(out)], timeout=400)
+    live = [*accelerate_launch("scripts/train_text_to_image.py"), *lora[len(LAUNCH) :]]  # a port of its own
+    (_, log), (_, live_log) = run_launchers_side_by_side(  # cached and live, side by side
+        [{"argv": [*lora, *cached, "--output_dir", str(out)]},
+         {"argv": [*live, "--output_dir", str(tmp_path / "live")]}],
+        timeout=400,
+    )  # fmt: skip
     losses = step_values(log)
     assert sorted(losses) == [1, 2] and "frozen-model cache:" in log and "MiB per row" in log, log[-3000:]
-    _, live_log = run_launcher([*lora, "--output_dir", str(tmp_path / "live")], timeout=400)
-    live = step_values(live_log)
+    live = step_values(live_log)  # the live run's losses
     assert "vae: replicate" in live_log and "frozen-model cache" not in live_log, live_log[-3000:]
     for step in (1, 2):
         assert losses[step] == pytest.approx(live[step], abs=1e-5), (losses, live)
@@ -127,8 +138,16 @@ def test_wan22_both_experts_two_engines_exact_resume_and_one_expert_alone(tiny_w
         assert any(not torch.equal(before[k], after[k]) for k in before), expert  # both were trained
     assert len(_generate(out)) == 5
 
-    resumed = tmp_path / "resumed"
-    log2 = resume_in_fresh_folder([*LAUNCH, *common], out, resumed)
+    # Resumed from checkpoint-2 in a fresh folder, beside the high-noise expert trained alone.
+    resumed, high = tmp_path / "resumed", tmp_path / "high"
+    resumed.mkdir()
+    shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
+    (_, log2), (_, log3) = run_launchers_side_by_side(
+        [{"argv": [*LAUNCH, *common, "--output_dir", str(resumed), "--resume_from_checkpoint", "latest"]},
+         {"argv": [*accelerate_launch("scripts/train_text_to_image.py"), *_common(pipe, data, 2),
+                   "--train_experts", "high", "--output_dir", str(high)]}],
+        timeout=400,
+    )  # fmt: skip
     again = step_values(log2)
     assert sorted(again) == [3, 4], log2[-3000:]
     for step in again:
@@ -139,9 +158,6 @@ def test_wan22_both_experts_two_engines_exact_resume_and_one_expert_alone(tiny_w
             torch.testing.assert_close(final[k], after[k], rtol=0, atol=1e-6, msg=f"{expert} {k}")
 
     # The high-noise expert alone: the low-noise one is not loaded and goes out byte for byte.
-    high = tmp_path / "high"
-    _, log3 = run_launcher([*LAUNCH, *_common(pipe, data, 2), "--train_experts", "high", "--output_dir", str(high)],
-                           timeout=400)  # fmt: skip
     assert "experts trained: transformer (boundary" in log3, log3[-3000:]
     low_file = next((Path(pipe) / "transformer_2").glob("*.safetensors"))
     assert (high / "transformer_2" / low_file.name).read_bytes() == low_file.read_bytes()
