@@ -13,7 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed_harness import accelerate_launch, resume_in_fresh_folder, run_launcher, step_values
+from tests.distributed_harness import (
+    accelerate_launch,
+    resume_in_fresh_folder,
+    run_launchers_side_by_side,
+    step_values,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -40,12 +45,16 @@ def _generate(pipeline, **kwargs):
                     max_sequence_length=16, **kwargs)  # fmt: skip
 
 
-def test_every_frozen_model_sharded_ema_checkpoint_exact_resume_and_output_with_sound(tiny_ltx2, tmp_path):
+def test_every_frozen_model_sharded_with_an_exact_resume_and_gemma_cached_with_lora(tiny_ltx2, tmp_path):
+    """Two independent runs side by side (one launch costs mostly start-up): every frozen model
+    sharded with EMA, then its resume; Gemma cached with LoRA."""
     import av
     from diffusers import DiffusionPipeline
 
+    from diffusers_zero3.families import LTX2
+
     pipe, data = tiny_ltx2
-    out = tmp_path / "run"
+    out, lora = tmp_path / "run", tmp_path / "lora"
     common = [
         *_common(pipe, data, 4, dict.fromkeys(FROZEN, "shard")),
         "--use_ema",
@@ -54,7 +63,14 @@ def test_every_frozen_model_sharded_ema_checkpoint_exact_resume_and_output_with_
     ]
     validation = ["--validation_prompts", "a red circle", "--validation_steps", "4",
                   "--num_validation_inference_steps", "2"]  # fmt: skip
-    _, log = run_launcher([*LAUNCH, *common, *validation, "--output_dir", str(out)], timeout=400)
+    cached = {"text_encoder": "cache", "audio_vae": "replicate", "vocoder": "replicate", "vae": "replicate"}
+    (_, log), (_, lora_log) = run_launchers_side_by_side(
+        [{"argv": [*LAUNCH, *common, *validation, "--output_dir", str(out)]},
+         {"argv": [*LAUNCH, *_common(pipe, data, 2, cached), "--rank", "4", "--output_dir", str(lora)]}],
+        timeout=400,
+    )  # fmt: skip
+
+    # every frozen model sharded: the validation mp4 has sound, the output generates video with sound
     losses = step_values(log)
     assert sorted(losses) == [1, 2, 3, 4], log[-3000:]
     for name in FROZEN:
@@ -72,6 +88,22 @@ def test_every_frozen_model_sharded_ema_checkpoint_exact_resume_and_output_with_
         source = sorted(p.relative_to(Path(pipe) / component) for p in (Path(pipe) / component).rglob("*"))
         assert source == sorted(p.relative_to(out / component) for p in (out / component).rglob("*"))
 
+    # Gemma cached (the connectors with it): the LoRA loads with load_lora_weights, on both streams
+    assert sorted(step_values(lora_log)) == [1, 2], lora_log[-3000:]
+    assert "frozen-model cache:" in lora_log and "connectors: " in lora_log, lora_log[-3000:]
+    base_pipeline = DiffusionPipeline.from_pretrained(pipe)
+    base = _generate(base_pipeline, generator=torch.Generator().manual_seed(0), output_type="latent")
+    base_pipeline.load_lora_weights(lora)
+    loaded = [n for n, _ in base_pipeline.transformer.named_parameters() if "lora_" in n]
+    targets = [
+        n for n, m in base_pipeline.transformer.named_modules() if n.endswith(LTX2.lora_target_modules)
+    ]
+    assert targets and len(loaded) == 2 * len(targets)
+    adapted = _generate(base_pipeline, generator=torch.Generator().manual_seed(0), output_type="latent")
+    assert not torch.allclose(base.frames, adapted.frames)  # the trained adapters reach the transformer
+    assert not torch.allclose(base.audio, adapted.audio)  # and its audio stream
+
+    # resumed from checkpoint-2 in a fresh folder: steps 3-4 and the final EMA weights repeat
     resumed = tmp_path / "resumed"
     log2 = resume_in_fresh_folder([*LAUNCH, *common], out, resumed)
     again = step_values(log2)
@@ -81,32 +113,3 @@ def test_every_frozen_model_sharded_ema_checkpoint_exact_resume_and_output_with_
     final = _weights(resumed)
     for k in after:
         torch.testing.assert_close(final[k], after[k], rtol=0, atol=1e-6, msg=k)
-
-
-def test_text_encoder_cached_with_its_connectors_and_lora_loads_in_the_pipeline(tiny_ltx2, tmp_path):
-    from diffusers import DiffusionPipeline
-
-    from diffusers_zero3.families import LTX2
-
-    pipe, data = tiny_ltx2
-    out = tmp_path / "lora"
-    placements = {
-        "text_encoder": "cache",
-        "audio_vae": "replicate",
-        "vocoder": "replicate",
-        "vae": "replicate",
-    }
-    argv = [*LAUNCH, *_common(pipe, data, 2, placements), "--rank", "4", "--output_dir", str(out)]
-    _, log = run_launcher(argv, timeout=400)
-    assert sorted(step_values(log)) == [1, 2], log[-3000:]
-    assert "frozen-model cache:" in log and "connectors: " in log, log[-3000:]
-    pipeline = DiffusionPipeline.from_pretrained(pipe)
-    seed = {"output_type": "latent"}
-    base = _generate(pipeline, generator=torch.Generator().manual_seed(0), **seed)
-    pipeline.load_lora_weights(out)
-    loaded = [n for n, _ in pipeline.transformer.named_parameters() if "lora_" in n]
-    targets = [n for n, m in pipeline.transformer.named_modules() if n.endswith(LTX2.lora_target_modules)]
-    assert targets and len(loaded) == 2 * len(targets)
-    adapted = _generate(pipeline, generator=torch.Generator().manual_seed(0), **seed)
-    assert not torch.allclose(base.frames, adapted.frames)  # the trained adapters reach the transformer
-    assert not torch.allclose(base.audio, adapted.audio)  # and its audio stream
