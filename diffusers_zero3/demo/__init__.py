@@ -222,7 +222,8 @@ def prepare_default(
     elif family.video:  # clips of moving shapes (mp4), 9 frames each
         from ..data.video import write_shapes_videos
 
-        sound = family.audio_spec({})  # LTX-2: clips with a tone per colour, the last one silent
+        # LTX-2: clips with a tone per colour at the audio VAE's default rate, the last one silent
+        sound = family.audio_spec({}) if family.sound else None
         pipe, data = folder / f"tiny-{model}", folder / ("shapes-videos-audio" if sound else "shapes-videos")
         if not (data / "metadata.jsonl").exists():
             n = min(num_images, 16)

@@ -106,6 +106,58 @@ class ChannelMeanStd:
         return latents / (1.0 / std) + mean
 
 
+def read_vae_tensors(folder: str | os.PathLike, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Tensors ``names`` of the VAE weights in ``folder`` (safetensors, sharded or not, any
+    variant; else a ``.bin``), in fp32 and on the CPU, whatever dtype a placed VAE runs in: the
+    latent statistics a family keeps as weights (Flux.2's batch norm, LTX-2's mean and std)."""
+    from safetensors import safe_open
+
+    from ..state.folders import CheckpointError
+
+    folder = Path(folder)
+    files = sorted(
+        folder.glob("*.safetensors"), key=lambda p: (p.name != "diffusion_pytorch_model.safetensors", p.name)
+    )
+    found: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in set(names) & set(f.keys()) - set(found):
+                found[name] = f.get_tensor(name).to(torch.float32)
+        if len(found) == len(names):
+            return found
+    if not files:
+        for path in sorted(folder.glob("*.bin")):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            found.update({k: state[k].to(torch.float32) for k in names if k in state and k not in found})
+        if len(found) == len(names):
+            return found
+    missing = ", ".join(sorted(set(names) - set(found)))
+    raise CheckpointError(f"the VAE weights in {folder} have no {missing} (the family's latent statistics)")
+
+
+class VideoLatents:
+    """Latent arithmetic of the causal video VAEs whose transformer takes one token per latent
+    voxel (HunyuanVideo 1.5, LTX-2): ``1 + frame_multiple * k`` frames (the first frame alone,
+    then ``frame_multiple`` frames per latent frame), ``(C, F, h, w)`` denoiser latents. A family
+    mixes it in and says ``frame_multiple`` (its VAE's temporal compression)."""
+
+    def frame_multiple(self, vae_config: dict) -> int:
+        raise NotImplementedError
+
+    def latent_frames(self, num_frames: int, vae_config: dict) -> int:
+        """Latent frames of ``num_frames`` frames, as the pipelines' ``prepare_latents``."""
+        return (num_frames - 1) // self.frame_multiple(vae_config) + 1
+
+    def denoiser_latent_shape(self, vae_config, height, width):
+        """One frame's latents ``(C, 1, h, w)``."""
+        f = self.vae_scale_factor(vae_config)
+        return (vae_config["latent_channels"], 1, height // f, width // f)
+
+    def image_seq_len(self, latent_shape, vae_config, denoiser_config):
+        """One token per latent voxel (1 x 1 x 1 patches)."""
+        return latent_shape[-3] * latent_shape[-2] * latent_shape[-1]
+
+
 # -------------------------------------------------------------------------------- families
 
 
@@ -125,6 +177,7 @@ class Family:
     vae_in_fp32: bool = False  # SDXL's VAE overflows in fp16
     sample_latents: bool = True  # False: the latent distribution's mode, as Z-Image's script trains
     video: bool = False  # trains on clips: (N, 3, F, H, W) pixels, --num_frames
+    sound: bool = False  # trains on each clip's audio track too (LTX-2: audio_spec, other_latents)
     # instruction editing: trains on (source image(s), instruction) -> target pairs (data.pairs;
     # FrozenInputs adds the sources' latents to the conditioning as "source_latents")
     edits: bool = False
@@ -338,8 +391,8 @@ class Family:
         return vae.encode(pixels).latent_dist
 
     def audio_spec(self, audio_vae_config: dict):
-        """How a video family with sound reads each clip's audio (``data.audio.AudioSpec``);
-        None for the families without (their clips' audio is never read)."""
+        """How a family with ``sound`` reads each clip's audio (``data.audio.AudioSpec``) for an
+        audio VAE of ``audio_vae_config``; None for the families without (never read)."""
         return None
 
     def other_latents(self, models: dict[str, Any], batch: dict, device, dtype) -> dict[str, torch.Tensor]:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .base import Family, PublishedConfig, TextEncoderSpec
+from .base import Family, PublishedConfig, TextEncoderSpec, read_vae_tensors
 
 # diffusers' pipelines/flux2/system_messages.py SYSTEM_MESSAGE (the dev pipeline's default)
 SYSTEM_MESSAGE = (
@@ -106,34 +106,6 @@ def reference_ids(n: int, count: int, height: int, width: int, device=None) -> t
         t = torch.full((1,), REFERENCE_TIME * (k + 1), dtype=torch.int64, device=device)
         ids.append(torch.cartesian_prod(t, rows, columns, ll))
     return torch.cat(ids, dim=0).unsqueeze(0).expand(n, -1, -1)
-
-
-def read_vae_tensors(folder: str | os.PathLike, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Tensors ``names`` of the VAE weights in ``folder`` (safetensors, sharded or not, any
-    variant; else a ``.bin``), in fp32 and on the CPU, whatever dtype a placed VAE runs in."""
-    from safetensors import safe_open
-
-    from ..state.folders import CheckpointError
-
-    folder = Path(folder)
-    files = sorted(
-        folder.glob("*.safetensors"), key=lambda p: (p.name != "diffusion_pytorch_model.safetensors", p.name)
-    )
-    found: dict[str, torch.Tensor] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in set(names) & set(f.keys()) - set(found):
-                found[name] = f.get_tensor(name).to(torch.float32)
-        if len(found) == len(names):
-            return found
-    if not files:
-        for path in sorted(folder.glob("*.bin")):
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            found.update({k: state[k].to(torch.float32) for k in names if k in state and k not in found})
-        if len(found) == len(names):
-            return found
-    missing = ", ".join(sorted(set(names) - set(found)))
-    raise CheckpointError(f"the VAE weights in {folder} have no {missing} (Flux.2's latent statistics)")
 
 
 class BatchNormLatents:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Family, PublishedConfig, ScaleShift, TextEncoderSpec
+from .base import Family, PublishedConfig, ScaleShift, TextEncoderSpec, VideoLatents
 from .qwenimage import PUBLISHED_TEXT_ENCODER as QWEN25_VL_7B
 
 # HunyuanVideo15Pipeline.__init__ (the system message as the pipeline's source writes it, its
@@ -84,7 +84,7 @@ def batched_vae_attention():
 
 
 @dataclass(frozen=True)
-class HunyuanVideo15(Family):
+class HunyuanVideo15(VideoLatents, Family):
     """HunyuanVideo 1.5 text-to-video (see the module doc)."""
 
     validation_num_frames: int = 5  # short validation videos (1 + 4k frames)
@@ -186,17 +186,6 @@ class HunyuanVideo15(Family):
         """Frames must be ``1 + frame_multiple * k``: the VAE keeps the first frame alone and
         folds each ``temporal_compression_ratio`` (4) frames after it into one latent frame."""
         return int(vae_config.get("temporal_compression_ratio", 4))
-
-    def latent_frames(self, num_frames: int, vae_config: dict) -> int:
-        """Latent frames of ``num_frames`` frames, as ``HunyuanVideo15Pipeline.prepare_latents``."""
-        return (num_frames - 1) // self.frame_multiple(vae_config) + 1
-
-    def denoiser_latent_shape(self, vae_config, height, width):
-        f = self.vae_scale_factor(vae_config)
-        return (vae_config["latent_channels"], 1, height // f, width // f)
-
-    def image_seq_len(self, latent_shape, vae_config, denoiser_config):
-        return latent_shape[-3] * latent_shape[-2] * latent_shape[-1]
 
     # ------------------------------------------------------------------ objective and denoiser call
 

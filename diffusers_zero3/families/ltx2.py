@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Family, PublishedConfig, TextEncoderSpec
+from .base import Family, PublishedConfig, TextEncoderSpec, VideoLatents, read_vae_tensors
 
 # LTX2Pipeline.__call__'s defaults
 FRAME_RATE = 24.0  # frame_rate (the published clips' playback rate)
@@ -57,8 +57,6 @@ class LTX2Latents:
 
     @classmethod
     def from_folder(cls, vae_config: dict, vae_folder: str | os.PathLike) -> LTX2Latents:
-        from .flux2 import read_vae_tensors
-
         stats = read_vae_tensors(vae_folder, ("latents_mean", "latents_std"))
         return cls(stats["latents_mean"], stats["latents_std"], vae_config.get("scaling_factor", 1.0))
 
@@ -104,7 +102,7 @@ def pack_audio(latents: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class LTX2Family(Family):
+class LTX2Family(VideoLatents, Family):
     """LTX-2 text to video with audio (see the module doc)."""
 
     validation_num_frames: int = 9  # short validation videos (1 + 8k frames at the published VAE)
@@ -240,16 +238,6 @@ class LTX2Family(Family):
         """Frames must be ``1 + frame_multiple * k`` (the causal VAE's temporal compression)."""
         return _ltx2_vae_ratios(vae_config)[1]
 
-    def latent_frames(self, num_frames: int, vae_config: dict) -> int:
-        return (num_frames - 1) // self.frame_multiple(vae_config) + 1
-
-    def denoiser_latent_shape(self, vae_config, height, width):
-        f = self.vae_scale_factor(vae_config)
-        return (vae_config["latent_channels"], 1, height // f, width // f)
-
-    def image_seq_len(self, latent_shape, vae_config, denoiser_config):
-        return latent_shape[-3] * latent_shape[-2] * latent_shape[-1]
-
     def audio_spec(self, audio_vae_config: dict):
         """How clips' sound is read for the audio VAE (``data.audio.AudioSpec``)."""
         from ..data.audio import AudioSpec
@@ -335,19 +323,6 @@ class LTX2Family(Family):
             return_dict=False,
         )
         return unpack_video(video, f, h, w, p, pt), audio
-
-    def predict(self, denoiser, noisy_latents, timesteps, cond, *, guidance_scale=None, **kwargs):
-        """The video flow with ``cond["noisy_audio"]`` as the audio stream's input (``loss``
-        passes it; ``predict_audiovisual`` gives both streams). Collective when sharded."""
-        return self.predict_audiovisual(
-            denoiser,
-            noisy_latents,
-            cond["noisy_audio"],
-            timesteps,
-            cond,
-            cond.get("audio_timesteps"),
-            **kwargs,
-        )[0]
 
     def loss(
         self,
@@ -474,6 +449,7 @@ LTX2 = LTX2Family(
     vae_class="AutoencoderKLLTX2Video",
     sample_latents=False,  # the posterior mean of both VAEs
     video=True,
+    sound=True,
     supports_dream=False,
     flow_matching=True,
     default_max_sequence_length=TOKENIZER_MAX_LENGTH,

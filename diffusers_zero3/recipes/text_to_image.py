@@ -765,7 +765,7 @@ class TextToImageTrainer:
             raise ArgumentError(
                 "--rank with --train_experts both: train LoRA adapters on one expert at a time"
             )
-        if self.family.audio_spec({}) is not None and args.context_parallel_size > 1:
+        if self.family.sound and args.context_parallel_size > 1:
             raise ArgumentError(
                 f"--context_parallel_size with {self.family.title}: its audio stream is not split yet; train with 1"
             )
@@ -810,7 +810,7 @@ class TextToImageTrainer:
     def _audio_of_clips(self) -> dict:
         """``{"audio": AudioSpec}`` for a family that trains on the clips' sound (LTX-2: the
         audio VAE's rate, channels and mel bins), else nothing."""
-        if "audio_vae" not in self.family.frozen_components:
+        if not self.family.sound:
             return {}
         folder = self.component_sources.get("audio_vae", Path(self.source) / "audio_vae")
         config = self.family.component_class("audio_vae").load_config(folder)
