@@ -413,6 +413,26 @@ def write_llama3_tokenizer(folder: str | os.PathLike) -> Path:
     return folder
 
 
+def special_first_bpe(specials: tuple[str, ...], bos: str, texts: list[str] = ()):
+    """A byte-level BPE ``tokenizers.Tokenizer`` whose ``specials`` take the first ids (as in
+    Mistral's and Gemma's vocabularies), ``byte_bpe_vocab(texts)`` after them with ``<unk>`` as
+    its unknown token, Qwen2's split regex, and ``bos`` prepended by a plain call."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+
+    bpe_vocab, merges = byte_bpe_vocab(list(texts))
+    vocab = {t: i for i, t in enumerate(specials)}
+    vocab.update({t: len(specials) + i for t, i in bpe_vocab.items()})
+    assert all(ch in vocab for ch in bytes_to_unicode().values())
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=False))
+    tok.pre_tokenizer = qwen_pretokenizer()
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, vocab[bos])]
+    )
+    return tok
+
+
 # Flux.2 [dev] (Mistral 3)
 MISTRAL_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
                           "[IMG]", "[IMG_BREAK]", "[IMG_END]", "<pad>")  # fmt: skip
@@ -446,23 +466,10 @@ def write_mistral3_tokenizer(folder: str | os.PathLike) -> Path:
     ``folder``: merges learnt on the system message and caption words (one token each, as in
     the real vocabulary), left padding with ``<pad>``, a Mistral Small 3.1-style chat template,
     and a ``<s>`` prepended by a plain call, like the published tokenizer."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
     from transformers import PreTrainedTokenizerFast
 
-    bpe_vocab, merges = byte_bpe_vocab([SYSTEM_MESSAGE])
-    offset = len(MISTRAL_SPECIAL_TOKENS)
-    vocab = {t: i for i, t in enumerate(MISTRAL_SPECIAL_TOKENS)}
-    vocab.update({t: offset + i for t, i in bpe_vocab.items()})
-    assert all(ch in vocab for ch in bytes_to_unicode().values())
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=False))
-    tok.pre_tokenizer = qwen_pretokenizer()
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in MISTRAL_SPECIAL_TOKENS])
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])]
-    )
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+        tokenizer_object=special_first_bpe(MISTRAL_SPECIAL_TOKENS, "<s>", [SYSTEM_MESSAGE]),
         bos_token="<s>",
         eos_token="</s>",
         unk_token="<unk>",
@@ -505,22 +512,10 @@ def write_gemma3_tokenizer(folder: str | os.PathLike) -> Path:
     """Write a small byte-level BPE tokenizer with Gemma 3's special tokens to ``folder``: a
     ``<bos>`` prepended by a plain call (as Gemma's), ``<pad>`` and left padding (the LTX-2
     pipeline pads on the left), ``<eos>`` as EOS; the caption words one token each."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
     from transformers import PreTrainedTokenizerFast
 
-    bpe_vocab, merges = byte_bpe_vocab([])
-    offset = len(GEMMA3_SPECIAL_TOKENS)
-    vocab = {t: i for i, t in enumerate(GEMMA3_SPECIAL_TOKENS)}
-    vocab.update({t: offset + i for t, i in bpe_vocab.items()})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=False))
-    tok.pre_tokenizer = qwen_pretokenizer()
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in GEMMA3_SPECIAL_TOKENS])
-    tok.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
-    )
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>",
+        tokenizer_object=special_first_bpe(GEMMA3_SPECIAL_TOKENS, "<bos>"), bos_token="<bos>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>",
         padding_side="left", model_max_length=131072,
     )  # fmt: skip
     folder = Path(folder)
