@@ -17,7 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed_harness import REPO_ROOT, _test_env, accelerate_launch, run_launcher
+from tests.distributed_harness import (
+    REPO_ROOT,
+    _test_env,
+    accelerate_launch,
+    run_launcher,
+    run_launchers_side_by_side,
+)
 from tests.test_train_text_to_image import assert_trained_pipeline
 
 pytestmark = pytest.mark.e2e
@@ -160,48 +166,34 @@ def test_a_stopped_rank_fails_the_others_within_the_timeout_in_every_phase(defau
 
 
 def _two_machines_side_by_side(jobs: list[dict], timeout: float = 420) -> list[tuple[list, list[str]]]:
-    """Run each job (a dict: ``script``, ``args``, ``logs`` (its own folder) and optionally
-    ``env_extra`` and ``per_machine``) as 2 machines x 1 process on this host (accelerate's
-    multi-node launch, each process the local main of its "machine"), all jobs at once; a job
-    with ``argv`` instead is one launcher command (its log: ``logs/launch.log``). Returns each
-    job's (return codes, outputs)."""
+    """Run each job (a dict: ``script``, ``args`` and optionally ``env_extra`` and
+    ``per_machine``) as 2 machines x 1 process on this host (accelerate's multi-node launch,
+    each process the local main of its "machine"), all jobs at once (``run_launchers_side_by_side``:
+    a hang fails the test); a job with ``argv`` instead is one launcher command. Returns each
+    job's (return codes, outputs), one per process."""
     from diffusers_zero3.testing import free_port
 
-    procs = []  # (job index, process, log file)
+    runs, owners = [], []  # one run per process; owners[k]: the job of run k
     for j, job in enumerate(jobs):
-        env = {**os.environ, **_test_env(job.get("env_extra"))}
+        env = job.get("env_extra")
         if "argv" in job:
-            commands = [(job["argv"], job["logs"] / "launch.log")]
-        else:
-            port = free_port()
-            commands = [
-                ([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                  "configs/accelerate_zero3.yaml", "--num_processes", "2", "--num_machines", "2",
-                  "--machine_rank", str(machine), "--main_process_ip", "127.0.0.1", "--main_process_port",
-                  str(port), "--deepspeed_multinode_launcher", "standard", job["script"], *job["args"],
-                  *((job.get("per_machine") or {}).get(machine, []))],
-                 job["logs"] / f"machine{machine}.log")
-                for machine in (0, 1)
-            ]  # fmt: skip
-        for argv, log in commands:
-            fh = open(log, "w")
-            proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # fmt: skip
-            procs.append((j, proc, fh, log))
-    deadline = time.monotonic() + timeout
-    try:
-        while any(p.poll() is None for _, p, _, _ in procs) and time.monotonic() < deadline:
-            time.sleep(0.2)
-    finally:
-        for _, proc, fh, _ in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            fh.close()
+            runs.append({"argv": job["argv"], "env": env, "expect_rc": None})
+            owners.append(j)
+            continue
+        port = free_port()
+        for machine in (0, 1):
+            argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                    "configs/accelerate_zero3.yaml", "--num_processes", "2", "--num_machines", "2",
+                    "--machine_rank", str(machine), "--main_process_ip", "127.0.0.1", "--main_process_port",
+                    str(port), "--deepspeed_multinode_launcher", "standard", job["script"], *job["args"],
+                    *((job.get("per_machine") or {}).get(machine, []))]  # fmt: skip
+            runs.append({"argv": argv, "env": env, "expect_rc": None})
+            owners.append(j)
+    results = run_launchers_side_by_side(runs, timeout=timeout)
     return [
         (
-            [p.returncode for i, p, _, _ in procs if i == j],
-            [log.read_text() for i, _, _, log in procs if i == j],
+            [rc for (rc, _), o in zip(results, owners) if o == j],
+            [out for (_, out), o in zip(results, owners) if o == j],
         )
         for j in range(len(jobs))
     ]
@@ -224,15 +216,12 @@ def test_two_machines_train_checkpoint_rotate_validate_save_and_resume(default_d
                    "--output_dir", str(tmp_path / "reward")]  # fmt: skip
     # Four independent jobs side by side (each checked below): the job on one machine, for
     # reference; the job on two; a save to node-local disks; the reward script on two.
-    folders = [tmp_path / name for name in ("logs-one", "logs-two", "logs-local", "logs-reward")]
-    for folder in folders:
-        folder.mkdir()
     one_argv = [*accelerate_launch(T2I), *args[:args.index("--output_dir") + 1], str(tmp_path / "one"),
                 *args[args.index("--output_dir") + 2 :]]  # fmt: skip
     (one_codes, (one,)), (codes, logs), local_run, reward_run = _two_machines_side_by_side(
-        [{"argv": one_argv, "logs": folders[0]}, {"script": T2I, "args": args, "logs": folders[1]},
-         {"script": T2I, "args": local, "logs": folders[2], "per_machine": {1: ["--output_dir", str(local1)]}},
-         {"script": REWARD, "args": reward_args, "logs": folders[3]}]
+        [{"argv": one_argv}, {"script": T2I, "args": args},
+         {"script": T2I, "args": local, "per_machine": {1: ["--output_dir", str(local1)]}},
+         {"script": REWARD, "args": reward_args}]
     )  # fmt: skip
     assert one_codes == [0], one[-3000:]
     assert codes == [0, 0], "\n=====\n".join(log[-3000:] for log in logs)
@@ -289,14 +278,11 @@ def test_two_machines_train_checkpoint_rotate_validate_save_and_resume(default_d
     base[base.index("--output_dir") + 1] = str(node0)
     reward_resumed = [*reward_args, "--resume_from_checkpoint", "latest"]
     reward_resumed[reward_resumed.index("--max_train_steps") + 1] = "3"
-    folders = [tmp_path / name for name in ("logs-resume", "logs-node", "logs-reward-resume")]
-    for folder in folders:
-        folder.mkdir()
     (codes, logs), node_run, reward_resumed_run = _two_machines_side_by_side(
-        [{"script": T2I, "args": [*resumed_args, "--resume_from_checkpoint", "latest"], "logs": folders[0]},
-         {"script": T2I, "args": [*base, "--resume_from_checkpoint", "latest"], "logs": folders[1],
+        [{"script": T2I, "args": [*resumed_args, "--resume_from_checkpoint", "latest"]},
+         {"script": T2I, "args": [*base, "--resume_from_checkpoint", "latest"],
           "per_machine": {1: ["--output_dir", str(node1)]}},
-         {"script": REWARD, "args": reward_resumed, "logs": folders[2]}]
+         {"script": REWARD, "args": reward_resumed}]
     )  # fmt: skip
     assert codes == [0, 0], "\n=====\n".join(log[-3000:] for log in logs)
     assert sorted(_losses(logs[0])) == [5, 6]
