@@ -4,39 +4,46 @@ PYTHON ?= python3
 # constraints.txt pins the versions the suite was run with (torch is not pinned there).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test test-unit test-fast test-gpu train train-reward train-grpo train-dpo train-dreambooth train-controlnet smoke-gpu bench style quality clean
-
-# The authors' packages that the hpsv2 and imagereward tests score against (test only; the
-# package never imports them): without their dependencies, which pull torchvision, whose
-# registry wheel does not import beside the CPU build of torch 2.13 (tests/reference_imports.py).
-REFERENCE_PACKAGES = open_clip_torch timm image-reward fairscale ftfy wcwidth regex
+.PHONY: install reference-packages test test-unit test-fast test-gpu train train-reward train-grpo train-dpo train-dreambooth train-controlnet smoke-gpu bench style quality clean
 
 install:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH_SPEC)"
 	$(PYTHON) -m pip install -e ".[test]" -c constraints.txt
-	$(PYTHON) -m pip install --no-deps -c constraints.txt $(REFERENCE_PACKAGES)
+
+# The authors' packages that the hpsv2 and imagereward tests score against, in a folder of the
+# tests' own (tests/reference_imports.py puts it on sys.path inside the tests that read them):
+# never in the environment, where timm without torchvision breaks `accelerate launch` (accelerate's
+# CLI imports timm when it is installed). Without their dependencies, which pull torchvision, whose
+# registry wheel does not import beside the CPU build of torch 2.13. Every test target needs it.
+REFERENCE_PACKAGES = open_clip_torch timm image-reward fairscale ftfy wcwidth regex
+REFERENCE_DIR = tests/.reference_packages
+reference-packages: $(REFERENCE_DIR)/.installed
+$(REFERENCE_DIR)/.installed: constraints.txt
+	rm -rf $(REFERENCE_DIR)
+	$(PYTHON) -m pip install --no-deps --target $(REFERENCE_DIR) -c constraints.txt $(REFERENCE_PACKAGES)
+	touch $@
 
 # the fast tier with FAST_WORKERS pytest-xdist workers, then the e2e (script launches: 2 ranks
 # each, which is what a 2-core machine holds) and gpu tiers in one process; both always run
-test:
+test: reference-packages
 	$(PYTHON) -m pytest tests -q -m "unit or multirank" -n $(FAST_WORKERS); fast=$$?; \
 	$(PYTHON) -m pytest tests -q -m "e2e or gpu"; e2e=$$?; \
 	test $$fast -eq 0 -a $$e2e -eq 0
 
 # the unit tier alone (single process, under two minutes)
-test-unit:
+test-unit: reference-packages
 	$(PYTHON) -m pytest tests -q -m unit
 
 # the fast tier: unit and multirank (real ranks through the harness, forked from a preloaded
 # server), no script launches; FAST_WORKERS pytest-xdist workers (4:10 with 2 on a 2-core machine,
 # 5:44 in one process)
 FAST_WORKERS ?= 2
-test-fast:
+test-fast: reference-packages
 	$(PYTHON) -m pytest tests -q -m "unit or multirank" -n $(FAST_WORKERS)
 
 # GPU hosts: the gpu tier alone (bf16 ZeRO-3 end to end on every GPU, NCCL); skipped without CUDA.
 # `make test` runs it too; the other tiers keep their ranks on the CPU there.
-test-gpu:
+test-gpu: reference-packages
 	$(PYTHON) -m pytest tests -q -m gpu
 
 # make train MODEL=sdxl|flux|sd3 trains the SDXL, Flux.1 or SD3-architecture default instead.

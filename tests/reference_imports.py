@@ -9,8 +9,13 @@ whose attributes are inert placeholders (a class that refuses to be called), so 
 packages' model code, which is what the tests compare against, imports and runs as published.
 The preprocessing is then written from the published transforms with PIL, in the tests.
 
-On exit the stand-ins and the reference packages' modules are removed from ``sys.modules``;
-objects already built keep working.
+The reference packages live in ``tests/.reference_packages`` (``make reference-packages``, a
+prerequisite of every test target), never in the environment: accelerate's CLI imports timm when
+it is installed, and timm without torchvision fails at import. ``torchvision_stub()`` puts that
+folder at the end of ``sys.path`` while it is active.
+
+On exit the stand-ins, the folder on ``sys.path`` and the reference packages' modules are
+removed again; objects already built keep working.
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ import importlib.machinery
 import sys
 import types
 from collections.abc import Iterator
+from pathlib import Path
 
 # the packages whose modules are dropped again on exit (with the stand-ins)
 REFERENCE_PACKAGES = {"torchvision", "open_clip", "timm", "hpsv2", "ImageReward", "fairscale"}
+# where `make reference-packages` installs them (pip install --target), for the tests alone
+REFERENCE_DIR = Path(__file__).resolve().parent / ".reference_packages"
 
 
 class _PlaceholderMeta(type):
@@ -75,8 +83,10 @@ def torchvision_stub() -> Iterator[None]:
     """Let ``import open_clip`` / ``import timm`` succeed without a working torchvision.
 
     Refuses to run where a real torchvision is already imported (the stand-in would be
-    silently ignored).
+    silently ignored), and where ``make reference-packages`` has not installed the packages.
     """
+    if not (REFERENCE_DIR / ".installed").exists():
+        raise RuntimeError(f"{REFERENCE_DIR} is missing: run `make reference-packages` (make test does)")
     if "torchvision" in sys.modules and not isinstance(sys.modules["torchvision"], _StubModule):
         raise RuntimeError("a real torchvision is imported: the stand-in is not needed here")
     # transformers and diffusers decide at import whether torchvision is there: let them decide
@@ -89,9 +99,11 @@ def torchvision_stub() -> Iterator[None]:
     before = set(sys.modules)
     finder = _StubFinder()
     sys.meta_path.insert(0, finder)
+    sys.path.append(str(REFERENCE_DIR))  # last: the environment's own packages win
     try:
         yield
     finally:
+        sys.path.remove(str(REFERENCE_DIR))
         sys.meta_path.remove(finder)
         for name in set(sys.modules) - before:
             if name.partition(".")[0] in REFERENCE_PACKAGES:

@@ -177,10 +177,8 @@ def _import_authors_modules() -> types.SimpleNamespace:
     """``ImageReward.py`` and ``models/BLIP/{blip_pretrain,vit,med}.py`` of the installed
     wheel, their packages' ``__init__`` left out. Inside ``torchvision_stub()``."""
     for package in ("ImageReward", "timm", "fairscale"):
-        if importlib.util.find_spec(package) is None:  # `make install` installs them
-            raise ImportError(
-                f"the reference needs {package}: make install (pip install --no-deps image-reward==1.5 timm fairscale)"
-            )
+        if importlib.util.find_spec(package) is None:  # `make reference-packages` installs them
+            raise ImportError(f"the reference needs {package}: make reference-packages")
     spec = importlib.util.find_spec("ImageReward")
     root = Path(list(spec.submodule_search_locations)[0])
     for name, folder in (("ImageReward", root), ("ImageReward.models", root / "models")):
