@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import importlib.util
 import os
+import sys
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -29,6 +30,7 @@ from typing import Any, ClassVar, TypeVar
 from .data.images import INTERPOLATION_MODES
 from .errors import ArgumentError
 from .families.objectives import TIMESTEP_BIAS_STRATEGIES, WEIGHTING_SCHEMES
+from .runtime.user_errors import USER_ERROR_EXIT, print_user_error
 
 PLACEMENT_CHOICES = ("replicate", "shard", "offload", "cache")
 FROZEN_PLACEMENT_CHOICES = (*PLACEMENT_CHOICES, "auto")
@@ -159,10 +161,21 @@ class Settings:
         return {k: v for k, v in vars(self).items() if not isinstance(v, list)}
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose malformed command line is one ``error:`` line (printed once
+    per launch: ``runtime.user_errors``) and exit status 2, instead of argparse's usage block
+    (scores of lines for a trainer's flags) repeated by every rank."""
+
+    def error(self, message: str):
+        print_user_error(f"{message} (--help lists the flags)")
+        sys.exit(USER_ERROR_EXIT)
+
+
 def settings_parser(settings: type[Settings]) -> argparse.ArgumentParser:
     """An ``argparse`` parser with one ``--<name>`` flag per field of ``settings``, in field
-    order, in help sections by the ``GROUP`` of the class that first defines each field."""
-    parser = argparse.ArgumentParser(description=settings.DESCRIPTION)
+    order, in help sections by the ``GROUP`` of the class that first defines each field; a
+    malformed command line is one ``error:`` line (``OneLineErrorParser``)."""
+    parser = OneLineErrorParser(description=settings.DESCRIPTION)
     hints = typing.get_type_hints(settings)
     sections: dict[str, argparse._ArgumentGroup] = {}
     for field in dataclasses.fields(settings):

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.unit
 PACKAGE = REPO_ROOT / "diffusers_zero3"
 # lowest first; a sub-package may import the ones before it (the root re-exports lazily)
 LAYERS = ("errors", "runtime", "state", "data", "families", "placement", "rewards", "training", "rl", "args", "recipes",
-          "demo", "testing", "plan", "(root)")  # fmt: skip
+          "commands", "demo", "testing", "plan", "(root)")  # fmt: skip
 
 
 def _module(path) -> str:

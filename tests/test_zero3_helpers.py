@@ -180,7 +180,27 @@ def worker_helpers_under_explicit_zero_init():
     # disabled: nothing gathered
     with gathered_parameters(partitioned, enabled=False):
         assert partitioned.weight.numel() == 0
+
+    # docs/api.md's gathered_parameters example, as printed, on a partitioned conv_in that
+    # requires grad (as a trained UNet's does)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        unet = torch.nn.Module()
+        unet.conv_in = torch.nn.Conv2d(4, 32, 3)
+    with gathered_parameters(unet.conv_in):
+        original = unet.conv_in.weight.detach().clone()
+    exec(api_doc_block("from diffusers_zero3 import gathered_parameters"), {"unet": unet})
+    with gathered_parameters(unet.conv_in):
+        torch.testing.assert_close(unet.conv_in.weight.detach(), original * 0.5)
     print("OK helpers")
+
+
+def api_doc_block(containing: str) -> str:
+    """The python block of docs/api.md that contains ``containing``, as printed."""
+    import re
+
+    blocks = re.findall(r"```python\n(.*?)```", (REPO_ROOT / "docs" / "api.md").read_text(), re.S)
+    (block,) = [b for b in blocks if containing in b]
+    return block
 
 
 @pytest.mark.multirank

@@ -25,8 +25,9 @@ from __future__ import annotations
 import os
 import shlex
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 CPU_PROCESSES = 2
 
@@ -94,6 +95,42 @@ def launch_settings(environ: Mapping[str, str] | None = None) -> LaunchSettings:
     if forced_cpu and cuda_device_count() >= 1:
         env["CUDA_VISIBLE_DEVICES"] = ""  # else accelerate picks NCCL beside DeepSpeed's CPU accelerator
     return LaunchSettings(requested or CPU_PROCESSES, "cpu", env)
+
+
+def stale_build_locks(since: float | None = None) -> list[Path]:
+    """Build locks of torch's C++ extensions (where DeepSpeed builds its CPU communication op on
+    first use) older than ``since`` (a time stamp; default now). A build killed half-way leaves
+    its ``lock``, and every later launch then waits on it in silence."""
+    import time
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch_extensions"
+    )
+    since = time.time() if since is None else since
+    return sorted(p for p in Path(root).glob("**/lock") if p.is_file() and p.stat().st_mtime < since)
+
+
+def warn_about_build_locks(locks: Sequence[Path]) -> None:
+    """Say what a launch may wait on, and how to clear it (one line per lock, to stderr)."""
+    for lock in locks:
+        print(
+            f"note: {lock} exists: a DeepSpeed/torch op build holds it, or a build killed half-way "
+            f"left it and every launch waits on it; if no other job on this host is building, "
+            f"remove it: rm {lock}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def warn_about_locks_older_than_launch() -> None:
+    """On local rank 0 of a launch: ``warn_about_build_locks`` for the locks made before the
+    launcher started (which no rank of this launch can hold). Anywhere else, nothing."""
+    from .user_errors import launched_rank, process_start_time
+
+    if launched_rank() and os.environ.get("LOCAL_RANK") == "0":
+        started = process_start_time(os.getppid())
+        if started is not None:
+            warn_about_build_locks(stale_build_locks(started))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,8 @@ from ..errors import UserError
 from ..runtime.accelerator import build_accelerator
 from ..runtime.distributed import exit_after_teardown, log_rank_zero
 from ..runtime.ds_config import fill_auto_bucket_sizes
+from ..runtime.launch import warn_about_locks_older_than_launch
+from ..runtime.user_errors import USER_ERROR_EXIT, print_user_error
 from ..runtime.zero3 import is_zero3_enabled, set_moe_leaf_modules, zero3_init_disabled
 from ..state.pretrained import load_pretrained_zero3
 
@@ -151,7 +153,8 @@ def run_script(body: Callable[[], None]) -> int:
     """Run a training script's ``body`` with the package's exit protocol; return the exit code.
 
     * A usage problem (``ArgumentError``, ``DataError``, ``CheckpointError``) prints one line
-      ``error: <what is wrong>`` on every rank that raised it and exits with code 2.
+      ``error: <what is wrong>``, from the first local rank that raised it (the others stay
+      silent: ``runtime.user_errors``), and exits with code 2 on every rank that raised it.
     * Any other exception prints its traceback and exits with code 1.
     * Under ``torch.distributed`` a failing rank leaves with ``os._exit`` at once: tearing
       down a process group whose peers are gone or stuck can hang or abort, and the peers
@@ -164,8 +167,8 @@ def run_script(body: Callable[[], None]) -> int:
     try:
         body()
     except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        code = 2
+        print_user_error(str(e))
+        code = USER_ERROR_EXIT
     except BaseException:
         if not torch.distributed.is_initialized():
             raise
@@ -186,6 +189,7 @@ def run_trainer(make_trainer: Callable[[], Any]) -> int:
     errors end the same way: one ``error:`` line."""
 
     def body() -> None:
+        warn_about_locks_older_than_launch()  # else a stale op-build lock is a silent wait
         trainer = make_trainer()
         trainer.setup()
         trainer.train()

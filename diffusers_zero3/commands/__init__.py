@@ -1,0 +1,143 @@
+"""The console commands: one module per training script, each usable three ways.
+
+    diffusers-zero3-train-text-to-image --pretrained_model_name_or_path PIPE ...   # launches the ranks
+    python -m diffusers_zero3.commands.train_text_to_image --pretrained_model_name_or_path PIPE ...
+    accelerate launch --config_file CONFIG -m diffusers_zero3.commands.train_text_to_image ...
+
+Run directly (the first two forms), a command launches the ranks of this host itself, through
+accelerate's launcher in this process: one per GPU on a CUDA host (DeepSpeed ZeRO-3 in bf16),
+else 2 CPU ranks (gloo, fp32), or ``--num_processes N``; ``--config_file PATH`` takes another
+accelerate config (the package's own are in ``diffusers_zero3/configs``) and
+``--main_process_port P`` another port (launch flags: before the script's own). Its flags are parsed once before any rank starts, so a typo costs no
+launch. A user error is then one ``error:`` line from one rank with exit status 2, without the
+launcher's traceback after it; a crash keeps the rank's traceback and the launcher's summary.
+
+Under a launcher (``accelerate launch``, ``torchrun``: ``LOCAL_RANK`` is set), the module is one
+rank of the job, as ``scripts/train_*.py`` are. Multi-node jobs use that form.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..runtime.user_errors import USER_ERROR_EXIT, error_claim_path, launched_rank
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+# the command's own, before the script's flags (accelerate launch's names)
+LAUNCH_FLAGS = ("--num_processes", "--config_file", "--main_process_port")
+
+
+def default_config(device: str) -> Path:
+    """The accelerate config a command launches with on ``device``: ZeRO-3 in bf16 on CUDA,
+    ZeRO-3 in fp32 on the CPU (where DeepSpeed has no fp16, and bf16 is slow)."""
+    return CONFIGS / ("accelerate_zero3_bf16.yaml" if device == "cuda" else "accelerate_zero3.yaml")
+
+
+def split_launch_flags(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """``({"num_processes": ..., "config_file": ..., ...}, the script's flags)``: the command's
+    launch flags are read while they lead the command line (``--flag value`` or
+    ``--flag=value``); the rest goes to the script unchanged."""
+    argv, launch = list(argv), {}
+    while argv:
+        name, sep, value = argv[0].partition("=")
+        if name not in LAUNCH_FLAGS:
+            break
+        if not sep:
+            if len(argv) < 2:
+                break
+            value = argv[1]
+            argv = argv[1:]
+        launch[name[2:]] = value
+        argv = argv[1:]
+    return launch, argv
+
+
+def launch_ranks(module: str, argv: Sequence[str], parse: Callable[[list[str]], Any]) -> int:
+    """Launch ``python -m module argv`` on the ranks of this host through accelerate's launcher
+    (in this process) and return the exit status: 0, 2 after a user error (whose line one rank
+    printed), else 1 with the launcher's summary of the failed ranks.
+
+    ``parse`` parses the script's flags here first (a bad flag is one ``error:`` line and no
+    launch)."""
+    from ..errors import UserError
+    from ..runtime.launch import launch_settings, stale_build_locks, warn_about_build_locks
+
+    launch, script_argv = split_launch_flags(argv)
+    environ = dict(os.environ)
+    if "num_processes" in launch:
+        environ["NUM_PROCESSES"] = launch["num_processes"]
+    try:
+        settings = launch_settings(environ)
+        config = Path(launch.get("config_file") or default_config(settings.device))
+        if not config.is_file():
+            raise UserError(f"--config_file {config}: no such file")
+        parse(list(script_argv))
+    except (UserError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT
+    warn_about_build_locks(stale_build_locks())
+    os.environ.update(settings.env)
+
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    port = ["--main_process_port", launch["main_process_port"]] if "main_process_port" in launch else []
+    args = launch_command_parser().parse_args(
+        ["--config_file", str(config), "--num_processes", str(settings.num_processes), *port, "--module", module,
+         *script_argv]
+    )  # fmt: skip
+    # torchrun's notice that it set OMP_NUM_THREADS=1, and its per-rank "failed (exitcode ...)"
+    # lines (a crash is summarised below): not for a user who did not call torchrun
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.run", "torch.distributed.elastic")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        launch_command(args)
+    except ChildFailedError as e:
+        _, first = e.get_first_failure()
+        if first.exitcode == USER_ERROR_EXIT:  # the rank printed its one line
+            return USER_ERROR_EXIT
+        print(e.format_msg(), file=sys.stderr, flush=True)
+        return 1
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+        error_claim_path(os.getpid()).unlink(missing_ok=True)
+    return 0
+
+
+def run_command(module: str, make_trainer: Callable[[list[str]], Any], parse: Callable[[list[str]], Any],
+                argv: Sequence[str] | None = None) -> int:  # fmt: skip
+    """A console command's body: under a launcher, this rank's part of the job (the trainer
+    from ``make_trainer(argv)`` through ``run_trainer``); else ``launch_ranks``. ``--help``
+    prints the script's flags without a launch. Returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if launched_rank():
+        from ..runtime.huge_pages import use_huge_pages_for_host_tensors
+
+        use_huge_pages_for_host_tensors()  # first: before torch makes its first tensor
+        from ..training.job import run_trainer
+
+        return run_trainer(lambda: make_trainer(argv))
+    if "-h" in argv or "--help" in argv:
+        print(
+            "launch flags (before the script's own): --num_processes N, --config_file PATH, --main_process_port P\n"
+        )
+        parse(split_launch_flags(argv)[1])
+        return 0
+    return launch_ranks(module, argv, parse)
+
+
+__all__ = [
+    "CONFIGS",
+    "default_config",
+    "launch_ranks",
+    "run_command",
+    "split_launch_flags",
+]

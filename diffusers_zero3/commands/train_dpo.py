@@ -1,0 +1,36 @@
+"""Diffusion-DPO on preference pairs against a frozen reference: ``scripts/train_dpo.py``'s flags.
+
+    diffusers-zero3-train-dpo FLAGS                         # launches this host's ranks (see ``commands``)
+    python -m diffusers_zero3.commands.train_dpo FLAGS
+    accelerate launch --config_file CONFIG -m diffusers_zero3.commands.train_dpo FLAGS
+
+Nothing is imported before ``main`` runs: a rank puts its host tensors on huge pages first.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from . import run_command
+
+
+def _settings(argv: list[str]):
+    from ..recipes.dpo import DPOSettings
+
+    return DPOSettings.parse(argv)
+
+
+def _trainer(argv: list[str]):
+    from ..recipes.dpo import DPOTrainer
+
+    return DPOTrainer(_settings(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``diffusers-zero3-train-dpo``: launch this host's ranks, or run as one rank under a launcher."""
+    return run_command(__name__, _trainer, _settings, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

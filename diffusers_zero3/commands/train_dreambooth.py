@@ -1,0 +1,36 @@
+"""DreamBooth (prior preservation; the text encoder optionally trained as its own ZeRO-3 engine): ``scripts/train_dreambooth.py``'s flags.
+
+    diffusers-zero3-train-dreambooth FLAGS                         # launches this host's ranks (see ``commands``)
+    python -m diffusers_zero3.commands.train_dreambooth FLAGS
+    accelerate launch --config_file CONFIG -m diffusers_zero3.commands.train_dreambooth FLAGS
+
+Nothing is imported before ``main`` runs: a rank puts its host tensors on huge pages first.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from . import run_command
+
+
+def _settings(argv: list[str]):
+    from ..recipes.dreambooth import DreamBoothSettings
+
+    return DreamBoothSettings.parse(argv)
+
+
+def _trainer(argv: list[str]):
+    from ..recipes.dreambooth import DreamBoothTrainer
+
+    return DreamBoothTrainer(_settings(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``diffusers-zero3-train-dreambooth``: launch this host's ranks, or run as one rank under a launcher."""
+    return run_command(__name__, _trainer, _settings, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Fine-tune a pipeline's denoiser (every supported family) under DeepSpeed ZeRO-3: ``scripts/train_text_to_image.py``'s flags.
+
+    diffusers-zero3-train-text-to-image FLAGS                         # launches this host's ranks (see ``commands``)
+    python -m diffusers_zero3.commands.train_text_to_image FLAGS
+    accelerate launch --config_file CONFIG -m diffusers_zero3.commands.train_text_to_image FLAGS
+
+Nothing is imported before ``main`` runs: a rank puts its host tensors on huge pages first.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from . import run_command
+
+
+def _settings(argv: list[str]):
+    from ..args import TextToImageSettings
+
+    return TextToImageSettings.parse(argv)
+
+
+def _trainer(argv: list[str]):
+    from ..recipes.text_to_image import TextToImageTrainer
+
+    return TextToImageTrainer(_settings(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``diffusers-zero3-train-text-to-image``: launch this host's ranks, or run as one rank under a launcher."""
+    return run_command(__name__, _trainer, _settings, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
