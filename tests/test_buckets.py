@@ -221,3 +221,118 @@ def test_a_bucketed_cache_holds_each_image_at_its_buckets_shape_as_live_training
         ds, tmp_path, buckets=buckets[::-1], row_buckets=[1 - b if b >= 0 else b for b in row_buckets], **kw
     )
     assert not other.reused and other.folder != cache.folder
+
+
+def _exif_jpeg(folder, name, stored_hw, orientation):
+    """``folder/name.jpg``: a JPEG stored ``stored_hw`` (height, width), a bright top-left corner,
+    carrying EXIF ``orientation`` (1 upright; 6 and 8 displayed turned a quarter, so height and
+    width swap after ``ImageOps.exif_transpose``), and beside it ``name-upright.png``: the same
+    image as a viewer shows it (and ``datasets`` decodes it), with no EXIF."""
+    from PIL import Image, ImageOps
+
+    h, w = stored_hw
+    image = Image.new("RGB", (w, h), (20, 20, 20))
+    image.paste((250, 250, 250), (0, 0, w // 4, h // 4))
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    path = folder / f"{name}.jpg"
+    image.save(path, format="JPEG", exif=exif.tobytes(), quality=95)
+    with Image.open(path) as stored:
+        ImageOps.exif_transpose(stored).save(folder / f"{name}-upright.png")
+    return path
+
+
+def test_an_exif_rotated_image_is_bucketed_as_it_is_decoded(tmp_path):
+    """A photo stored landscape with EXIF orientation 6 or 8 is a portrait once decoded
+    (``datasets`` applies ``ImageOps.exif_transpose``): its bucket is the upright copy's, read from
+    the header without decoding, whether the column holds bytes or paths; orientation 1 is a control."""
+    import datasets
+
+    from diffusers_zero3.data.buckets import bucket_rows, image_size
+    from diffusers_zero3.data.images import ImageCaptionDataset
+
+    buckets = [(32, 64), (64, 32)]  # landscape, portrait
+    cases = [("six", 6), ("eight", 8), ("one", 1)]
+    paths = [_exif_jpeg(tmp_path, name, (40, 80), o) for name, o in cases]  # each stored 40 high, 80 wide
+    upright = [str(tmp_path / f"{name}-upright.png") for name, _ in cases]
+    by_path = datasets.Dataset.from_dict({"image": [str(p) for p in paths] + upright}).cast_column(
+        "image", datasets.Image()
+    )
+    by_bytes = datasets.Dataset.from_dict(
+        {"image": [{"bytes": p.read_bytes(), "path": None} for p in paths]},
+        features=datasets.Features({"image": datasets.Image()}),
+    )
+    decoded = [by_path[i]["image"].size[::-1] for i in range(3)]
+    assert decoded == [(80, 40), (80, 40), (40, 80)]  # what datasets decodes: 6 and 8 turned upright
+    sizes = image_sizes(by_path, "image")
+    assert sizes[:3] == decoded and sizes[:3] == sizes[3:]  # each the size of its upright copy
+    assert image_sizes(by_bytes, "image") == decoded
+    expected = [1, 1, 0]  # portrait, portrait, landscape (the control)
+    assert assign_buckets(sizes[3:], buckets) == expected  # the upright copies' buckets
+    assert bucket_rows(by_path, "image", buckets) == expected + expected
+    assert bucket_rows(by_bytes, "image", buckets) == expected
+    from PIL import Image
+
+    with Image.open(paths[0]) as opened:  # a PIL image not yet transposed: the size it will have
+        assert image_size(opened) == (80, 40)
+    # and the crop is the bucket's shape with no stretching: the image is the upright one, resized
+    dataset = ImageCaptionDataset(
+        by_path.add_column("text", ["c"] * 6), None, "image", "text", 32, center_crop=True,
+        tokenize=lambda c: {"input_ids": torch.zeros(len(c), 1, dtype=torch.long)},
+        buckets=buckets, row_buckets=bucket_rows(by_path, "image", buckets),
+    )  # fmt: skip
+    for i in range(3):
+        item, twin = dataset[i], dataset[i + 3]
+        assert tuple(item["pixel_values"].shape[1:]) == buckets[expected[i]]
+        assert item["original_size"].tolist() == list(decoded[i])
+        torch.testing.assert_close(item["pixel_values"], twin["pixel_values"], atol=0.1, rtol=0)
+
+
+def _png_chunks(data: bytes) -> list[bytes]:
+    import struct
+
+    chunks, at = [], 8
+    while at < len(data):
+        (length,) = struct.unpack(">I", data[at : at + 4])
+        chunks.append(data[at : at + 12 + length])
+        at += 12 + length
+    return chunks
+
+
+def test_a_pngs_exif_orientation_counts_before_or_after_its_pixels_and_headers_are_not_decoded(monkeypatch):
+    """PNG keeps EXIF in an eXIf chunk, before the pixels or after them (PIL reads a late one
+    only when it decodes): both give the decoded size. Sizes come without decoding the pixels,
+    except for a PNG with such a late chunk."""
+    import io
+
+    import datasets
+    from PIL import Image, ImageFile
+
+    from diffusers_zero3.data.buckets import image_size
+
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    Image.new("RGB", (80, 40), (200, 0, 0)).save(buf, format="PNG", exif=exif.tobytes())
+    early = buf.getvalue()
+    chunks = _png_chunks(early)
+    kinds = [c[4:8] for c in chunks]
+    assert kinds.index(b"eXIf") < kinds.index(b"IDAT")
+    moved = [c for c in chunks if c[4:8] != b"eXIf"]
+    late = early[:8] + b"".join(moved[:-1] + [chunks[kinds.index(b"eXIf")], moved[-1]])
+    for data in (early, late):
+        assert datasets.Image().decode_example({"bytes": data, "path": None}).size == (40, 80)
+        assert image_size({"bytes": data, "path": None}) == (80, 40)
+    jpeg = io.BytesIO()
+    Image.new("RGB", (80, 40)).save(jpeg, format="JPEG", exif=exif.tobytes())
+    plain = io.BytesIO()
+    Image.new("RGB", (80, 40)).save(plain, format="PNG")
+
+    def no_decoding(self):
+        raise AssertionError("the pixels were decoded")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", no_decoding)
+    assert image_size({"bytes": jpeg.getvalue(), "path": None}) == (80, 40)
+    assert image_size({"bytes": early, "path": None}) == (80, 40)
+    assert image_size({"bytes": plain.getvalue(), "path": None}) == (40, 80)
+    assert image_size({"bytes": late, "path": None}) is None  # the one case that decodes (here: refused)

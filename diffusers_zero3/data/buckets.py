@@ -91,21 +91,79 @@ def nearest_bucket(height: int, width: int, buckets: Sequence[Bucket]) -> int:
     )
 
 
+# EXIF orientations that turn an image a quarter (transpose, 90 degrees, transverse, 270):
+# ``ImageOps.exif_transpose``, which ``datasets`` applies when it decodes, swaps their sides.
+ORIENTATION_TAG = 0x0112
+QUARTER_TURNS = (5, 6, 7, 8)
+# PNG chunks that can carry an orientation (eXIf; XMP in iTXt; ImageMagick's raw exif profile in
+# tEXt/zTXt): PIL reads those after the pixels only when it decodes them.
+_PNG_ORIENTATION_CHUNKS = (b"eXIf", b"iTXt", b"tEXt", b"zTXt")
+
+
+def _png_orientation_after_pixels(source) -> bool:
+    """True when the PNG ``source`` (a path or bytes) has a chunk that may carry an orientation
+    after its first IDAT. Walks the chunk headers; nothing is decompressed."""
+    import struct
+
+    with open(source, "rb") if isinstance(source, str) else io.BytesIO(source) as f:
+        f.seek(8)  # the signature
+        pixels = False
+        while len(head := f.read(8)) == 8:
+            length, kind = struct.unpack(">I4s", head)
+            if kind == b"IEND":
+                break
+            if kind == b"IDAT":
+                pixels = True
+            elif pixels and kind in _PNG_ORIENTATION_CHUNKS:
+                return True
+            f.seek(length + 4, io.SEEK_CUR)  # the data and its CRC
+    return False
+
+
+def _orientation(image, source=None) -> int | None:
+    """The EXIF orientation ``datasets`` will apply to ``image`` (PIL's ``getexif``, which also
+    reads an XMP ``tiff:Orientation``), from its header when it was opened from ``source`` and
+    not decoded: a PNG's ``getexif`` would decode the pixels to reach chunks after them, so it is
+    asked only when such a chunk exists."""
+    from PIL import Image, PngImagePlugin
+
+    if (
+        source is not None
+        and isinstance(image, PngImagePlugin.PngImageFile)
+        and "exif" not in image.info
+        and not _png_orientation_after_pixels(source)
+    ):
+        return Image.Image.getexif(image).get(ORIENTATION_TAG)  # the header's chunks, without a load
+    return image.getexif().get(ORIENTATION_TAG)
+
+
 def image_size(value) -> tuple[int, int] | None:
-    """``(height, width)`` of an image as ``datasets`` stores it undecoded (``{"bytes",
-    "path"}``), or a PIL image; reads the header only. None when it cannot be read."""
+    """``(height, width)`` of an image as ``datasets`` decodes it, from an image as it stores it
+    undecoded (``{"bytes", "path"}``: the header only, the pixels not decoded) or a PIL image;
+    None when it cannot be read.
+
+    The size is the one after ``ImageOps.exif_transpose`` (which ``datasets`` applies): a photo
+    stored 4000 x 3000 with EXIF orientation 6 (a phone held upright) is 3000 wide, 4000 high.
+
+    Example: ``image_size({"bytes": jpeg_stored_80_wide_40_high_orientation_6, "path": None})``
+    is ``(80, 40)``.
+    """
     from PIL import Image
 
     try:
         if hasattr(value, "size") and not isinstance(value, dict):
+            # a PIL image: one datasets decoded is transposed already (its orientation removed)
             width, height = value.size
-            return height, width
-        source = io.BytesIO(value["bytes"]) if value.get("bytes") else value.get("path")
-        if source is None:
-            return None
-        with Image.open(source) as image:
-            width, height = image.size
-        return height, width
+            orientation = _orientation(value)
+        else:
+            data = value.get("bytes")
+            source = data or value.get("path")
+            if source is None:
+                return None
+            with Image.open(io.BytesIO(data) if data else source) as image:
+                width, height = image.size
+                orientation = _orientation(image, source)
+        return (width, height) if orientation in QUARTER_TURNS else (height, width)
     except Exception:  # PIL raises several types for a file that is not an image
         return None
 
