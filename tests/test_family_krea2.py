@@ -2,7 +2,9 @@
 prompt encoding (the fixed-length ``[prefix | caption | pad | suffix]`` block, valid-token
 positions, the twelve selected hidden states, the mask) against ``encode_prompt``, the
 transformer call against the pipeline's, the objective against the script's lines, in fp32 and
-bf16; the published parameter counts; the tiny pipeline with the script's LoRA targets."""
+bf16; the published parameter counts; the tiny pipeline with the script's LoRA targets; a
+pipeline whose registered config (``text_encoder_select_layers``, ``patch_size``,
+``is_distilled``) is not the published one, read from its ``model_index.json``."""
 
 from __future__ import annotations
 
@@ -29,13 +31,15 @@ def load(folder, dtype=torch.float32):
     return pipe
 
 
-def family_outputs(pipe, folder, prompts, max_sequence_length, encoder=None):
-    """The family's tokenization and encoding of ``prompts`` (with ``encoder``, default the pipeline's)."""
+def family_outputs(pipe, folder, prompts, max_sequence_length, encoder=None, family=None):
+    """The family's (default ``KREA2``) tokenization and encoding of ``prompts`` (with
+    ``encoder``, default the pipeline's)."""
     from diffusers_zero3.families import KREA2
 
-    ids = KREA2.tokenize(KREA2.load_tokenizers(folder), prompts, max_sequence_length)
+    family = family or KREA2
+    ids = family.tokenize(family.load_tokenizers(folder), prompts, max_sequence_length)
     with torch.no_grad():
-        outputs = KREA2.encode_texts({"text_encoder": encoder or pipe.text_encoder}, ids)
+        outputs = family.encode_texts({"text_encoder": encoder or pipe.text_encoder}, ids)
     return ids, outputs
 
 
@@ -384,3 +388,102 @@ def test_tiny_pipeline_generates_and_takes_lora_at_the_scripts_targets(folder):
         lora_b[0].fill_(0.5)  # a LoRA that has learnt something changes the prediction
         changed = KREA2.predict(pipe.transformer, latents, timesteps, cond)
     assert (changed - before).abs().max() > 1e-4
+
+
+# --------------------------------------------------------------------------- f. the pipeline's registered config
+
+
+def resaved(folder, out, **config):
+    """The tiny pipeline's components (those of ``config`` replacing theirs) saved again as a
+    ``Krea2Pipeline`` with the registered values of ``config``; the reloaded pipeline."""
+    from diffusers import Krea2Pipeline
+
+    Krea2Pipeline(**{**load(folder).components, **config}).save_pretrained(out, safe_serialization=True)
+    return load(out)
+
+
+def rebuilt(family, pipe):
+    """The family's pipeline (validation's) around ``pipe``'s modules."""
+    return family.pipeline(
+        pipe.transformer,
+        pipe.vae,
+        {"text_encoder": pipe.text_encoder},
+        {"text_encoder": pipe.tokenizer},
+        pipe.scheduler,
+    )
+
+
+@pytest.mark.parametrize("variant", ["other_taps", "shallow_encoder"])
+def test_conditioning_reads_the_pipelines_select_layers(folder, tmp_path, variant):
+    """``text_encoder_select_layers`` is ``Krea2Pipeline``'s config (``model_index.json``), the
+    published taps only its default: twelve other taps of the same 36-layer encoder (the published
+    ones would train on layers the pipeline never reads), and a 12-layer encoder read at all twelve
+    (the published taps reach ``hidden_states[35]``: an ``IndexError``)."""
+    from transformers import Qwen3VLModel
+
+    from diffusers_zero3.families import KREA2, detect_family
+    from diffusers_zero3.families.krea2 import TEXT_ENCODER_SELECT_LAYERS
+    from diffusers_zero3.placement.plan import pipeline_components
+
+    if variant == "other_taps":
+        layers, extra = tuple(range(0, 36, 3)), {}
+    else:
+        config = copy.deepcopy(load(folder).text_encoder.config)
+        config.text_config.num_hidden_layers = 12
+        torch.manual_seed(1)
+        layers, extra = tuple(range(1, 13)), {"text_encoder": Qwen3VLModel(config).eval()}
+    assert layers != TEXT_ENCODER_SELECT_LAYERS and len(layers) == len(TEXT_ENCODER_SELECT_LAYERS)
+    out = tmp_path / "pipe"
+    pipe = resaved(folder, out, text_encoder_select_layers=layers, **extra)
+    assert pipe.text_encoder_select_layers == layers
+    family = detect_family(out)
+    assert family.name == KREA2.name and family.text_encoder_select_layers == layers
+    assert pipeline_components(out)[0].text_encoder_select_layers == layers  # the planner's family too
+
+    with torch.no_grad():
+        embeds, mask = pipe.encode_prompt(list(PROMPTS), device="cpu", max_sequence_length=32)
+    _, outputs = family_outputs(pipe, out, PROMPTS, 32, family=family)
+    cond = family.conditioning(outputs)
+    torch.testing.assert_close(cond["encoder_hidden_states"], embeds, rtol=0, atol=0)
+    assert torch.equal(cond["encoder_attention_mask"].bool(), mask)
+    # validation's pipeline reads the same taps
+    assert rebuilt(family, pipe).text_encoder_select_layers == layers
+
+
+def test_patch_size_and_distillation_are_the_pipelines(folder, tmp_path):
+    """``patch_size`` and ``is_distilled`` are ``Krea2Pipeline``'s config too: latents packed in
+    1x1 patches (a transformer taking 4 channels per token) give the pipeline's transformer call
+    and the side multiple; validation's pipeline is built with both."""
+    from diffusers import Krea2Transformer2DModel
+
+    from diffusers_zero3.families import detect_family
+
+    torch.manual_seed(2)
+    transformer = Krea2Transformer2DModel.from_config({**load(folder).transformer.config, "in_channels": 4})
+    out = tmp_path / "pipe"
+    pipe = resaved(folder, out, transformer=transformer.eval(), patch_size=1, is_distilled=True)
+    family = detect_family(out)
+    assert (family.patch_size, family.is_distilled) == (1, True)
+    assert family.latent_multiple(dict(pipe.vae.config)) == pipe.vae_scale_factor * pipe.patch_size == 4
+    validation = rebuilt(family, pipe)
+    assert (validation.patch_size, validation.config.is_distilled) == (1, True)
+
+    capture = Capture(pipe.transformer)
+    with torch.no_grad():
+        pipe(list(PROMPTS[:2]), height=32, width=48, num_inference_steps=2, guidance_scale=0.0,
+             max_sequence_length=32, generator=torch.Generator().manual_seed(0), output_type="latent")  # fmt: skip
+    pipeline_calls, capture.calls = capture.calls, []
+    assert len(pipeline_calls) == 2
+    _, outputs = family_outputs(pipe, out, PROMPTS[:2], 32, family=family)
+    cond = family.conditioning(outputs)
+    for (kwargs, expected), t in zip(pipeline_calls, pipe.scheduler.timesteps):
+        noisy = pipe._unpack_latents(kwargs["hidden_states"], 32, 48)
+        assert noisy.shape == (2, 4, 1, 8, 12)
+        with torch.no_grad():
+            ours = family.predict(pipe.transformer, noisy, t.expand(2), cond)
+        ((our_kwargs, _),) = capture.calls
+        capture.calls = []
+        for key in ("hidden_states", "encoder_hidden_states", "encoder_attention_mask", "position_ids"):
+            assert torch.equal(our_kwargs[key], kwargs[key]), key
+        torch.testing.assert_close(ours, pipe._unpack_latents(expected, 32, 48), rtol=0, atol=0)
+    capture.close()

@@ -20,7 +20,8 @@ by ``Family.matches``), ``krea2`` (Krea 2), ``kontext`` (Flux.1 Kontext: instruc
 with its sound).
 
 ``detect_family(folder)`` picks the family from the pipeline's ``model_index.json``
-(``_class_name``); an unsupported pipeline gets one ``CheckpointError`` listing the supported
+(``_class_name``), with the values the pipeline registers there (``Family.configured``: Krea 2's
+text encoder taps, for one); an unsupported pipeline gets one ``CheckpointError`` listing the supported
 ones. ``family_named("sdxl")`` gives one by its short name (``make train MODEL=...``).
 """
 
@@ -109,8 +110,11 @@ def detect_family(source: str | os.PathLike) -> Family:
 
 
 def family_of_index(model_index: dict) -> Family | None:
-    """The family whose ``matches`` takes a ``model_index.json``'s contents, None when none does."""
-    return next((f for f in ALL_FAMILIES if f.matches(model_index)), None)
+    """The family whose ``matches`` takes a ``model_index.json``'s contents, None when none does,
+    with the values its pipeline registers in that config (``Family.configured``: the published
+    values are only the pipeline's defaults)."""
+    family = next((f for f in ALL_FAMILIES if f.matches(model_index)), None)
+    return None if family is None else family.configured(model_index)
 
 
 __all__ = [

@@ -16,11 +16,12 @@ overrides only what differs from the defaults here.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -195,6 +196,24 @@ class Family:
     # `make train MODEL=<name>`: the placements (and family flags) of its default run;
     # "{pipeline}" stands for the tiny pipeline's folder
     default_run_args: tuple[str, ...] = ()
+
+    # What the pipeline class registers in its config (``register_to_config``, saved in
+    # ``model_index.json``) and the family reads: each a field of the same name whose default is
+    # the pipeline's own; ``configured`` sets them from a pipeline folder, ``pipeline`` passes them.
+    registered_config: ClassVar[tuple[str, ...]] = ()
+
+    def configured(self, model_index: dict) -> Family:
+        """This family with the values a pipeline folder's ``model_index.json`` registers
+        (``registered_config``; a JSON list read as a tuple), the defaults for those it lacks;
+        ``self`` when none differs. ``detect_family`` and ``family_of_index`` give it."""
+        values = {
+            key: tuple(value) if isinstance(value, list) else value
+            for key, value in model_index.items()
+            if key in self.registered_config
+        }
+        if all(getattr(self, key) == value for key, value in values.items()):
+            return self
+        return dataclasses.replace(self, **values)
 
     # ------------------------------------------------------------------ components
 
@@ -569,6 +588,7 @@ class Family:
         import diffusers
 
         kwargs = {self.denoiser: denoiser, "vae": vae, "scheduler": scheduler, **dict(self.pipeline_kwargs)}
+        kwargs.update({key: getattr(self, key) for key in self.registered_config})  # the folder's values
         for spec in self.text_encoders:
             kwargs[spec.name] = text_encoders[spec.name]
             kwargs[spec.tokenizer] = tokenizers[spec.name]

@@ -5,6 +5,11 @@ text path only) per token, fused inside the transformer; Qwen-Image's causal vid
 latents; flow matching as diffusers' ``train_dreambooth_lora_krea2.py`` (uniform timesteps by
 default, target ``noise - latents``, the transformer's output taken as is).
 
+What ``Krea2Pipeline`` registers in its config (``model_index.json``) is read from the pipeline
+folder (``detect_family``): ``text_encoder_select_layers`` (the taps), ``patch_size`` (the
+packing) and ``is_distilled`` (validation's schedule); the published values are only the
+pipeline's defaults (``KREA2``).
+
 The prompt is Qwen-Image's chat template tokenized as the pipeline's fixed-length block
 (``Krea2Pipeline.get_text_hidden_states``): ``[prefix | caption | pad | suffix]``, the padding in
 the middle, text positions counting valid tokens only (cumulative mask, the same on the three
@@ -17,10 +22,13 @@ Neither Qwen3-VL nor the transformer can take an empty batch: for one, ``encode_
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from .base import ChannelMeanStd, Family, PublishedConfig, TextEncoderSpec
-from .qwenimage import PROMPT_TEMPLATE, pack_latents, unpack_latents
+from .qwenimage import PROMPT_TEMPLATE
 from .qwenimage import PUBLISHED_VAE as QWEN_IMAGE_VAE
 
 # Krea2Pipeline.__init__: the Qwen-Image template split around the caption, the prefix dropped.
@@ -28,10 +36,30 @@ PROMPT_PREFIX = PROMPT_TEMPLATE.split("{}")[0]
 PROMPT_SUFFIX = PROMPT_TEMPLATE.split("{}")[1]  # "<|im_end|>\n<|im_start|>assistant\n"
 DROPPED_PREFIX_TOKENS = 34  # Krea2Pipeline.prompt_template_encode_start_idx
 SUFFIX_TOKENS = 5  # Krea2Pipeline.prompt_template_encode_num_suffix_tokens
-# Krea2Pipeline's default text_encoder_select_layers: indices into Qwen3-VL-4B's hidden_states
-# (0 is the embeddings' output), one every 3 layers from the 2nd to the 35th of 36.
+# Krea2Pipeline's default text_encoder_select_layers (a registered config value: a pipeline folder
+# may set others): indices into Qwen3-VL-4B's hidden_states (0 is the embeddings' output), one
+# every 3 layers from the 2nd to the 35th of 36.
 TEXT_ENCODER_SELECT_LAYERS = (2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35)
-PATCH_SIZE = 2  # Krea2Pipeline's patch_size (the script packs 2x2 patches too)
+PATCH_SIZE = 2  # Krea2Pipeline's default patch_size (registered; the script packs 2x2 patches too)
+
+
+def pack_latents(latents: torch.Tensor, patch_size: int = PATCH_SIZE) -> torch.Tensor:
+    """One-frame latents in ``patch_size``-square patches: (N, C, 1, H, W) -> (N, H/p * W/p, C p^2),
+    as ``Krea2Pipeline._pack_latents``."""
+    n, c, _, h, w = latents.shape
+    p = patch_size
+    x = latents.view(n, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(n, (h // p) * (w // p), c * p * p)
+
+
+def unpack_latents(
+    packed: torch.Tensor, height: int, width: int, patch_size: int = PATCH_SIZE
+) -> torch.Tensor:
+    """The inverse of ``pack_latents`` for latents of ``height`` x ``width`` (latent sides)."""
+    n, _, d = packed.shape
+    p = patch_size
+    x = packed.view(n, height // p, width // p, d // (p * p), p, p).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(n, d // (p * p), 1, height, width)
 
 
 def text_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -65,8 +93,24 @@ class ScriptLatentNorm(ChannelMeanStd):
         return ((latents - mean) * inv_std).to(latents.dtype)
 
 
+@dataclass(frozen=True)
 class Krea2(Family):
-    """Krea 2: twelve stacked Qwen3-VL states per token with their mask; one-frame packed latents."""
+    """Krea 2: stacked Qwen3-VL states per token (the pipeline's taps) with their mask; one-frame
+    packed latents."""
+
+    registered_config: ClassVar[tuple[str, ...]] = (
+        "text_encoder_select_layers",
+        "is_distilled",
+        "patch_size",
+    )
+    # Krea2Pipeline's registered values, their defaults the pipeline's (None: its default taps)
+    text_encoder_select_layers: tuple[int, ...] | None = TEXT_ENCODER_SELECT_LAYERS
+    is_distilled: bool = False  # the pipeline's fixed shift (mu 1.15) at inference: validation's schedule
+    patch_size: int = PATCH_SIZE
+
+    def __post_init__(self):
+        if self.text_encoder_select_layers is None:  # as Krea2Pipeline.__init__ reads None
+            object.__setattr__(self, "text_encoder_select_layers", TEXT_ENCODER_SELECT_LAYERS)
 
     # ------------------------------------------------------------------ prompts
 
@@ -106,7 +150,8 @@ class Krea2(Family):
         }
 
     def encode_text(self, name, encoder, input_ids, attention_mask=None):
-        """``hidden_states[i]`` for the twelve selected layers stacked per token, ``(B, L, 12, H)``,
+        """``hidden_states[i]`` for the pipeline's selected layers (``text_encoder_select_layers``,
+        twelve by default) stacked per token, ``(B, L, layers, H)``,
         after the dropped prefix, with the mask: the pipeline's ``encode_prompt`` (its position
         ids, its boolean mask; the padded rows kept as it keeps them). The whole model is called
         (under ZeRO-3 its root forward ends each trace)."""
@@ -125,7 +170,13 @@ class Krea2(Family):
             output_hidden_states=True,
             use_cache=meta,
         )
-        stacked = torch.stack([out.hidden_states[i] for i in TEXT_ENCODER_SELECT_LAYERS], dim=2)
+        layers = self.text_encoder_select_layers
+        if max(layers) >= len(out.hidden_states) or min(layers) < -len(out.hidden_states):
+            raise ValueError(
+                f"the Krea 2 pipeline's text_encoder_select_layers {list(layers)} reach beyond the text "
+                f"encoder's {len(out.hidden_states)} hidden states"
+            )
+        stacked = torch.stack([out.hidden_states[i] for i in layers], dim=2)
         return {
             "prompt_embeds": stacked[:n, DROPPED_PREFIX_TOKENS:],
             "prompt_embeds_mask": mask[:n, DROPPED_PREFIX_TOKENS:].long(),
@@ -148,20 +199,21 @@ class Krea2(Family):
         return vae.encode(pixels.unsqueeze(2)).latent_dist  # a video VAE: one frame
 
     def latent_multiple(self, vae_config):
-        return PATCH_SIZE * 2 ** len(vae_config["temperal_downsample"])  # VAE, then 2x2 packing
+        return self.patch_size * 2 ** len(vae_config["temperal_downsample"])  # VAE, then the packing
 
     # ------------------------------------------------------------------ denoiser
 
     def predict(self, denoiser, noisy_latents, timesteps, cond, *, guidance_scale=None):
         """As ``train_dreambooth_lora_krea2.py`` calls the transformer (the pipeline's call):
-        2x2-packed latents, every text row with its boolean mask, ``timestep = t / 1000`` in fp32
+        latents packed in ``patch_size``-square patches (2x2 by default), every text row with its boolean mask, ``timestep = t / 1000`` in fp32
         (the script's; the pipeline casts it to the latents' dtype), the position ids of text and
         grid; the output unpacked (the velocity ``noise - latents``, used as is). Krea 2 has no
         embedded guidance (``guidance_scale`` is unused)."""
         n, _, _, h, w = noisy_latents.shape
         states = cond["encoder_hidden_states"]
         mask = cond["encoder_attention_mask"].bool()
-        hidden, t = pack_latents(noisy_latents), (timesteps / 1000).float().expand(n)
+        p = self.patch_size
+        hidden, t = pack_latents(noisy_latents, p), (timesteps / 1000).float().expand(n)
         if n == 0:  # the transformer cannot reshape an empty batch: one dummy row, then none of it
             hidden = hidden.new_zeros(1, *hidden.shape[1:])
             states = states.new_zeros(1, *states.shape[1:])
@@ -170,11 +222,11 @@ class Krea2(Family):
             hidden_states=hidden,
             encoder_hidden_states=states,
             timestep=t,
-            position_ids=position_ids(states.shape[1], h // 2, w // 2, noisy_latents.device),
+            position_ids=position_ids(states.shape[1], h // p, w // p, noisy_latents.device),
             encoder_attention_mask=mask,
             return_dict=False,
         )[0]
-        return unpack_latents(out[:n], h, w)
+        return unpack_latents(out[:n], h, w, p)
 
     def validation_kwargs(self, max_sequence_length, guidance_scale):
         # --guidance_scale is Flux's distilled guidance: validation runs at the pipeline's CFG
