@@ -75,23 +75,24 @@ def resolve_columns(
 def check_image_column(dataset, image_column: str) -> None:
     """Raise ``DataError`` unless ``image_column`` holds images (a ``datasets.Image`` feature).
 
-    A column of strings (paths, captions) would otherwise fail on every row, one by one; a
-    column of image paths becomes images with ``prepare_image_column``.
+    A column of strings (paths, captions) would otherwise fail on every row, one by one;
+    ``prepare_image_column`` makes images of the columns that hold them in another layout.
     """
     import datasets
 
     feature = dataset.features.get(image_column)
     if not isinstance(feature, datasets.Image):
-        kind = getattr(feature, "dtype", type(feature).__name__)
-        raise DataError(
-            f"--image_column {image_column!r} holds {kind} values, not images; "
-            f"pick the column of images (columns: {', '.join(dataset.column_names)})"
-        )
+        raise _not_images(image_column, _held(feature), dataset.column_names)
 
 
 # What a column of image paths holds: strings with one of these endings (any case).
 IMAGE_PATH_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
-_PATHS_SAMPLED = 100  # the rows that decide whether a string column holds image paths
+IMAGE_ROWS_SAMPLED = 100  # the rows that decide what an image column holds
+_HEADERS_SAMPLED = 8  # the rows of image bytes whose headers are read to tell images from other bytes
+# The layouts an image column comes in (``image_column_layout``).
+IMAGE_LAYOUTS = ("image", "struct", "bytes", "paths")
+_BINARY = ("binary", "large_binary")
+_STRINGS = ("string", "large_string")
 
 
 def _is_image_path(value: Any) -> bool:
@@ -113,52 +114,176 @@ def _resolve_image_path(path: Any, root: str) -> Any:
     return os.path.join(root, path) if _is_relative_path(path) else path
 
 
+def _is_image_bytes(value: Any) -> bool:
+    """True when ``value`` is bytes whose header PIL reads as an image (nothing is decoded)."""
+    import io
+
+    from PIL import Image
+
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        return False
+    try:
+        with Image.open(io.BytesIO(bytes(value))):
+            return True
+    except Exception:  # PIL raises several types for bytes that are not an image
+        return False
+
+
+def _held(feature: Any) -> str:
+    """What a column of ``feature`` holds, in the words of an error."""
+    if feature is None:
+        return "values of an undeclared type"
+    if isinstance(feature, dict):
+        return f"struct<{', '.join(feature)}> values"
+    return f"{getattr(feature, 'dtype', type(feature).__name__)} values"
+
+
+def _not_images(column: str, held: str, columns: Sequence[str]) -> DataError:
+    return DataError(
+        f"--image_column {column!r} holds {held}, not images (an image column holds datasets Images, "
+        f"{{bytes, path}} structs, image bytes or image file paths); pick the column of images "
+        f"(columns: {', '.join(columns)})"
+    )
+
+
+def _struct_feature(feature: Any) -> bool:
+    """``struct<bytes, path>`` as ``datasets`` stores an image, read without its feature
+    metadata (pyarrow, pandas): a ``bytes`` field, binary (or null, every row naming its file
+    in a string ``path`` instead), and at most that ``path`` field besides."""
+    import datasets
+
+    if not isinstance(feature, dict) or set(feature) - {"bytes", "path"}:
+        return False
+    dtypes = {k: v.dtype for k, v in feature.items() if isinstance(v, datasets.Value)}
+    bytes_dtype, path_dtype = dtypes.get("bytes"), dtypes.get("path")
+    return bytes_dtype in _BINARY or (bytes_dtype == "null" and path_dtype in _STRINGS)
+
+
+def image_column_layout(feature: Any, sample: Sequence[Any], column: str, columns: Sequence[str]) -> str:
+    """The layout of the image column ``column``, one of ``IMAGE_LAYOUTS``, from its feature
+    and the values of its first rows ``sample``; ``DataError`` naming the column and what it
+    holds for any other column.
+
+    - ``"image"``: a ``datasets.Image`` feature (what ``datasets`` writes, with its metadata);
+    - ``"struct"``: ``struct<bytes, path>`` without that metadata (pyarrow, pandas);
+    - ``"bytes"``: encoded images as binary values (img2dataset's ``jpg``);
+    - ``"paths"``: strings ending in an image extension.
+
+    Bytes must open as an image in one of the first rows: a binary column of something else
+    (arrays, latents) is refused here, not row by row.
+
+    Example: a ``pyarrow`` table's ``jpg`` column of JPEG bytes is ``Value("binary")``:
+    ``image_column_layout(Value("binary"), [jpeg_bytes], "jpg", ["jpg", "txt"]) == "bytes"``.
+    """
+    import datasets
+
+    present = [v for v in sample if v is not None]
+    if isinstance(feature, datasets.Image):
+        return "image"
+    if _struct_feature(feature):
+        held = [v["bytes"] for v in present if v.get("bytes") is not None][:_HEADERS_SAMPLED]
+        if held and not any(_is_image_bytes(v) for v in held):
+            first = f"none of the first {len(held)} opens as an image"
+            raise _not_images(column, f"{{bytes, path}} structs of other bytes ({first})", columns)
+        return "struct"
+    if isinstance(feature, datasets.Value) and feature.dtype in _BINARY:
+        if not any(_is_image_bytes(v) for v in present[:_HEADERS_SAMPLED]):
+            first = f"none of the first {min(len(present), _HEADERS_SAMPLED)} opens as an image"
+            raise _not_images(column, f"binary values ({first})", columns)
+        return "bytes"
+    if isinstance(feature, datasets.Value) and feature.dtype in _STRINGS:
+        if present and all(_is_image_path(v) for v in present):
+            return "paths"
+    raise _not_images(column, _held(feature), columns)
+
+
+def image_path_root(column: str, paths: Sequence[Any], folder: str | None) -> str | None:
+    """The folder that relative image ``paths`` (the first rows' local paths of an image
+    column) resolve against: ``folder`` as an absolute path when it is a local directory, else
+    None. ``DataError`` when a path is relative and there is no such folder (a hub dataset),
+    or when none of the paths exists (a wrong folder, not a few missing files)."""
+    import os
+
+    relative = [v for v in paths if _is_relative_path(v)]
+    root = os.path.abspath(folder) if folder is not None and os.path.isdir(folder) else None
+    if relative and root is None:
+        where = f"{folder!r} is not a local folder" if folder is not None else "no folder was given"
+        raise DataError(
+            f"--image_column {column!r} holds relative image paths (e.g. {relative[0]!r}) "
+            f"and {where} to resolve them against"
+        )
+    local = [_resolve_image_path(v, root) for v in paths if "://" not in v]
+    if local and not any(os.path.exists(v) for v in local):
+        raise DataError(
+            f"--image_column {column!r} holds image paths, and none of the first {len(local)} "
+            f"exists (e.g. {local[0]!r})"
+        )
+    return root
+
+
+def unstored_image_paths(layout: str, sample: Sequence[Any]) -> list[str]:
+    """The paths the column's first rows name for images it does not hold the bytes of."""
+    if layout == "paths":
+        return [v for v in sample if v is not None]
+    if layout == "struct":
+        return [v["path"] for v in sample if v is not None and v.get("bytes") is None and v.get("path")]
+    return []
+
+
+def _resolve_struct_path(value: dict | None, root: str) -> dict | None:
+    """An undecoded image (``{"bytes", "path"}``) whose relative path, when it has no bytes
+    (the path is what is read), is joined to ``root``."""
+    if value is None or value.get("bytes") is not None:
+        return value
+    return {**value, "path": _resolve_image_path(value["path"], root)}
+
+
+def resolve_struct_paths(column: str, root: str) -> Callable[[dict], dict]:
+    """A batched ``map`` function: each undecoded image of ``column`` without bytes has its
+    relative ``path`` joined to ``root``."""
+    return lambda batch: {column: [_resolve_struct_path(v, root) for v in batch[column]]}
+
+
 def prepare_image_column(dataset, image_column: str, folder: str | None = None):
     """``dataset`` with ``image_column`` holding images; raises ``DataError`` when it cannot.
 
-    A column of images is returned as is. A column of image paths (strings ending in an image
-    extension, as parquet/json/csv files written by other tools hold them) is cast to
-    ``datasets.Image()``, each relative path first resolved against ``folder``: the
-    ``--dataset_name`` or ``--train_data_dir`` the data was loaded from, not the working
-    directory. Absolute paths and URLs are kept. A path that does not exist is found when its
-    row is read, and skipped and counted like a corrupt image; when none of the first rows'
-    local paths exists (a wrong folder) it is a ``DataError`` at once. Any other column (captions given
-    as ``--image_column``) gets ``check_image_column``'s error. Relative paths with a ``folder``
-    that is not a local directory (a hub dataset) are a ``DataError``: nothing to resolve them
-    against.
+    A column of images is returned as is. The other layouts of ``image_column_layout``
+    (parquet files written by pyarrow, pandas or img2dataset, without ``datasets``' feature
+    metadata) are cast to ``datasets.Image()``: ``struct<bytes, path>``, image bytes, and image
+    paths (strings ending in an image extension), each relative path (of a path column, or of
+    a struct without bytes) first resolved against ``folder``: the ``--dataset_name`` or
+    ``--train_data_dir`` the data was loaded from, not the working directory. Absolute paths
+    and URLs are kept. A path that does not exist is found when its row is read, and skipped
+    and counted like a corrupt image; when none of the first rows' local paths exists (a wrong
+    folder) it is a ``DataError`` at once. Any other column (captions given as
+    ``--image_column``) is a ``DataError`` naming the column and what it holds. Relative paths
+    with a ``folder`` that is not a local directory (a hub dataset) are a ``DataError``:
+    nothing to resolve them against.
 
     Example: ``data/train.parquet`` with ``image`` = ``"images/a.png"`` and ``folder="data"``
     gives rows whose ``image`` is the PIL image of ``data/images/a.png`` (its absolute path).
     """
-    import os
-
     import datasets
 
     feature = dataset.features.get(image_column)
-    if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string"):
-        sample = [v for v in dataset[:_PATHS_SAMPLED][image_column] if v is not None]
-        if sample and all(_is_image_path(v) for v in sample):
-            relative = [v for v in sample if _is_relative_path(v)]
-            root = os.path.abspath(folder) if folder is not None and os.path.isdir(folder) else None
-            if relative and root is None:
-                where = f"{folder!r} is not a local folder" if folder is not None else "no folder was given"
-                raise DataError(
-                    f"--image_column {image_column!r} holds relative image paths (e.g. {relative[0]!r}) "
-                    f"and {where} to resolve them against"
-                )
-            local = [_resolve_image_path(v, root) for v in sample if "://" not in v]
-            if local and not any(os.path.exists(v) for v in local):  # a wrong folder, not a few missing files
-                raise DataError(
-                    f"--image_column {image_column!r} holds image paths, and none of the first {len(local)} "
-                    f"exists (e.g. {local[0]!r})"
-                )
-            if root is not None:
-                dataset = dataset.map(
-                    lambda batch: {image_column: [_resolve_image_path(p, root) for p in batch[image_column]]},
-                    batched=True,
-                    desc=f"resolving the image paths of {image_column!r} against {root}",
-                )
-            dataset = dataset.cast_column(image_column, datasets.Image())
+    if isinstance(feature, datasets.Image):
+        return dataset
+    sample = dataset[:IMAGE_ROWS_SAMPLED][image_column]
+    layout = image_column_layout(feature, sample, image_column, dataset.column_names)
+    root = image_path_root(image_column, unstored_image_paths(layout, sample), folder)
+    if layout == "paths" and root is not None:
+        dataset = dataset.map(
+            lambda batch: {image_column: [_resolve_image_path(p, root) for p in batch[image_column]]},
+            batched=True,
+            desc=f"resolving the image paths of {image_column!r} against {root}",
+        )
+    elif layout == "struct" and root is not None and unstored_image_paths(layout, sample):
+        dataset = dataset.cast_column(image_column, datasets.Image(decode=False)).map(
+            resolve_struct_paths(image_column, root),
+            batched=True,
+            desc=f"resolving the image paths of {image_column!r} against {root}",
+        )
+    dataset = dataset.cast_column(image_column, datasets.Image())
     check_image_column(dataset, image_column)
     return dataset
 

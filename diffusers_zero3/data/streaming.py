@@ -27,7 +27,15 @@ from collections.abc import Iterator
 import torch
 
 from ..errors import DataError
-from .images import ImageCaptionDataset, collate
+from .images import (
+    IMAGE_ROWS_SAMPLED,
+    ImageCaptionDataset,
+    collate,
+    image_column_layout,
+    image_path_root,
+    resolve_struct_paths,
+    unstored_image_paths,
+)
 
 logger = logging.getLogger("diffusers_zero3.data.streaming")
 
@@ -63,6 +71,37 @@ def load_streamed_dataset(
     if split not in streams:
         raise DataError(f"dataset has no {split!r} split (splits: {sorted(streams)})")
     return streams[split]
+
+
+def prepare_streamed_image_column(source, image_column: str, folder: str | None = None):
+    """``source`` (a ``datasets.IterableDataset``) with ``image_column`` holding images, as
+    ``images.prepare_image_column`` makes a loaded dataset's; raises ``DataError`` naming the
+    column and what it holds when it cannot.
+
+    The column's layout (``images.image_column_layout``: ``datasets`` Images; ``struct<bytes,
+    path>``, image bytes or image paths as pyarrow, pandas or img2dataset write them, without
+    ``datasets``' feature metadata) is told from its declared type and its first rows (read, not
+    decoded). Relative paths are joined to ``folder`` (``--dataset_name`` or
+    ``--train_data_dir``) lazily, row by row as the stream is read.
+
+    Example: a folder of parquet shards written by ``pyarrow.parquet.write_table`` with a
+    ``jpg`` column of JPEG bytes: ``prepare_streamed_image_column(stream, "jpg", folder)`` is
+    the stream with ``jpg`` as ``datasets.Image()``.
+    """
+    import datasets
+
+    feature = (source.features or {}).get(image_column)
+    if isinstance(feature, datasets.Image):
+        return source
+    sample = [row[image_column] for row in itertools.islice(source, IMAGE_ROWS_SAMPLED)]
+    layout = image_column_layout(feature, sample, image_column, source.column_names or [image_column])
+    paths = unstored_image_paths(layout, sample)
+    root = image_path_root(image_column, paths, folder)
+    # every layout read undecoded is {"bytes", "path"}: one resolution of the relative paths for all
+    source = source.cast_column(image_column, datasets.Image(decode=False))
+    if root is not None and paths:
+        source = source.map(resolve_struct_paths(image_column, root), batched=True, features=source.features)
+    return source.cast_column(image_column, datasets.Image())
 
 
 class StreamedRows(torch.utils.data.IterableDataset):

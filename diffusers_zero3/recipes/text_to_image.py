@@ -51,7 +51,13 @@ from ..data.pairs import (
     gives_edit_pairs,
     load_edit_dataset,
 )
-from ..data.streaming import StreamedExamples, StreamedRows, load_streamed_dataset, streamed_loader
+from ..data.streaming import (
+    StreamedExamples,
+    StreamedRows,
+    load_streamed_dataset,
+    prepare_streamed_image_column,
+    streamed_loader,
+)
 from ..errors import DataError
 from ..families import detect_family
 from ..families.objectives import (
@@ -482,8 +488,6 @@ class TextToImageTrainer:
     def _load_streamed_data(self) -> None:
         """``--streaming``: the rows in each epoch's shuffled order (``streaming.StreamedRows``),
         decoded per rank by the loader's ``collate_fn`` (``streaming.StreamedExamples``)."""
-        import datasets
-
         args = self.args
         source = load_streamed_dataset(
             args.dataset_name, args.dataset_config_name, args.train_data_dir, args.cache_dir
@@ -492,10 +496,10 @@ class TextToImageTrainer:
         self.image_column, self.caption_column = resolve_columns(
             columns, args.image_column, args.caption_column
         )
-        if not isinstance((source.features or {}).get(self.image_column), datasets.Image):
-            raise DataError(
-                f"--image_column {self.image_column!r} of the stream does not hold images (columns: {', '.join(columns)})"
-            )
+        # datasets Images, or struct<bytes, path> / image bytes / image paths as other tools write them
+        source = prepare_streamed_image_column(
+            source, self.image_column, args.dataset_name or args.train_data_dir
+        )
         if args.max_train_samples is not None:
             source = source.take(args.max_train_samples)
         self.hf_dataset = None  # nothing to cache from: --streaming refuses the cache placement
