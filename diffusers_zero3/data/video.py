@@ -465,10 +465,19 @@ class VideoCaptionDataset(SeededRows):
         return source.read(indices), indices
 
     def cache_key(self) -> dict:
-        """What a cache of this dataset's clips depends on beyond the images' settings."""
+        """What a cache of this dataset's clips (``clip_pixels``) depends on beyond the files
+        (``clip_paths``): every setting of how a clip is read, its own ``seed`` and ``center_crop``
+        included (its start and crop are drawn from them, not from the cache's arguments)."""
         return {"num_frames": self.num_frames, "frame_stride": self.frame_stride, "fps": self.fps,
                 "height": self.height, "width": self.width, "random_start": self.random_start,
+                "center_crop": self.center_crop, "seed": self.seed,
                 "buckets": [list(b) for b in self.buckets] if self.buckets is not None else None}  # fmt: skip
+
+    def clip_paths(self) -> list[Path]:
+        """Each row's clip (a video file or a folder of frames), in row order: what a cache of
+        the clips must tell from a rewrite (another folder with the same metadata, a clip
+        replaced under its name)."""
+        return [self.source(self.dataset[i]).path for i in range(len(self.dataset))]
 
     def clip_pixels(self, index: int) -> torch.Tensor | None:
         """Row ``index``'s clip as epoch 0 of training reads it (its start and crop; never flipped:

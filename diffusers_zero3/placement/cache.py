@@ -6,13 +6,15 @@ of at most ``shard_rows`` rows (``part-{rank:05d}-{shard:05d}.safetensors``: ran
 write the same file), so that a rank holds one shard's outputs in memory, not its share of
 the dataset. The folder is published atomically under a key that changes whenever the
 models' weights or the dtype they run in, the tokenizer, the resolution/crop settings or the
-data (captions, dataset fingerprint) change; the number of ranks is not part of it. A later
-run with the same inputs, on any number of processes, finds the folder and encodes nothing;
-reading maps the shards (``safe_open``) and copies only the rows asked for.
+data (captions, dataset fingerprint, and the size and mtime of each image or clip file read
+from disk) change; the number of ranks is not part of it. A later run with the same inputs,
+on any number of processes, finds the folder and encodes nothing; reading maps the shards
+(``safe_open``) and copies only the rows asked for.
 
 What the cache freezes (it cannot redo per-step randomness):
 
-* the crop: ``center_crop`` as asked, otherwise the random crop drawn for epoch 0;
+* the crop: ``center_crop`` as asked, otherwise the random crop drawn for epoch 0 (drawn after
+  the caption, as live training draws them, so that it is epoch 0's live crop);
 * the caption: the first of several captions of a row (live training picks one at random);
 * flips stay random: with ``random_flip`` both orientations are cached and training picks one;
 * VAE sampling stays random: the latent distribution's parameters (mean and log-variance)
@@ -30,6 +32,7 @@ import json
 import logging
 import os
 import random
+import stat
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -52,7 +55,9 @@ from ..state.folders import collective_publish
 
 # Not bumped for the shards: a folder of one part per rank (``part-00000.safetensors``) reads
 # as a shard each, and the key's new "dtypes" field makes every older key miss anyway.
-CACHE_FORMAT = 2
+# 3: the random crop of a row with several captions is drawn after its caption, as live
+# training draws it (format 2 drew it first, a crop training never takes).
+CACHE_FORMAT = 3
 # Rows per shard file: at most this many rows (plus one micro-batch) of outputs in memory per
 # rank while encoding. SD 1.5 at 512 px with its text encoder is about 0.35 MiB a row (0.48 MiB
 # with random_flip): 175-240 MiB a shard, and 10 M images make about 20 k files.
@@ -93,6 +98,57 @@ def _dataset_fingerprint(dataset, caption_column: str) -> str:
     h = hashlib.sha256(str(getattr(dataset, "_fingerprint", len(dataset))).encode())
     for caption in dataset[caption_column]:
         h.update(repr(caption).encode())
+    return h.hexdigest()[:16]
+
+
+def file_identity(path: str | os.PathLike) -> list:
+    """What tells a file on disk from its rewrite without reading it: ``[path, size, mtime_ns]``;
+    for a folder (a clip's frames) the size and mtime of each file in it, by name;
+    ``[path, None]`` when it cannot be read (a missing file, a URL)."""
+    path = os.fspath(path)
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return [path, None]
+    if stat.S_ISDIR(st.st_mode):
+        with os.scandir(path) as entries:
+            files = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries if e.is_file())
+        return [path, files]
+    return [path, st.st_size, st.st_mtime_ns]
+
+
+def _image_files(dataset, image_column: str) -> Iterator[str | None]:
+    """The file each row's image is read from, None for an image held in the dataset itself
+    (its bytes: the dataset's own fingerprint covers them).
+
+    A ``datasets.Image`` column is read as Arrow (its ``path`` and whether ``bytes`` is set),
+    never decoded; a column of strings is paths as they are.
+    """
+    import datasets
+
+    feature = getattr(dataset, "features", {}).get(image_column)
+    is_image = isinstance(feature, datasets.Image)
+    is_paths = isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")
+    if not (is_image or is_paths):
+        return
+    for batch in dataset.select_columns([image_column]).with_format("arrow").iter(batch_size=10_000):
+        column = batch.column(image_column).combine_chunks()
+        if not is_image:
+            yield from column.to_pylist()
+            continue
+        paths, embedded = column.field("path").to_pylist(), column.field("bytes").is_valid().to_pylist()
+        yield from (None if inline or path is None else path for path, inline in zip(paths, embedded))
+
+
+def _files_fingerprint(dataset, image_column: str, clips=None) -> str:
+    """A hash of the identity (``file_identity``) of every file the VAE's pixels are read from:
+    each row's clip (``clips``), or each image referred to by path. Images are usually files
+    beside the dataset (an imagefolder, a parquet column of paths), and rewriting one under its
+    name changes neither the captions nor the dataset's own fingerprint."""
+    h = hashlib.sha256()
+    paths = clips.clip_paths() if clips is not None else _image_files(dataset, image_column)
+    for path in paths:
+        h.update(json.dumps(file_identity(path) if path is not None else None).encode())
     return h.hexdigest()[:16]
 
 
@@ -251,7 +307,9 @@ def precompute_frozen_outputs(
 
     The key records each model's fingerprint and the dtype it runs in (``compute_dtype``:
     outputs computed in bf16 and in fp32 differ), the data, tokenizers, resolution, crop,
-    flip and seed settings; not the number of ranks.
+    flip and seed settings, and each image or clip file's size and mtime (``file_identity``:
+    a file rewritten under its name is encoded again; files are not read for the key); not the
+    number of ranks.
 
     ``clips`` (a ``video.VideoCaptionDataset``) gives a video family's pixels: each row's clip
     as training reads it at epoch 0 (its frames and crop; with ``random_flip`` the mirrored
@@ -279,6 +337,9 @@ def precompute_frozen_outputs(
         raise ValueError(f"caching text embeddings needs the tokenizer of {', '.join(missing)}")
     if shard_rows is not None and shard_rows < 1:
         raise ValueError(f"shard_rows must be a positive number of rows or None, not {shard_rows}")
+    # The data is read on rank 0 alone (its inputs decide below): every caption, and a stat of
+    # every image or clip file, which on a shared file system should not be N-fold.
+    main = is_main_process()
     inputs = {
         "format": CACHE_FORMAT,
         "family": family.name,
@@ -296,12 +357,15 @@ def precompute_frozen_outputs(
             n: compute_dtype(m)
             for n, m in sorted({**text_encoders, **({"vae": vae} if vae is not None else {})}.items())
         },
-        "data": _dataset_fingerprint(dataset, caption_column),
+        "data": _dataset_fingerprint(dataset, caption_column) if main else None,
+        "files": _files_fingerprint(dataset, image_column, clips) if main and vae is not None else None,
         "columns": [image_column, caption_column],
         "resolution": resolution if vae is not None else None,
         "center_crop": center_crop if vae is not None else None,
         "random_flip": random_flip if vae is not None else None,
-        "seed": seed if vae is not None and not center_crop else None,
+        # Kept with center_crop too, where an image's crop draws nothing: at worst an encoding
+        # more, and each setting stays a field of its own.
+        "seed": seed if vae is not None else None,
         "clips": clips.cache_key() if clips is not None and vae is not None else None,
         "buckets": [list(b) for b in buckets] if buckets is not None and vae is not None else None,
         "interpolation": interpolation if vae is not None and clips is None else None,
@@ -371,6 +435,14 @@ def _encode_share(
     def crop_size(i: int) -> int | tuple[int, int]:
         return buckets[row_buckets[i]] if row_buckets is not None else resolution
 
+    def crop_rng(i: int, row: dict) -> random.Random:
+        """Row ``i``'s generator at epoch 0 as live training crops with it
+        (``ImageCaptionDataset.example``: ``SeededRows._rng``, the caption of several drawn
+        first); the caption drawn is not used (the cache holds the first)."""
+        rng = random.Random(f"{seed}-0-{i}")
+        pick_caption(row[caption_column], rng)
+        return rng
+
     def encode(indices: list[int]) -> dict[str, torch.Tensor]:
         rows = [dataset[i] for i in indices]
         out = {"index": torch.tensor(indices, dtype=torch.long)}  # CPU: safetensors saves CPU tensors
@@ -392,7 +464,7 @@ def _encode_share(
                             crop_size(i),
                             center_crop,
                             False,
-                            random.Random(f"{seed}-0-{i}"),
+                            crop_rng(i, r),
                             interpolation,
                         )
                         for i, r in zip(indices, rows)

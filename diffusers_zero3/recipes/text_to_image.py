@@ -69,16 +69,20 @@ from ..families.objectives import (
 from ..placement.frozen_inputs import place_frozen_models, resolve_component_sources
 from ..placement.plan import resolve_auto_placements
 from ..runtime.context_parallel import (
+    SPLIT_FAILURE,
     ContextParallel,
     check_context_parallel,
+    check_token_counts,
     context_parallel,
     enable_context_parallel,
     group_loader,
+    pad_text_to_multiple,
     set_attention_backend,
 )
 from ..runtime.distributed import log_rank_zero, max_over_ranks
 from ..runtime.ds_config import fill_auto_bucket_sizes
 from ..runtime.memory import MIB, MemoryLog, heap_bytes, model_state_bytes, return_large_frees_to_os
+from ..runtime.notices import quiet_library_notices
 from ..runtime.phases import reached
 from ..state.ema import ShardedEMA
 from ..state.pipeline_io import (
@@ -244,6 +248,7 @@ class TextToImageTrainer:
         self._load_models()
         self.memory.mark("models loaded")
         self._load_data()
+        self._check_context_parallel_shapes()
         self._place_frozen()
         self.memory.mark("frozen models placed")
         self._prepare_training()
@@ -269,6 +274,25 @@ class TextToImageTrainer:
         return context_parallel(
             args.context_parallel_size, args.context_parallel_mode, self.accelerator.device.type
         )
+
+    def _check_context_parallel_shapes(self) -> None:
+        """One error line at start for a training image shape (the resolution, or each bucket)
+        whose tokens the context-parallel groups cannot split (a video's and an editing pair's
+        are checked at their first batch). Not a collective."""
+        if self.cp is None or self.family.video:
+            return
+        vae_config, denoiser_config = self._vae_config(), dict(self.denoiser.config)
+        shapes = self.buckets or [(self.args.resolution, self.args.resolution)]
+        counts = {
+            f"a {h}x{w} image": self.family.image_seq_len(
+                self.family.denoiser_latent_shape(vae_config, h, w), vae_config, denoiser_config
+            )
+            for h, w in shapes
+        }
+        try:
+            check_token_counts(counts, self.cp.size)
+        except ValueError as e:
+            raise ArgumentError(str(e)) from None
 
     @property
     def data_processes(self) -> int:
@@ -918,6 +942,26 @@ class TextToImageTrainer:
         # whichever rank trains it, so a run resumed on another number of processes continues.
         generators = sample_generators(self.args.seed or 0, self.epoch, batch["index"])
         latents, cond, _ = self.frozen(batch, self.accelerator.device, generators)
+        if self.cp is not None:  # a masked text of the batch's length: padded to split K ways
+            cond = pad_text_to_multiple(cond, self.cp.size)
+            try:
+                return self._family_loss(batch, latents, cond, generators)
+            except AssertionError as e:  # diffusers' sharder, on a length it cannot split
+                if SPLIT_FAILURE not in str(e):
+                    raise
+                counts = {f"this batch's {k} ({tuple(v.shape)})": v.shape[1] for k, v in cond.items() if v.dim() == 3}
+                try:
+                    check_token_counts(counts, self.cp.size)
+                except ValueError as err:
+                    raise ArgumentError(str(err)) from None
+                raise ArgumentError(
+                    f"context parallelism cannot split this batch's image tokens (latents {tuple(latents.shape)}) "
+                    f"{self.cp.size} ways: choose a shape (--resolution, --height/--width, buckets) that gives a multiple"
+                ) from None
+        return self._family_loss(batch, latents, cond, generators)
+
+    def _family_loss(self, batch: dict, latents: torch.Tensor, cond: dict, generators) -> torch.Tensor:
+        """The family's loss of one micro-batch, with the denoiser (or expert) of this step."""
         masked = {}
         if "loss_mask" in batch:  # --mask_column: each latent pixel weighs what it encodes of the mask
             masked["loss_weights"] = latent_loss_weights(batch["loss_mask"], latents)
