@@ -131,6 +131,47 @@ def test_a_sequence_split_two_ways_trains_like_one_model_under_zero3():
 
 
 @pytest.mark.unit
+def test_a_masked_text_padded_for_the_split_leaves_the_output_as_it_was():
+    """Qwen-Image trims its text to the batch's longest caption, so its length can be odd at any
+    step: padded to a multiple of K with masked positions, the denoiser's output is the same (the
+    control: padded without the mask, it is not). bf16 too."""
+    from diffusers_zero3.families import family_named
+    from diffusers_zero3.runtime.context_parallel import pad_text_to_multiple
+
+    family = family_named("qwenimage")
+    model = _build("qwenimage").eval()
+    latents, t, cond, _ = _inputs("qwenimage")
+    cond = {k: v[:, :7] for k, v in cond.items()}  # 7 text tokens, the last two masked (padding)
+    cond["encoder_hidden_states_mask"][:, 5:] = 0
+    padded = pad_text_to_multiple(cond, 4)
+    assert (
+        padded["encoder_hidden_states"].shape[1] == 8 and padded["encoder_hidden_states_mask"].shape[1] == 8
+    )
+    assert pad_text_to_multiple(cond, 7)["encoder_hidden_states"] is cond["encoder_hidden_states"]
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        model = model.to(dtype)
+        cast = {k: v.to(dtype) if v.is_floating_point() else v for k, v in cond.items()}
+        with torch.no_grad():
+            out = family.predict(model, latents.to(dtype), t, cast)
+            out_padded = family.predict(model, latents.to(dtype), t, pad_text_to_multiple(cast, 4))
+            unmasked = dict(
+                pad_text_to_multiple(cast, 4), encoder_hidden_states_mask=torch.ones(1, 8, dtype=torch.long)
+            )
+            out_unmasked = family.predict(model, latents.to(dtype), t, unmasked)
+        torch.testing.assert_close(out_padded, out, rtol=tol, atol=tol)
+        assert not torch.allclose(out_unmasked.float(), out.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.unit
+def test_a_token_count_that_k_ranks_cannot_split_is_one_line():
+    from diffusers_zero3.runtime.context_parallel import check_token_counts
+
+    check_token_counts({"a 64x64 image": 16, "text": 8}, 2)
+    with pytest.raises(ValueError, match=r"a 48x48 image has 9 tokens, not a multiple of 2"):
+        check_token_counts({"a 64x64 image": 16, "a 48x48 image": 9}, 2)
+
+
+@pytest.mark.unit
 def test_each_context_parallel_mistake_is_one_line():
     from diffusers import UNet2DConditionModel
 

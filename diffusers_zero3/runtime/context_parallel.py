@@ -181,6 +181,37 @@ def enable_context_parallel(model: torch.nn.Module, cp: ContextParallel, device:
     apply_context_parallel(model, cp_config, model._cp_plan)
 
 
+# the text masks a denoiser reads beside its text: positions masked there attend to nothing and
+# are attended by nothing, so padding the text with masked positions leaves the output as it was
+TEXT_MASK_KEYS = {"encoder_hidden_states": "encoder_hidden_states_mask"}
+SPLIT_FAILURE = "must be divisible by mesh size"  # diffusers' sharder, when a length is not
+
+
+def pad_text_to_multiple(cond: dict[str, torch.Tensor], size: int) -> dict[str, torch.Tensor]:
+    """``cond`` with each masked text sequence (``TEXT_MASK_KEYS``: Qwen-Image's, trimmed to the
+    batch's longest caption) padded along dim 1 to a multiple of ``size`` with zeros, masked out
+    (the denoiser's output is unchanged); everything else as given. Not a collective."""
+    out = dict(cond)
+    for text, mask in TEXT_MASK_KEYS.items():
+        if text in cond and mask in cond and cond[text].shape[1] % size:
+            extra = size - cond[text].shape[1] % size
+            out[text] = torch.nn.functional.pad(cond[text], (0, 0, 0, extra))
+            out[mask] = torch.nn.functional.pad(cond[mask], (0, extra))
+    return out
+
+
+def check_token_counts(counts: dict[str, int], size: int) -> None:
+    """Raise ``ValueError`` (one line) naming the first of ``counts`` (``{what: tokens}``) that
+    context parallelism cannot split ``size`` ways. Not a collective."""
+    for what, tokens in counts.items():
+        if tokens % size:
+            raise ValueError(
+                f"context parallelism splits each sequence {size} ways, but {what} has {tokens} tokens, "
+                f"not a multiple of {size}: choose a shape (--resolution, --height/--width, buckets, "
+                "--max_sequence_length) that gives a multiple"
+            )
+
+
 def group_loader(loader: torch.utils.data.DataLoader, accelerator, groups: int, group: int):
     """``loader`` prepared as ``accelerator.prepare`` prepares it, but dealt out to ``groups``
     groups of ranks instead of to every rank: each rank of group ``group`` (a
