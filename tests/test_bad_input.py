@@ -113,6 +113,10 @@ T2I_CASES = COMMON_CASES + [
     (["--caption_column", "caption"], "--caption_column value 'caption' is not a dataset column"),
     (["--text_encoder_placement", "shard"], "--text_encoder_placement shard needs DeepSpeed"),
     (["--vae_placement", "offload"], "--vae_placement offload needs DeepSpeed"),
+    (  # issue 49, defect 5: the cache held each row's own caption, the emptied ones were ignored
+        ["--text_encoder_placement", "cache", "--caption_dropout", "0.1"],
+        "--text_encoder_placement cache holds each row's caption embedding, so --proportion_empty_prompts",
+    ),
     (["--use_8bit_adam"], "--use_8bit_adam needs bitsandbytes"),
     (["--vae_placement", "sharded"], "argument --vae_placement: invalid choice: 'sharded'"),
     (

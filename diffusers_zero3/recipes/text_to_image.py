@@ -103,6 +103,7 @@ from ..training.job import (
 )
 from ..training.lora import LORA_WEIGHT_NAME, add_lora_adapters, save_lora_zero3
 from ..training.parts import adamw, backward_parts, prepare_extra_part, prepare_first_part, step_part
+from ..training.report import StepOutput, log_outputs, step_log_path
 from ..training.schedule import (
     batches_to_skip,
     epoch_batches,
@@ -114,6 +115,31 @@ from ..training.schedule import (
 )
 
 logger = logging.getLogger("diffusers_zero3.recipes.text_to_image")
+
+
+def live_text_for_caption_dropout(
+    placements: dict[str, str], requested: dict[str, str], family, empty_prompt_probability: float,
+    live: str = "shard",
+) -> dict[str, str]:
+    """The placements with every text encoder live when captions are emptied at random
+    (``--proportion_empty_prompts`` / ``--caption_dropout``): a cache holds each row's own
+    caption's embedding, so the emptied captions would be ignored without a word. A cache that
+    ``auto`` chose becomes ``live`` (``shard`` under DeepSpeed, else ``replicate``; logged); one
+    the user asked for is one error line."""
+    if not empty_prompt_probability:
+        return placements
+    placements = dict(placements)
+    for spec in family.text_encoders:
+        if placements.get(spec.name) != "cache":
+            continue
+        if requested.get(spec.name, "auto") != "auto":
+            raise ArgumentError(
+                f"--{spec.name}_placement cache holds each row's caption embedding, so --proportion_empty_prompts "
+                "/ --caption_dropout would be ignored: give replicate, shard or offload, or no caption dropout"
+            )
+        placements[spec.name] = live
+        log_rank_zero(f"{spec.name}: {live}, not the cache 'auto' chose (caption dropout needs it live)")
+    return placements
 
 
 class TextToImageTrainer:
@@ -161,6 +187,7 @@ class TextToImageTrainer:
         from accelerate.utils import set_seed
 
         args = self.args
+        quiet_library_notices()  # before the first pipeline module is imported
         # Everything that can be checked before anything is written is checked first.
         validate_args(args)
         if args.return_freed_memory:
@@ -211,6 +238,10 @@ class TextToImageTrainer:
                 f"--streaming reads each row once per epoch as it trains; nothing to cache {', '.join(cached)} from: "
                 "give those placements replicate, shard or offload"
             )
+        self.placements = live_text_for_caption_dropout(
+            self.placements, component_placements(args), self.family, args.proportion_empty_prompts,
+            live="shard" if acc.state.deepspeed_plugin is not None else "replicate",
+        )  # fmt: skip
         try:
             self.placements = self.family.settle_placements(self.placements)
         except ValueError as e:
@@ -362,6 +393,14 @@ class TextToImageTrainer:
         size = (self.args.width or self.args.resolution, self.args.height or self.args.resolution)
         images = [Image.open(p).convert("RGB").resize(size, Image.BICUBIC) for p in paths]
         return images * n if len(images) == 1 else images
+
+    def _validation_call(self) -> dict:
+        """Validation's pipeline call besides the prompt, the source image and the generator, as
+        the family's pipeline class takes it (``family.size_kwargs``): the model card's usage."""
+        args = self.args
+        size = self.family.size_kwargs(args.height or args.resolution, args.width or args.resolution)
+        return {"num_inference_steps": args.num_validation_inference_steps, **size,
+                **self.family.validation_kwargs(args.max_sequence_length, args.guidance_scale)}  # fmt: skip
 
     def _load_models(self) -> None:
         args, src = self.args, self.source
@@ -1036,13 +1075,22 @@ class TextToImageTrainer:
                 step_part(part, self.accelerator, sync)
 
     def train(self) -> list[float]:
-        """The training loop; returns the logged per-step losses (all ranks call it)."""
-        from tqdm.auto import tqdm
+        """The training loop; returns the logged per-step losses (all ranks call it).
 
+        Per step, a ``step N loss X`` line (with the objective's metrics): on a terminal only
+        into ``OUTPUT_DIR/<logging_dir>/train.log`` beside a progress bar, elsewhere printed as
+        well (``training.report.StepOutput``)."""
         args, acc = self.args, self.accelerator
-        bar = tqdm(
-            range(args.max_train_steps), initial=self.global_step, disable=not acc.is_local_main_process
-        )
+        with StepOutput(
+            args.max_train_steps,
+            initial=self.global_step,
+            log_file=step_log_path(args.output_dir, args.logging_dir),
+            bar=acc.is_local_main_process,
+        ) as steps:
+            return self._train_epochs(steps)
+
+    def _train_epochs(self, steps: StepOutput) -> list[float]:
+        args, acc = self.args, self.accelerator
         losses = []
         if self.global_step >= args.max_train_steps:
             log_rank_zero(f"the run is complete at step {self.global_step}: no step to train")
@@ -1099,10 +1147,9 @@ class TextToImageTrainer:
                 self.metric_history.append(step_metrics)
                 lr = self.lr_scheduler.get_last_lr()[0]
                 acc.log({"train_loss": step_loss, "lr": lr, **step_metrics}, step=self.global_step)
-                bar.update(1)
-                bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}")
                 extra = "".join(f" {k} {v:.6f}" for k, v in step_metrics.items())
-                log_rank_zero(f"step {self.global_step} loss {step_loss:.6f}{extra}")
+                line = f"step {self.global_step} loss {step_loss:.6f}{extra}"
+                steps.step(line, loss=f"{step_loss:.4f}", lr=f"{lr:.2e}")
                 if self.global_step % args.checkpointing_steps == 0:
                     self._checkpoint(epoch, done_in_epoch)
                 if args.validation_steps and self.global_step % args.validation_steps == 0:
@@ -1122,7 +1169,7 @@ class TextToImageTrainer:
                 self.validate()
             if self.global_step >= args.max_train_steps:
                 break
-        bar.close()
+        steps.close()  # the bar ends before the memory table prints
         self.memory.mark("training done")
         self._log_memory()
         if len(losses) >= 2:
@@ -1331,10 +1378,7 @@ class TextToImageTrainer:
                 if hasattr(getattr(diffusers, self.family.pipeline_class), "load_lora_weights")
                 else f"{self.family.denoiser}.load_lora_adapter, prefix {self.family.denoiser!r}"
             )
-            log_rank_zero(
-                f"LoRA weights: {os.path.abspath(path)} ({loader})\n"
-                f"validation images: {os.path.abspath(os.path.join(args.output_dir, 'validation'))}"
-            )
+            log_outputs([("LoRA weights", path, loader), *self._run_outputs()])
             return
         card = model_card(
             args.pretrained_model_name_or_path,
@@ -1342,6 +1386,8 @@ class TextToImageTrainer:
             args.scalars(),
             args.validation_prompts,
             self.family.pipeline_class,
+            self.family.task,
+            self._validation_call(),
         )
         save_final_pipeline(
             self.source,
@@ -1355,8 +1401,18 @@ class TextToImageTrainer:
             trained={part.name: (part.engine, part.ema) for part in self.extra_parts},
         )
         finish_trackers(self.accelerator)
-        log_rank_zero(
-            f"pipeline: {os.path.abspath(args.output_dir)} ({self.family.pipeline_class}.from_pretrained)\n"
-            f"validation images: {os.path.abspath(os.path.join(args.output_dir, 'validation'))}\n"
-            f"logs: {os.path.abspath(os.path.join(args.output_dir, args.logging_dir))}"
-        )
+        loader = f"{self.family.pipeline_class}.from_pretrained"
+        log_outputs([("pipeline", args.output_dir, loader), *self._run_outputs()])
+
+    def _run_outputs(self) -> list[tuple[str, str | Path | None]]:
+        """The summary's lines beside the trained weights, for ``log_outputs`` (which leaves out
+        what does not exist: a run without validation has no validation folder): the validation
+        samples (videos for a video family), the step lines (``train.log``) and TensorBoard's logs."""
+        args = self.args
+        logs = os.path.join(args.output_dir, args.logging_dir)
+        samples = "validation videos" if self.family.video else "validation images"
+        return [
+            (samples, os.path.join(args.output_dir, "validation")),
+            ("step log", step_log_path(args.output_dir, args.logging_dir)),
+            ("TensorBoard logs", logs if args.report_to in ("tensorboard", "all") else None),
+        ]
