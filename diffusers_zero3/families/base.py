@@ -235,6 +235,15 @@ class Family:
         return None
 
     @property
+    def task(self) -> str:
+        """What this family trains its pipeline to do, as the Hub's pipeline tags name it:
+        ``"text-to-video"`` (``video``), ``"image-to-image"`` (``edits``: an instruction edits
+        source images), else ``"text-to-image"``. A model card's title, tags and usage follow it."""
+        if self.video:
+            return "text-to-video"
+        return "image-to-image" if self.edits else "text-to-image"
+
+    @property
     def never_cached(self) -> tuple[str, ...]:
         """Frozen components whose outputs are never cached (the planner's ``auto`` does not
         choose it; ``settle_placements`` refuses it)."""
@@ -512,6 +521,12 @@ class Family:
     ) -> dict[str, Any]:
         """Extra keyword arguments of the family's pipeline call for validation images."""
         return {}
+
+    def size_kwargs(self, height: int, width: int) -> dict[str, Any]:
+        """The keyword arguments of a call of the family's own pipeline class (as loaded with
+        ``from_pretrained``, not ``prepare_validation_pipeline``'s) that ask for a ``height`` x
+        ``width`` output: a model card's usage passes the training size with them."""
+        return {"height": height, "width": width}
 
     def prepare_validation_pipeline(self, pipeline, resolution: int):
         """The family's pipeline set up to generate ``resolution`` x ``resolution`` images

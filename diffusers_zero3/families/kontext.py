@@ -26,6 +26,17 @@ from .flux import (
     unpack_latents,
 )
 
+# The validation of an editing family's default run (`make train MODEL=kontext`): instructions of
+# the demo's editing pairs (demo/edits.py) on the red circle demo.save_tiny_pipeline writes beside
+# the tiny pipeline. They must come after train_default.sh's generic text-to-image prompts.
+EDIT_VALIDATION_ARGS = (
+    "--validation_image",
+    "{pipeline}-source.png",
+    "--validation_prompts",
+    "make the circle blue",
+    "make the circle green",
+    "make the circle yellow",
+)
 SOURCE_ID = 1.0  # the first position id coordinate of source tokens (the pipeline's image_ids[..., 0] = 1)
 DEFAULT_GUIDANCE = 3.5  # the Kontext script's --guidance_scale and the pipeline's default
 
@@ -103,6 +114,12 @@ class Kontext(Flux):
         )[0]
         return unpack_latents(packed[:, :target_tokens], h, w)
 
+    def size_kwargs(self, height, width):
+        """``height`` x ``width`` and the same ``max_area`` (the pipeline rescales every request
+        to ``max_area``, default 1024^2), the source at its own size (``_auto_resize=False``: not
+        resized to a preferred Kontext resolution), as ``_AreaPipeline`` calls it."""
+        return {"height": height, "width": width, "max_area": height * width, "_auto_resize": False}
+
     def prepare_validation_pipeline(self, pipeline, resolution):
         """The pipeline generating (and editing at) ``resolution`` x ``resolution`` or the
         requested size, not its default 1024^2 area (``_AreaPipeline``)."""
@@ -134,8 +151,7 @@ KONTEXT = Kontext(
         "replicate",
         "--max_sequence_length",
         "32",
-        "--validation_image",  # the validation prompts edit this image (demo.save_tiny_pipeline writes it)
-        "{pipeline}-source.png",
+        *EDIT_VALIDATION_ARGS,
     ),
     pipeline_class="FluxKontextPipeline",
     text_encoders=FLUX.text_encoders,  # CLIP-L (pooled) and T5

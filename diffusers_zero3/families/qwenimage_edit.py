@@ -32,6 +32,7 @@ import functools
 import torch
 
 from .base import TextEncoderSpec
+from .kontext import EDIT_VALIDATION_ARGS
 from .qwenimage import (
     PUBLISHED_TEXT_ENCODER,
     PUBLISHED_TRANSFORMER,
@@ -374,7 +375,6 @@ QWENIMAGE_EDIT = QwenImageEdit(
         "replicate",
         "--max_sequence_length",
         "32",
-        "--validation_image",  # the validation prompts edit this image (demo.save_tiny_pipeline writes it)
-        "{pipeline}-source.png",
+        *EDIT_VALIDATION_ARGS,  # instructions on the demo's red circle (kontext.py)
     ),
 )

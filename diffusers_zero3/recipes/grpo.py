@@ -922,8 +922,11 @@ class GRPOTrainer:
                 path = save_lora_zero3(self.engine, self.family, out)
             log_rank_zero(f"LoRA weights: {path.resolve()}")
         else:
+            family = self.family  # the card draws as a round samples: its steps and size
+            call = {"num_inference_steps": args.num_inference_steps, **family.size_kwargs(args.resolution, args.resolution),
+                    **family.validation_kwargs(args.max_sequence_length, None)}  # fmt: skip
             card = model_card(args.pretrained_model_name_or_path, f"online RL ({args.objective}): {', '.join(args.reward)}",
-                              args.scalars(), args.prompts)  # fmt: skip
+                              args.scalars(), args.prompts, family.pipeline_class, family.task, call)  # fmt: skip
             save_final_pipeline(self.source, out, self.engine, ema=self.ema, readme=card,
                                 denoiser_name=self.family.denoiser)  # fmt: skip
             log_rank_zero(f"pipeline: {out.resolve()}")

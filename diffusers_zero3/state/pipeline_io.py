@@ -8,6 +8,7 @@ import math
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -155,36 +156,95 @@ def plot_curve(
     return path
 
 
+# A model card's title and tags by the family's ``task`` (the Hub's pipeline tag).
+CARD_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "text-to-image": ("Text-to-image", ("text-to-image",)),
+    "image-to-image": ("Instruction-editing", ("image-to-image", "image-editing", "instruction-editing")),
+    "text-to-video": ("Text-to-video", ("text-to-video",)),
+}
+
+
 def model_card(
     base_model: str,
     dataset: str,
     args: dict,
     validation_prompts: list[str] | None,
-    pipeline_class: str = "StableDiffusionPipeline",
+    pipeline_class: str,
+    task: str = "text-to-image",
+    call: dict[str, Any] | None = None,
 ) -> str:
-    """A README.md for the output pipeline folder."""
+    """A README.md for an output folder of a ``pipeline_class`` pipeline that does ``task``
+    (a family's ``task``: ``CARD_KINDS``' keys).
+
+    Its title, tags and usage follow ``task``: a text-to-image card calls
+    ``pipe(prompt=...).images[0]``, an instruction-editing card (``image-to-image``) edits a
+    source image (``pipe(image=load_image("source.png"), prompt=...)``), a text-to-video card
+    writes the frames as a GIF (``export_to_gif``: PIL alone; ``export_to_video`` needs
+    imageio). ``call`` holds the call's other keyword arguments as literals (the run's
+    validation settings: steps, size, the family's ``validation_kwargs``), so the snippet
+    redraws what validation drew and is as cheap. The first validation prompt is the snippet's
+    prompt. The snippet runs as printed once ``path/to/this/folder`` (and, for an editing
+    card, ``source.png``) name real files.
+
+    Example:
+        >>> card = model_card("tiny", "pairs", {}, ["make the circle blue"], "FluxKontextPipeline",
+        ...                   "image-to-image", {"height": 32})
+        >>> "pipe(image=load_image(\"source.png\"), prompt=\"make the circle blue\", height=32)" in card
+        True
+    """
+    title, task_tags = CARD_KINDS[task]
+    # the Stable Diffusion tag only on Stable Diffusion's own pipelines (SD 1.x/2.x, SDXL, SD3)
+    brand = ("stable-diffusion",) if pipeline_class.startswith("StableDiffusion") else ()
+    tags = ", ".join((*brand, *task_tags, "diffusers", "deepspeed-zero3"))
     hyper = "\n".join(
         f"- {k}: {args[k]}" for k in sorted(args) if args[k] is not None and not k.startswith("hub_")
     )
     prompts = "\n".join(f"- {p}" for p in validation_prompts or [])
+    edits, video = task == "image-to-image", task == "text-to-video"
+    default_prompt = "make it blue" if edits else "a photo"
+    kwargs = {"prompt": (validation_prompts or [default_prompt])[0], **(call or {})}
+    if video:
+        kwargs.setdefault("output_type", "pil")  # export_to_gif takes PIL frames
+    # literals as Python reads them (a prompt in double quotes, json's escapes)
+    arguments = ", ".join(f"{k}={json.dumps(v) if isinstance(v, str) else repr(v)}" for k, v in kwargs.items())
+    cls = pipeline_class
+    if edits:
+        imports = f"from diffusers import {cls}\nfrom diffusers.utils import load_image"
+        use = (
+            f'image = pipe(image=load_image("source.png"), {arguments}).images[0]\n'
+            'image.save("edited.png")'
+        )
+        heading = "Validation edit instructions"
+    elif video:
+        imports = f"from diffusers import {cls}\nfrom diffusers.utils import export_to_gif"
+        use = (
+            f"frames = pipe({arguments}).frames[0]\n"
+            'export_to_gif(frames, "video.gif")  # or export_to_video(frames, "video.mp4") with imageio-ffmpeg'
+        )
+        heading = "Validation prompts"
+    else:
+        imports = f"from diffusers import {cls}"
+        use = f'image = pipe({arguments}).images[0]\nimage.save("image.png")'
+        heading = "Validation prompts"
     return f"""---
 library_name: diffusers
 base_model: {base_model}
-tags: [stable-diffusion, text-to-image, diffusers, deepspeed-zero3]
+pipeline_tag: {task}
+tags: [{tags}]
 ---
 
-# Text-to-image fine-tune of {base_model}
+# {title} fine-tune of {base_model}
 
-Fine-tuned with `diffusers_zero3` (DeepSpeed ZeRO-3) on `{dataset}`.
+Fine-tuned with `diffusers_zero3` (DeepSpeed ZeRO-3) on `{dataset}`: a `{cls}`.
 
 ```python
-from diffusers import {pipeline_class}
+{imports}
 
-pipe = {pipeline_class}.from_pretrained("path/to/this/folder")
-image = pipe("{(validation_prompts or ["a photo"])[0]}").images[0]
+pipe = {cls}.from_pretrained("path/to/this/folder")
+{use}
 ```
 
-## Validation prompts
+## {heading}
 {prompts or "- (none)"}
 
 ## Training arguments
