@@ -439,3 +439,27 @@ def test_tiny_pipeline_generates_and_takes_lora_at_the_scripts_targets(variant, 
             p.add_(0.1)
         moved = family.predict(transformer, x, torch.tensor([500.0]), cond, guidance_scale=3.5)
     assert not torch.allclose(moved, before)  # the adapters are on the prediction's path
+
+
+def test_klein_distillation_is_the_folders(folders, pipes, tmp_path):
+    """``is_distilled`` is ``Flux2KleinPipeline``'s config (``model_index.json``): a step-distilled
+    folder's validation pipeline runs no CFG, as the folder's own pipeline, and GRPO's decision
+    reads it too."""
+    import diffusers
+
+    from diffusers_zero3.families import FLUX2_KLEIN, detect_family
+
+    pipe = pipes["klein"]
+    out = tmp_path / "klein-distilled"
+    diffusers.Flux2KleinPipeline(**pipe.components, is_distilled=True).save_pretrained(out)
+    family = detect_family(out)
+    validation = family.pipeline(
+        pipe.transformer, pipe.vae, {"text_encoder": pipe.text_encoder}, {"text_encoder": pipe.tokenizer},
+        pipe.scheduler,
+    )  # fmt: skip
+    assert validation.config.is_distilled is True
+    assert family.name == FLUX2_KLEIN.name and family.is_distilled is True
+    index = json.loads((out / "model_index.json").read_text())
+    assert not family.classifier_free_guidance(index, dict(pipe.transformer.config), 4.0)
+    assert FLUX2_KLEIN.classifier_free_guidance({}, dict(pipe.transformer.config), 4.0)  # the base default
+    assert detect_family(folders["klein"]) is FLUX2_KLEIN

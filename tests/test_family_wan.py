@@ -406,3 +406,25 @@ def test_a_frozen_bf16_replica_keeps_the_rotary_tables_from_pretrained_computes(
     assert next(frozen.module.parameters()).dtype == torch.bfloat16
     for key in ("freqs_cos", "freqs_sin"):
         assert torch.equal(getattr(frozen.module.rope, key), getattr(reference, key))
+
+
+def test_the_folders_registered_boundary_is_the_familys(folders, pipes, tmp_path):
+    """``boundary_ratio`` is ``WanPipeline``'s config (``model_index.json``), 0.875 only the
+    published default: a Wan 2.2 folder saved at 0.5 switches experts at t = 500 in training and in
+    validation's pipeline."""
+    from diffusers import WanPipeline
+
+    from diffusers_zero3.families import detect_family
+    from diffusers_zero3.families.wan import HIGH, LOW, WAN22
+
+    pipe = pipes["wan22"]
+    out = tmp_path / "wan22-half"
+    WanPipeline(**pipe.components, boundary_ratio=0.5).save_pretrained(out)
+    family = detect_family(out)
+    validation = family.pipeline(
+        {HIGH: pipe.transformer, LOW: pipe.transformer_2}, pipe.vae, {"text_encoder": pipe.text_encoder},
+        {"text_encoder": pipe.tokenizer}, pipe.scheduler,
+    )  # fmt: skip
+    assert validation.config.boundary_ratio == 0.5
+    assert family.name == WAN22.name and family.boundary_ratio == 0.5 and family.boundary(out) == 500.0
+    assert detect_family(folders["wan22"]) is WAN22  # the published value: the family itself

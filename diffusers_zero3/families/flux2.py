@@ -29,6 +29,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -358,11 +359,16 @@ class Flux2(Family):
         )
 
 
+@dataclasses.dataclass(frozen=True)
 class Flux2Klein(Flux2):
     """Flux.2 [klein]: Qwen3's stacked states after its chat template (thinking disabled); no
     guidance embedding (CFG at inference for the base models)."""
 
     hidden_layers = KLEIN_LAYERS
+    # Flux2KleinPipeline's registered value (model_index.json; detect_family reads it): a
+    # step-distilled model runs no CFG, in validation's pipeline too
+    registered_config: ClassVar[tuple[str, ...]] = ("is_distilled",)
+    is_distilled: bool = False
 
     def prompt_text(self, spec, caption, tokenizer=None):
         """The user turn and generation prompt ``Flux2KleinPipeline`` renders with
@@ -383,7 +389,7 @@ class Flux2Klein(Flux2):
     def classifier_free_guidance(self, model_index, denoiser_config, guidance_scale):
         """CFG above 1 for a base model; a step-distilled one (``is_distilled`` in
         ``model_index.json``) runs none, as ``Flux2KleinPipeline``."""
-        return guidance_scale > 1 and not model_index.get("is_distilled", False)
+        return guidance_scale > 1 and not model_index.get("is_distilled", self.is_distilled)
 
     def validation_kwargs(self, max_sequence_length, guidance_scale):
         # --guidance_scale is dev's embedded guidance: klein validates at the pipeline's CFG, as its script

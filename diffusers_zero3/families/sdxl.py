@@ -4,6 +4,9 @@ bigG, concatenated; the second encoder's pooled (projected) output as ``text_emb
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from .base import PublishedConfig, TextEncoderSpec
@@ -30,9 +33,15 @@ def time_ids(
     return torch.cat([original_size.float(), crop_top_left.to(original_size.device).float(), target_t], dim=1)
 
 
+@dataclass(frozen=True)
 class StableDiffusionXL(StableDiffusion):
     """SDXL: the penultimate hidden states of CLIP-L and OpenCLIP-bigG, concatenated; the
     second encoder's pooled (projected) output as ``text_embeds``; ``time_ids`` per image."""
+
+    # StableDiffusionXLPipeline's registered value (model_index.json; detect_family reads it):
+    # zeros, or the empty prompt's states, as CFG's negative conditioning in validation's pipeline
+    registered_config: ClassVar[tuple[str, ...]] = ("force_zeros_for_empty_prompt",)
+    force_zeros_for_empty_prompt: bool = True
 
     def encode_text(self, name, encoder, input_ids, attention_mask=None):
         out = encoder(input_ids, output_hidden_states=True, return_dict=False)

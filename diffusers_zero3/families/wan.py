@@ -12,6 +12,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -196,6 +197,9 @@ class Wan(Family):
     """Wan: masked umT5 states zero-padded to the sequence length; 5-D video latents; one or two
     experts (``experts``), switched at ``boundary_ratio``; per-token timesteps for TI2V-5B."""
 
+    # WanPipeline's registered values (model_index.json; detect_family reads them): the boundary
+    # of the folder, not the published one, in validation's pipeline too
+    registered_config: ClassVar[tuple[str, ...]] = ("boundary_ratio", "expand_timesteps")
     experts: tuple[str, ...] = (HIGH,)  # denoiser folders, high noise first
     boundary_ratio: float | None = None  # the published pipelines' (A14B T2V: 0.875)
     expand_timesteps: bool = False  # TI2V-5B: one timestep per latent token (WanPipeline's flag)
