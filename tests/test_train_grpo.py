@@ -444,7 +444,20 @@ def test_lora_grpo_with_function_and_sharded_clip_reward(tiny_sd3, tiny_clip, tm
     _check_seconds(seconds, 2)
     for mean, red, clip in zip(rewards["mean"], rewards[REDNESS], rewards["clip_score"]):
         assert mean == pytest.approx(red + 0.01 * clip, abs=1e-5)
-    assert (out / "rewards.png").exists() and (out / "rewards-2.png").exists()
+    # the total's curve and one per reward, named for it; the summary names each file that exists
+    plots = {"rewards.png", "rewards-diffusers_zero3.demo.rewards-redness.png", "rewards-clip_score.png"}
+    assert {p.name for p in out.glob("rewards*.png")} == plots
+    summary = {line.split(": ", 1)[0]: line.split(": ", 1)[1] for line in log.splitlines() if ": /" in line}
+    for label, path in [("LoRA weights", out / LORA_WEIGHTS), ("total reward curve", out / "rewards.png"),
+                        (f"{REDNESS} curve", out / "rewards-diffusers_zero3.demo.rewards-redness.png"),
+                        ("clip_score curve", out / "rewards-clip_score.png"), ("step log", out / "logs" / "train.log")]:  # fmt: skip
+        assert summary.get(label) == str(path.resolve()), (label, log[-3000:])
+    assert summary["rewards"].startswith(f"{(out / 'rewards.json').resolve()} (")
+    assert summary["sample grids"].startswith(f"{(out / 'samples').resolve()} (")
+    assert "TensorBoard logs" not in summary  # --report_to none
+    # the round lines print (the log is not a terminal) and go to the step log alike
+    logged = (out / "logs" / "train.log").read_text().splitlines()
+    assert [int(line.split()[1]) for line in logged] == [1, 2] and logged[0] in log
     # a grid of rank 0's samples per round (every checkpoint by default): 5 of the 9 samples
     # (3 prompts x 3) are rank 0's, 4 a row, with each one's prompt and weighted reward
     from PIL import Image

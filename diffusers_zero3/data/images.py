@@ -18,6 +18,7 @@ import torch
 
 from ..errors import DataError
 from ..runtime.distributed import logger
+from ..runtime.notices import local_dataset_progress_off
 
 
 def load_image_caption_dataset(
@@ -35,19 +36,23 @@ def load_image_caption_dataset(
     column of image paths (a parquet/json/csv folder's, relative to the folder) stays strings
     here: ``prepare_image_column`` makes it images.
     """
+    import contextlib
+    import os
+
     import datasets
 
     if dataset_name is None and train_data_dir is None:
         raise DataError("give --dataset_name or --train_data_dir")
+    # a local folder is read, not downloaded: no "Downloading data" bar for it
+    local = train_data_dir is not None if dataset_name is None else os.path.isdir(dataset_name)
     try:
-        if dataset_name is not None:
-            ds = datasets.load_dataset(dataset_name, dataset_config_name, cache_dir=cache_dir)
-        else:
-            import os
-
-            if not os.path.isdir(train_data_dir):
-                raise DataError(f"--train_data_dir {train_data_dir!r} is not a directory")
-            ds = datasets.load_dataset("imagefolder", data_dir=train_data_dir, cache_dir=cache_dir)
+        with local_dataset_progress_off() if local else contextlib.nullcontext():
+            if dataset_name is not None:
+                ds = datasets.load_dataset(dataset_name, dataset_config_name, cache_dir=cache_dir)
+            else:
+                if not os.path.isdir(train_data_dir):
+                    raise DataError(f"--train_data_dir {train_data_dir!r} is not a directory")
+                ds = datasets.load_dataset("imagefolder", data_dir=train_data_dir, cache_dir=cache_dir)
     except (FileNotFoundError, ValueError, ConnectionError) as e:  # datasets' "no data files", bad names
         if isinstance(e, DataError):
             raise

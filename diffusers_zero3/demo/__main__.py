@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from ..families import family_named
+from ..runtime.notices import quiet_library_notices
 from . import (
     MODELS,
     prepare_default,
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         help="print PIPE, DATA and RUN_ARGS (the family's default placements) as shell assignments",
     )
     cli = parser.parse_args(argv)
+    quiet_library_notices()  # building the tiny pipelines imports diffusers' pipeline modules
     if cli.model not in MODELS:
         print(f"error: MODEL must be one of {', '.join(MODELS)}, got {cli.model!r}", file=sys.stderr)
         sys.exit(2)

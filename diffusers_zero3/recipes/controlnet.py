@@ -22,6 +22,7 @@ from ..args import ENGINE_PLACEMENT_CHOICES, TextToImageSettings, flag, placemen
 from ..data.images import DataError, transform_image
 from ..errors import ArgumentError
 from ..runtime.distributed import is_main_process, log_rank_zero
+from ..training.report import log_outputs
 from .text_to_image import TextToImageTrainer
 
 CONTROLNET_PIPELINES = {
@@ -403,7 +404,5 @@ class ControlNetTrainer(TextToImageTrainer):
             else:
                 save_pretrained_zero3(self.denoiser, staging)
         finish_trackers(self.accelerator)
-        log_rank_zero(
-            f"ControlNet: {os.path.abspath(final)} (ControlNetModel.from_pretrained; "
-            f"{CONTROLNET_PIPELINES[self.family.name]} with the base pipeline)"
-        )
+        note = f"ControlNetModel.from_pretrained; {CONTROLNET_PIPELINES[self.family.name]} with the base pipeline"
+        log_outputs([("ControlNet", final, note), *self._run_outputs()])

@@ -51,6 +51,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,6 +95,7 @@ from ..runtime.context_parallel import (
 from ..runtime.distributed import log_rank_zero
 from ..runtime.ds_config import weight_dtype
 from ..runtime.memory import return_large_frees_to_os
+from ..runtime.notices import quiet_library_notices
 from ..state.pipeline_io import (
     check_output_dir,
     image_grid,
@@ -113,6 +115,7 @@ from ..training.job import (
 )
 from ..training.lora import LORA_WEIGHT_NAME, add_lora_adapters, save_lora_zero3
 from ..training.parts import adamw, prepare_first_part, step_part
+from ..training.report import StepOutput, log_outputs, step_log_path
 from ..training.schedule import first_last_means
 
 OBJECTIVES = ("grpo", "nft")
@@ -476,6 +479,7 @@ class GRPOTrainer:
         from accelerate.utils import set_seed
 
         args = self.args
+        quiet_library_notices()  # before the first pipeline module is imported
         validate_common_args(args)
         check_positive(args, ("num_inference_steps",))
         if args.return_freed_memory:
@@ -871,39 +875,56 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> None:
-        """Rounds until ``--max_train_steps``: sample, score, train, log, checkpoint. Collective."""
+        """Rounds until ``--max_train_steps``: sample, score, train, log, checkpoint. Collective.
+        A ``step N reward X loss Y (...)`` line per round: on a terminal only into
+        ``OUTPUT_DIR/<logging_dir>/train.log`` beside a progress bar of rounds, elsewhere
+        printed as well (``training.report.StepOutput``)."""
+        args, acc = self.args, self.accelerator
+        with StepOutput(
+            args.max_train_steps,
+            initial=self.global_step,
+            log_file=step_log_path(args.output_dir, args.logging_dir),
+            bar=acc.is_local_main_process,
+            unit="round",
+        ) as steps:
+            while self.global_step < args.max_train_steps:
+                self._round(steps)
+
+    def _round(self, steps: StepOutput) -> None:
+        """One round: sample, score, train, log, checkpoint. Collective."""
         args, acc = self.args, self.accelerator
         device = acc.device
-        while self.global_step < args.max_train_steps:
-            start = wall_clock(device)
-            batch = self.sample_round(self.global_step)  # text encoding, the SDE loop, the VAE decode
-            sampled = wall_clock(device)
-            mean, means = self.score_round(batch)  # the reward calls and the advantage gather
-            scored = wall_clock(device)
-            loss = self.train_round(batch)  # the inner epochs with their optimizer steps
-            seconds = dict(zip(PHASES, (sampled - start, scored - sampled, wall_clock(device) - scored)))
-            self.global_step += 1
-            self.trained_rounds += 1
-            self.rewards.append(mean)
-            for name, value in means.items():
-                self.rewards_by_spec[name].append(value)
-            for phase, value in seconds.items():
-                self.seconds[phase].append(value)
-            acc.log({"reward": mean, "loss": loss, **{f"reward/{k}": v for k, v in means.items()},
-                     **{f"seconds/{k}": v for k, v in seconds.items()}}, step=self.global_step)  # fmt: skip
-            each = " ".join(f"{k} {v:.6f}" for k, v in means.items())
-            took = " ".join(f"{k} {v:.2f}s" for k, v in seconds.items())
-            log_rank_zero(
-                f"step {self.global_step} reward {mean:.6f} loss {loss:.6f} ({each}) time: {took}; "
-                f"optimizer steps {self._optimizer_steps()}"
-            )
-            if self.global_step % args.checkpointing_steps == 0:
-                save_training_checkpoint(
-                    acc, args.output_dir, self.global_step,
-                    {"epoch": 0, "batches_in_epoch": 0, "rewards": self.rewards, "rewards_by_spec": self.rewards_by_spec,
-                     "seconds": self.seconds},
-                    ema=self.ema, total_limit=args.checkpoints_total_limit,
-                )  # fmt: skip
+        start = wall_clock(device)
+        batch = self.sample_round(self.global_step)  # text encoding, the SDE loop, the VAE decode
+        sampled = wall_clock(device)
+        mean, means = self.score_round(batch)  # the reward calls and the advantage gather
+        scored = wall_clock(device)
+        loss = self.train_round(batch)  # the inner epochs with their optimizer steps
+        seconds = dict(zip(PHASES, (sampled - start, scored - sampled, wall_clock(device) - scored)))
+        self.global_step += 1
+        self.trained_rounds += 1
+        self.rewards.append(mean)
+        for name, value in means.items():
+            self.rewards_by_spec[name].append(value)
+        for phase, value in seconds.items():
+            self.seconds[phase].append(value)
+        acc.log({"reward": mean, "loss": loss, **{f"reward/{k}": v for k, v in means.items()},
+                 **{f"seconds/{k}": v for k, v in seconds.items()}}, step=self.global_step)  # fmt: skip
+        each = " ".join(f"{k} {v:.6f}" for k, v in means.items())
+        took = " ".join(f"{k} {v:.2f}s" for k, v in seconds.items())
+        steps.step(
+            f"step {self.global_step} reward {mean:.6f} loss {loss:.6f} ({each}) time: {took}; "
+            f"optimizer steps {self._optimizer_steps()}",
+            reward=f"{mean:.4f}",
+            loss=f"{loss:.4f}",
+        )
+        if self.global_step % args.checkpointing_steps == 0:
+            save_training_checkpoint(
+                acc, args.output_dir, self.global_step,
+                {"epoch": 0, "batches_in_epoch": 0, "rewards": self.rewards, "rewards_by_spec": self.rewards_by_spec,
+                 "seconds": self.seconds},
+                ema=self.ema, total_limit=args.checkpoints_total_limit,
+            )  # fmt: skip
 
     def _optimizer_steps(self) -> int:
         """Optimizer steps taken so far: DeepSpeed's own count under DeepSpeed (restored on
@@ -914,13 +935,13 @@ class GRPOTrainer:
 
     def save(self) -> None:
         """The pipeline (full) or ``pytorch_lora_weights.safetensors`` (LoRA), ``rewards.json``
-        and a reward curve per reward. Collective."""
+        and a reward curve per reward, then the summary of what the run wrote. Collective."""
         args = self.args
         out = Path(args.output_dir)
         if args.rank is not None:
             with self.ema.averaged_weights() if self.ema is not None else contextlib.nullcontext():
                 path = save_lora_zero3(self.engine, self.family, out)
-            log_rank_zero(f"LoRA weights: {path.resolve()}")
+            weights = ("LoRA weights", path)
         else:
             family = self.family  # the card draws as a round samples: its steps and size
             call = {"num_inference_steps": args.num_inference_steps, **family.size_kwargs(args.resolution, args.resolution),
@@ -929,29 +950,63 @@ class GRPOTrainer:
                               args.scalars(), args.prompts, family.pipeline_class, family.task, call)  # fmt: skip
             save_final_pipeline(self.source, out, self.engine, ema=self.ema, readme=card,
                                 denoiser_name=self.family.denoiser)  # fmt: skip
-            log_rank_zero(f"pipeline: {out.resolve()}")
+            weights = ("pipeline", out, f"{self.family.pipeline_class}.from_pretrained")
         if self.accelerator.is_main_process:
-            self._write_rewards(out)
+            curves = self._write_rewards(out)
+            log_outputs([
+                weights,
+                ("rewards", out / "rewards.json", "per round: the total, each reward, each phase's seconds"),
+                *((f"{name} curve", file) for name, file in curves.items()),
+                ("sample grids", out / "samples", "round-N.png, each sample's prompt and reward in round-N.json"),
+                ("step log", step_log_path(out, args.logging_dir)),
+                ("TensorBoard logs", out / args.logging_dir if args.report_to in ("tensorboard", "all") else None),
+            ])  # fmt: skip
         finish_trackers(self.accelerator)
 
-    def _write_rewards(self, out: Path) -> None:
+    def _write_rewards(self, out: Path) -> dict[str, Path]:
         """``rewards.json`` (``"mean"``: the weighted total per round, one list per reward spec,
-        and ``"seconds"``: rank 0's wall-clock seconds of each phase per round) and
-        ``rewards.png`` / ``rewards-<n>.png`` curves. Main process only (no collective)."""
+        and ``"seconds"``: rank 0's wall-clock seconds of each phase per round) and the curves:
+        ``rewards.png`` for the total, ``rewards-<reward>.png`` for each reward
+        (``reward_plot_name``). Returns the curves written, ``{"total reward": path, <reward
+        spec name>: path, ...}``. Main process only (no collective)."""
         out.mkdir(parents=True, exist_ok=True)
         (out / "rewards.json").write_text(
             json.dumps({"mean": self.rewards, **self.rewards_by_spec, "seconds": self.seconds})
         )
-        curves: dict[str, Any] = {"mean": self.rewards, **self.rewards_by_spec}
-        for n, (name, values) in enumerate(curves.items()):
+        curves = [("total reward", "mean", self.rewards, out / "rewards.png")]
+        for name, values in self.rewards_by_spec.items():
+            taken = {file.name for *_, file in curves}
+            curves.append((name, name, values, out / reward_plot_name(name, taken)))
+        written = {}
+        for label, name, values, file in curves:
             if not values:
                 continue
             title = f"{name} per round: {values[0]:.3f} -> {values[-1]:.3f}"
-            file = out / ("rewards.png" if n == 0 else f"rewards-{n}.png")
             plot_curve(values, file, title, ylabel=f"{name} (mean of the round's samples)", xlabel="round",
                        smooth=min(10, max(1, len(values) // 5)))  # fmt: skip
+            written[label] = file
         k, first, last = first_last_means(self.rewards)
         log_rank_zero(f"mean reward: first {k} rounds {first:.4f} -> last {k} rounds {last:.4f}")
+        return written
+
+
+def reward_plot_name(name: str, taken: set[str] = frozenset()) -> str:
+    """The file name of a reward's curve: ``rewards-<name>.png``, the spec's name with every
+    character but letters, digits, ``.``, ``_`` and ``-`` made ``-``; a name already in
+    ``taken`` gets ``-2``, ``-3``, ... (two specs that differ only in those characters).
+
+    Example:
+        >>> reward_plot_name("diffusers_zero3.demo.rewards:redness")
+        'rewards-diffusers_zero3.demo.rewards-redness.png'
+        >>> reward_plot_name("clip_score", taken={"rewards-clip_score.png"})
+        'rewards-clip_score-2.png'
+    """
+    stem = "rewards-" + (re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "reward")
+    file, n = f"{stem}.png", 1
+    while file in taken:
+        n += 1
+        file = f"{stem}-{n}.png"
+    return file
 
 
 __all__ = [
@@ -964,6 +1019,7 @@ __all__ = [
     "nft_noise_generator",
     "pad_assignment",
     "pipeline_sigmas",
+    "reward_plot_name",
     "sampling_schedule",
     "set_sampling_timesteps",
     "sample_generator",

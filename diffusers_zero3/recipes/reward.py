@@ -38,6 +38,7 @@ from ..rewards import RewardSpec, load_rewards, parse_reward_specs
 from ..runtime.distributed import log_rank_zero
 from ..runtime.ds_config import weight_dtype
 from ..runtime.memory import return_large_frees_to_os
+from ..runtime.notices import quiet_library_notices
 from ..state.pipeline_io import (
     check_output_dir,
     model_card,
@@ -54,6 +55,7 @@ from ..training.job import (
     load_trainable_denoiser,
 )
 from ..training.parts import adamw, prepare_first_part, step_part
+from ..training.report import StepOutput, log_outputs, step_log_path
 from ..training.schedule import first_last_means
 
 
@@ -160,6 +162,7 @@ class RewardTrainer:
         from transformers import CLIPTextModel, CLIPTokenizer
 
         args = self.args
+        quiet_library_notices()
         validate_common_args(args)
         check_positive(args, ("num_inference_steps", "reward_micro_batch_size"))
         if args.return_freed_memory:
@@ -249,42 +252,49 @@ class RewardTrainer:
         return (decoded / 2 + 0.5).clamp(0, 1)
 
     def train(self) -> None:
+        """Steps until ``--max_train_steps``: sample, score, step, log, checkpoint. Collective.
+        A ``step N reward X`` line per step: on a terminal only into
+        ``OUTPUT_DIR/<logging_dir>/train.log`` beside a progress bar, elsewhere printed as well."""
         args, acc = self.args, self.accelerator
-        while self.global_step < args.max_train_steps:
-            pick = torch.randint(0, len(args.prompts), (args.train_batch_size,))  # CPU: indexes a list
-            prompts = [args.prompts[i] for i in pick]
-            images = self._sample_images(prompts)
-            rewards, by_spec = self.reward(images, prompts)
-            loss = -rewards.mean()
-            acc.backward(loss)
-            step_part(self.part, acc, sync=True)
-            if self.ema is not None:
-                self.ema.step()
-            self.global_step += 1
-            self.trained_steps += 1
-            per_rank = acc.gather(rewards.detach()).view(acc.num_processes, -1).mean(dim=1)
-            mean_reward = per_rank.mean().item()
-            self.rewards.append(mean_reward)
-            self.rewards_per_rank.append(per_rank.tolist())
-            for name in self.reward_names:  # every rank, in the same order: gathers
-                self.rewards_by_spec[name].append(acc.gather(by_spec[name].detach()).mean().item())
-            acc.log({"reward": mean_reward, "loss": loss.item()}, step=self.global_step)
-            log_rank_zero(f"step {self.global_step} reward {mean_reward:.6f}")
-            if self.global_step % args.checkpointing_steps == 0:
-                save_training_checkpoint(
-                    acc,
-                    args.output_dir,
-                    self.global_step,
-                    {
-                        "epoch": 0,
-                        "batches_in_epoch": 0,
-                        "rewards": self.rewards,
-                        "rewards_per_rank": self.rewards_per_rank,
-                        "rewards_by_spec": self.rewards_by_spec,
-                    },
-                    ema=self.ema,
-                    total_limit=args.checkpoints_total_limit,
-                )
+        log_file = step_log_path(args.output_dir, args.logging_dir)
+        with StepOutput(
+            args.max_train_steps, initial=self.global_step, log_file=log_file, bar=acc.is_local_main_process
+        ) as steps:
+            while self.global_step < args.max_train_steps:
+                pick = torch.randint(0, len(args.prompts), (args.train_batch_size,))  # CPU: indexes a list
+                prompts = [args.prompts[i] for i in pick]
+                images = self._sample_images(prompts)
+                rewards, by_spec = self.reward(images, prompts)
+                loss = -rewards.mean()
+                acc.backward(loss)
+                step_part(self.part, acc, sync=True)
+                if self.ema is not None:
+                    self.ema.step()
+                self.global_step += 1
+                self.trained_steps += 1
+                per_rank = acc.gather(rewards.detach()).view(acc.num_processes, -1).mean(dim=1)
+                mean_reward = per_rank.mean().item()
+                self.rewards.append(mean_reward)
+                self.rewards_per_rank.append(per_rank.tolist())
+                for name in self.reward_names:  # every rank, in the same order: gathers
+                    self.rewards_by_spec[name].append(acc.gather(by_spec[name].detach()).mean().item())
+                acc.log({"reward": mean_reward, "loss": loss.item()}, step=self.global_step)
+                steps.step(f"step {self.global_step} reward {mean_reward:.6f}", reward=f"{mean_reward:.4f}")
+                if self.global_step % args.checkpointing_steps == 0:
+                    save_training_checkpoint(
+                        acc,
+                        args.output_dir,
+                        self.global_step,
+                        {
+                            "epoch": 0,
+                            "batches_in_epoch": 0,
+                            "rewards": self.rewards,
+                            "rewards_per_rank": self.rewards_per_rank,
+                            "rewards_by_spec": self.rewards_by_spec,
+                        },
+                        ema=self.ema,
+                        total_limit=args.checkpoints_total_limit,
+                    )
 
     def save(self) -> None:
         """The final pipeline, rewards.json and the reward curve (every rank); kept as is when
@@ -309,8 +319,12 @@ class RewardTrainer:
             plot_curve(self.rewards, out / "rewards.png", title, ylabel="mean reward of the step's samples",
                        smooth=min(10, max(1, len(self.rewards) // 5)))  # fmt: skip
             k, first, last = first_last_means(self.rewards)
-            log_rank_zero(
-                f"mean reward: first {k} steps {first:.4f} -> last {k} steps "
-                f"{last:.4f}\npipeline: {out.resolve()}\nreward curve: {out.resolve() / 'rewards.png'}"
-            )
+            log_rank_zero(f"mean reward: first {k} steps {first:.4f} -> last {k} steps {last:.4f}")
+            log_outputs([
+                ("pipeline", out, "StableDiffusionPipeline.from_pretrained"),
+                ("rewards", out / "rewards.json", "the mean per step, per rank and per reward"),
+                ("reward curve", out / "rewards.png"),
+                ("step log", step_log_path(out, args.logging_dir)),
+                ("TensorBoard logs", out / args.logging_dir if args.report_to in ("tensorboard", "all") else None),
+            ])  # fmt: skip
         finish_trackers(self.accelerator)
