@@ -448,6 +448,9 @@ def test_conditioning_reads_the_pipelines_select_layers(folder, tmp_path, varian
     assert torch.equal(cond["encoder_attention_mask"].bool(), mask)
     # validation's pipeline reads the same taps
     assert rebuilt(family, pipe).text_encoder_select_layers == layers
+    if variant == "shallow_encoder":  # taps beyond the encoder: one line naming them, not an IndexError
+        with pytest.raises(ValueError, match="text_encoder_select_layers"):
+            family_outputs(pipe, out, PROMPTS[:1], 32, family=KREA2)
 
 
 def test_patch_size_and_distillation_are_the_pipelines(folder, tmp_path):
