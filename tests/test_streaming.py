@@ -6,6 +6,7 @@ uninterrupted one."""
 from __future__ import annotations
 
 import io
+import re
 import shutil
 
 import pytest
@@ -166,6 +167,10 @@ def test_a_streamed_run_resumed_on_another_number_of_processes_equals_the_uninte
     losses = step_values(log)
     assert sorted(losses) == [1, 2, 3, 4], log[-3000:]
     assert "streaming" in log and "3 shard(s)" in log
+    # each rank decodes its own rows: 4 steps x 2, and the micro-batch the loader reads ahead
+    # (accelerate's dispatcher had rank 0 decode every row and rank 1 none)
+    decoded = re.search(r"streamed rows decoded per rank: (\d+), (\d+)", log)
+    assert decoded and [int(n) for n in decoded.groups()] == [10, 10], log[-3000:]
     resumed = tmp_path / "n1"
     resumed.mkdir()
     shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")

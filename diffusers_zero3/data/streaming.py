@@ -191,6 +191,7 @@ class StreamedExamples:
         # (epoch, position) of each unreadable row, for the end-of-run count: give StreamedRows'
         # skipped_rows to share it (the collate runs in the main process)
         self.skipped_rows = skipped_rows if skipped_rows is not None else set()
+        self.decoded_rows = 0  # rows this process decoded (its share of each global batch)
 
     def _map(self, fn, items: list) -> list:
         if self.threads <= 0:
@@ -205,6 +206,7 @@ class StreamedExamples:
         import datasets
 
         row = dict(item["row"])
+        self.decoded_rows += 1
         try:
             row[self.image_column] = datasets.Image().decode_example(row[self.image_column])
             row[self.image_column].load()
@@ -232,6 +234,8 @@ def streamed_loader(
     rows: StreamedRows, examples: StreamedExamples, batch_size: int
 ) -> torch.utils.data.DataLoader:
     """A DataLoader of ``rows`` in micro-batches of ``batch_size``, decoded by ``examples``
-    (in the main process: ``--dataloader_num_workers`` are its decoding threads); accelerate's
-    ``prepare`` deals each global batch out to the ranks."""
+    (in the main process: ``--dataloader_num_workers`` are its decoding threads). Deal each
+    global batch out to the ranks with ``runtime.context_parallel.group_loader`` (accelerate's
+    ``IterableDatasetShard``: each rank decodes its own rows), not with ``accelerator.prepare``,
+    whose dispatcher has rank 0 read and decode every row, then broadcast them."""
     return torch.utils.data.DataLoader(rows, batch_size=batch_size, collate_fn=examples, drop_last=True)

@@ -728,15 +728,20 @@ class TextToImageTrainer:
         )
         # The denoiser first: accelerate's backward drives the first engine it prepared.
         # Context parallelism: the loader dealt out to the groups, not to every rank.
+        # A stream: dealt out per rank too, so that each rank decodes its own rows (accelerate's
+        # prepare would dispatch it from rank 0, which then decodes every row).
+        deal_here = self.cp is not None or args.streaming
         self.denoiser_part, self.loader = prepare_first_part(
             acc, self._first_part_name(), self.denoiser, optimizer, scheduler,
-            dataloader=loader if self.cp is None else None,
-            micro_batch_size=None if self.cp is None else args.train_batch_size,
+            dataloader=None if deal_here else loader,
+            micro_batch_size=args.train_batch_size if deal_here else None,
             max_grad_norm=args.max_grad_norm, use_ema=bool(args.use_ema),
             ema_device="cpu" if args.offload_ema else None,
         )  # fmt: skip
         if self.cp is not None:
             self.loader = group_loader(loader, acc, self.cp.data_parallel_size, self.cp.data_parallel_rank)
+        elif args.streaming:
+            self.loader = group_loader(loader, acc, acc.num_processes, acc.process_index)
         part = self.denoiser_part
         self.denoiser, self.optimizer, self.lr_scheduler, self.ema = (
             part.engine,
@@ -1177,6 +1182,9 @@ class TextToImageTrainer:
             log_rank_zero(
                 f"loss: mean of the first {k} steps {first:.4f} -> mean of the last {k} steps {last:.4f}"
             )
+        if isinstance(self.collate_fn, StreamedExamples):  # a collective: every rank
+            decoded = acc.gather(torch.tensor([self.collate_fn.decoded_rows], device=acc.device)).tolist()
+            log_rank_zero(f"streamed rows decoded per rank: {', '.join(str(n) for n in decoded)}")
         skipped = len(self.train_dataset.skipped_rows)
         if skipped:
             logger.warning("skipped %d unreadable image row(s) on rank %d", skipped, acc.process_index)
