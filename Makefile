@@ -27,7 +27,7 @@ $(REFERENCE_DIR)/.installed: constraints.txt
 # each, which is what a 2-core machine holds) and gpu tiers in one process; both always run
 test: reference-packages
 	$(PYTHON) -m pytest tests -q -m "unit or multirank" -n $(FAST_WORKERS); fast=$$?; \
-	$(PYTHON) -m pytest tests -q -m "e2e or gpu"; e2e=$$?; \
+	$(PYTHON) -m pytest tests -q -m "e2e or gpu" --durations=15; e2e=$$?; \
 	test $$fast -eq 0 -a $$e2e -eq 0
 
 # the unit tier alone (single process, under two minutes)
