@@ -48,6 +48,7 @@ def test_the_experimental_guider_notice_is_filtered():
     handler.emit = lambda record: seen.append(record.getMessage())
     logger.addHandler(handler)
     filters = list(logger.filters)
+    logger.filters[:] = [f for f in filters if not isinstance(f, DropMessage)]  # e.g. a tiny pipeline's build
     try:
         ClassifierFreeGuidance(guidance_scale=6.0)
         if not any("experimental" in m for m in seen):

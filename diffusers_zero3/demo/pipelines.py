@@ -1473,7 +1473,11 @@ TINY_PIPELINES: dict[str, Callable[[str | os.PathLike, int], Path]] = {
 
 def save_tiny_pipeline(family: Family, folder: str | os.PathLike, seed: int = 0) -> Path:
     """Save the tiny pipeline of ``family`` (its builder in ``TINY_PIPELINES``) to ``folder``
-    and return the folder. Not a collective: call it on one rank and share the folder."""
+    and return the folder. Not a collective: call it on one rank and share the folder.
+    Building one imports diffusers' pipeline modules: ``quiet_library_notices`` first."""
+    from ..runtime.notices import quiet_library_notices
+
+    quiet_library_notices()
     if family.name not in TINY_PIPELINES:
         raise NotImplementedError(
             f"{family.name} has no tiny pipeline: add one to demo.pipelines.TINY_PIPELINES"
