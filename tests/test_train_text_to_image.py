@@ -376,3 +376,20 @@ def test_dead_rank_makes_the_other_exit_instead_of_hanging(default_data, tmp_pat
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+
+
+@pytest.mark.unit
+def test_caption_dropout_keeps_the_text_encoders_live():
+    """An 'auto' cache of a text encoder becomes live under caption dropout (the cache holds each
+    row's own caption); without dropout, and for the VAE, the cache stays (the controls)."""
+    from diffusers_zero3.families import family_named
+    from diffusers_zero3.recipes.text_to_image import live_text_for_caption_dropout
+
+    sdxl = family_named("sdxl")
+    chosen = {"text_encoder": "cache", "text_encoder_2": "cache", "vae": "cache"}
+    auto = {"text_encoder": "auto", "text_encoder_2": "auto", "vae": "auto"}
+    assert live_text_for_caption_dropout(chosen, auto, sdxl, 0.0) == chosen
+    live = {"text_encoder": "shard", "text_encoder_2": "shard", "vae": "cache"}
+    assert live_text_for_caption_dropout(chosen, auto, sdxl, 0.1) == live
+    replicated = live_text_for_caption_dropout(chosen, auto, sdxl, 0.1, live="replicate")
+    assert replicated["text_encoder"] == "replicate"
