@@ -34,3 +34,27 @@ def accelerator_with_zero3(zero3_init_flag: bool = True, **ds_overrides):
     cfg = zero3_config(**ds_overrides)
     plugin = DeepSpeedPlugin(hf_ds_config=cfg, zero3_init_flag=zero3_init_flag)
     return build_accelerator(deepspeed_plugin=plugin)
+
+
+def run_card_snippet(folder, workdir, source_image=None) -> dict:
+    """Run the python snippet of ``folder``'s README.md (the model card) as printed, its
+    ``path/to/this/folder`` replaced by ``folder``, in ``workdir`` (where it writes its output;
+    an editing card's ``source.png`` is ``source_image``, a PIL image, written there); returns
+    the snippet's globals (``image`` or ``frames``)."""
+    import os
+    import re
+    from pathlib import Path
+
+    card = (Path(folder) / "README.md").read_text()
+    (snippet,) = re.findall(r"```python\n(.*?)```", card, flags=re.S)
+    assert snippet.count('"path/to/this/folder"') == 1, snippet
+    if source_image is not None:
+        source_image.save(Path(workdir) / "source.png")
+    here = os.getcwd()
+    os.chdir(workdir)
+    try:
+        scope: dict = {}
+        exec(compile(snippet.replace("path/to/this/folder", str(folder)), "README.md", "exec"), scope)
+    finally:
+        os.chdir(here)
+    return scope

@@ -93,6 +93,17 @@ def test_llm_encoder_sharded_ema_checkpoint_exact_resume_and_output(name, reques
     pipeline = DiffusionPipeline.from_pretrained(out)
     assert type(pipeline).__name__ == family.pipeline_class
     assert _generate(pipeline, family)[0].size == (32, 32)
+    if family.edits:  # the model card's snippet edits a source image as printed (validation's 2 steps)
+        from diffusers_zero3.demo import shape_image
+        from tests.common import run_card_snippet
+
+        (tmp_path / "card").mkdir()
+        scope = run_card_snippet(out, tmp_path / "card", source_image=shape_image("red", "circle"))
+        assert scope["image"].size == (32, 32) and (tmp_path / "card" / "edited.png").exists()
+        from PIL import Image
+
+        grid = Image.open(out / "validation" / "step-000004.png")  # the source above its edit
+        assert grid.size == (32, 64) and grid.crop((0, 0, 32, 32)).tobytes() == shape_image("red", "circle").tobytes()
     weights = "diffusion_pytorch_model.safetensors"
     after = {}
     for denoiser in trained:  # each trained denoiser changed

@@ -220,6 +220,12 @@ def test_end_to_end_zero3_ema_shard_checkpoint_validation_and_resume(default_dat
     changed = [not torch.equal(a, b) for a, b in zip(pipeline.unet.parameters(), before.parameters())]
     assert all(changed) and all(torch.isfinite(p).all() for p in pipeline.unet.parameters())
     assert (out / "README.md").read_text().startswith("---")
+    # the model card's snippet runs as printed (its call: validation's 3 steps at 32 px)
+    from tests.common import run_card_snippet
+
+    (tmp_path / "card").mkdir()
+    assert run_card_snippet(out, tmp_path / "card")["image"].size == (32, 32)
+    assert (tmp_path / "card" / "image.png").exists()
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
     ck = out / "checkpoint-3"
     assert {"ema_rank0.pt", "ema_rank1.pt", "training_state.json", "random_states_1.pkl"} <= {

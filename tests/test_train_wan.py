@@ -79,6 +79,12 @@ def test_wan21_umt5_sharded_ema_videos_buckets_exact_resume_and_output(tiny_wan,
     assert Image.open(out / "validation" / "step-000004.png").size == (5 * 32, 32)  # the clip's 5 frames
     frames = _generate(out)
     assert len(frames) == 5
+    # the model card's snippet runs as printed: validation's 2 steps, its frames written as a GIF
+    from tests.common import run_card_snippet
+
+    (tmp_path / "card").mkdir()
+    scope = run_card_snippet(out, tmp_path / "card")
+    assert scope["frames"][0].size == (32, 32) and (tmp_path / "card" / "video.gif").exists()
     before, after = _weights(Path(pipe), "transformer"), _weights(out, "transformer")
     assert any(not torch.equal(before[k], after[k]) for k in before)
 

@@ -1252,7 +1252,8 @@ class TextToImageTrainer:
         log_rank_zero(f"saved {path}")
 
     def validate(self) -> None:
-        """Images for --validation_prompts from the (EMA) weights; every rank, rank 0 writes."""
+        """Images for --validation_prompts from the (EMA) weights (an editing family's edits of
+        --validation_image, written under their sources); every rank, rank 0 writes."""
         args, acc = self.args, self.accelerator
         if not args.validation_prompts:
             return
@@ -1296,8 +1297,9 @@ class TextToImageTrainer:
                 image_grid(frames, cols=len(images[0])).save(path)
                 self._log_images(frames)
                 log_rank_zero(f"validation videos: {', '.join(str(v) for v in videos)}; frames: {path}")
-            else:
-                image_grid(images).save(path)
+            else:  # an editing family's sources above their edits, so the grid shows what changed
+                sources = self._validation_sources()
+                image_grid([*sources, *images] if sources else images, cols=len(images)).save(path)
                 self._log_images(images)
                 log_rank_zero(f"validation images: {path}")
 
