@@ -241,9 +241,10 @@ def _error_lines(out: str) -> list[str]:
 
 @pytest.mark.e2e
 def test_console_commands_and_accelerate_launch(default_data, tmp_path):
-    """After `make install`: `accelerate launch --help` and a real 2-rank `accelerate launch -m`
-    of a command module train; the console commands give one `error:` line, no traceback and
-    exit status 2 for a bad resolution, a missing model folder and a misspelt reward."""
+    """After `make install`: `accelerate launch --help` and `accelerate env` work (a real 2-rank
+    `accelerate launch -m` of a command module trains in tests/test_train_text_to_image.py); the
+    console commands give one `error:` line, no traceback and exit status 2 for a bad
+    resolution, a missing model folder and a misspelt reward."""
     from diffusers_zero3.testing import free_port
 
     pipe, data, _ = default_data
@@ -269,9 +270,6 @@ def test_console_commands_and_accelerate_launch(default_data, tmp_path):
         return ["--main_process_port", str(free_port())]
 
     runs = [
-        {"argv": [accelerate, "launch", "--config_file", "configs/accelerate_zero3.yaml", "--num_processes", "2", *port(),
-                  "-m", "diffusers_zero3.commands.train_text_to_image", "--pretrained_model_name_or_path", pipe,
-                  *common, "--max_train_steps", "2", "--output_dir", str(tmp_path / "ok")]},
         {"argv": [t2i, *port(), "--pretrained_model_name_or_path", pipe, *common[:2], "--resolution", "30",
                   "--output_dir", str(tmp_path / "bad-resolution")], "expect_rc": 2},
         {"argv": [t2i, *port(), "--pretrained_model_name_or_path", str(tmp_path / "missing"), *common,
@@ -281,10 +279,8 @@ def test_console_commands_and_accelerate_launch(default_data, tmp_path):
          "expect_rc": 2},
     ]  # fmt: skip
     results = run_launchers_side_by_side(runs, timeout=600)
-    ok = results[0][1]
-    assert "step 2 loss" in ok and (tmp_path / "ok" / "model_index.json").is_file(), ok[-3000:]
     wanted = ["--resolution must be divisible by 8", "does not exist", "--reward rednes"]
-    for (_, out), text in zip(results[1:], wanted):
+    for (_, out), text in zip(results, wanted):
         errors = _error_lines(out)
         assert len(errors) == 1 and text in errors[0], out[-3000:]
         assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]

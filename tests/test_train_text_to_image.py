@@ -196,7 +196,11 @@ def test_end_to_end_zero3_ema_shard_checkpoint_validation_and_resume(default_dat
         "6",
     ]
     extra += ["--num_validation_inference_steps", "3"]
-    _, log = run_launcher([*LAUNCH, *_common(pipe, data, out), *extra], timeout=400)
+    # as a user types it after `make install`: accelerate's console command, the command module
+    # (tests/test_commands.py: the console commands' own launches and errors)
+    accelerate = [str(Path(sys.executable).parent / "accelerate"), "launch", *LAUNCH[3:-1]]
+    module = ["-m", "diffusers_zero3.commands.train_text_to_image"]
+    _, log = run_launcher([*accelerate, *module, *_common(pipe, data, out), *extra], timeout=400)
     losses = _losses(log)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6], log[-3000:]
     assert "placement plan (--*_placement auto)" in log and "auto placements: vae=replicate" in log
