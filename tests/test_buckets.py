@@ -121,10 +121,26 @@ def test_sampler_gives_every_rank_the_same_bucket_at_each_step():
     assert sum(a != b for a, b in zip(order, order[1:])) > len(set(order))
 
 
+def _bucket_stream(sampler, bucket, length):
+    """The first ``length`` rows of ``bucket``'s order across epochs: its passes one after another."""
+    n = len(sampler.rows[bucket])
+    return [sampler._order(bucket, k // n)[k % n] for k in range(length)]
+
+
+def _trained_per_bucket(sampler, epochs, start=None):
+    """Each bucket's rows in the order ``epochs`` train them (global batch after global batch)."""
+    trained = {}
+    for epoch in epochs:
+        for bucket, rows in sampler.global_batches(epoch, start):
+            trained.setdefault(bucket, []).extend(rows)
+    return trained
+
+
 def test_sampler_resumes_at_the_first_unseen_sample_on_the_same_and_another_number_of_processes():
     rows = _row_buckets(n=90, buckets=3, seed=3)
     full = BucketBatchSampler(rows, batch_size=2, num_processes=2, seed=5)
     whole = list(full.global_batches(4))
+    epoch_start = full.position_after(4, 0)
     for k in (0, 3, len(whole) - 1):
         position = full.position_after(4, k)
         # same number of processes: the rest of the epoch equals the uninterrupted run's
@@ -132,20 +148,61 @@ def test_sampler_resumes_at_the_first_unseen_sample_on_the_same_and_another_numb
         resumed.set_epoch(4)
         resumed.start_at(BucketPosition.from_state(position.to_state()))  # through the checkpoint's JSON form
         assert [b for b in resumed] == [r[i : i + 2] for _, r in whole[k:] for i in (0, 2)]
-        assert list(resumed) == [r[i : i + 2] for _, r in whole for i in (0, 2)]  # the start holds once
-        # 3 processes of 1: no sample of the epoch repeats, and each bucket goes on in its own order
+        # 3 processes of 1, for three epochs: each bucket goes on in its own order from where the
+        # checkpoint left it, no sample repeated and none skipped (the samples it trains
+        # continue where the checkpoint left them)
         other = BucketBatchSampler(rows, 1, 3, seed=5)
         other.start_at(position)
-        before = {i for _, r in whole[:k] for i in r}
-        after = [i for _, r in other.global_batches(4, position) for i in r]
-        assert not before & set(after) and len(after) == len(set(after))
-        for bucket, rows_of in full.rows.items():
-            order = full._order(bucket, 4)
-            seen = [i for i in before | set(after) if rows[i] == bucket]
-            assert sorted(seen, key=order.index) == order[: len(seen)]  # a prefix of the bucket's order
-            assert len(rows_of) - len(seen) < 3  # only a remainder smaller than the new global batch
+        before = {b: [i for _, r in whole[:k] for i in r if rows[i] == b] for b in full.rows}
+        after = _trained_per_bucket(other, [4, 5, 6])
+        for bucket in full.rows:
+            begin = epoch_start.consumed[bucket]
+            seen = before[bucket] + after.get(bucket, [])
+            assert seen == _bucket_stream(full, bucket, begin + len(seen))[begin:], bucket
+            # epochs 4 to 6 end within one global batch (3) of the end of the bucket's 7th pass
+            n = len(full.rows[bucket])
+            assert 7 * n - 3 < begin + len(seen) <= 7 * n, (bucket, begin, len(seen))
     end = full.position_after(4, len(whole))
-    assert end == BucketPosition(5, {})  # a finished epoch resumes at the next one
+    assert end.epoch == 5 and end == full.position_after(5, 0)  # a finished epoch resumes at the next one
+
+
+def test_a_bucket_smaller_than_a_global_batch_is_trained_in_a_later_epoch():
+    """Issue 49, defect 6: a bucket's rows that do not fill a global batch go on into the next
+    epoch (its order runs on across epochs), so a bucket of fewer rows than one global batch is
+    trained too: over a few epochs every readable row is trained, and each bucket's rows go
+    round pass by pass, every row once a pass. It was never trained ("8 of 13 images")."""
+    rows = [0] * 10 + [1] * 3 + [NO_BUCKET]  # bucket 1: 3 rows, one global batch is 4
+    sampler = BucketBatchSampler(rows, batch_size=2, num_processes=2, seed=1)
+    per_rank = _rank_batches(sampler, 2)
+    assert len(per_rank[0]) == len(sampler) // 2 == 2  # epoch 0: bucket 0's 8 rows
+    trained = _trained_per_bucket(sampler, range(4))
+    assert set(trained) == {0, 1}
+    assert {i for r in trained.values() for i in r} == set(range(13))  # every readable row trained
+    for bucket, order in trained.items():
+        n = len(sampler.rows[bucket])
+        for k in range(0, len(order) - n + 1, n):
+            assert sorted(order[k : k + n]) == sampler.rows[bucket], (bucket, order)  # each pass whole
+    assert len(trained[0]) + len(trained[1]) >= 4 * 13 - 2 * 4  # 4 epochs: about 4 passes of the data
+    # every rank one bucket at each step, with the remainder in it
+    sampler.set_epoch(1)
+    for step in zip(*_rank_batches(sampler, 2)):
+        assert len({rows[i] for batch in step for i in batch}) == 1, step
+
+
+def test_each_pass_over_a_bucket_is_its_own_order():
+    """Issue 49, weak test: each pass over a bucket draws its own permutation (the pass in the
+    per-bucket seed). Without it every pass would train the bucket in the same order, and every
+    epoch the same subset of a bucket that does not fill its global batches; the bucket draw's
+    own seed hid that."""
+    rows = [0] * 10 + [1] * 7
+    sampler = BucketBatchSampler(rows, batch_size=2, num_processes=2, seed=3)
+    trained = _trained_per_bucket(sampler, range(6))
+    for bucket, order in trained.items():
+        n = len(sampler.rows[bucket])
+        passes = [tuple(order[k : k + n]) for k in range(0, len(order) - n + 1, n)]
+        assert len(passes) >= 4 and len(set(passes)) == len(passes), (bucket, passes)
+    epochs = [set(_trained_per_bucket(sampler, [e])[0]) for e in range(4)]
+    assert len({frozenset(e) for e in epochs}) > 1  # not the same subset of bucket 0 each epoch
 
 
 def test_describe_buckets_and_an_empty_sampler():

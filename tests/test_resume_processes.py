@@ -50,6 +50,11 @@ def test_resume_on_four_and_on_one_process(default_data, tmp_path, lora):
         runs["n3"]["expect_rc"] = None
     one = tmp_path / "n1"
     runs["n1"] = _resume_run(_argv(pipe, data, one, 1, 4, extra), out, one, "checkpoint-4")
+    if lora:  # a smaller global batch, two more steps (issue 49, defect 1): 1 x 2 on 16 images
+        more = tmp_path / "n1-more"
+        runs["more"] = _resume_run(
+            _argv(pipe, data, more, 1, 2, [*extra, "--max_train_steps", "6"]), out, more, "checkpoint-4"
+        )
     results = dict(zip(runs, run_launchers_side_by_side(list(runs.values()), timeout=500)))
 
     if not lora:
@@ -88,3 +93,12 @@ def test_resume_on_four_and_on_one_process(default_data, tmp_path, lora):
     _, log1 = results["n1"]
     assert "resharded for 1" in log1 and not step_values(log1), log1[-3000:]
     assert (one / output).read_bytes() == (out / output).read_bytes()
+
+    if lora:
+        # 2 x 2 ended epoch 0 at step 4 (16 images); on 1 x 2 an epoch is 8 steps, and the
+        # epochs were counted as ceil(6 / 8) = 1 (range(1, 1)): exit 0, no step, the model of
+        # step 4 written as final. Steps 5 and 6 are trained, from epoch 1's first batch.
+        rc, log_more = results["more"]
+        assert rc == 0 and "(batch 0 of epoch 1 next)" in log_more, log_more[-3000:]
+        assert sorted(step_values(log_more)) == [5, 6], log_more[-3000:]
+        assert (more / output).read_bytes() != (out / output).read_bytes()

@@ -225,3 +225,35 @@ def test_the_data_resumes_at_the_first_sample_no_rank_has_seen():
     assert batches_to_skip(older, 2, 2) == 3
     with pytest.raises(ValueError, match="older layout"):
         batches_to_skip(older, 4, 1)
+
+
+@pytest.mark.unit
+def test_a_resumed_run_trains_to_max_train_steps_whatever_its_epoch_length():
+    """Issue 49, defect 1: the epochs a resumed run loops over come from the steps it has left,
+    not from ``max_train_steps / steps per epoch`` of the new loader. 2 processes x 2 on 8
+    samples (2 steps an epoch) checkpointed at step 6 (epoch 3 next); resumed on 1 x 2 (4 steps
+    an epoch), ``ceil(8 / 4) = 2`` epochs gave ``range(3, 2)``: no step, exit 0."""
+    from diffusers_zero3.training.schedule import epochs_to_run, updates_per_epoch
+
+    def steps_run(epochs, first_batches, per_epoch, done, max_steps, accumulation=1):
+        """The steps the loop trains over ``epochs`` (stopping at ``max_steps``)."""
+        steps = done
+        for epoch in epochs:
+            batches = first_batches if epoch == epochs.start else per_epoch
+            steps = min(max_steps, steps + updates_per_epoch(batches, accumulation))
+        return steps
+
+    # the issue's run: epoch 3 from its start, 4 batches an epoch now, steps 7 and 8 to train
+    epochs = epochs_to_run(3, 6, 8, first_epoch_batches=4, batches_per_epoch=4, gradient_accumulation_steps=1)
+    assert epochs == range(3, 4)
+    # mid-epoch, another epoch length, accumulation: always reaches max_train_steps, never
+    # loops over epochs that cannot train a step
+    for first, done, max_steps, left, per_epoch, acc in [
+        (0, 0, 8, 4, 4, 1), (3, 6, 8, 0, 4, 1), (5, 2, 20, 3, 7, 2), (1, 5, 6, 1, 8, 4), (2, 9, 9, 5, 5, 1),
+    ]:  # fmt: skip
+        epochs = epochs_to_run(first, done, max_steps, left, per_epoch, acc)
+        assert epochs.start == first
+        assert steps_run(epochs, left, per_epoch, done, max_steps, acc) == max_steps, (first, done, max_steps)
+        if len(epochs) > 1:  # one epoch fewer would not reach it
+            assert steps_run(epochs[:-1], left, per_epoch, done, max_steps, acc) < max_steps
+    assert len(epochs_to_run(2, 9, 9, 5, 5, 1)) == 0  # complete: nothing to run

@@ -11,10 +11,12 @@ cropped to it (``images.transform_image_with_crop``).
 ``BucketBatchSampler`` orders an epoch so that every rank draws the same bucket at the same
 step (a global batch of ``processes x batch`` samples comes from one bucket, then is dealt out
 to the ranks): the ranks' work is balanced and a family's per-shape computations (packing,
-position ids, SDXL's target size) see one shape per batch. The order depends only on the seed
-and the epoch; where an epoch resumes is the samples consumed per bucket
-(``BucketPosition``), which any number of processes can continue from: no sample of the
-epoch repeats and none is skipped.
+position ids, SDXL's target size) see one shape per batch. Each bucket's rows run in one
+order across epochs (a new permutation each pass), so rows that do not fill a global batch are
+trained in the next epoch, and a bucket smaller than one global batch every few epochs. The
+order depends only on the seed; where a run stands is the rows consumed per bucket
+(``BucketPosition``), which any number of processes can continue from: no row repeats before
+its bucket's pass ends and none is skipped.
 """
 
 from __future__ import annotations
@@ -188,18 +190,26 @@ def assign_buckets(sizes: Sequence[tuple[int, int] | None], buckets: Sequence[Bu
 
 @dataclass
 class BucketPosition:
-    """Where an epoch of a ``BucketBatchSampler`` stands: ``consumed[b]`` samples of bucket
-    ``b``'s order for ``epoch`` are trained. What a checkpoint records to resume exactly."""
+    """Where a ``BucketBatchSampler`` stands: in ``epoch``, ``consumed[b]`` rows of bucket
+    ``b``'s order (which runs on across epochs, one pass after another) are trained. What a
+    checkpoint records to resume exactly, on any number of processes."""
 
     epoch: int = 0
     consumed: dict[int, int] = field(default_factory=dict)
 
     def to_state(self) -> dict:
-        return {"epoch": self.epoch, "bucket_consumed": {str(b): n for b, n in sorted(self.consumed.items())}}
+        return {"epoch": self.epoch, "bucket_position": {str(b): n for b, n in sorted(self.consumed.items())}}
 
     @classmethod
     def from_state(cls, state: dict) -> BucketPosition:
-        return cls(int(state["epoch"]), {int(b): int(n) for b, n in state["bucket_consumed"].items()})
+        """The position a checkpoint's state holds. ``ValueError`` for the older layout
+        (``bucket_consumed``: counts within an epoch whose remainders were dropped)."""
+        if "bucket_position" not in state:
+            raise ValueError(
+                "the checkpoint records its bucket position in an older layout (before a bucket's "
+                "remainder went on into the next epoch): it cannot be continued exactly"
+            )
+        return cls(int(state["epoch"]), {int(b): int(n) for b, n in state["bucket_position"].items()})
 
 
 class BucketBatchSampler:
@@ -207,17 +217,22 @@ class BucketBatchSampler:
 
     Yields the batches of every rank, rank 0's first, for one global batch after another (the
     order ``accelerate``'s ``BatchSamplerShard`` deals out: batch ``k`` to rank ``k % N``).
-    An epoch's order: each bucket's rows in a permutation seeded by ``(seed, epoch, bucket)``;
-    each global batch takes the next ``num_processes x batch_size`` rows of one bucket, the
-    bucket drawn with probability proportional to the whole global batches it has left, from
-    a generator seeded by ``(seed, epoch, samples consumed so far)``. A bucket's rows that do
-    not fill a global batch wait for the next epoch's permutation (``drop_last``).
 
-    ``set_epoch(e)`` selects the epoch; ``start_at(position)`` makes the next iteration of
-    ``position.epoch`` continue from it (a resume); ``position_after(epoch, k, start)`` is
-    where ``k`` global batches of that epoch lead. None of these depend on the number of
-    processes except through the global batch size, so a position written by one run is
-    continued by another of any size.
+    Each bucket's rows form one order across epochs: pass ``k`` over the bucket is a
+    permutation seeded by ``(seed, k, bucket)``, and pass ``k + 1`` follows it. A global batch
+    takes the next ``num_processes x batch_size`` rows of one bucket's order, possibly across
+    the end of a pass. In epoch ``e`` a bucket of ``n`` rows gives as many global batches as
+    keep its position at most ``(e + 1) x n``: its rows that do not fill a global batch go on
+    into the next epoch, so every row is trained, also in a bucket smaller than one global
+    batch (trained every few epochs; such a global batch may hold a row twice). The bucket of
+    each global batch is drawn with probability proportional to the global batches it has left
+    in the epoch, from a generator seeded by ``(seed, epoch, position)``.
+
+    ``set_epoch(e)`` selects the epoch; ``start_at(position)`` makes the run continue from it
+    (a resume: ``position.epoch`` from there, later epochs after it); ``position_after(epoch,
+    k, start)`` is where ``k`` global batches of that epoch lead. None of these depend on the
+    number of processes except through the global batch size, so a position written by one run
+    is continued by another of any size: each bucket's order goes on at its first unseen row.
     """
 
     drop_last = True
@@ -234,6 +249,7 @@ class BucketBatchSampler:
                 self.rows.setdefault(int(bucket), []).append(row)
         if not self.rows:
             raise DataError("no readable image to bucket")
+        self._orders: dict[tuple[int, int], list[int]] = {}
 
     @property
     def global_batch(self) -> int:
@@ -243,62 +259,96 @@ class BucketBatchSampler:
         self.epoch = epoch
 
     def start_at(self, position: BucketPosition) -> None:
-        """Continue ``position.epoch`` from ``position`` (its next iteration only)."""
+        """Continue from ``position``: its epoch from there, and every later epoch after it."""
         self._start = position
 
-    def _order(self, bucket: int, epoch: int) -> list[int]:
-        rows = list(self.rows[bucket])
-        random.Random(f"{self.seed}-{epoch}-bucket-{bucket}").shuffle(rows)
-        return rows
+    def _order(self, bucket: int, cycle: int) -> list[int]:
+        """Pass ``cycle`` over ``bucket``'s rows (the pass in the seed: each pass its own order)."""
+        key = (bucket, cycle)
+        if key not in self._orders:
+            if len(self._orders) > 4 * len(self.rows):  # only the last few passes are read again
+                self._orders.clear()
+            rows = list(self.rows[bucket])
+            random.Random(f"{self.seed}-{cycle}-bucket-{bucket}").shuffle(rows)
+            self._orders[key] = rows
+        return self._orders[key]
 
-    def _draws(self, epoch: int, consumed: dict[int, int]) -> Iterator[int]:
-        """The bucket of each next global batch of ``epoch`` from ``consumed`` on (updated)."""
-        size = self.global_batch
+    def _rows_of(self, bucket: int, begin: int, end: int) -> list[int]:
+        """Positions ``begin`` to ``end`` of ``bucket``'s order across passes."""
+        n = len(self.rows[bucket])
+        return [self._order(bucket, k // n)[k % n] for k in range(begin, end)]
+
+    def _left(self, epoch: int, bucket: int, position: int) -> int:
+        """The global batches ``bucket`` still gives ``epoch`` from ``position`` in its order."""
+        return max(0, ((epoch + 1) * len(self.rows[bucket]) - position) // self.global_batch)
+
+    def _epoch_start(self, epoch: int, start: BucketPosition | None) -> dict[int, int]:
+        """Each bucket's position where ``epoch`` begins (or where ``start`` has it, in
+        ``start``'s epoch), every earlier epoch run to its end after ``start``."""
+        if start is None or start.epoch > epoch:
+            # from the beginning every epoch ends at whole global batches: the closed form
+            size = self.global_batch
+            return {b: epoch * len(r) // size * size for b, r in self.rows.items()}
+        positions = {b: start.consumed.get(b, 0) for b in self.rows}
+        for e in range(start.epoch, epoch):
+            positions = {b: p + self._left(e, b, p) * self.global_batch for b, p in positions.items()}
+        return positions
+
+    def _draws(self, epoch: int, positions: dict[int, int]) -> Iterator[int]:
+        """The bucket of each next global batch of ``epoch`` from ``positions`` on (updated)."""
         while True:
-            left = {b: (len(r) - consumed.get(b, 0)) // size for b, r in sorted(self.rows.items())}
+            left = {b: self._left(epoch, b, positions[b]) for b in sorted(self.rows)}
             left = {b: n for b, n in left.items() if n > 0}
             if not left:
                 return
-            rng = random.Random(f"{self.seed}-{epoch}-draw-{sum(consumed.values())}")
+            rng = random.Random(f"{self.seed}-{epoch}-draw-{sum(positions.values())}")
             bucket = rng.choices(list(left), weights=list(left.values()))[0]
-            consumed[bucket] = consumed.get(bucket, 0) + size
+            positions[bucket] += self.global_batch
             yield bucket
 
     def global_batches(
         self, epoch: int, start: BucketPosition | None = None
     ) -> Iterator[tuple[int, list[int]]]:
-        """``(bucket, rows)`` of each global batch of ``epoch``, from ``start`` on."""
-        consumed = dict(start.consumed) if start is not None and start.epoch == epoch else {}
-        orders: dict[int, list[int]] = {}
-        for bucket in self._draws(epoch, consumed):
-            order = orders.setdefault(bucket, self._order(bucket, epoch))
-            end = consumed[bucket]
-            yield bucket, order[end - self.global_batch : end]
+        """``(bucket, rows)`` of each global batch of ``epoch``, from ``start`` on (default the
+        position ``start_at`` gave)."""
+        positions = self._epoch_start(epoch, start or self._start)
+        for bucket in self._draws(epoch, positions):
+            end = positions[bucket]
+            yield bucket, self._rows_of(bucket, end - self.global_batch, end)
 
     def position_after(
         self, epoch: int, global_batches: int, start: BucketPosition | None = None
     ) -> BucketPosition:
-        """Where ``global_batches`` global batches of ``epoch`` (from ``start``) lead; the next
-        epoch's start when they end it."""
-        consumed = dict(start.consumed) if start is not None and start.epoch == epoch else {}
-        draws = self._draws(epoch, consumed)
+        """Where ``global_batches`` global batches of ``epoch`` (from ``start``, default the
+        position ``start_at`` gave) lead; the next epoch's start when they end it."""
+        positions = self._epoch_start(epoch, start or self._start)
+        draws = self._draws(epoch, positions)
         for _ in range(global_batches):
             if next(draws, None) is None:
                 break
-        if next(self._draws(epoch, dict(consumed)), None) is None:
-            return BucketPosition(epoch + 1, {})
-        return BucketPosition(epoch, consumed)
+        if next(self._draws(epoch, dict(positions)), None) is None:
+            return BucketPosition(epoch + 1, positions)
+        return BucketPosition(epoch, positions)
+
+    def batches_in_epoch(self, epoch: int) -> int:
+        """Global batches ``epoch`` gives (from the ``start_at`` position in its epoch)."""
+        positions = self._epoch_start(epoch, self._start)
+        return sum(self._left(epoch, b, p) for b, p in positions.items())
+
+    def min_batches_per_epoch(self) -> int:
+        """Global batches every whole epoch gives at least: each bucket's whole global batches
+        (its remainder from the epoch before only adds)."""
+        return sum(len(r) // self.global_batch for r in self.rows.values())
 
     def __iter__(self) -> Iterator[list[int]]:
-        start, self._start = self._start, None
         b = self.batch_size
-        for _, rows in self.global_batches(self.epoch, start):
+        for _, rows in self.global_batches(self.epoch):
             for rank in range(self.num_processes):
                 yield rows[rank * b : (rank + 1) * b]
 
     def __len__(self) -> int:
-        """Batches of a whole epoch, all ranks' together."""
-        return sum(len(r) // self.global_batch for r in self.rows.values()) * self.num_processes
+        """Batches of the current epoch, all ranks' together."""
+        return self.batches_in_epoch(self.epoch) * self.num_processes
 
     def bucket_counts(self) -> dict[int, int]:
         """Readable rows per bucket."""
@@ -321,8 +371,8 @@ def describe_buckets(
     buckets: Sequence[tuple[int, ...]], row_buckets: Sequence[int], global_batch: int
 ) -> str:
     """One log line: images (clips, for ``(frames, height, width)`` buckets) per bucket, and how
-    many of them an epoch trains (whole global batches of ``global_batch``; the rest wait for
-    another epoch's order)."""
+    many of them the first epoch trains (whole global batches of ``global_batch``; each
+    bucket's remainder goes on into the next epoch, ``BucketBatchSampler``)."""
     counts = {i: 0 for i in range(len(buckets))}
     for b in row_buckets:
         if b != NO_BUCKET:
@@ -335,5 +385,10 @@ def describe_buckets(
     return (
         f"aspect-ratio buckets ({'frames x ' if video else ''}height x width: {noun}): {', '.join(used)}; "
         f"{trained} of {len(row_buckets)} {noun} per epoch in batches of {global_batch}"
+        + (
+            ", a bucket's remainder carried to the next epoch"
+            if trained < len(row_buckets) - unreadable
+            else ""
+        )
         + (f"; {unreadable} unreadable" if unreadable else "")
     )

@@ -108,6 +108,7 @@ from ..training.schedule import (
     batches_to_skip,
     epoch_batches,
     epochs_for,
+    epochs_to_run,
     first_last_means,
     resume_position,
     scaled_learning_rate,
@@ -613,7 +614,7 @@ class TextToImageTrainer:
             row_buckets, args.train_batch_size, self.data_processes, seed=args.seed or 0
         )
         log_rank_zero(describe_buckets(self.buckets, row_buckets, self.bucket_sampler.global_batch))
-        if len(self.bucket_sampler) == 0:
+        if self.bucket_sampler.min_batches_per_epoch() == 0:
             raise DataError(
                 f"no aspect-ratio bucket holds processes x --train_batch_size = {self.bucket_sampler.global_batch} "
                 f"{'clips' if self.family.video else 'images'}: lower the batch size, use fewer buckets, or add data"
@@ -929,8 +930,9 @@ class TextToImageTrainer:
                 )
             if self.args.streaming:
                 return  # rows consumed: resumable on any number of processes
-            if ("bucket_consumed" in state) != (self.bucket_sampler is not None):
-                with_buckets = "with" if "bucket_consumed" in state else "without"
+            bucketed = "bucket_position" in state or "bucket_consumed" in state  # the latter: older
+            if bucketed != (self.bucket_sampler is not None):
+                with_buckets = "with" if bucketed else "without"
                 raise CheckpointError(
                     f"the checkpoint at step {state['global_step']} was trained {with_buckets} "
                     "--use_aspect_ratio_buckets: resume it the same way"
@@ -942,6 +944,10 @@ class TextToImageTrainer:
                         f"{state.get('buckets')}, not {[list(b) for b in self.buckets]}: give the same "
                         "--aspect_ratio_buckets and --resolution"
                     )
+                try:
+                    BucketPosition.from_state(state)
+                except ValueError as e:
+                    raise CheckpointError(f"cannot resume from step {state['global_step']}: {e}") from e
                 return  # a bucket position resumes on any number of processes
             try:
                 batches_to_skip(self._data_state(state), processes, batch)
@@ -1101,7 +1107,7 @@ class TextToImageTrainer:
             log_rank_zero(f"the run is complete at step {self.global_step}: no step to train")
             return losses
         resumed_at = self.global_step
-        for epoch in range(self.first_epoch, args.num_train_epochs):
+        for epoch in self._epochs_to_run():
             self.epoch = epoch
             self.train_dataset.set_epoch(epoch)
             if self.bucket_sampler is not None:
@@ -1189,6 +1195,25 @@ class TextToImageTrainer:
         if skipped:
             logger.warning("skipped %d unreadable image row(s) on rank %d", skipped, acc.process_index)
         return losses
+
+    def _epochs_to_run(self) -> range:
+        """The epochs from the first (a resume's) to ``--max_train_steps``, counted from the
+        steps left and this run's epoch length (``schedule.epochs_to_run``): a run resumed on a
+        smaller global batch has longer epochs, and ``args.num_train_epochs`` (the fresh run's
+        count) can end before the epoch it resumes in."""
+        args = self.args
+        if args.streaming:  # epochs end when the stream does, each one step at least (else DataError)
+            return range(self.first_epoch, self.first_epoch + 1 + args.max_train_steps - self.global_step)
+        if self.bucket_sampler is not None:  # global batches = each rank's batches
+            first = self.bucket_sampler.batches_in_epoch(self.first_epoch)  # from the resumed position
+            per_epoch = self.bucket_sampler.min_batches_per_epoch()
+        else:
+            per_epoch = len(self.loader)
+            first = max(0, per_epoch - self.resume_batches)
+        return epochs_to_run(
+            self.first_epoch, self.global_step, args.max_train_steps, first, per_epoch,
+            args.gradient_accumulation_steps,
+        )  # fmt: skip
 
     def _first_step_measures(self) -> None:
         """After the first optimizer step, before zero_grad (a plain optimizer's gradients still

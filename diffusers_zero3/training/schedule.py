@@ -22,6 +22,34 @@ def epochs_for(max_train_steps: int, steps_per_epoch: int) -> int:
     return math.ceil(max_train_steps / steps_per_epoch)
 
 
+def epochs_to_run(
+    first_epoch: int,
+    global_step: int,
+    max_train_steps: int,
+    first_epoch_batches: int,
+    batches_per_epoch: int,
+    gradient_accumulation_steps: int,
+) -> range:
+    """The epochs a run (new or resumed) loops over to go from ``global_step`` to
+    ``max_train_steps``: from ``first_epoch``, which has ``first_epoch_batches`` micro-batches
+    (per process) left, then epochs of at least ``batches_per_epoch``. The loop stops at
+    ``max_train_steps``; the range only has to reach it.
+
+    Counted from the steps left, not as ``max_train_steps / steps per epoch``: a run resumed on
+    a smaller global batch has longer epochs, and that quotient can be below the epoch it resumes
+    in (an empty range: no step trained, the run "complete" at the checkpoint's step).
+
+    Example: 2 processes x 2 on 8 samples, checkpointed at step 6 (epoch 3 next), resumed on
+    1 x 2 with ``--max_train_steps 8``: ``epochs_to_run(3, 6, 8, 4, 4, 1) == range(3, 4)``.
+    """
+    steps_left = max_train_steps - global_step
+    if steps_left <= 0:
+        return range(first_epoch, first_epoch)
+    later = max(0, steps_left - updates_per_epoch(first_epoch_batches, gradient_accumulation_steps))
+    per_epoch = updates_per_epoch(max(1, batches_per_epoch), gradient_accumulation_steps)
+    return range(first_epoch, first_epoch + 1 + epochs_for(later, per_epoch))
+
+
 def scaled_learning_rate(
     learning_rate: float, *, gradient_accumulation_steps: int, train_batch_size: int, num_processes: int
 ) -> float:
