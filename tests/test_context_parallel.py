@@ -254,3 +254,37 @@ def test_group_loader_deals_batches_to_groups_not_to_ranks(tmp_path):
         assert sorted(seen) == rows and set(sum(groups[0], [])).isdisjoint(sum(groups[1], [])), (name, groups)
         if name == "buckets":  # a global batch (both groups' k-th batches) is one bucket
             assert all(len({buckets[x] for x in a + b}) == 1 for a, b in zip(*groups)), groups
+
+
+@pytest.mark.unit
+def test_the_trainers_backward_applies_the_context_parallel_factor_once():
+    """The trainer's own backward (``TextToImageTrainer._backward``, accelerate's backward
+    stood in by ``loss.backward()``) under K = 2: the gradient is K times the loss's, so an SGD
+    step is K times as long as without context parallelism. The multirank test above multiplies
+    the loss itself: removing the trainer's multiply, or applying it twice, passed (AdamW is
+    nearly invariant to a constant gradient scale, so the end-to-end runs pass too)."""
+    from types import SimpleNamespace
+
+    from diffusers_zero3.recipes.text_to_image import TextToImageTrainer
+    from diffusers_zero3.runtime.context_parallel import ContextParallel
+    from diffusers_zero3.training.parts import TrainedModel
+
+    def sgd_step(cp):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        trainer = object.__new__(TextToImageTrainer)  # the parts _backward reads, nothing loaded
+        trainer.cp, trainer._cuts, trainer.extra_parts = cp, [], []
+        trainer.accelerator = SimpleNamespace(backward=lambda loss: loss.backward(), sync_gradients=True)
+        trainer.denoiser_part = TrainedModel("transformer", model, model, optimizer, None)
+        before = [p.detach().clone() for p in model.parameters()]
+        loss = model(torch.arange(6.0).reshape(2, 3)).pow(2).mean()
+        trainer._backward(loss)
+        optimizer.step()
+        return [(p.detach() - b) for p, b in zip(model.parameters(), before)]
+
+    plain = sgd_step(None)
+    split = sgd_step(ContextParallel(size=2, mode="ulysses", mesh=None))
+    assert all(p.abs().sum() > 0 for p in plain)
+    for step, step_k in zip(plain, split):
+        torch.testing.assert_close(step_k, 2 * step, rtol=1e-6, atol=0)  # K = 2, applied once
