@@ -20,7 +20,8 @@ MODEL=${MODEL:-sd}
 # (diffusers_zero3/runtime/launch.py; NUM_PROCESSES=N overrides).
 SETTINGS=$($PYTHON -m diffusers_zero3.runtime.launch)
 eval "$SETTINGS"
-# PIPE, DATA and RUN_ARGS (the family's placements); an unknown MODEL is one error line.
+# PIPE, DATA and RUN_ARGS (the family's placements, and an editing family's validation edits:
+# after the generic prompts below, so that they win); an unknown MODEL is one error line.
 BUCKET_ARGS=()
 VARIED=()
 if [ "${BUCKETS:-0}" = 1 ]; then
@@ -45,8 +46,8 @@ $PYTHON -m accelerate.commands.launch --config_file configs/accelerate_zero3.yam
   --resolution 32 --center_crop --random_flip \
   --train_batch_size 8 --max_train_steps 120 \
   --learning_rate 1e-3 --lr_scheduler constant --lr_warmup_steps 0 \
-  --use_ema "${RUN_ARGS[@]}" "${BUCKET_ARGS[@]}" "${CP_ARGS[@]}" \
+  --use_ema "${BUCKET_ARGS[@]}" "${CP_ARGS[@]}" \
   --checkpointing_steps 60 --checkpoints_total_limit 2 \
   --validation_prompts "a red circle" "a blue square" "a green circle" "a yellow square" \
   --validation_epochs 15 --num_validation_inference_steps 20 \
-  --seed 0 --report_to tensorboard "$@"
+  --seed 0 --report_to tensorboard "${RUN_ARGS[@]}" "$@"
