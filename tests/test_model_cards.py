@@ -35,7 +35,9 @@ def _card(family) -> str:
 
     prompt = "make the circle blue" if family.edits else "a red circle"
     call = {"num_inference_steps": 2, **family.size_kwargs(32, 48), **family.validation_kwargs(None, None)}
-    return model_card("org/base", "data", {"learning_rate": 1e-4}, [prompt], family.pipeline_class, family.task, call)
+    return model_card(
+        "org/base", "data", {"learning_rate": 1e-4}, [prompt], family.pipeline_class, family.task, call
+    )
 
 
 def _front_matter(card: str) -> dict[str, str]:
@@ -66,7 +68,9 @@ def test_card_names_the_pipeline_calls_it_as_its_kind_and_tags_fit(name):
     tags = set(meta["tags"].strip("[]").split(", "))
     kinds = {"text-to-image", "image-to-image", "text-to-video"}
     assert meta["pipeline_tag"] == family.task and tags & kinds == {family.task}
-    assert ("stable-diffusion" in tags) == cls.startswith("StableDiffusion"), tags  # no SD tag on Flux, Qwen, Wan
+    assert ("stable-diffusion" in tags) == cls.startswith("StableDiffusion"), (
+        tags
+    )  # no SD tag on Flux, Qwen, Wan
     call = _pipe_call(snippet)
     keywords = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg != "image"}
     assert not call.args and "prompt" in keywords  # by name: Flux.2's first positional argument is an image
@@ -111,7 +115,9 @@ def test_editing_defaults_validate_with_edit_instructions_on_a_source():
         args = list(family.default_run_args)
         assert args[args.index("--validation_image") + 1] == "{pipeline}-source.png", family.name
         start = args.index("--validation_prompts") + 1
-        prompts = args[start : next((i for i in range(start, len(args)) if args[i].startswith("--")), len(args))]
+        prompts = args[
+            start : next((i for i in range(start, len(args)) if args[i].startswith("--")), len(args))
+        ]
         assert prompts, family.name
         for prompt in prompts:
             words = prompt.split()

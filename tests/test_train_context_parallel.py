@@ -39,7 +39,9 @@ def _weights(folder: Path, component: str) -> dict[str, torch.Tensor]:
     return load_file(str(next((folder / component).glob("*.safetensors"))))
 
 
-def test_wan22_split_two_ways_trains_like_one_process_and_resumes_on_one(tiny_wan22, tiny_qwenimage, tmp_path):
+def test_wan22_split_two_ways_trains_like_one_process_and_resumes_on_one(
+    tiny_wan22, tiny_qwenimage, tmp_path
+):
     """On landscape and portrait clips in two aspect-ratio buckets: the bucket sampler deals
     whole global batches to the groups, so K=2 on 2 ranks (one group) draws one process's.
     Beside them: Qwen-Image at a resolution of 3 x 3 tokens, which K=2 cannot split, is one error

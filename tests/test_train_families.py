@@ -103,7 +103,10 @@ def test_llm_encoder_sharded_ema_checkpoint_exact_resume_and_output(name, reques
         from PIL import Image
 
         grid = Image.open(out / "validation" / "step-000004.png")  # the source above its edit
-        assert grid.size == (32, 64) and grid.crop((0, 0, 32, 32)).tobytes() == shape_image("red", "circle").tobytes()
+        assert (
+            grid.size == (32, 64)
+            and grid.crop((0, 0, 32, 32)).tobytes() == shape_image("red", "circle").tobytes()
+        )
     weights = "diffusion_pytorch_model.safetensors"
     after = {}
     for denoiser in trained:  # each trained denoiser changed

@@ -304,7 +304,10 @@ class RewardTrainer:
             log_rank_zero(f"pipeline: {Path(args.output_dir).resolve()} (already complete)")
             finish_trackers(self.accelerator)
             return
-        call = {"num_inference_steps": args.num_inference_steps, **SD.size_kwargs(args.resolution, args.resolution)}
+        call = {
+            "num_inference_steps": args.num_inference_steps,
+            **SD.size_kwargs(args.resolution, args.resolution),
+        }
         card = model_card(args.pretrained_model_name_or_path, "rewards: " + ", ".join(self.reward_names),
                           args.scalars(), args.prompts, SD.pipeline_class, SD.task, call)  # fmt: skip
         save_final_pipeline(self.source, args.output_dir, self.unet, ema=self.ema, readme=card)

@@ -119,7 +119,10 @@ logger = logging.getLogger("diffusers_zero3.recipes.text_to_image")
 
 
 def live_text_for_caption_dropout(
-    placements: dict[str, str], requested: dict[str, str], family, empty_prompt_probability: float,
+    placements: dict[str, str],
+    requested: dict[str, str],
+    family,
+    empty_prompt_probability: float,
     live: str = "shard",
 ) -> dict[str, str]:
     """The placements with every text encoder live when captions are emptied at random
@@ -999,7 +1002,11 @@ class TextToImageTrainer:
             except AssertionError as e:  # diffusers' sharder, on a length it cannot split
                 if SPLIT_FAILURE not in str(e):
                     raise
-                counts = {f"this batch's {k} ({tuple(v.shape)})": v.shape[1] for k, v in cond.items() if v.dim() == 3}
+                counts = {
+                    f"this batch's {k} ({tuple(v.shape)})": v.shape[1]
+                    for k, v in cond.items()
+                    if v.dim() == 3
+                }
                 try:
                     check_token_counts(counts, self.cp.size)
                 except ValueError as err:

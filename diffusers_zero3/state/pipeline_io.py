@@ -206,14 +206,13 @@ def model_card(
     if video:
         kwargs.setdefault("output_type", "pil")  # export_to_gif takes PIL frames
     # literals as Python reads them (a prompt in double quotes, json's escapes)
-    arguments = ", ".join(f"{k}={json.dumps(v) if isinstance(v, str) else repr(v)}" for k, v in kwargs.items())
+    arguments = ", ".join(
+        f"{k}={json.dumps(v) if isinstance(v, str) else repr(v)}" for k, v in kwargs.items()
+    )
     cls = pipeline_class
     if edits:
         imports = f"from diffusers import {cls}\nfrom diffusers.utils import load_image"
-        use = (
-            f'image = pipe(image=load_image("source.png"), {arguments}).images[0]\n'
-            'image.save("edited.png")'
-        )
+        use = f'image = pipe(image=load_image("source.png"), {arguments}).images[0]\nimage.save("edited.png")'
         heading = "Validation edit instructions"
     elif video:
         imports = f"from diffusers import {cls}\nfrom diffusers.utils import export_to_gif"
