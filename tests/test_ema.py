@@ -53,6 +53,54 @@ def test_plain_module_ema_matches_diffusers():
         torch.testing.assert_close(a.view_as(b), b)
 
 
+_SAVED_ON_ANOTHER_DEVICE: set[int] = set()  # storages the stand-in device below claims
+
+
+def _tag_another_device(storage):
+    return "otherdevice:7" if storage.data_ptr() in _SAVED_ON_ANOTHER_DEVICE else None
+
+
+def _restore_another_device(storage, location):
+    if location.startswith("otherdevice"):  # as torch does for cuda:7 on a host with fewer GPUs
+        raise RuntimeError("Attempting to deserialize object on otherdevice 7, which this host lacks")
+    return None
+
+
+@pytest.mark.unit
+def test_an_ema_shard_saved_on_a_device_this_rank_lacks_loads_onto_the_host(tmp_path):
+    """A checkpoint's EMA shard records the device that saved it (cuda:r); every rank of a resume
+    on another number of processes reads every shard, so it must read them onto the host (a
+    torch.load without map_location failed: 'deserialize on CUDA device 7'). A registered
+    stand-in device tag plays cuda:7 here; the control shows the tag is honoured without
+    map_location."""
+    import torch.serialization
+
+    from diffusers_zero3 import ShardedEMA
+    from diffusers_zero3.state.resume import load_ema_shard
+
+    if not any(entry[1] is _tag_another_device for entry in torch.serialization._package_registry):
+        torch.serialization.register_package(5, _tag_another_device, _restore_another_device)
+    torch.manual_seed(0)
+    ema = ShardedEMA(torch.nn.Linear(4, 3), decay=0.9)
+    state = ema.state_dict()
+    assert all(
+        s.device.type == "cpu" and s.data_ptr() != t.data_ptr() for s, t in zip(state["shadow"], ema.shadow)
+    )
+    _SAVED_ON_ANOTHER_DEVICE.update(s.untyped_storage().data_ptr() for s in state["shadow"])
+    try:
+        torch.save(state, tmp_path / "ema_rank7.pt")
+    finally:
+        _SAVED_ON_ANOTHER_DEVICE.clear()
+    with pytest.raises(RuntimeError, match="otherdevice 7"):  # the control
+        torch.load(tmp_path / "ema_rank7.pt", weights_only=True)
+    loaded = load_ema_shard(tmp_path / "ema_rank7.pt")
+    assert all(s.device.type == "cpu" for s in loaded["shadow"])
+    other = ShardedEMA(torch.nn.Linear(4, 3), decay=0.9)
+    other.load_state_dict(loaded)
+    for a, b in zip(other.shadow, ema.shadow):
+        torch.testing.assert_close(a, b)
+
+
 def _batch(step: int):
     g = torch.Generator().manual_seed(step)
     return (

@@ -179,14 +179,16 @@ class ShardedEMA:
     # ---------------------------------------------------------------- checkpoints
 
     def state_dict(self) -> dict:
-        """This rank's partition of the averages and the step counter (save one per rank)."""
+        """This rank's partition of the averages and the step counter (save one per rank), its
+        tensors copied to the host one at a time (no clone of the whole partition on the device
+        at a checkpoint, when memory is tightest)."""
         return {
             "optimization_step": self.optimization_step,
             "decay": self.decay,
             "min_decay": self.min_decay,
             "world_size": get_world_size(),
             "names": [n for n, _ in self._named],
-            "shadow": [s.clone() for s in self.shadow],
+            "shadow": [s.detach().to("cpu", copy=True) for s in self.shadow],
         }
 
     def load_state_dict(self, state: dict) -> None:

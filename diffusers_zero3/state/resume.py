@@ -270,15 +270,19 @@ def check_resumable(path: str | os.PathLike, *, ema: bool = False, parts=()) -> 
 
 
 def load_ema_shard(path: str | os.PathLike) -> dict:
-    """Read one rank's EMA state file with ``torch.load(weights_only=True)``.
+    """Read one rank's EMA state file with ``torch.load(weights_only=True)``, onto the host.
 
     It holds only tensors, numbers and names, so nothing in it needs unpickling code; a file
-    that would run code is refused with ``CheckpointError``.
+    that would run code is refused with ``CheckpointError``. Its tensors come to the CPU
+    whatever device saved them (``map_location="cpu"``): a shard saved from ``cuda:7`` is read
+    by every rank of a resume on another number of processes, where that device may be another
+    rank's or absent, and ``load_resharded`` joins shards of several ranks; the EMA copies them
+    onto its own device.
     """
     import pickle
 
     try:
-        return torch.load(path, weights_only=True)
+        return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{path} is not a plain tensor file; refusing to unpickle it ({e})") from e
 
