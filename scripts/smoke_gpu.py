@@ -206,15 +206,11 @@ CASES = [
 
 
 def _train_images(model: str) -> str:
-    """The folder of ``model``'s training data under the data folder (as ``demo.prepare_default``
-    writes it): images of varied sizes for SDXL, clips for the video families."""
-    from diffusers_zero3.families import family_named
+    """The folder of ``model``'s training data under the data folder, as ``demo.prepare_default``
+    writes it (``demo.training_data_folder``: LTX-2's clips with sound among them)."""
+    from diffusers_zero3.demo import training_data_folder
 
-    if model == "sdxl":
-        return "shapes-varied"
-    if family_named(model).edits:
-        return "edits"  # a folder of editing pairs
-    return "shapes-videos" if family_named(model).video else "shapes"
+    return training_data_folder(model)
 
 
 def family_run_args(model: str, pipeline: Path | str) -> list[str]:

@@ -194,6 +194,20 @@ VARIED_SIZES = [(32, 32), (48, 32), (32, 40), (56, 40), (40, 64)]
 MODELS = tuple(FAMILY_NAMES)
 
 
+def training_data_folder(model: str, varied: bool = False) -> str:
+    """The name of ``model``'s default training data under the demo's folder, as
+    ``prepare_default`` writes it: editing pairs (``edits``, ``edits-varied``), images of varied
+    sizes (``shapes-varied``: SDXL, or any image family with ``varied``), clips of moving shapes
+    (``shapes-videos``; ``shapes-videos-audio`` with a tone each for a family that reads the
+    clips' sound), else ``shapes``. The one place the make targets, smoke cases and tests ask."""
+    family = family_named(model)
+    if family.edits:
+        return "edits-varied" if varied else "edits"
+    if family.video:
+        return "shapes-videos-audio" if family.sound else "shapes-videos"
+    return "shapes-varied" if model == "sdxl" or varied else "shapes"
+
+
 def prepare_default(
     folder: str | os.PathLike, num_images: int = 64, model: str = "sd", varied: bool = False
 ) -> tuple[Path, Path]:
@@ -212,11 +226,11 @@ def prepare_default(
     if family.edits:  # a folder of editing pairs (data.pairs' layout)
         from .edits import write_edit_pairs
 
-        pipe, data = folder / f"tiny-{model}", folder / ("edits-varied" if varied else "edits")
+        pipe, data = folder / f"tiny-{model}", folder / training_data_folder(model, varied)
         if not (data / f"{num_images - 1:05d}.txt").exists():
             write_edit_pairs(data, num_pairs=num_images, sizes=VARIED_SIZES if varied else None)
     elif (model == "sdxl" or varied) and not family.video:
-        pipe, data = folder / f"tiny-{model}", folder / "shapes-varied"
+        pipe, data = folder / f"tiny-{model}", folder / training_data_folder(model, varied)
         if not (data / "metadata.jsonl").exists():
             write_shapes_dataset(data, num_images=num_images, sizes=VARIED_SIZES)
     elif family.video:  # clips of moving shapes (mp4), 9 frames each
@@ -224,7 +238,7 @@ def prepare_default(
 
         # LTX-2: clips with a tone per colour at the audio VAE's default rate, the last one silent
         sound = family.audio_spec({}) if family.sound else None
-        pipe, data = folder / f"tiny-{model}", folder / ("shapes-videos-audio" if sound else "shapes-videos")
+        pipe, data = folder / f"tiny-{model}", folder / training_data_folder(model, varied)
         if not (data / "metadata.jsonl").exists():
             n = min(num_images, 16)
             write_shapes_videos(
@@ -232,7 +246,7 @@ def prepare_default(
                 audio_sample_rate=sound.sample_rate if sound else None, without_audio=(n - 1,),
             )  # fmt: skip
     else:
-        pipe, data = folder / f"tiny-{model}", folder / "shapes"
+        pipe, data = folder / f"tiny-{model}", folder / training_data_folder(model, varied)
         if not (data / "metadata.jsonl").exists():
             write_shapes_dataset(data, num_images=num_images)
     if not (pipe / "model_index.json").exists():
