@@ -209,6 +209,40 @@ def test_each_context_parallel_mistake_is_one_line():
         set_attention_backend(wan, "flash")
     assert str(info.value).startswith("--attention_backend flash: ") and "\n" not in str(info.value)
 
+    # issue 51: backends diffusers does not split (they would take the config and ignore it:
+    # each rank attending within its own tokens), sage for a trained model, ring in fp32, ring on
+    # a model that reads an attention mask
+    from diffusers_zero3.runtime.context_parallel import context_parallel_backends
+
+    assert "native" in context_parallel_backends() and "_native_math" not in context_parallel_backends()
+    for backend in ("_native_math", "_native_efficient", "flex", "xformers"):
+        for module in wan.modules():
+            if hasattr(getattr(module, "processor", None), "_attention_backend"):
+                module.processor._attention_backend = backend
+        with pytest.raises(
+            ValueError, match=f"uses the attention backend '{backend}', which diffusers does not"
+        ):
+            check_context_parallel(2, "ulysses", 2, wan)
+    for module in wan.modules():
+        if hasattr(getattr(module, "processor", None), "_attention_backend"):
+            module.processor._attention_backend = "sage"
+    with pytest.raises(ValueError, match="'sage' has no backward in diffusers"):
+        check_context_parallel(2, "ulysses", 2, wan)
+    check_context_parallel(2, "ulysses", 2, wan, trained=False)  # a frozen model may use it
+    set_attention_backend(wan, "_native_cudnn")
+    with pytest.raises(ValueError, match="ring attention on '_native_cudnn' takes bf16 or fp16"):
+        check_context_parallel(2, "ring", 2, wan, dtype=torch.float32)
+    check_context_parallel(2, "ring", 2, wan, dtype=torch.bfloat16)
+    with torch.device("meta"):
+        qwen = _build("qwenimage")
+    set_attention_backend(qwen, "_native_cudnn")
+    with pytest.raises(
+        ValueError,
+        match="whole attention mask, and QwenImageTransformer2DModel reads encoder_hidden_states_mask",
+    ):
+        check_context_parallel(2, "ring", 2, qwen, dtype=torch.bfloat16)
+    check_context_parallel(2, "ulysses", 2, qwen, dtype=torch.float32)
+
 
 def _batches(loader) -> list[list[int]]:
     return [b.tolist() if torch.is_tensor(b) else [int(x) for x in b] for b in loader]

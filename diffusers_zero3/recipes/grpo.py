@@ -551,7 +551,7 @@ class GRPOTrainer:
             if args.attention_backend is not None:
                 set_attention_backend(self.reference.module, args.attention_backend)  # it ran on the policy
             if self.cp is not None:
-                self._split_sequence(self.reference.module)
+                self._split_sequence(self.reference.module, trained=False)
             log_rank_zero(self.reference.describe())
         specs = parse_reward_specs(args.reward, args.reward_model, args.reward_placement)
         self.reward_names = [s.name for s in specs]
@@ -609,11 +609,13 @@ class GRPOTrainer:
             )
         return context_parallel(args.context_parallel_size, args.context_parallel_mode, acc.device.type)
 
-    def _split_sequence(self, model: torch.nn.Module) -> None:
+    def _split_sequence(self, model: torch.nn.Module, trained: bool = True) -> None:
         """Split ``model``'s (the policy's, the frozen reference's) sequence over the context-parallel
         groups; one error line for a model that cannot be split. Not a collective."""
         try:
-            enable_context_parallel(model, self.cp, self.accelerator.device)
+            enable_context_parallel(
+                model, self.cp, self.accelerator.device, trained=trained, dtype=self.dtype
+            )
         except ValueError as e:
             raise ArgumentError(str(e)) from e
 

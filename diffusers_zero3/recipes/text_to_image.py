@@ -80,7 +80,7 @@ from ..runtime.context_parallel import (
     set_attention_backend,
 )
 from ..runtime.distributed import log_rank_zero, max_over_ranks
-from ..runtime.ds_config import fill_auto_bucket_sizes
+from ..runtime.ds_config import fill_auto_bucket_sizes, weight_dtype
 from ..runtime.memory import MIB, MemoryLog, heap_bytes, model_state_bytes, return_large_frees_to_os
 from ..runtime.notices import quiet_library_notices
 from ..runtime.phases import reached
@@ -682,7 +682,7 @@ class TextToImageTrainer:
             for model in (self.denoiser, self._second_expert):
                 if model is not None:
                     try:
-                        enable_context_parallel(model, self.cp, acc.device)
+                        enable_context_parallel(model, self.cp, acc.device, dtype=weight_dtype(acc))
                     except ValueError as e:
                         raise ArgumentError(str(e)) from e
         lr = args.learning_rate

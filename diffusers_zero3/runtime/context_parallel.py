@@ -20,7 +20,7 @@ groups. The diffusers names it uses (checked on diffusers 0.42.1): ``ContextPara
 ``ParallelConfig`` (``models._modeling_parallel``), ``hooks.context_parallel.apply_context_parallel``,
 a model's ``_cp_plan`` / ``_parallel_config`` and an attention processor's ``_parallel_config`` /
 ``_attention_backend``, ``attention_dispatch._AttentionBackendRegistry`` (``get_active_backend``,
-``set_active_backend``).
+``set_active_backend``, ``_supports_context_parallel``: the backends that honour a parallel config).
 """
 
 from __future__ import annotations
@@ -67,11 +67,23 @@ class ContextParallel:
         return float(self.size)
 
 
-def check_context_parallel(size: int, mode: str, world_size: int, model: Any | None = None) -> None:
+def check_context_parallel(
+    size: int,
+    mode: str,
+    world_size: int,
+    model: Any | None = None,
+    *,
+    trained: bool = True,
+    dtype: torch.dtype | None = None,
+) -> None:
     """Raise ``ValueError`` (one line) when ``size``/``mode`` cannot split ``model`` over
     ``world_size`` ranks: K not dividing the ranks, a model without a ``_cp_plan``, attention
-    heads that Ulysses cannot split K ways, or ring attention on a backend without the
-    log-sum-exp it needs. Not a collective."""
+    heads that Ulysses cannot split K ways, an attention backend that diffusers does not list
+    as context-parallel (it would accept the split and ignore it: each rank attending within its
+    own tokens, silently), ``sage`` on a ``trained`` model (diffusers has no backward for it),
+    and for ring: a backend without the log-sum-exp it needs, weights of ``dtype`` fp32 (flash
+    and cuDNN attention take bf16/fp16), or a model that reads an attention mask (ring hands
+    each key/value chunk the whole mask). Not a collective."""
     if mode not in CONTEXT_PARALLEL_MODES:
         raise ValueError(
             f"context parallel mode must be one of {', '.join(CONTEXT_PARALLEL_MODES)}, got {mode!r}"
@@ -81,7 +93,8 @@ def check_context_parallel(size: int, mode: str, world_size: int, model: Any | N
     if model is None or size == 1:
         return
     name = type(model).__name__
-    if getattr(model, "_cp_plan", None) is None:
+    plan = getattr(model, "_cp_plan", None)
+    if plan is None:
         raise ValueError(
             f"{name} has no context-parallel plan (_cp_plan): train it with context parallel size 1"
         )
@@ -90,14 +103,47 @@ def check_context_parallel(size: int, mode: str, world_size: int, model: Any | N
         raise ValueError(
             f"Ulysses context parallelism splits the attention heads: {name} has {heads}, not divisible by {size}"
         )
+    backend = _attention_backend(model) or "native"
+    supported = context_parallel_backends()
+    if backend not in supported:
+        raise ValueError(
+            f"{name} uses the attention backend {backend!r}, which diffusers does not split for context "
+            f"parallelism (each rank would attend within its own tokens): choose one of {', '.join(supported)} "
+            "(--attention_backend)"
+        )
+    if trained and backend.startswith("sage"):
+        raise ValueError(
+            f"the attention backend {backend!r} has no backward in diffusers: train {name} with another "
+            "(--attention_backend)"
+        )
     if mode == "ring":
-        backend = _attention_backend(model)
-        if backend in ("native", None):
+        if backend == "native":
             raise ValueError(
                 f"ring attention needs an attention backend that returns the log-sum-exp (flash, _native_cudnn,"
-                f" sage); {name} uses {backend or 'native'}: choose one (--attention_backend, set_attention_backend())"
+                f" sage); {name} uses native: choose one (--attention_backend, set_attention_backend())"
                 " or use ulysses"
             )
+        if dtype == torch.float32:
+            raise ValueError(
+                f"ring attention on {backend!r} takes bf16 or fp16: launch with bf16 "
+                "(configs/accelerate_zero3_bf16.yaml, --mixed_precision bf16) or use ulysses"
+            )
+        masks = sorted(
+            {k for inputs in plan.values() if isinstance(inputs, dict) for k in inputs if "mask" in str(k)}
+        )
+        if masks:
+            raise ValueError(
+                f"ring attention hands each key/value chunk the whole attention mask, and {name} reads "
+                f"{', '.join(masks)}: use ulysses"
+            )
+
+
+def context_parallel_backends() -> list[str]:
+    """The attention backends diffusers splits for context parallelism (its own registry's list,
+    read at the call: ``_AttentionBackendRegistry._supports_context_parallel``)."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    return sorted(_AttentionBackendRegistry._supports_context_parallel)
 
 
 def set_attention_backend(model: torch.nn.Module, backend: str) -> None:
@@ -157,18 +203,26 @@ def context_parallel(
     return ContextParallel(size=size, mode=mode, mesh=mesh)
 
 
-def enable_context_parallel(model: torch.nn.Module, cp: ContextParallel, device: torch.device) -> None:
+def enable_context_parallel(
+    model: torch.nn.Module,
+    cp: ContextParallel,
+    device: torch.device,
+    *,
+    trained: bool = True,
+    dtype: torch.dtype | None = None,
+) -> None:
     """Split ``model``'s sequence over ``cp``'s groups, as its ``_cp_plan`` says: what
     ``enable_parallelism`` does, on this package's mesh and ``device`` (the rank's). Call it
     before ``deepspeed.initialize`` (or on the engine's module); the model must then be called
-    with ``return_dict=False`` (the plan's hooks take tensors). Not a collective itself, but
+    with ``return_dict=False`` (the plan's hooks take tensors). ``check_context_parallel`` first,
+    with ``trained`` and the ``dtype`` its attention computes in. Not a collective itself, but
     every forward of the model is one within the group.
     """
     import torch.distributed as dist
     from diffusers.hooks.context_parallel import apply_context_parallel
     from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
 
-    check_context_parallel(cp.size, cp.mode, dist.get_world_size(), model)
+    check_context_parallel(cp.size, cp.mode, dist.get_world_size(), model, trained=trained, dtype=dtype)
     ring, ulysses = (cp.size, 1) if cp.mode == "ring" else (1, cp.size)
     cp_config = ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses, mesh=cp.mesh)
     config = ParallelConfig(context_parallel_config=cp_config)
