@@ -8,11 +8,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-outputs/default}
-# NUM_PROCESSES: one per GPU on a CUDA host, else 2 CPU ranks with DS_ACCELERATOR=cpu
-# (diffusers_zero3/runtime/launch.py; NUM_PROCESSES=N overrides).
+# NUM_PROCESSES and CONFIG: one process per GPU in bf16 on a CUDA host, else 2 CPU ranks in
+# fp32 with DS_ACCELERATOR=cpu (diffusers_zero3/runtime/launch.py; NUM_PROCESSES=N overrides).
 SETTINGS=$($PYTHON -m diffusers_zero3.runtime.launch)
 eval "$SETTINGS"
-LAUNCH=($PYTHON -m accelerate.commands.launch --config_file configs/accelerate_zero3.yaml --num_processes "$NUM_PROCESSES")
+LAUNCH=($PYTHON -m accelerate.commands.launch --config_file "$CONFIG" --num_processes "$NUM_PROCESSES")
 $PYTHON -m diffusers_zero3.demo "$OUT" --model sd --controlnet
 if [ ! -f "$OUT/run-sft/model_index.json" ]; then
   "${LAUNCH[@]}" scripts/train_text_to_image.py --pretrained_model_name_or_path "$OUT/tiny-sd" \

@@ -16,8 +16,8 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-outputs/default}
 MODEL=${MODEL:-sd}
-# NUM_PROCESSES: one per GPU on a CUDA host, else 2 CPU ranks with DS_ACCELERATOR=cpu
-# (diffusers_zero3/runtime/launch.py; NUM_PROCESSES=N overrides).
+# NUM_PROCESSES and CONFIG: one process per GPU in bf16 on a CUDA host, else 2 CPU ranks in
+# fp32 with DS_ACCELERATOR=cpu (diffusers_zero3/runtime/launch.py; NUM_PROCESSES=N overrides).
 SETTINGS=$($PYTHON -m diffusers_zero3.runtime.launch)
 eval "$SETTINGS"
 # PIPE, DATA and RUN_ARGS (the family's placements, and an editing family's validation edits:
@@ -38,7 +38,7 @@ RUN="$OUT/run-$MODEL"
 [ "$MODEL" = sd ] && RUN="$OUT/run"
 [ "${BUCKETS:-0}" = 1 ] && RUN="$RUN-buckets"
 [ "${CONTEXT_PARALLEL:-1}" != 1 ] && RUN="$RUN-cp$CONTEXT_PARALLEL"
-$PYTHON -m accelerate.commands.launch --config_file configs/accelerate_zero3.yaml --num_processes "$NUM_PROCESSES" \
+$PYTHON -m accelerate.commands.launch --config_file "$CONFIG" --num_processes "$NUM_PROCESSES" \
   scripts/train_text_to_image.py \
   --pretrained_model_name_or_path "$PIPE" \
   --train_data_dir "$DATA" \

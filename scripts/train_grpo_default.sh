@@ -9,14 +9,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-outputs/default}
-# NUM_PROCESSES: one per GPU on a CUDA host, else 2 CPU ranks with DS_ACCELERATOR=cpu
-# (diffusers_zero3/runtime/launch.py; NUM_PROCESSES=N overrides).
+# NUM_PROCESSES and CONFIG: one process per GPU in bf16 on a CUDA host, else 2 CPU ranks in
+# fp32 with DS_ACCELERATOR=cpu (diffusers_zero3/runtime/launch.py; NUM_PROCESSES=N overrides).
 SETTINGS=$($PYTHON -m diffusers_zero3.runtime.launch)
 eval "$SETTINGS"
 if [ ! -f "$OUT/tiny-sd3/model_index.json" ]; then
   $PYTHON -c "import sys; from diffusers_zero3.demo import save_tiny_pipeline; from diffusers_zero3.families import SD3; save_tiny_pipeline(SD3, sys.argv[1])" "$OUT/tiny-sd3"
 fi
-$PYTHON -m accelerate.commands.launch --config_file configs/accelerate_zero3.yaml --num_processes "$NUM_PROCESSES" \
+$PYTHON -m accelerate.commands.launch --config_file "$CONFIG" --num_processes "$NUM_PROCESSES" \
   scripts/train_grpo.py \
   --pretrained_model_name_or_path "$OUT/tiny-sd3" \
   --prompts "a red circle" "a blue square" "a green circle" "a yellow square" \

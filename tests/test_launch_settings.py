@@ -25,7 +25,7 @@ def _fake_gpus(monkeypatch, count: int) -> None:
 def _eval(settings: LaunchSettings) -> dict[str, str]:
     """The variables a shell has after ``eval`` of the settings' lines."""
     script = settings.shell() + '\necho "N=$NUM_PROCESSES"; echo "DS=${DS_ACCELERATOR-unset}"'
-    script += '; echo "CVD=${CUDA_VISIBLE_DEVICES-unset}"'
+    script += '; echo "CVD=${CUDA_VISIBLE_DEVICES-unset}"; echo "CONFIG=$(basename "$CONFIG")"'
     out = subprocess.run(
         ["bash", "-c", script], capture_output=True, text=True, check=True, env={"PATH": "/usr/bin:/bin"}
     )
@@ -36,7 +36,14 @@ def test_cuda_host_gets_one_process_per_gpu_and_no_ds_accelerator(monkeypatch):
     _fake_gpus(monkeypatch, 4)
     settings = launch_settings({})
     assert settings == LaunchSettings(4, "cuda", {})
-    assert _eval(settings) == {"N": "4", "DS": "unset", "CVD": "unset"}
+    # bf16 on GPUs (the default targets ran the fp32 config there)
+    assert _eval(settings) == {
+        "N": "4",
+        "DS": "unset",
+        "CVD": "unset",
+        "CONFIG": "accelerate_zero3_bf16.yaml",
+    }
+    assert settings.config.is_file()
     assert launch_settings({"NUM_PROCESSES": "2"}).num_processes == 2
     with pytest.raises(ValueError, match="NUM_PROCESSES=8 but this host has 4 CUDA device"):
         launch_settings({"NUM_PROCESSES": "8"})
@@ -46,7 +53,8 @@ def test_cpu_host_keeps_two_cpu_ranks(monkeypatch):
     _fake_gpus(monkeypatch, 0)
     settings = launch_settings({})
     assert settings == LaunchSettings(2, "cpu", {"DS_ACCELERATOR": "cpu"})
-    assert _eval(settings) == {"N": "2", "DS": "cpu", "CVD": "unset"}
+    assert _eval(settings) == {"N": "2", "DS": "cpu", "CVD": "unset", "CONFIG": "accelerate_zero3.yaml"}
+    assert settings.config.is_file()
     assert launch_settings({"NUM_PROCESSES": "3"}).num_processes == 3
     for bad in ("0", "two", "-1"):
         with pytest.raises(ValueError, match="NUM_PROCESSES must be a positive integer"):
@@ -58,7 +66,7 @@ def test_ds_accelerator_cpu_on_a_cuda_host_hides_the_gpus(monkeypatch):
     _fake_gpus(monkeypatch, 2)
     settings = launch_settings({"DS_ACCELERATOR": "cpu"})
     assert settings == LaunchSettings(2, "cpu", {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""})
-    assert _eval(settings) == {"N": "2", "DS": "cpu", "CVD": ""}
+    assert _eval(settings) == {"N": "2", "DS": "cpu", "CVD": "", "CONFIG": "accelerate_zero3.yaml"}
 
 
 def test_command_line_on_this_host_and_bad_override():

@@ -27,15 +27,8 @@ from typing import Any
 
 from ..runtime.user_errors import USER_ERROR_EXIT, error_claim_path, launched_rank
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # the command's own, before the script's flags (accelerate launch's names)
 LAUNCH_FLAGS = ("--num_processes", "--config_file", "--main_process_port")
-
-
-def default_config(device: str) -> Path:
-    """The accelerate config a command launches with on ``device``: ZeRO-3 in bf16 on CUDA,
-    ZeRO-3 in fp32 on the CPU (where DeepSpeed has no fp16, and bf16 is slow)."""
-    return CONFIGS / ("accelerate_zero3_bf16.yaml" if device == "cuda" else "accelerate_zero3.yaml")
 
 
 def split_launch_flags(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
@@ -73,7 +66,7 @@ def launch_ranks(module: str, argv: Sequence[str], parse: Callable[[list[str]], 
         environ["NUM_PROCESSES"] = launch["num_processes"]
     try:
         settings = launch_settings(environ)
-        config = Path(launch.get("config_file") or default_config(settings.device))
+        config = Path(launch.get("config_file") or settings.config)
         if not config.is_file():
             raise UserError(f"--config_file {config}: no such file")
         parse(list(script_argv))
@@ -135,8 +128,6 @@ def run_command(module: str, make_trainer: Callable[[list[str]], Any], parse: Ca
 
 
 __all__ = [
-    "CONFIGS",
-    "default_config",
     "launch_ranks",
     "run_command",
     "split_launch_flags",

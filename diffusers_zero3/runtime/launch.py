@@ -4,8 +4,8 @@ The default runs (``make train``, ``make train-reward``, ``make train-dpo``) and
 smoke-gpu`` ask this module, so that the decision lives in one place::
 
     SETTINGS=$(python -m diffusers_zero3.runtime.launch)   # fails (exit 2) on a bad NUM_PROCESSES
-    eval "$SETTINGS"                               # NUM_PROCESSES=..., export DS_ACCELERATOR=cpu
-    accelerate launch --num_processes "$NUM_PROCESSES" ...
+    eval "$SETTINGS"                   # NUM_PROCESSES=..., CONFIG=..., export DS_ACCELERATOR=cpu
+    accelerate launch --config_file "$CONFIG" --num_processes "$NUM_PROCESSES" ...
 
 * A CUDA host: one process per GPU, and ``DS_ACCELERATOR`` is left alone. accelerate picks
   NCCL there, and DeepSpeed must pick its CUDA accelerator to match: exporting
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 CPU_PROCESSES = 2
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"  # the package's accelerate configs
 
 
 def cuda_device_count() -> int:
@@ -48,10 +49,19 @@ class LaunchSettings:
     device: str
     env: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def config(self) -> Path:
+        """The accelerate config of a default launch on this host: ZeRO-3 in bf16 on CUDA (fp32
+        would hold twice the activations and run ring/flash attention not at all), in fp32 on
+        the CPU (DeepSpeed has no fp16 there and bf16 is slow); the package's own files."""
+        name = "accelerate_zero3_bf16.yaml" if self.device == "cuda" else "accelerate_zero3.yaml"
+        return CONFIGS / name
+
     def shell(self) -> str:
-        """Shell lines for ``eval``: ``NUM_PROCESSES=N`` (not exported: launchers need not
-        see it) and one ``export NAME=value`` per variable of ``env``."""
-        lines = [f"NUM_PROCESSES={self.num_processes}"]
+        """Shell lines for ``eval``: ``NUM_PROCESSES=N`` and ``CONFIG=<accelerate config>`` (not
+        exported: launchers need not see them) and one ``export NAME=value`` per variable of
+        ``env``."""
+        lines = [f"NUM_PROCESSES={self.num_processes}", f"CONFIG={shlex.quote(str(self.config))}"]
         lines += [f"export {k}={shlex.quote(v)}" for k, v in self.env.items()]
         return "\n".join(lines)
 
@@ -143,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    where = "GPU" if settings.device == "cuda" else "CPU"
-    print(f"launch: {settings.num_processes} process(es) on {where}", file=sys.stderr)
+    where = "GPU (bf16)" if settings.device == "cuda" else "CPU (fp32)"
+    print(f"launch: {settings.num_processes} process(es) on {where}, {settings.config.name}", file=sys.stderr)
     print(settings.shell())
     return 0
 
