@@ -654,7 +654,10 @@ class GRPOTrainer:
         rows ``rows`` of the round, with classifier-free guidance when asked. Collective when
         the model is sharded."""
         cond = {k: v[rows] for k, v in batch.cond.items()}
-        t = (sigma * 1000).to(self.dtype)
+        # fp32, as the scheduler's timesteps the pipelines pass: bf16 would round 999.5 to 1000
+        # (steps of 4 near 1000); the family's predict casts where its pipeline does, and a
+        # model that embeds in its own dtype (Flux, Qwen-Image) casts inside its forward
+        t = sigma.float() * 1000
         if self.guidance_embeds:
             return self.family.predict(
                 model, x.to(self.dtype), t, cond, guidance_scale=self.args.guidance_scale
