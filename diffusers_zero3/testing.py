@@ -76,13 +76,31 @@ def _tail(text: str, limit: int = 6000) -> str:
     return text if len(text) <= limit else "...\n" + text[-limit:]
 
 
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL process ``pid``, its process group and every process descended from it (each in
+    its own group too). torch elastic (``accelerate launch``, ``torchrun``) starts each worker
+    in a session of its own, which a kill of the launcher's process group does not reach: a hung
+    launch killed that way left its ranks running, orphaned."""
+    import psutil
+
+    try:
+        descendants = [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        descendants = []
+    for target in (pid, *descendants):
+        try:
+            os.killpg(target, signal.SIGKILL)  # a session leader's whole group
+        except (ProcessLookupError, PermissionError):
+            try:
+                os.kill(target, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def _kill(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_process_tree(p.pid)
     for p in procs:
         p.wait()
 

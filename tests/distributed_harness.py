@@ -12,7 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from diffusers_zero3.testing import RanksFailed, run_function_on_ranks, start_rank_forkserver
+from diffusers_zero3.testing import (
+    RanksFailed,
+    kill_process_tree,
+    run_function_on_ranks,
+    start_rank_forkserver,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TIMEOUT = float(os.environ.get("DZ3_TEST_RANK_TIMEOUT", 300))
@@ -75,7 +80,6 @@ def run_launcher(argv, timeout: float = DEFAULT_TIMEOUT, env=None, expect_rc: in
     The whole process group is killed after ``timeout`` seconds and the test fails with the
     output. Returns ``(returncode, output)``; fails when ``expect_rc`` is given and differs.
     """
-    import signal
     import subprocess
 
     proc = subprocess.Popen(
@@ -90,7 +94,7 @@ def run_launcher(argv, timeout: float = DEFAULT_TIMEOUT, env=None, expect_rc: in
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_process_tree(proc.pid)  # the launcher's workers too: each sits in a session of its own
         out, _ = proc.communicate()
         pytest.fail(f"{argv[:4]} timed out after {timeout:.0f}s (a hang)\n{out[-8000:]}", pytrace=False)
     if expect_rc is not None and proc.returncode != expect_rc:
@@ -106,7 +110,6 @@ def run_launchers_side_by_side(runs: list[dict], timeout: float = DEFAULT_TIMEOU
     launch keeps about 1.3 of 2 cores busy (its launcher and a 1-rank run use one), so side by
     side they end sooner than one after another. Every command is killed after ``timeout``
     seconds. Returns ``[(returncode, output)]`` in order; fails like ``run_launcher``."""
-    import signal
     import subprocess
     import tempfile
     import time
@@ -132,7 +135,7 @@ def run_launchers_side_by_side(runs: list[dict], timeout: float = DEFAULT_TIMEOU
         hung = [i for i, (p, _) in enumerate(procs) if p.poll() is None]
         for proc, _ in procs:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill_process_tree(proc.pid)  # the launcher's workers too
                 proc.wait()
     results = []
     for proc, fh in procs:

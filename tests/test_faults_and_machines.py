@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from diffusers_zero3.testing import kill_process_tree
 from tests.distributed_harness import (
     REPO_ROOT,
     _test_env,
@@ -149,7 +149,7 @@ def test_a_stopped_rank_fails_the_others_within_the_timeout_in_every_phase(defau
     finally:
         for proc, _ in runs.values():
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill_process_tree(proc.pid)
                 proc.wait()
     for phase, (proc, log) in runs.items():
         text = log.read_text()

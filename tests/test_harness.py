@@ -59,3 +59,45 @@ def test_failing_rank_traceback_is_reported(preloaded):
         _launch("tests.test_harness:worker_rank1_raises", preloaded, timeout_s=60)
     assert info.value.codes[1] == 1 and not info.value.timed_out
     assert "ValueError: deliberate failure on rank 1" in str(info.value)
+
+
+# A launcher as torch elastic is one: it starts its worker in a session of its own, writes the
+# worker's pid, and then both wait forever.
+_LAUNCHER = """
+import subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+open(sys.argv[1], "w").write(str(worker.pid))
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(60)  # before the fix the harness itself hung: the orphan held its output pipe
+def test_a_hung_launch_is_killed_with_every_worker_it_started(tmp_path):
+    """run_launcher's timeout kills the launcher and its workers, which sit in sessions of their
+    own (killing the launcher's process group alone left them running, orphaned, holding the
+    output pipe, so that the harness waited on it as well)."""
+    import os
+    import sys
+    import time
+
+    from tests.distributed_harness import run_launcher
+
+    pid_file = tmp_path / "worker.pid"
+    with pytest.raises(pytest.fail.Exception, match="timed out"):
+        run_launcher([sys.executable, "-c", _LAUNCHER, str(pid_file)], timeout=5)
+    worker = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            return
+        try:  # reaped by init once dead: a zombie still answers kill(0) for a moment
+            state = open(f"/proc/{worker}/stat").read().split(")")[-1].split()[0]
+        except FileNotFoundError:
+            return
+        if state == "Z":
+            return
+        time.sleep(0.1)
+    os.kill(worker, 9)
+    pytest.fail(f"the launcher's worker {worker} outlived the killed launch")
