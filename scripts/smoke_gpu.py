@@ -3,9 +3,12 @@
 
 Each case runs a training script on a tiny default pipeline (``diffusers_zero3.demo``: one
 per model family, as ``make train MODEL=...`` builds it, the redness reward model, a
-preference dataset, DreamBooth's instance images, ControlNet's shape masks) under
-``accelerate launch --num_processes N``, N = the GPUs (``diffusers_zero3.runtime.launch``;
-``NUM_PROCESSES`` overrides), for 2 steps. A case's ``mode`` says what more it does:
+preference dataset, DreamBooth's instance images, ControlNet's shape masks; a tiny CLIP for the
+GRPO case's built-in reward) under ``accelerate launch --num_processes N``, N = the GPUs
+(``diffusers_zero3.runtime.launch``; ``NUM_PROCESSES`` overrides), for 2 steps (rounds, for
+``train_grpo.py``). N is at least 2 wherever the host has 2 GPUs (``case_processes``: one
+process runs no collective); a context-parallel case of K takes a multiple of K and is
+``skipped`` on a host of fewer than K GPUs. A case's ``mode`` says what more it does:
 
 * ``train``: one launch;
 * ``resume``: then a second launch to step 4 from the step-2 checkpoint, on the same N;
@@ -23,12 +26,14 @@ preference dataset, DreamBooth's instance images, ControlNet's shape masks) unde
   128 px through the tiny VAE (x2) gives 64 x 64 latents, SD 1.5's at 512 px.
 
 Every launch runs under a timeout: past it the whole process group is killed and the case is
-a ``timeout`` (a hang is a failure). The table, case | result | seconds | peak device GiB per
-rank | notes, is printed and written to ``outputs/smoke-gpu/table.md``; each case's log is
-``outputs/smoke-gpu/logs/<case>.log``. The peak is the largest ``device peak`` of the
+a ``timeout`` (a hang is a failure). The table, case | result | processes | collectives |
+seconds | peak device GiB per rank | notes, is printed and written to
+``outputs/smoke-gpu/table.md``; each case's log is ``outputs/smoke-gpu/logs/<case>.log``. The peak is the largest ``device peak`` of the
 trainer's memory report (``MemoryLog``: torch's ``max_memory_allocated``, the maximum over
 ranks), ``n/a`` where the log has none (a script without that report). The data sets are
-sized for up to 8 processes of batch 2 (16 video clips, 16 DreamBooth class images).
+sized for up to 8 processes of batch 2 (16 video clips, 16 DreamBooth class images, 16 GRPO
+samples a round). The collectives column is derived from the case, not read from its log:
+``nccl`` when a launch has 2 processes or more (no group on a GPU host is gloo).
 
     make smoke-gpu                                        # every case
     SMOKE_CASES=sd-bf16-ema-shard-resume,dpo-bf16-lora8 make smoke-gpu
@@ -64,6 +69,7 @@ SCRIPTS = {
     "dpo": "scripts/train_dpo.py",
     "dreambooth": "scripts/train_dreambooth.py",
     "controlnet": "scripts/train_controlnet.py",
+    "grpo": "scripts/train_grpo.py",
 }
 MODES = ("train", "resume", "reshard", "versus-ddp")
 STEPS = 2
@@ -71,6 +77,12 @@ BATCH = 2  # per process
 # the demo's extra data of a script (python -m diffusers_zero3.demo DATA --model sd --instances ...)
 DEMO_FLAGS = {"dpo": "--preferences", "dreambooth": "--instances", "controlnet": "--controlnet"}
 VALIDATION = ["--validation_prompts", "a red circle", "--num_validation_inference_steps", "2"]
+# Online RL: 4 prompts x 4 samples a round (up to 8 processes: 2 samples each), scored by the
+# demo's python-function reward; a case adds a built-in reward model with {data}/tiny-clip.
+REDNESS = "diffusers_zero3.demo.rewards:redness"
+GRPO_ROUND = ["--prompts", "a red circle", "a blue square", "a green circle", "a yellow square",
+              "--group_size", "4", "--num_inference_steps", "4", "--sample_batch_size", "4"]  # fmt: skip
+TINY_CLIP = "tiny-clip"  # under the data folder: a CLIP of the clip_score reward, written by prepare_data
 
 # The real-size case (mode "versus-ddp").
 SD15_PIPELINE = "sd15-published-unet"  # under the data folder
@@ -99,7 +111,8 @@ use_cpu: false
 @dataclass
 class Case:
     """A training script (a key of ``SCRIPTS``) on the pipeline ``tiny-<model>`` (or
-    ``pipeline``) under ``config`` with ``flags`` (one string, split as a shell would), after
+    ``pipeline``) under ``config`` with ``flags`` (one string, split as a shell would;
+    ``{data}`` stands for the data folder), after
     the family's own placements when ``family_defaults`` (those of ``make train MODEL=...``);
     validation at the last step when ``validate``; ``mode``: see the module docstring."""
 
@@ -189,6 +202,39 @@ CASES = [
     ),
     # DeepSpeed builds its CPU Adam op at the first use of optimizer offload: a longer timeout.
     Case("sd-fp32-offload-config", "t2i", "sd", EMA_SHARD, config=ZERO3_OFFLOAD, timeout=480),
+    # Online RL on the tiny SD3 (scripts/train_grpo.py): Flow-GRPO, fully fine-tuned beside its
+    # frozen reference (a ZeRO-3 inference engine), scored by a python function on each rank's own
+    # images and a built-in reward model sharded (a forward of every rank in lockstep)
+    Case(
+        "grpo-bf16-python-and-sharded-clip-reward",
+        "grpo",
+        "sd3",
+        f"--objective grpo --kl_beta 0.01 --reward {REDNESS} --reward clip_score=0.01 "
+        f"--reward_model clip_score={{data}}/{TINY_CLIP} --reward_placement clip_score=shard",
+        validate=False,  # no validation images: the log has the reward of each round
+    ),
+    Case("nft-bf16-lora4", "grpo", "sd3", f"--objective nft --rank 4 --reward {REDNESS}", validate=False),
+    # context parallelism: 2 ranks split each clip's tokens (skipped on a host of one GPU). Ring
+    # passes key/value chunks around and needs a backend that returns the log-sum-exp (cuDNN
+    # here); Ulysses exchanges heads with an all-to-all on the default backend (native: diffusers
+    # lists it as context-parallel)
+    Case(
+        "wan-bf16-cp2-ring",
+        "t2i",
+        "wan",
+        "--context_parallel_size 2 --context_parallel_mode ring --attention_backend _native_cudnn",
+        family_defaults=True,
+    ),
+    Case(
+        "wan-bf16-cp2-ulysses",
+        "t2i",
+        "wan",
+        "--context_parallel_size 2 --context_parallel_mode ulysses",
+        family_defaults=True,
+    ),
+    # several ZeRO-3 engines interleaved under DeepSpeed's async prefetch: Ideogram 4's two
+    # transformers trained, one a step in turn (the ControlNet case has the other pair)
+    Case("ideogram4-bf16-both-denoisers", "t2i", "ideogram4", "--train_denoisers both", family_defaults=True),
     # a checkpoint of N processes resumed on M (DeepSpeed's universal form, the EMA re-cut)
     Case("sd-bf16-ema-resume-other-n", "t2i", "sd", EMA_SHARD, mode="reshard"),
     # 859.5 M parameters to load and save twice: a longer timeout
@@ -233,8 +279,15 @@ def _data_flags(case: Case, data: Path, run: Path) -> list[str]:
                 "--lr_warmup_steps", "0"]  # fmt: skip
     if case.script == "controlnet":
         return ["--dataset_name", str(data / "controlnet-shapes"), "--lr_warmup_steps", "0"]
+    if case.script == "grpo":  # samples its own images: prompts and rewards, no dataset
+        return list(GRPO_ROUND)
     images = data / _train_images(case.model)
     return ["--train_data_dir", str(images), "--center_crop", "--lr_warmup_steps", "0"]
+
+
+def case_flags(case: Case, data: Path | str) -> list[str]:
+    """``case.flags`` split as a shell would, ``{data}`` replaced by the data folder."""
+    return shlex.split(case.flags.replace("{data}", str(data)))
 
 
 def _validation_flags(case: Case, data: Path) -> list[str]:
@@ -262,7 +315,7 @@ def case_argv(case: Case, data: Path, run: Path, steps: int, batch: int = BATCH)
     argv += _data_flags(case, data, run)
     if case.family_defaults:
         argv += family_run_args(case.model, pipe)
-    argv += shlex.split(case.flags)
+    argv += case_flags(case, data)
     if case.validate:
         argv += _validation_flags(case, data)
     return argv
@@ -291,11 +344,48 @@ def reshard_counts(num_processes: int, gpus: int) -> tuple[int, int] | None:
     return (1, 2) if gpus >= 2 else None
 
 
+def context_parallel_size(case: Case) -> int:
+    """K of the case's ``--context_parallel_size`` (1 without it)."""
+    flags = shlex.split(case.flags)
+    return int(flags[flags.index("--context_parallel_size") + 1]) if "--context_parallel_size" in flags else 1
+
+
+def case_processes(case: Case, num_processes: int, gpus: int) -> int | None:
+    """The processes of ``case``'s (first) launch on a host of ``gpus`` GPUs, ``num_processes``
+    asked (the GPUs, or ``NUM_PROCESSES``); None when the host cannot run it.
+
+    At least 2 wherever the host has 2 GPUs, ``NUM_PROCESSES=1`` included: one process runs no
+    collective at all, which is what the matrix is for. A context-parallel case of K takes a
+    multiple of K (K ranks split one sample; K GPUs at least, one a rank under NCCL). A
+    ``reshard`` case keeps ``num_processes`` (``reshard_counts`` picks its two counts: 1 -> 2
+    there); a ``versus-ddp`` case is 1 process by design (ZeRO-3's hooks against the plain model).
+    """
+    k = context_parallel_size(case)
+    if k > 1:
+        return k * max(1, min(num_processes, gpus) // k) if gpus >= k else None
+    if case.mode == "versus-ddp":
+        return 1
+    if case.mode == "reshard":
+        return num_processes
+    return max(num_processes, 2) if gpus >= 2 else num_processes
+
+
 def skip_reason(case: Case, num_processes: int, gpus: int) -> str | None:
     """Why ``case`` cannot run on this host (None when it can)."""
     if case.mode == "reshard" and reshard_counts(num_processes, gpus) is None:
         return f"needs 2 GPUs (a checkpoint of 1 process resumed on 2; this host has {gpus})"
+    k = context_parallel_size(case)
+    if case_processes(case, num_processes, gpus) is None:
+        return f"needs {k} GPUs (context parallelism of {k}: {k} ranks split each sample, one GPU each; this host has {gpus})"  # fmt: skip
     return None
+
+
+def collective_backends(launches: list[Launch]) -> str:
+    """The collective backends ``launches`` exercise, from their process counts (the logs do not
+    say): NCCL for the ZeRO-3 engines, the accelerator and the context-parallel groups wherever
+    a launch has 2 processes or more; ``none`` when every launch is one process. No group on a
+    GPU host is gloo (``runtime.accelerator`` asks for gloo only on a host without CUDA)."""
+    return "nccl" if any(launch.num_processes > 1 for launch in launches) else "none"
 
 
 def _stepped(steps: int) -> str:
@@ -316,7 +406,10 @@ def plan_launches(case: Case, data: Path, run: Path, num_processes: int, gpus: i
             launch(label, config, 1, case_argv(case, data, run / label, PERF_STEPS), PERF_STEPS)
             for label, config in (("ddp", str(DDP_CONFIG)), ("zero3", case.config))
         ]
-    n, m = reshard_counts(num_processes, gpus) if case.mode == "reshard" else (num_processes, num_processes)
+    if case.mode == "reshard":
+        n, m = reshard_counts(num_processes, gpus)
+    else:
+        n = m = case_processes(case, num_processes, gpus)
     first = launch("train", case.config, n, case_argv(case, data, run, STEPS), STEPS)
     if case.mode == "train":
         return [first]
@@ -358,6 +451,31 @@ def write_sd15_pipeline(folder: Path) -> Path:
     return folder
 
 
+def write_tiny_clip(folder: Path) -> Path:
+    """A tiny CLIP (2 layers, width 32, 32 px images) with its tokenizer and image processor: a
+    folder the built-in ``clip_score`` (and ``pickscore``) reward loads (tests/test_reward_registry.py
+    builds the same)."""
+    import torch
+    from transformers import CLIPConfig, CLIPModel
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from diffusers_zero3.demo.pipelines import tiny_clip_config
+    from diffusers_zero3.demo.tokenizers import write_clip_tokenizer
+    from diffusers_zero3.runtime.zero3 import zero3_init_disabled
+
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                  patch_size=8, projection_dim=16)  # fmt: skip
+    with zero3_init_disabled():
+        torch.manual_seed(0)
+        config = CLIPConfig(text_config=tiny_clip_config(hidden_size=32, projection_dim=16), vision_config=vision,
+                            projection_dim=16, logit_scale_init_value=3.0)  # fmt: skip
+        CLIPModel(config).eval().save_pretrained(folder)
+    write_clip_tokenizer(folder)
+    processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor.save_pretrained(folder)
+    return Path(folder)
+
+
 def sd15_unet_config() -> dict:
     """SD 1.5's UNet config (the keys that set its shapes; the others are diffusers' defaults,
     the published values)."""
@@ -370,11 +488,16 @@ def sd15_unet_config() -> dict:
 def prepare_data(cases: list[Case], data: Path, log_path: Path) -> bool:
     """Make (once; later runs reuse them) the tiny pipelines, datasets and reward model the
     cases need with ``python -m diffusers_zero3.demo`` (and SD 1.5's UNet for a ``versus-ddp``
-    case), the output appended to ``log_path``. False when it failed."""
+    case, the tiny CLIP of a case that names ``{data}/tiny-clip``), the output appended to ``log_path``. False when it failed."""
     for model in sorted({c.model for c in cases}):
         scripts = {c.script for c in cases if c.model == model}
         argv = [sys.executable, "-m", "diffusers_zero3.demo", str(data), "--model", model]
         argv += [flag for script, flag in DEMO_FLAGS.items() if script in scripts]
+        if run_launch(argv, dict(os.environ), log_path, timeout=600) != 0:
+            return False
+    clip = data / TINY_CLIP
+    if any(f"{{data}}/{TINY_CLIP}" in c.flags for c in cases) and not (clip / "config.json").exists():
+        argv = [sys.executable, str(Path(__file__).resolve()), "--write-tiny-clip", str(clip)]
         if run_launch(argv, dict(os.environ), log_path, timeout=600) != 0:
             return False
     sd15 = data / SD15_PIPELINE
@@ -447,12 +570,14 @@ def run_launch(argv: list[str], env: dict[str, str], log_path: Path, timeout: fl
 
 def run_case(case: Case, num_processes: int, gpus: int, env: dict, data: Path, timeout: float) -> dict:
     """Run ``case``'s launches one after the other (the first failure stops it); returns
-    ``{result, seconds, peak, note}``, result ``ok``, ``FAIL``, ``timeout`` or ``skipped``."""
+    ``{result, seconds, peak, note, processes, backends}``, result ``ok``, ``FAIL``, ``timeout`` or
+    ``skipped``; processes ``N`` (``N -> M`` for a resume on M), backends ``collective_backends``'s."""
     from diffusers_zero3.testing import free_port
 
     reason = skip_reason(case, num_processes, gpus)
     if reason:
-        return {"result": "skipped", "seconds": 0.0, "peak": None, "note": reason}
+        return {"result": "skipped", "seconds": 0.0, "peak": None, "note": reason, "processes": "-",
+                "backends": "-"}  # fmt: skip
     run, log_path = OUT / "runs" / case.name, OUT / "logs" / f"{case.name}.log"
     shutil.rmtree(run, ignore_errors=True)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -461,6 +586,7 @@ def run_case(case: Case, num_processes: int, gpus: int, env: dict, data: Path, t
         DDP_CONFIG.parent.mkdir(parents=True, exist_ok=True)
         DDP_CONFIG.write_text(DDP_CONFIG_TEXT)
     launches = plan_launches(case, data, run, num_processes, gpus)
+    processes = " -> ".join(str(launch.num_processes) for launch in launches)
     start, result, note, logs = time.monotonic(), "ok", "", {}
     for launch in launches:
         offset = len(log_path.read_text())
@@ -481,22 +607,27 @@ def run_case(case: Case, num_processes: int, gpus: int, env: dict, data: Path, t
     elif result == "ok" and case.mode == "versus-ddp":
         note = versus_ddp_note(logs["ddp"], logs["zero3"], launches[0].steps)
         peak = device_peak_gib(logs["zero3"])
-    return {"result": result, "seconds": time.monotonic() - start, "peak": peak, "note": note}
+    return {"result": result, "seconds": time.monotonic() - start, "peak": peak, "note": note,
+            "processes": processes, "backends": collective_backends(launches)}  # fmt: skip
 
 
 def format_table(rows: list[tuple[str, dict]]) -> str:
-    """A markdown table: case | result | seconds | peak device GiB per rank | notes."""
-    lines = ["| case | result | seconds | peak device GiB per rank | notes |", "|---|---|---:|---:|---|"]
+    """A markdown table: case | result | processes | collectives | seconds | peak device GiB per
+    rank | notes."""
+    lines = ["| case | result | processes | collectives | seconds | peak device GiB per rank | notes |",
+             "|---|---|---:|---|---:|---:|---|"]  # fmt: skip
     for name, r in rows:
         peak = "n/a" if r["peak"] is None else f"{r['peak']:.2f}"
-        lines.append(f"| {name} | {r['result']} | {r['seconds']:.1f} | {peak} | {r.get('note', '')} |")
+        lines.append(f"| {name} | {r['result']} | {r.get('processes', '-')} | {r.get('backends', '-')} | "
+                     f"{r['seconds']:.1f} | {peak} | {r.get('note', '')} |")  # fmt: skip
     return "\n".join(lines)
 
 
 def describe(case: Case) -> str:
     """One line of ``--list``: the script, pipeline, config, mode and the case's own flags."""
     pipe = f"<data>/{case.pipeline or 'tiny-' + case.model}"
-    flags = [*(family_run_args(case.model, pipe) if case.family_defaults else []), *shlex.split(case.flags)]
+    defaults = family_run_args(case.model, pipe) if case.family_defaults else []
+    flags = [*defaults, *case_flags(case, "<data>")]
     config = f"{DDP_CONFIG.name} vs {case.config}, N=1" if case.mode == "versus-ddp" else case.config
     mode = {"resume": " [resume on N]", "reshard": " [resume on another N]"}.get(case.mode, "")
     return f"{SCRIPTS[case.script]} {pipe} {config}{mode} {shlex.join(flags)}".rstrip()
@@ -529,6 +660,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--list", action="store_true", help="print the cases and their flags")
     # prepare_data's step for a versus-ddp case (a subprocess: its output goes to the data log)
     parser.add_argument("--write-sd15-pipeline", metavar="FOLDER", help=argparse.SUPPRESS)
+    parser.add_argument("--write-tiny-clip", metavar="FOLDER", help=argparse.SUPPRESS)  # a grpo case's reward
     cli = parser.parse_args(argv)
     if cli.list:
         for case in CASES:
@@ -536,6 +668,9 @@ def main(argv: list[str]) -> int:
         return 0
     if cli.write_sd15_pipeline:
         print(f"pipeline: {write_sd15_pipeline(Path(cli.write_sd15_pipeline))}")
+        return 0
+    if cli.write_tiny_clip:
+        print(f"reward model: {write_tiny_clip(Path(cli.write_tiny_clip))}")
         return 0
     from diffusers_zero3.runtime.launch import cuda_device_count, launch_settings
 

@@ -42,6 +42,7 @@ def _parsers() -> dict:
     from diffusers_zero3.recipes.controlnet import ControlNetSettings
     from diffusers_zero3.recipes.dpo import DPOSettings
     from diffusers_zero3.recipes.dreambooth import DreamBoothSettings
+    from diffusers_zero3.recipes.grpo import GRPOSettings
     from diffusers_zero3.recipes.reward import RewardSettings
 
     return {
@@ -50,6 +51,7 @@ def _parsers() -> dict:
         "dpo": DPOSettings.parse,
         "dreambooth": DreamBoothSettings.parse,
         "controlnet": ControlNetSettings.parse,
+        "grpo": GRPOSettings.parse,
     }
 
 
@@ -77,6 +79,177 @@ def test_every_script_and_mode_has_a_case(smoke):
     assert len({c.name for c in smoke.CASES}) == len(smoke.CASES)
 
 
+def _first_argv(smoke, case, data: Path) -> list[str]:
+    """The script's flags of ``case``'s first launch on a host of 2 GPUs, with ``data`` the data
+    folder (its ControlNet validation mask made: train_controlnet.py checks the file)."""
+    mask = data / "controlnet-shapes-masks" / "circle.png"
+    mask.parent.mkdir(parents=True, exist_ok=True)
+    mask.touch()
+    return list(smoke.plan_launches(case, data, data / "run", 2, 2)[0].argv[1:])
+
+
+def _exercised(smoke, case, data: Path) -> tuple[set[str], set[str]]:
+    """The RL objective and the placements ``case`` runs, read from its parsed flags: every
+    ``--*_placement`` its argv gives (a frozen model, the GRPO reference) and each
+    ``--reward_placement NAME=VALUE``."""
+    argv = _first_argv(smoke, case, data)
+    args = _parsers()[case.script](argv)
+    placements = {
+        getattr(args, name)
+        for name in vars(args)
+        if name.endswith("_placement") and f"--{name}" in argv and isinstance(getattr(args, name), str)
+    }
+    placements |= {value.rpartition("=")[2] for value in getattr(args, "reward_placement", [])}
+    return ({args.objective} if case.script == "grpo" else set()), placements
+
+
+def test_every_objective_and_placement_has_a_case(smoke, tmp_path):
+    """Each RL objective of scripts/train_grpo.py (``recipes.grpo.OBJECTIVES``) and each placement
+    of a frozen model (``args.PLACEMENT_CHOICES``) is run by a case: one added without a smoke
+    case fails here, by name (a family without one: ``test_every_family_has_a_case``). Controls:
+    the matrix without the cases that run one of them reports exactly that one missing."""
+    from diffusers_zero3.args import PLACEMENT_CHOICES
+    from diffusers_zero3.recipes.grpo import OBJECTIVES
+
+    exercised = {case.name: _exercised(smoke, case, tmp_path) for case in smoke.CASES}
+
+    def missing(names) -> tuple[list[str], list[str]]:
+        objectives = set().union(*(exercised[n][0] for n in names))
+        placements = set().union(*(exercised[n][1] for n in names))
+        unrun = [p for p in PLACEMENT_CHOICES if p not in placements]
+        return [o for o in OBJECTIVES if o not in objectives], unrun
+
+    objectives, placements = missing(exercised)
+    assert not objectives, f"scripts/smoke_gpu.py has no case for the RL objectives {', '.join(objectives)}"
+    assert not placements, f"scripts/smoke_gpu.py has no case for the placements {', '.join(placements)}"
+    assert set(OBJECTIVES) == {"grpo", "nft"}
+    assert set(PLACEMENT_CHOICES) == {"replicate", "shard", "offload", "cache"}
+    for index, item in enumerate((*OBJECTIVES, *PLACEMENT_CHOICES)):
+        kind = 0 if index < len(OBJECTIVES) else 1
+        rest = [n for n in exercised if item not in exercised[n][kind]]
+        assert missing(rest)[kind] == [item], item
+    # the RL cases: a python-function reward beside a built-in reward model sharded; LoRA with nft
+    grpo = [c for c in smoke.CASES if c.script == "grpo"]
+    rewards = {r for c in grpo for r in _parsers()["grpo"](_first_argv(smoke, c, tmp_path)).reward}
+    assert {smoke.REDNESS, "clip_score=0.01"} <= rewards
+    assert any("clip_score=shard" in _first_argv(smoke, c, tmp_path) for c in grpo)
+    assert any({"nft", "--rank"} <= set(_first_argv(smoke, c, tmp_path)) for c in grpo)
+
+
+def test_context_parallel_cases_skip_on_one_gpu_and_take_two_processes_on_two(smoke, tmp_path, monkeypatch):
+    """Wan with K=2, ring and Ulysses, bf16: on a host of one GPU each case is skipped, saying
+    why, and launches nothing; on two (``NUM_PROCESSES=1`` too) it launches 2 processes, on 8 four
+    groups of 2, and its table row says 2 processes over NCCL. Its flags pass the package's own
+    check (``check_context_parallel``) on the tiny Wan's transformer with the case's backend in
+    bf16; the control: in fp32 the ring case is refused."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from diffusers_zero3.demo.pipelines import tiny_wan_components
+    from diffusers_zero3.families import WAN
+    from diffusers_zero3.runtime.context_parallel import (
+        check_context_parallel,
+        context_parallel_backends,
+        set_attention_backend,
+    )
+
+    cases = [c for c in smoke.CASES if smoke.context_parallel_size(c) > 1]
+    args = {c.name: _parsers()[c.script](_first_argv(smoke, c, tmp_path)) for c in cases}
+    assert sorted(a.context_parallel_mode for a in args.values()) == ["ring", "ulysses"]
+    for case in cases:
+        assert smoke.context_parallel_size(case) == args[case.name].context_parallel_size == 2
+        assert str(load_config_from_file(str(REPO_ROOT / case.config)).mixed_precision) == "bf16", case.name
+        backend = args[case.name].attention_backend or "native"
+        assert backend in context_parallel_backends(), case.name
+        transformer = tiny_wan_components(WAN, vocab_size=64)["transformer"]
+        if args[case.name].attention_backend:
+            set_attention_backend(transformer, args[case.name].attention_backend)
+        check_context_parallel(2, args[case.name].context_parallel_mode, 2, transformer, dtype=torch.bfloat16)
+        if args[case.name].context_parallel_mode == "ring":
+            with pytest.raises(ValueError, match="takes bf16 or fp16"):
+                check_context_parallel(2, "ring", 2, transformer, dtype=torch.float32)
+
+        reason = smoke.skip_reason(case, 1, 1)
+        assert reason.startswith("needs 2 GPUs (context parallelism of 2"), reason
+        assert reason.endswith("this host has 1)"), reason
+        for (n, gpus), expected in {(1, 2): 2, (2, 2): 2, (3, 3): 2, (4, 8): 4, (8, 8): 8}.items():
+            assert smoke.skip_reason(case, n, gpus) is None
+            (launch,) = smoke.plan_launches(case, tmp_path, tmp_path / "run", n, gpus)
+            command = smoke.launch_command(launch, 29500)
+            assert command[command.index("--num_processes") + 1] == str(expected), (case.name, n, gpus)
+
+    launched = []
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a skipped case launched something")
+
+    def fake_launch(argv, env, log_path, timeout):  # a run that reaches its last step
+        launched.append(argv)
+        with open(log_path, "a") as log:
+            log.write(f"step {smoke.STEPS} loss 0.5\n")
+        return 0
+
+    monkeypatch.setattr(smoke, "OUT", tmp_path / "out")
+    for case in cases:
+        monkeypatch.setattr(smoke, "run_launch", no_launch)
+        row = smoke.run_case(case, 1, 1, {}, tmp_path, 10)
+        assert row["result"] == "skipped" and row["note"].startswith("needs 2 GPUs"), row
+        monkeypatch.setattr(smoke, "run_launch", fake_launch)
+        row = smoke.run_case(case, 1, 2, {}, tmp_path, 10)
+        assert (row["result"], row["processes"], row["backends"]) == ("ok", "2", "nccl"), row
+        assert launched[-1][launched[-1].index("--num_processes") + 1] == "2"
+        assert f"| {case.name} | ok | 2 | nccl |" in smoke.format_table([(case.name, row)])
+
+
+@pytest.mark.parametrize("num_processes, gpus", [(1, 2), (2, 2), (8, 8), (1, 1)])
+def test_every_case_runs_collectives_where_the_host_has_two_gpus(smoke, tmp_path, num_processes, gpus):
+    """Wherever the host has 2 GPUs every case has a launch of 2 processes or more (NCCL in its
+    table row), ``NUM_PROCESSES=1`` included; the one exception is the real-size case, one process
+    by design (ZeRO-3's hooks against the plain model). On a host of one GPU each case that runs
+    is one process and its row says no collective ran."""
+    for case in smoke.CASES:
+        if smoke.skip_reason(case, num_processes, gpus):
+            assert gpus == 1 and (case.mode == "reshard" or smoke.context_parallel_size(case) > 1), case.name
+            continue
+        launches = smoke.plan_launches(case, tmp_path, tmp_path / "run", num_processes, gpus)
+        most = max(launch.num_processes for launch in launches)
+        if case.mode == "versus-ddp" or gpus == 1:
+            assert most == 1 and smoke.collective_backends(launches) == "none", case.name
+        else:
+            assert 2 <= most <= gpus and smoke.collective_backends(launches) == "nccl", case.name
+
+
+def test_the_data_step_writes_the_built_in_reward_model(smoke, tmp_path, monkeypatch):
+    """The GRPO case's ``clip_score`` reads ``<data>/tiny-clip``, which the data step writes (a
+    hidden flag of the script, as SD 1.5's UNet); the folder loads as the built-in reward and
+    scores images of the case's resolution."""
+    from diffusers_zero3.rewards import load_rewards, parse_reward_specs
+
+    case = next(c for c in smoke.CASES if "clip_score=shard" in c.flags)
+    data = tmp_path / "data"
+    args = _parsers()["grpo"](_first_argv(smoke, case, data))
+    assert f"clip_score={data / smoke.TINY_CLIP}" in args.reward_model
+    calls = []
+    monkeypatch.setattr(smoke, "run_launch", lambda argv, *a, **k: calls.append(argv) or 0)
+    assert smoke.prepare_data([case], data, tmp_path / "data.log")
+    written = [c[2:] for c in calls if "--write-tiny-clip" in c]
+    assert written == [["--write-tiny-clip", str(data / smoke.TINY_CLIP)]]
+    calls.clear()
+    assert smoke.prepare_data([c for c in smoke.CASES if c.script != "grpo"], data, tmp_path / "data.log")
+    assert not [c for c in calls if "--write-tiny-clip" in c]  # only for a case that reads it
+
+    proc = subprocess.run(
+        [sys.executable, "scripts/smoke_gpu.py", "--write-tiny-clip", str(data / smoke.TINY_CLIP)],
+        capture_output=True, text=True, cwd=REPO_ROOT, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    clip = data / smoke.TINY_CLIP
+    specs = parse_reward_specs(["clip_score"], [f"clip_score={clip}"], ["clip_score=replicate"])
+    rewards = load_rewards(specs, None, torch.float32)
+    torch.manual_seed(0)
+    total, scores = rewards(torch.rand(2, 3, 32, 32), ["a red circle", "a blue square"])
+    assert total.shape == (2,) and torch.isfinite(total).all()
+
+
 @pytest.mark.parametrize("num_processes, gpus", [(2, 2), (8, 8), (1, 2)])
 def test_every_launch_parses(smoke, tmp_path, num_processes, gpus):
     """Every launch of every case: ``accelerate launch``'s parser takes the launcher's flags,
@@ -84,6 +257,7 @@ def test_every_launch_parses(smoke, tmp_path, num_processes, gpus):
     from accelerate.commands.launch import launch_command_parser
 
     from diffusers_zero3.args import validate_args, validate_common_args
+    from diffusers_zero3.recipes.grpo import GRPO_FAMILIES
 
     data = tmp_path / "data"
     (data / "controlnet-shapes-masks").mkdir(parents=True)
@@ -102,7 +276,9 @@ def test_every_launch_parses(smoke, tmp_path, num_processes, gpus):
             assert cli.training_script == smoke.SCRIPTS[case.script]
             assert Path(REPO_ROOT / cli.config_file).is_file() or cli.config_file == str(smoke.DDP_CONFIG)
             args = parsers[case.script](cli.training_script_args)
-            (validate_common_args if case.script == "reward" else validate_args)(args)
+            (validate_common_args if case.script in ("reward", "grpo") else validate_args)(args)
+            if case.script == "grpo":  # what its setup refuses before anything loads
+                assert case.model in GRPO_FAMILIES, case.name
             assert args.max_train_steps == launch.steps, case.name
             # a checkpoint at step STEPS to resume from; none inside the timed steps
             if case.mode == "versus-ddp":
@@ -167,7 +343,7 @@ def test_resume_on_another_number_of_processes(smoke, tmp_path, monkeypatch):
     monkeypatch.setattr(smoke, "run_launch", no_launch)
     row = smoke.run_case(case, 1, 1, {}, tmp_path, 10)
     assert row["result"] == "skipped" and row["note"].startswith("needs 2 GPUs")
-    assert "| skipped | 0.0 | n/a | needs 2 GPUs" in smoke.format_table([(case.name, row)])
+    assert "| skipped | - | - | 0.0 | n/a | needs 2 GPUs" in smoke.format_table([(case.name, row)])
 
 
 def test_real_size_case_is_sd15_against_a_plain_accelerate_config(smoke, tmp_path):
@@ -248,12 +424,13 @@ def test_reads_the_device_peak_of_the_memory_report(smoke):
     cpu = [PhaseMemory("after prepare", 10 * MIB, 20 * MIB, 0.0)]
     assert smoke.device_peak_gib(MemoryLog.format(cpu)) is None
     rows = [
-        ("a", {"result": "ok", "seconds": 1.25, "peak": 3.0, "note": ""}),
-        ("b", {"result": "timeout", "seconds": 9, "peak": None, "note": "train: killed after 9 s"}),
-    ]
+        ("a", {"result": "ok", "seconds": 1.25, "peak": 3.0, "note": "", "processes": "2", "backends": "nccl"}),
+        ("b", {"result": "timeout", "seconds": 9, "peak": None, "note": "train: killed after 9 s",
+               "processes": "2 -> 1", "backends": "nccl"}),
+    ]  # fmt: skip
     assert smoke.format_table(rows).splitlines()[2:] == [
-        "| a | ok | 1.2 | 3.00 |  |",
-        "| b | timeout | 9.0 | n/a | train: killed after 9 s |",
+        "| a | ok | 2 | nccl | 1.2 | 3.00 |  |",
+        "| b | timeout | 2 -> 1 | nccl | 9.0 | n/a | train: killed after 9 s |",
     ]
 
 
