@@ -1,0 +1,132 @@
+"""One round of ``recipes.grpo.GRPOTrainer`` on 2 real ranks, checked quantity by quantity through
+the trainer's own code path (``sample_round``, ``score_round``, ``_loss``, ``_prepare_nft``):
+
+* each real sample's advantage is its reward against the mean and (population) standard
+  deviation of its *prompt's* rewards over *every* rank's samples (the 9 samples of 3 prompts x 3
+  are cut 5 + 4, so groups straddle the ranks: a rank-local normalisation or a grouping by member
+  index gives other numbers);
+* before any update, each trained step's loss sees the sampled trajectory's log-probability as the
+  old one (the policy ratio is 1, ``approx_kl`` 0) and equals ``-mean(advantage)`` over the
+  micro-batch's real samples (a sign flipped in the loss shows);
+* DiffusionNFT's training point of trained step ``i`` is ``(1 - sigma_i) * x0 + sigma_i * noise``
+  with ``sigma_i`` the schedule the round was sampled on (clamped to 0.999) and the noise of
+  ``nft_noise_generator``.
+
+The direction of a whole run (a reward and its negation both rise) is checked end to end in
+tests/test_train_grpo.py (``test_both_objectives_raise_a_reward_and_its_negation``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed_harness import run_on_ranks
+
+REDNESS = "diffusers_zero3.demo.rewards:redness"
+ZERO3_ENV = {
+    "ACCELERATE_USE_DEEPSPEED": "true",
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+    "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "none",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none",
+    "ACCELERATE_MIXED_PRECISION": "no",
+}
+
+
+def _expected_advantages(rewards: list[float], prompts: list[int], eps: float = 1e-4) -> list[float]:
+    """Flow-GRPO's per-prompt advantage of every sample: ``(r - mean) / (std + eps)`` over the
+    rewards of its prompt, population standard deviation, in float64."""
+    import statistics
+
+    by_prompt: dict[int, list[float]] = {}
+    for r, p in zip(rewards, prompts):
+        by_prompt.setdefault(p, []).append(r)
+    stats = {p: (statistics.fmean(v), statistics.pstdev(v)) for p, v in by_prompt.items()}
+    return [(r - stats[p][0]) / (stats[p][1] + eps) for r, p in zip(rewards, prompts)]
+
+
+def _one_round(pipe_dir: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from diffusers_zero3.recipes.grpo import GRPOSettings, GRPOTrainer, nft_noise_generator
+
+    settings = GRPOSettings.parse([
+        "--pretrained_model_name_or_path", pipe_dir, "--reward", REDNESS, "--output_dir", out,
+        "--prompts", "a red circle", "a blue square", "a green circle", "--group_size", "3",
+        "--resolution", "32", "--num_inference_steps", "3", "--timestep_fraction", "0.67",
+        "--sample_batch_size", "3", "--train_batch_size", "3", "--report_to", "none", "--seed", "3",
+    ])  # fmt: skip
+    trainer = GRPOTrainer(settings)
+    trainer.setup()
+    rank = dist.get_rank()
+
+    # the rewards the trainer's own reward call returns, sample by sample (dummies included)
+    totals: list[torch.Tensor] = []
+    score = trainer.reward_fn
+
+    def recorded(images, prompts):
+        total, each = score(images, prompts)
+        totals.append(total.detach().double().cpu())
+        return total, each
+
+    trainer.reward_fn = recorded
+    batch = trainer.sample_round(0)
+    trainer.score_round(batch)
+
+    # --- advantages: every rank's real samples, grouped by prompt
+    real = batch.real.cpu()
+    scored = zip(batch.pairs, torch.cat(totals).tolist(), real.tolist())
+    mine = [(p, m, r) for (p, m), r, keep in scored if keep]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    samples = [s for share in everyone for s in share]
+    assert sorted((p, m) for p, m, _ in samples) == [(p, m) for p in range(3) for m in range(3)], samples
+    owners = {p: {r for r, share in enumerate(everyone) for q, _, _ in share if q == p} for p in range(3)}
+    assert any(len(ranks) == 2 for ranks in owners.values()), owners  # a group straddles the ranks
+    rewards = [r for _, _, r in samples]
+    # within a group the rewards differ (else every advantage is 0 and the check is empty)
+    assert len({round(r, 9) for r in rewards}) == len(rewards), rewards
+    expected_all = _expected_advantages(rewards, [p for p, _, _ in samples])
+    start = sum(len(share) for share in everyone[:rank])
+    expected = torch.tensor(expected_all[start : start + len(mine)], dtype=torch.float64)
+    got = batch.advantages.cpu().double()
+    torch.testing.assert_close(got[real], expected, rtol=1e-5, atol=1e-5)
+    assert (got[~real] == 0).all(), got
+
+    # --- before any update: the old log-probability is the sampled step's (ratio 1), and the
+    # loss of each micro-batch and trained step is -mean(advantage) over its real samples
+    full = torch.zeros(len(batch.pairs), dtype=torch.float64)
+    full[real] = expected
+    for start in range(0, len(batch.pairs), settings.train_batch_size):
+        rows = slice(start, min(len(batch.pairs), start + settings.train_batch_size))
+        n, keep = rows.stop - rows.start, real[rows]
+        for i in range(settings.train_timesteps):
+            with torch.no_grad():
+                loss, stats = trainer._loss(batch, i, rows)
+            if not keep.any():
+                continue
+            assert stats["approx_kl"].item() < 1e-8 and stats["clipfrac"].item() == 0, (rank, rows, i, stats)
+            clip = settings.adv_clip_max
+            want = (-full[rows][keep].clamp(-clip, clip).mean() * keep.sum() / n).item()
+            assert loss.item() == pytest.approx(want, abs=1e-4), (rank, rows, i, loss.item(), want)
+
+    # --- DiffusionNFT's noised points against the schedule the round was sampled on
+    trainer._prepare_nft(batch)
+    sigmas = trainer.scheduler.sigmas.float()
+    x0 = batch.latents[:, -1].cpu()
+    for i in range(settings.train_timesteps):
+        sigma = sigmas[i].clamp(max=0.999)
+        noise = torch.cat([
+            torch.randn(1, *x0.shape[1:], generator=nft_noise_generator(settings.seed, 0, p, m, i))
+            for p, m in batch.pairs
+        ])  # fmt: skip
+        x_t = batch.nft_points[i][0].cpu()
+        torch.testing.assert_close(x_t, (1 - sigma) * x0 + sigma * noise, rtol=1e-6, atol=1e-6)
+    print(f"rank {rank}: {len(mine)} real samples, advantages {[round(a, 3) for a in expected.tolist()]}")
+
+
+@pytest.mark.multirank
+def test_one_round_advantages_old_log_probs_and_nft_points(tiny_sd3, tmp_path):
+    """The session's tiny SD3 (conftest: ``(pipeline, dataset)``), shared with other tests."""
+    run_on_ranks(_one_round, pipe_dir=tiny_sd3[0], out=str(tmp_path / "out"), env=ZERO3_ENV, timeout=240)
