@@ -463,12 +463,20 @@ class BuiltinReward:
         published: the weights to pass as ``--reward_model NAME=...`` for the published model.
         load: ``load(path, dtype, **options) -> nn.Module`` with ``preprocess``/``forward``
             (``vlm`` takes ``question=``).
+        dtype: the dtype its weights, inputs and score are in whatever the run's: float32, as
+            the references score (flow_grpo and DiffusionNFT load their reward models in fp32).
+            In bf16 PickScore's logits (~21) round in steps of 0.125 and HPSv2's cosines in
+            steps of ~0.002, the size of the differences within a prompt's group; bf16 weights
+            with an fp32 final score still err by a sizeable fraction of those differences
+            (docs/rl.md, "Rewards in fp32"). None: the run's dtype (the ``vlm`` judge, a 7-72 B
+            model; its yes/no probabilities are formed in fp32 from its logits).
     """
 
     name: str
     summary: str
     published: str
     load: Callable[..., nn.Module]
+    dtype: torch.dtype | None = torch.float32
 
     @property
     def needs_weights(self) -> bool:
@@ -502,6 +510,7 @@ BUILTINS: dict[str, BuiltinReward] = {
             "VLM judge: P(Yes) / (P(Yes) + P(No)) of a Qwen2-VL / Qwen2.5-VL asked whether the image matches",
             "Qwen/Qwen2.5-VL-7B-Instruct",
             VLMJudge.from_pretrained,
+            dtype=None,
         ),
         BuiltinReward(
             "hpsv2",

@@ -13,7 +13,8 @@ about one 8-bit level where a resize happens; at the processor's own size nothin
 and the pixels are the processor's to float rounding.
 
 ``ParallelReward`` splits one tensor into micro-batches and casts a floating one to the reward
-model's dtype (bf16 in a bf16 run). A reward whose model needs tokens beside the pixels packs
+model's dtype (fp32 for the built-ins whatever the run's dtype; the ``vlm`` judge and a
+``module:Class`` model in the run's, bf16 in a bf16 run). A reward whose model needs tokens beside the pixels packs
 them into that tensor (``pack_rows``): each integer as three base-256 digits, which every float
 format here holds exactly (bf16 holds integers up to 256), so a row keeps its tokens through
 the cast, through the micro-batch split, and when it is borrowed by a rank with no samples as

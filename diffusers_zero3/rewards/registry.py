@@ -14,7 +14,7 @@ built-in resizes and normalises them itself, on that device (``rewards.images``)
 
 Example:
     >>> specs = parse_reward_specs(args.reward, args.reward_model, args.reward_placement)
-    >>> rewards = load_rewards(specs, accelerator, torch.bfloat16)     # every rank
+    >>> rewards = load_rewards(specs, accelerator, torch.bfloat16)     # every rank; built-ins in fp32
     >>> images = (vae.decode(latents).sample / 2 + 0.5).clamp(0, 1)  # [B, 3, H, W] in [0, 1]
     >>> total, scores = rewards(images, prompts)                     # every rank, B may be 0
     >>> scores["pickscore"].shape, total.shape
@@ -184,7 +184,9 @@ def load_rewards(
         specs: from ``parse_reward_specs``.
         accelerator: the training accelerator (device, DeepSpeed config, mixed precision);
             None: one CPU process.
-        dtype: the reward models' dtype (default: the accelerator's mixed precision).
+        dtype: the dtype of ``module:Class`` reward models and of the ``vlm`` judge (default:
+            the accelerator's mixed precision); the other built-ins score in fp32 whatever it
+            is (``BuiltinReward.dtype``).
         micro_batch_size: samples per reward-model forward.
         differentiable: let gradients flow from the scores into the images (see
             ``ParallelReward``).
@@ -215,17 +217,20 @@ def load_rewards(
                 label=f"reward {spec.name}",
             )
         elif spec.is_builtin:
-            load = BUILTINS[spec.name].load
+            builtin = BUILTINS[spec.name]
+            # fp32 whatever the run's dtype (BuiltinReward.dtype): weights, inputs (ParallelReward
+            # casts them to the model's dtype) and the score, as the references score
+            model_dtype = builtin.dtype or dtype
             kwargs = {"question": vlm_question} if spec.name == "vlm" and vlm_question else {}
             if spec.name == "vlm" and spec.placement in ("shard", "offload"):
                 # the judge read straight into partitions: a 7-72 B model never whole on a rank
                 kwargs["load_model"] = partitioned_loader(accelerator, spec.placement)
-                module = load(spec.model_path, dtype, **kwargs)
+                module = builtin.load(spec.model_path, model_dtype, **kwargs)
             else:
                 with zero3_init_disabled():
-                    module = load(spec.model_path, dtype, **kwargs)
+                    module = builtin.load(spec.model_path, model_dtype, **kwargs)
             frozen = prepare_frozen(
-                module, spec.placement, accelerator=accelerator, dtype=dtype, name=f"reward {spec.name}"
+                module, spec.placement, accelerator=accelerator, dtype=model_dtype, name=f"reward {spec.name}"
             )
         if spec.has_model:
             reward = ParallelReward(
