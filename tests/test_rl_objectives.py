@@ -18,8 +18,10 @@ from torch.testing import assert_close
 
 from diffusers_zero3.rl import (
     gather_group_advantages,
+    gather_group_reward_stats,
     group_advantages,
     group_assignment,
+    group_reward_stats,
     grpo_loss,
     nft_loss,
     nft_optimality,
@@ -305,7 +307,57 @@ def worker_gather_group_advantages():
         assert_close(out, _stat_tracker_reference(all_rewards.double(), all_ids).float())
     out = gather_group_advantages(torch.empty(0, dtype=torch.bfloat16), [])
     assert out.shape == (0,) and out.dtype == torch.float32
+
+    # the round's reward statistics: every rank's samples, the same numbers on each rank
+    stats = gather_group_reward_stats(mine, my_ids)
+    assert stats == pytest.approx(group_reward_stats(all_rewards, all_ids), abs=1e-12)
+    assert stats != pytest.approx(group_reward_stats(mine, my_ids), abs=1e-6)  # the control: alone
+    assert gather_group_reward_stats(*held) == pytest.approx(
+        group_reward_stats(all_rewards, all_ids), abs=1e-12
+    )
     print(f"OK gather rank {rank}", flush=True)
+
+
+def _zero_std_ratio_reference(prompts, rewards):
+    """flow_grpo ``scripts/train_sd3.py``, ``calculate_zero_std_ratio``: the rewards grouped by
+    prompt (``np.unique``), ``np.std`` of each group, the fraction that is 0."""
+    prompt_array = np.array(prompts)
+    _, inverse, counts = np.unique(prompt_array, return_inverse=True, return_counts=True)
+    grouped = rewards[np.argsort(inverse, kind="stable")]
+    groups = np.split(grouped, np.cumsum(counts)[:-1])
+    stds = np.array([np.std(g) for g in groups])
+    return np.count_nonzero(stds == 0) / len(stds)
+
+
+@pytest.mark.unit
+def test_group_reward_stats_are_flow_grpos():
+    """``group_reward_stats``: the population std of every reward (flow_grpo logs
+    ``gathered_rewards['avg'].std()``) and ``calculate_zero_std_ratio``'s fraction of groups whose
+    rewards are all equal; groups given in any order, of any size."""
+    rewards = np.array([0.5, 0.25, 0.5, 0.75, 0.75, 2.0, 0.75, 1.0, 3.0, 0.5], dtype=np.float64)
+    prompts = [
+        3,
+        1,
+        3,
+        4,
+        4,
+        9,
+        4,
+        1,
+        7,
+        3,
+    ]  # groups 1 (2 different), 3 (all 0.5), 4 (all 0.75), 9 and 7 (one each)
+    stats = group_reward_stats(torch.tensor(rewards, dtype=torch.float32), prompts)
+    assert stats["reward_std"] == pytest.approx(np.std(rewards), abs=1e-7)
+    assert stats["zero_std_fraction"] == _zero_std_ratio_reference(prompts, rewards) == 4 / 5
+    # all-equal groups whose float mean is not exactly their value still count (np.std of
+    # [0.1] * 3 is 1.4e-17, which flow_grpo's `== 0` misses)
+    assert group_reward_stats(torch.tensor([0.1, 0.1, 0.1, 0.2, 0.3], dtype=F64), [0, 0, 0, 1, 1]) == {
+        "reward_std": pytest.approx(np.std([0.1, 0.1, 0.1, 0.2, 0.3])), "zero_std_fraction": 0.5,
+    }  # fmt: skip
+    empty = group_reward_stats(torch.empty(0), [])
+    assert all(np.isnan(v) for v in empty.values())
+    assert group_reward_stats(torch.tensor([1.0, 2.0]), [0, 1])["zero_std_fraction"] == 1.0
 
 
 @pytest.mark.multirank

@@ -42,7 +42,9 @@ def test_a_bf16_run_gives_the_denoiser_its_timestep_in_fp32(cfg):
         family=FAMILY_NAMES["sd3"], dtype=torch.bfloat16, guidance_embeds=False,
         args=SimpleNamespace(guidance_scale=4.5),
     )  # fmt: skip
-    batch = SimpleNamespace(cond=cond, uncond={k: torch.ones_like(v) for k, v in cond.items()} if cfg else None)
+    batch = SimpleNamespace(
+        cond=cond, uncond={k: torch.ones_like(v) for k, v in cond.items()} if cfg else None
+    )
     sigma = torch.tensor([0.9995, 0.25])
     v = GRPOTrainer._velocity(trainer, model, torch.randn(2, 4, 2, 2), sigma, batch, slice(0, 2))
     assert v.dtype == torch.float32 and v.shape == (2, 4, 2, 2)

@@ -50,6 +50,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import time
@@ -78,6 +79,7 @@ from ..placement.frozen_inputs import conditioning_on, place_frozen_models
 from ..rewards import load_rewards, parse_reward_specs
 from ..rl import (
     gather_group_advantages,
+    gather_group_reward_stats,
     group_assignment,
     grpo_loss,
     nft_loss,
@@ -123,6 +125,10 @@ OBJECTIVES = ("grpo", "nft")
 # tried yet: refused in one line rather than trained wrong
 GRPO_FAMILIES = ("sd3", "flux", "zimage", "qwenimage", "flux2", "flux2-klein")
 PHASES = ("sampling", "rewards", "training")  # rewards.json "seconds": one list per phase
+# rewards.json "stats": one list per statistic: the reward's spread (rl.group_reward_stats), then
+# the loss's statistics as flow_grpo / DiffusionNFT log them (means over the round's real samples)
+REWARD_STATS = ("reward_std", "zero_std_fraction")
+LOSS_STATS = {"grpo": ("clipfrac", "approx_kl", "kl_loss"), "nft": ("kl_loss", "old_deviate")}
 _C = CommonSettings
 
 
@@ -291,6 +297,7 @@ class Round:
     images: torch.Tensor | None = None  # [P, 3, H, W], dropped once scored
     advantages: torch.Tensor | None = None  # [P], 0 for dummies
     nft_points: list | None = None  # per trained timestep: (x_t [P, ...], v_old [P, ...])
+    stats: dict[str, float] = dataclasses.field(default_factory=dict)  # REWARD_/LOSS_STATS, every rank's
 
 
 def pad_assignment(pairs: list[tuple[int, int]], length: int) -> tuple[list[tuple[int, int]], list[bool]]:
@@ -468,6 +475,11 @@ class GRPOTrainer:
         self.rewards_by_spec: dict[str, list[float]] = {}
         # rank 0's wall-clock seconds of each phase per round (each rank times its own)
         self.seconds: dict[str, list[float | None]] = {phase: [] for phase in PHASES}
+        # per round: REWARD_STATS and LOSS_STATS[objective] (None for rounds of a checkpoint
+        # written without them)
+        self.stats: dict[str, list[float | None]] = {
+            name: [] for name in (*REWARD_STATS, *LOSS_STATS[args.objective])
+        }
         self.trained_rounds = 0
         self.optimizer_steps = 0  # optimizer steps taken by this process (not restored on resume)
         self.cp: ContextParallel | None = None  # --context_parallel_size > 1
@@ -586,6 +598,8 @@ class GRPOTrainer:
             # a checkpoint written before the timings were kept: None for its rounds
             saved = state.get("seconds") or {}
             self.seconds = {p: list(saved.get(p, [None] * self.global_step)) for p in PHASES}
+            saved = state.get("stats") or {}
+            self.stats = {k: list(saved.get(k, [None] * self.global_step)) for k in self.stats}
             log_rank_zero(f"resumed from {path} at round {self.global_step}")
             if state["world_size"] != acc.num_processes:  # rounds do not depend on the world size
                 log_rank_zero(
@@ -754,7 +768,8 @@ class GRPOTrainer:
 
     def score_round(self, batch: Round) -> tuple[float, dict[str, float]]:
         """Score every sample's decoded image (dummies too, then dropped; the images are
-        released), fill the advantages; return the round's mean weighted reward and each
+        released), fill the advantages and the reward's spread in ``batch.stats``
+        (``gather_group_reward_stats``); return the round's mean weighted reward and each
         reward's mean over every rank's real samples. Collective."""
         args, acc = self.args, self.accelerator
         totals, per_spec = [], {name: [] for name in self.reward_names}
@@ -776,6 +791,7 @@ class GRPOTrainer:
         advantages = torch.zeros(len(batch.pairs), device=acc.device)
         advantages[real] = gather_group_advantages(total, groups).to(acc.device)
         batch.advantages = advantages
+        batch.stats.update(gather_group_reward_stats(total, groups))
         means = {name: self._global_mean(torch.cat(v)[real]) for name, v in per_spec.items()}
         return self._global_mean(total), means
 
@@ -856,10 +872,15 @@ class GRPOTrainer:
     def train_round(self, batch: Round) -> float:
         """The round's updates: inner epochs x micro-batches x trained timesteps, one backward
         each, the optimizer stepped once per micro-batch on the mean of its timesteps' gradients
-        (``--step_every_timestep``: after each backward); returns the mean loss. Collective."""
+        (``--step_every_timestep``: after each backward); returns the mean loss, and puts the
+        loss's statistics (``LOSS_STATS``: each backward's over its real samples, weighted by
+        their number, over every rank) in ``batch.stats``. Collective."""
         args, acc = self.args, self.accelerator
         if args.objective == "nft":
             self._prepare_nft(batch)
+        names = LOSS_STATS[args.objective]
+        # sums of each statistic times its real samples, then the number of real samples
+        sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=acc.device)
         losses = []
         for _ in range(args.num_inner_epochs):
             for rows in _chunks(len(batch.pairs), args.train_batch_size):
@@ -867,7 +888,7 @@ class GRPOTrainer:
                     # accelerate syncs (and DeepSpeed steps) every accumulation_steps backwards: at
                     # a micro-batch's last trained timestep; the loss is divided by their number
                     with acc.accumulate(self.engine):
-                        loss, _ = self._loss(batch, i, rows)
+                        loss, stats = self._loss(batch, i, rows)
                         acc.backward(loss * self.cp.loss_scale if self.cp is not None else loss)
                         step_part(self.part, acc, acc.sync_gradients)
                     if acc.sync_gradients:
@@ -875,6 +896,13 @@ class GRPOTrainer:
                         if self.ema is not None:
                             self.ema.step()
                     losses.append(loss.detach().float())
+                    if stats:  # none for a micro-batch of dummies alone
+                        n_real = batch.real[rows].sum().double()
+                        sums += torch.stack([*(stats[k].double() * n_real for k in names), n_real])
+        sums = acc.reduce(sums, reduction="sum")
+        batch.stats.update(
+            {k: (v / sums[-1]).item() if sums[-1] > 0 else math.nan for k, v in zip(names, sums)}
+        )
         return torch.stack(losses).mean().item()
 
     # ------------------------------------------------------------------ the loop
@@ -913,8 +941,11 @@ class GRPOTrainer:
             self.rewards_by_spec[name].append(value)
         for phase, value in seconds.items():
             self.seconds[phase].append(value)
+        for name, values in self.stats.items():
+            values.append(batch.stats[name])
         acc.log({"reward": mean, "loss": loss, **{f"reward/{k}": v for k, v in means.items()},
-                 **{f"seconds/{k}": v for k, v in seconds.items()}}, step=self.global_step)  # fmt: skip
+                 **{f"seconds/{k}": v for k, v in seconds.items()},
+                 **{f"stats/{k}": v[-1] for k, v in self.stats.items()}}, step=self.global_step)  # fmt: skip
         each = " ".join(f"{k} {v:.6f}" for k, v in means.items())
         took = " ".join(f"{k} {v:.2f}s" for k, v in seconds.items())
         steps.step(
@@ -927,7 +958,7 @@ class GRPOTrainer:
             save_training_checkpoint(
                 acc, args.output_dir, self.global_step,
                 {"epoch": 0, "batches_in_epoch": 0, "rewards": self.rewards, "rewards_by_spec": self.rewards_by_spec,
-                 "seconds": self.seconds},
+                 "seconds": self.seconds, "stats": self.stats},
                 ema=self.ema, total_limit=args.checkpoints_total_limit,
             )  # fmt: skip
 
@@ -960,7 +991,7 @@ class GRPOTrainer:
             curves = self._write_rewards(out)
             log_outputs([
                 weights,
-                ("rewards", out / "rewards.json", "per round: the total, each reward, each phase's seconds"),
+                ("rewards", out / "rewards.json", "per round: the total, each reward, each phase's seconds, the stats"),
                 *((f"{name} curve", file) for name, file in curves.items()),
                 ("sample grids", out / "samples", "round-N.png, each sample's prompt and reward in round-N.json"),
                 ("step log", step_log_path(out, args.logging_dir)),
@@ -970,13 +1001,16 @@ class GRPOTrainer:
 
     def _write_rewards(self, out: Path) -> dict[str, Path]:
         """``rewards.json`` (``"mean"``: the weighted total per round, one list per reward spec,
-        and ``"seconds"``: rank 0's wall-clock seconds of each phase per round) and the curves:
+        ``"seconds"``: rank 0's wall-clock seconds of each phase per round, and ``"stats"``: per
+        round the total's ``REWARD_STATS`` over every rank and the loss's ``LOSS_STATS``) and the curves:
         ``rewards.png`` for the total, ``rewards-<reward>.png`` for each reward
         (``reward_plot_name``). Returns the curves written, ``{"total reward": path, <reward
         spec name>: path, ...}``. Main process only (no collective)."""
         out.mkdir(parents=True, exist_ok=True)
         (out / "rewards.json").write_text(
-            json.dumps({"mean": self.rewards, **self.rewards_by_spec, "seconds": self.seconds})
+            json.dumps(
+                {"mean": self.rewards, **self.rewards_by_spec, "seconds": self.seconds, "stats": self.stats}
+            )
         )
         curves = [("total reward", "mean", self.rewards, out / "rewards.png")]
         for name, values in self.rewards_by_spec.items():

@@ -2,14 +2,21 @@
 its log-probability, group-relative advantages (also across ranks), which samples each rank
 draws, and the losses. Pure functions of tensors: no trainer, no model."""
 
-from .advantages import gather_group_advantages, group_advantages
+from .advantages import (
+    gather_group_advantages,
+    gather_group_reward_stats,
+    group_advantages,
+    group_reward_stats,
+)
 from .groups import group_assignment, samples_per_rank
 from .losses import grpo_loss, nft_loss, nft_optimality, sde_kl
 from .sde import sde_step_with_logprob
 
 __all__ = [
     "gather_group_advantages",
+    "gather_group_reward_stats",
     "group_advantages",
+    "group_reward_stats",
     "group_assignment",
     "grpo_loss",
     "nft_loss",

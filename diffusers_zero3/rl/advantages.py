@@ -19,6 +19,7 @@ zero included.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 
@@ -141,11 +142,26 @@ def gather_group_advantages(
     ids = _as_ids(group_ids, rewards)
     if not is_distributed():
         return group_advantages(rewards, ids, std_eps=std_eps, global_std=global_std, clip=clip)
+    out_dtype = torch.promote_types(rewards.dtype, torch.float32)
+    gathered = _gather_rewards_and_ids(rewards, ids)
+    if gathered is None:
+        return torch.empty(0, dtype=out_dtype, device=rewards.device)
+    all_rewards, all_ids, counts = gathered
+    advantages = group_advantages(all_rewards, all_ids, std_eps=std_eps, global_std=global_std, clip=clip)
+    start = sum(counts[: get_rank()])
+    return advantages[start : start + counts[get_rank()]].to(device=rewards.device, dtype=out_dtype)
+
+
+def _gather_rewards_and_ids(
+    rewards: torch.Tensor, ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
+    """Every rank's rewards (float64) and group ids (long), in rank order, on the collective's
+    device, and each rank's count; None when no rank has any. Collective (two: the counts, then
+    the padded values)."""
     counts = [c for (c,) in all_gather_ints([rewards.shape[0]])]
     width = max(counts)
-    out_dtype = torch.promote_types(rewards.dtype, torch.float32)
     if width == 0:  # every rank agrees on the counts: all of them skip the gather
-        return torch.empty(0, dtype=out_dtype, device=rewards.device)
+        return None
     # one gather of [2, width] float64: rewards, and the ids (exact as float64 below 2**53)
     if ids.numel() and ids.abs().max().item() >= 2**53:
         raise ValueError("group ids must be below 2**53 in magnitude")
@@ -156,6 +172,58 @@ def gather_group_advantages(
     dist.all_gather(everyone, mine)
     all_rewards = torch.cat([t[0, :n] for t, n in zip(everyone, counts)])
     all_ids = torch.cat([t[1, :n] for t, n in zip(everyone, counts)]).to(torch.long)
-    advantages = group_advantages(all_rewards, all_ids, std_eps=std_eps, global_std=global_std, clip=clip)
-    start = sum(counts[: get_rank()])
-    return advantages[start : start + counts[get_rank()]].to(device=rewards.device, dtype=out_dtype)
+    return all_rewards, all_ids, counts
+
+
+def group_reward_stats(rewards: torch.Tensor, group_ids: torch.Tensor | Sequence[int]) -> dict[str, float]:
+    """The spread of a round's rewards, as flow_grpo logs it beside the advantages
+    (``scripts/train_sd3.py``: the rewards' std, and ``calculate_zero_std_ratio``):
+
+    * ``reward_std``: the population standard deviation of every reward;
+    * ``zero_std_fraction``: the fraction of groups whose rewards are all equal: their
+      advantages are all 0, so they give no gradient (flow_grpo's ``zero_std_ratio``, which
+      tests ``np.std(group) == 0``; here max == min, which rounding cannot miss).
+
+    Computed in float64; NaN for no rewards.
+
+    Example:
+        >>> group_reward_stats(torch.tensor([1.0, 3.0, 5.0, 5.0]), [0, 0, 1, 1])
+        {'reward_std': 1.6583123951777, 'zero_std_fraction': 0.5}
+    """
+    if rewards.ndim != 1:
+        raise ValueError(f"rewards must be [N], not {tuple(rewards.shape)}")
+    ids = _as_ids(group_ids, rewards)
+    if not len(rewards):
+        return {"reward_std": math.nan, "zero_std_fraction": math.nan}
+    values = rewards.detach().to(torch.float64)
+    index = _group_index(ids)
+    groups = int(index.max()) + 1
+    highest = values.new_full((groups,), -math.inf).scatter_reduce(0, index, values, "amax")
+    lowest = values.new_full((groups,), math.inf).scatter_reduce(0, index, values, "amin")
+    return {
+        "reward_std": values.std(correction=0).item(),
+        "zero_std_fraction": (highest == lowest).double().mean().item(),
+    }
+
+
+def gather_group_reward_stats(
+    rewards: torch.Tensor, group_ids: torch.Tensor | Sequence[int]
+) -> dict[str, float]:
+    """``group_reward_stats`` of every rank's rewards (a group's members may sit on different
+    ranks); the same numbers on every rank. Collective: call on every rank, also one with no
+    samples.
+
+    Example:
+        >>> stats = gather_group_reward_stats(rewards, prompt_ids)  # on every rank
+        >>> accelerator.log(stats, step=round_index)
+    """
+    if rewards.ndim != 1:
+        raise ValueError(f"rewards must be [N], not {tuple(rewards.shape)}")
+    ids = _as_ids(group_ids, rewards)
+    if not is_distributed():
+        return group_reward_stats(rewards, ids)
+    gathered = _gather_rewards_and_ids(rewards, ids)
+    if gathered is None:
+        return group_reward_stats(rewards, ids)
+    all_rewards, all_ids, _ = gathered
+    return group_reward_stats(all_rewards, all_ids)
