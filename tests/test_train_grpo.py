@@ -124,6 +124,20 @@ def _optimizer_steps(log: str) -> dict[int, int]:
     return {int(s): int(n) for s, n in re.findall(r"step (\d+) reward .*; optimizer steps (\d+)", log)}
 
 
+def _check_stats(stats: dict, rounds: int, objective: str = "grpo") -> None:
+    """``rewards.json``'s ``"stats"``: one finite number per round of each statistic of the
+    objective, each within its range (fractions in [0, 1], the others non-negative)."""
+    import math
+
+    from diffusers_zero3.recipes.grpo import LOSS_STATS
+
+    assert set(stats) == {"reward_std", "zero_std_fraction", *LOSS_STATS[objective]}, stats
+    for name, values in stats.items():
+        assert len(values) == rounds and all(isinstance(v, float) and math.isfinite(v) for v in values), stats
+        fraction = "fraction" in name or name == "clipfrac"
+        assert all(0 <= v <= 1 for v in values) if fraction else min(values) >= 0, (name, values)
+
+
 def _check_seconds(seconds: dict, rounds: int) -> None:
     """``rewards.json``'s ``"seconds"``: one positive wall-clock time per round of each phase."""
     assert set(seconds) == {"sampling", "rewards", "training"}, seconds
@@ -439,9 +453,14 @@ def test_lora_grpo_with_function_and_sharded_clip_reward(tiny_sd3, tiny_clip, tm
     assert "one optimizer step per 2 backward(s)" in log, log[-3000:]
     assert _optimizer_steps(log) == {1: 4, 2: 8}, log[-3000:]
     rewards = json.loads((out / "rewards.json").read_text())
-    seconds = rewards.pop("seconds")
+    seconds, stats = rewards.pop("seconds"), rewards.pop("stats")
     assert set(rewards) == {"mean", REDNESS, "clip_score"} and all(len(v) == 2 for v in rewards.values())
     _check_seconds(seconds, 2)
+    # the round's statistics: every sample's reward differs (no zero-std group); with the KL on,
+    # its term is above 0 once the first step has moved the adapters (4 steps a round)
+    _check_stats(stats, 2)
+    assert min(stats["reward_std"]) > 0 and stats["zero_std_fraction"] == [0.0, 0.0], stats
+    assert min(stats["kl_loss"]) > 0 and min(stats["approx_kl"]) > 0, stats
     for mean, red, clip in zip(rewards["mean"], rewards[REDNESS], rewards["clip_score"]):
         assert mean == pytest.approx(red + 0.01 * clip, abs=1e-5)
     # the total's curve and one per reward, named for it; the summary names each file that exists
@@ -488,6 +507,8 @@ def test_lora_grpo_with_function_and_sharded_clip_reward(tiny_sd3, tiny_clip, tm
     assert resumed["mean"] == pytest.approx(rewards["mean"], abs=1e-6)
     _check_seconds(resumed["seconds"], 2)
     assert all(resumed["seconds"][p][0] == seconds[p][0] for p in seconds)
+    assert all(resumed["stats"][k][0] == stats[k][0] for k in stats)  # round 1's from the checkpoint
+    _check_stats(resumed["stats"], 2)
 
 
 @pytest.mark.e2e
@@ -499,8 +520,11 @@ def test_full_fine_tuning_nft_with_sharded_reference_resumed_on_1_and_3_processe
     _, log = run_launcher([*LAUNCH, *flags, "--output_dir", str(out)], timeout=240)
     assert sorted(_rounds(log)) == [1, 2] and "reference: shard" in log, log[-3000:]
     rewards = json.loads((out / "rewards.json").read_text())
-    assert set(rewards) == {"mean", REDNESS, "seconds"} and len(rewards["mean"]) == 2
+    assert set(rewards) == {"mean", REDNESS, "seconds", "stats"} and len(rewards["mean"]) == 2
     _check_seconds(rewards["seconds"], 2)
+    _check_stats(rewards["stats"], 2, "nft")
+    # --kl_beta 0.1 against the frozen reference: above 0 once the first step has moved the policy
+    assert min(rewards["stats"]["kl_loss"]) > 0, rewards["stats"]
 
     from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
     from safetensors.torch import load_file
@@ -564,7 +588,7 @@ def test_flux_lora_grpo_split_over_two_ranks_equals_one_process(tiny_flux, tmp_p
     # the 2 ranks are one group: rank 0 also takes all 9 samples
     assert sorted(_rounds(log)) == [2] and _optimizer_steps(log) == {2: 6}, log[-3000:]
     rewards = json.loads((out / "rewards.json").read_text())
-    assert set(rewards) == {"mean", REDNESS, "seconds"} and len(rewards["mean"]) == 2
+    assert set(rewards) == {"mean", REDNESS, "seconds", "stats"} and len(rewards["mean"]) == 2
     assert rewards["mean"] == pytest.approx(one["mean"], rel=1e-5, abs=1e-7), (rewards, one)
 
     import torch
@@ -639,7 +663,7 @@ def test_qwenimage_lora_grpo_with_true_cfg(tiny_qwenimage, tmp_path):
     # rank 0's 5 samples: 2 micro-batches of 3, each one step over its 2 trained timesteps
     assert _optimizer_steps(log) == {1: 2, 2: 4}, log[-3000:]
     rewards = json.loads((out / "rewards.json").read_text())
-    assert set(rewards) == {"mean", REDNESS, "seconds"} and len(rewards["mean"]) == 2
+    assert set(rewards) == {"mean", REDNESS, "seconds", "stats"} and len(rewards["mean"]) == 2
     _check_seconds(rewards["seconds"], 2)
 
     import torch
@@ -665,7 +689,7 @@ def test_flux2_full_fine_tuning_nft_with_guidance_input(tiny_flux2, tmp_path):
     assert sorted(_rounds(log)) == [1, 2] and "reference: shard" in log, log[-3000:]
     assert "ignored" not in log and _optimizer_steps(log) == {1: 2, 2: 4}, log[-3000:]
     rewards = json.loads((out / "rewards.json").read_text())
-    assert set(rewards) == {"mean", REDNESS, "seconds"} and len(rewards["mean"]) == 2
+    assert set(rewards) == {"mean", REDNESS, "seconds", "stats"} and len(rewards["mean"]) == 2
     _check_seconds(rewards["seconds"], 2)
 
     from diffusers import Flux2Transformer2DModel
@@ -690,7 +714,7 @@ def test_flux2_klein_lora_grpo_with_cfg(tiny_flux2_klein, tmp_path):
     assert sorted(_rounds(log)) == [1, 2] and _optimizer_steps(log) == {1: 2, 2: 4}, log[-3000:]
     assert "ignored" not in log, log[-3000:]  # a base model: CFG runs
     rewards = json.loads((out / "rewards.json").read_text())
-    assert set(rewards) == {"mean", REDNESS, "seconds"} and len(rewards["mean"]) == 2
+    assert set(rewards) == {"mean", REDNESS, "seconds", "stats"} and len(rewards["mean"]) == 2
 
     import torch
 
