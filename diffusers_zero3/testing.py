@@ -47,11 +47,40 @@ class RanksFailed(RuntimeError):
         self.timed_out = timed_out
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
+def _ephemeral_ports_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port that was free on 127.0.0.1 a moment ago, below the kernel's ephemeral range and
+    never one this process gave before. A port of the ephemeral range (what binding port 0
+    gives) can be taken between its choice and the launcher's bind by any outgoing connection,
+    a running rank's gloo pairs among them (EADDRINUSE at the rendezvous, seen in side-by-side
+    launches); two calls could also give the same one. The scan starts at an offset of the pid,
+    so that parallel test workers look in different places."""
+    high = _ephemeral_ports_start()
+    low = 10000 if high > 12000 else 1024
+    span = high - low
+    start = (os.getpid() * 7919) % span
+    for i in range(span):
+        port = low + (start + i) % span
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port between {low} and {high}")
 
 
 def rank_env(rank: int, world_size: int, port: int, extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -101,3 +101,14 @@ def test_a_hung_launch_is_killed_with_every_worker_it_started(tmp_path):
         time.sleep(0.1)
     os.kill(worker, 9)
     pytest.fail(f"the launcher's worker {worker} outlived the killed launch")
+
+
+def test_free_ports_are_distinct_and_outside_the_ephemeral_range():
+    """Side-by-side launches each take free_port(): a port of the kernel's ephemeral range could
+    be taken by any outgoing connection (a running rank's gloo pairs) before the launcher binds
+    it (EADDRINUSE at the rendezvous, seen), and two calls could give the same one."""
+    from diffusers_zero3.testing import _ephemeral_ports_start, free_port
+
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    assert max(ports) < _ephemeral_ports_start()
