@@ -58,14 +58,13 @@ def console_scripts() -> dict[str, str]:
 
 
 def _settings_for(script_or_module: str):
-    """The settings class behind a training script (``scripts/train_x.py``) or command module."""
-    from diffusers_zero3.args import TextToImageSettings
-    from diffusers_zero3.recipes import controlnet, dpo, dreambooth, grpo, reward
+    """The settings class behind a training script (``scripts/train_x.py``), command module or
+    console command (``commands.TRAINERS``); None for another file."""
+    from diffusers_zero3.commands import TRAINERS, settings_class
 
     name = re.split(r"[./]", script_or_module.removesuffix(".py"))[-1].replace("-", "_")
-    return {"text_to_image": TextToImageSettings, "dreambooth": dreambooth.DreamBoothSettings,
-            "controlnet": controlnet.ControlNetSettings, "dpo": dpo.DPOSettings,
-            "reward": reward.RewardSettings, "grpo": grpo.GRPOSettings}.get(name.partition("train_")[2])  # fmt: skip
+    command = "train_" + name.partition("train_")[2]
+    return settings_class(command) if command in TRAINERS else None
 
 
 def _parse_flags(settings, flags: list[str], command: str) -> None:

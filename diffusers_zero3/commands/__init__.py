@@ -18,6 +18,7 @@ rank of the job, as ``scripts/train_*.py`` are. Multi-node jobs use that form.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -127,7 +128,45 @@ def run_command(module: str, make_trainer: Callable[[list[str]], Any], parse: Ca
     return launch_ranks(module, argv, parse)
 
 
+# each command module's settings and trainer, "module:Name" under the package (imported at run time)
+TRAINERS: dict[str, tuple[str, str]] = {
+    "train_text_to_image": ("args:TextToImageSettings", "recipes.text_to_image:TextToImageTrainer"),
+    "train_dreambooth": ("recipes.dreambooth:DreamBoothSettings", "recipes.dreambooth:DreamBoothTrainer"),
+    "train_controlnet": ("recipes.controlnet:ControlNetSettings", "recipes.controlnet:ControlNetTrainer"),
+    "train_dpo": ("recipes.dpo:DPOSettings", "recipes.dpo:DPOTrainer"),
+    "train_reward": ("recipes.reward:RewardSettings", "recipes.reward:RewardTrainer"),
+    "train_grpo": ("recipes.grpo:GRPOSettings", "recipes.grpo:GRPOTrainer"),
+}
+
+
+def _named(spec: str):
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(f"diffusers_zero3.{module}"), name)
+
+
+def settings_class(command: str):
+    """The settings class of a command (``"train_grpo"``, or its module's full name)."""
+    return _named(TRAINERS[command.rpartition(".")[2]][0])
+
+
+def command_main(module: str, argv: Sequence[str] | None = None) -> int:
+    """``main`` of the command module ``module`` (its full name: ``__spec__.name``, which stays
+    the module's own under ``python -m``, where ``__name__`` is ``"__main__"``)."""
+    command = module.rpartition(".")[2]
+
+    def parse(args: list[str]):
+        return settings_class(command).parse(args)
+
+    def make_trainer(args: list[str]):
+        return _named(TRAINERS[command][1])(parse(args))
+
+    return run_command(module, make_trainer, parse, argv)
+
+
 __all__ = [
+    "TRAINERS",
+    "command_main",
+    "settings_class",
     "launch_ranks",
     "run_command",
     "split_launch_flags",

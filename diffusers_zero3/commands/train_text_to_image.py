@@ -12,24 +12,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from . import run_command
-
-
-def _settings(argv: list[str]):
-    from ..args import TextToImageSettings
-
-    return TextToImageSettings.parse(argv)
-
-
-def _trainer(argv: list[str]):
-    from ..recipes.text_to_image import TextToImageTrainer
-
-    return TextToImageTrainer(_settings(argv))
+from . import command_main
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``diffusers-zero3-train-text-to-image``: launch this host's ranks, or run as one rank under a launcher."""
-    return run_command(__name__, _trainer, _settings, argv)
+    return command_main(__spec__.name, argv)
 
 
 if __name__ == "__main__":
