@@ -81,7 +81,14 @@ def _cases(names: set[str], n: int):
     """``(name, shape, fp32 module, rows, fp32-final function of the bf16 module)`` per reward."""
     from transformers import CLIPModel
 
-    from diffusers_zero3.rewards.builtin import AestheticHead, AestheticPredictor, ClipScore, PickScore
+    from diffusers_zero3.rewards.builtin import (
+        CLIP_SCORE_DIVISOR,
+        PICKSCORE_DIVISOR,
+        AestheticHead,
+        AestheticPredictor,
+        ClipScore,
+        PickScore,
+    )
     from diffusers_zero3.rewards.hps import HPSv2, resize_longest_and_pad, vit_h14_config
     from diffusers_zero3.rewards.images import ClipImageConfig, clip_pixel_values, pack_rows
 
@@ -97,7 +104,7 @@ def _cases(names: set[str], n: int):
         if "pickscore" in names:
             rows = pack_rows(ids, clip_pixel_values(images, crop).reshape(n, -1))
             yield ("pickscore", "CLIP ViT-H-14 (PickScore_v1), 224 px", PickScore(clip_h, _tokenizer(), crop), rows,
-                   lambda m, r: _clip_final(m, r, scale=True))  # fmt: skip
+                   lambda m, r: _clip_final(m, r, scale=True) / PICKSCORE_DIVISOR)  # fmt: skip
         if "hpsv2" in names:
             hps = HPSv2(clip_h, _tokenizer())
             pixels = clip_pixel_values(resize_longest_and_pad(images, 224), hps.image_config)
@@ -107,10 +114,11 @@ def _cases(names: set[str], n: int):
     if names & {"clip_score", "aesthetic"}:
         torch.manual_seed(0)
         clip_l = CLIPModel(_clip_vit_l14_config()).eval()
+        clip_l.logit_scale.data.fill_(math.log(100.0))  # OpenAI's trained scale: clip_score is the cosine
         if "clip_score" in names:
             rows = pack_rows(_clip_ids(n, 49408, 49407), clip_pixel_values(images, crop).reshape(n, -1))
             yield ("clip_score", "CLIP ViT-L/14, 224 px", ClipScore(clip_l, _tokenizer(), crop), rows,
-                   lambda m, r: 100 * _clip_final(m, r, scale=False).clamp(min=0))  # fmt: skip
+                   lambda m, r: _clip_final(m, r, scale=True) / CLIP_SCORE_DIVISOR)  # fmt: skip
         if "aesthetic" in names:
             from transformers import CLIPVisionModelWithProjection
 

@@ -5,6 +5,8 @@ sharded on 2 real ranks against its replica."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -116,7 +118,8 @@ def test_specs_parse_names_weights_models_and_placements():
             [],
             [],
             "--reward pickscor: unknown built-in reward; choose one of aesthetic, clip_score, "
-            "hpsv2, imagereward, pickscore, vlm, or give a function as module:function",
+            "clip_score_100, hpsv2, imagereward, pickscore, pickscore_logit, vlm, or give a function"
+            " as module:function",
         ),
         (
             ["no_such_module_xyz:fn"],
@@ -397,7 +400,7 @@ def _ours(name: str, folder, images: torch.Tensor, prompts, dtype, **kwargs) -> 
 # ------------------------------------------------------------------ the authors' computations
 
 
-def _pickscore_reference(folder, images: np.ndarray, prompts, dtype) -> torch.Tensor:
+def _pickscore_logit_reference(folder, images: np.ndarray, prompts, dtype) -> torch.Tensor:
     """yuvalkirstain/PickScore README: processor inputs, get_image_features / get_text_features
     (transformers 5: ``.pooler_output``), L2-normalised, ``logit_scale.exp() * text @ image.T``."""
     from transformers import AutoTokenizer, CLIPModel
@@ -419,7 +422,32 @@ def _pickscore_reference(folder, images: np.ndarray, prompts, dtype) -> torch.Te
     return scores.diagonal().float()
 
 
+def _pickscore_reference(folder, images: np.ndarray, prompts, dtype) -> torch.Tensor:
+    """flow_grpo's (and DiffusionNFT's) ``flow_grpo/pickscore_scorer.py`` ``PickScoreScorer``:
+    the README's computation, then ``scores = scores / 26`` ("norm to 0-1")."""
+    return _pickscore_logit_reference(folder, images, prompts, dtype) / 26
+
+
 def _clip_score_reference(folder, images: np.ndarray, prompts, dtype) -> torch.Tensor:
+    """DiffusionNFT's ``flow_grpo/clip_scorer.py`` ``ClipScorer``: the processor's text padded to
+    ``max_length``, ``CLIPModel.forward``, ``outputs.logits_per_image.diagonal() / 100`` (the
+    cosine for a CLIP whose ``logit_scale.exp()`` is 100, as OpenAI's), not clamped."""
+    from transformers import AutoTokenizer, CLIPModel
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    model = CLIPModel.from_pretrained(folder, dtype=dtype).eval()
+    pixels = CLIPImageProcessorPil.from_pretrained(folder)(images=_pil(images), return_tensors="pt")[
+        "pixel_values"
+    ]
+    texts = AutoTokenizer.from_pretrained(folder)(
+        prompts, padding="max_length", truncation=True, return_tensors="pt"
+    )
+    with torch.no_grad():
+        outputs = model(pixel_values=pixels.to(dtype), **texts)
+    return (outputs.logits_per_image.diagonal() / 100).float()
+
+
+def _clip_score_100_reference(folder, images: np.ndarray, prompts, dtype) -> torch.Tensor:
     """torchmetrics ``_clip_score_update`` per sample: normalised features,
     ``100 * (img * txt).sum(-1)``, then ``max(score, 0)``."""
     from transformers import AutoTokenizer, CLIPModel
@@ -494,18 +522,35 @@ def _vlm_reference(folder, images: np.ndarray, prompts, dtype) -> torch.Tensor:
 # ------------------------------------------------------------------ each built-in against it
 
 
+CLIP_REFERENCES = {
+    "pickscore": _pickscore_reference,
+    "pickscore_logit": _pickscore_logit_reference,
+    "clip_score": _clip_score_reference,
+    "clip_score_100": _clip_score_100_reference,
+}
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_pickscore_and_clip_score_are_their_authors_computations(clip_folder, dtype):
-    """In a run of ``dtype``: the authors' fp32 scores within fp32 bounds (a bf16 run scores in
-    fp32, as the RL references do)."""
+def test_pickscore_and_clip_score_are_their_references_computations(clip_folder, dtype):
+    """In a run of ``dtype``: each CLIP built-in equals its reference's fp32 scores within fp32
+    bounds (a bf16 run scores in fp32, as the RL references do), on its reference's scale:
+    ``pickscore`` and ``clip_score`` as flow_grpo / DiffusionNFT score (a weight copied from
+    their configs means the same here), ``pickscore_logit`` and ``clip_score_100`` as the
+    PickScore README and torchmetrics."""
     images = _uint8_images(12, 32, 32)  # the processor's own size: nothing resized
     prompts = PROMPTS * 3
-    for name, reference in (("pickscore", _pickscore_reference), ("clip_score", _clip_score_reference)):
+    expected = {}
+    for name, reference in CLIP_REFERENCES.items():
         ours = _ours(name, clip_folder, _as_tensor(images), prompts, dtype)
-        expected = reference(clip_folder, images, prompts, torch.float32)
-        torch.testing.assert_close(ours, expected, **_tolerance(name, dtype), msg=name)
-    assert (expected > 0).sum() >= 3 and (expected == 0).any(), "a control: scores on both sides of the clamp"
+        expected[name] = reference(clip_folder, images, prompts, torch.float32)
+        torch.testing.assert_close(ours, expected[name], **_tolerance(name, dtype), msg=name)
+    # controls: the scales differ as their references say (the tiny CLIP's logit scale is e**3),
+    # and the torchmetrics clamp is in effect on both sides while DiffusionNFT's cosine is not clamped
+    torch.testing.assert_close(expected["pickscore"] * 26, expected["pickscore_logit"])
+    cos = expected["clip_score"] * 100 / math.exp(3.0)
+    torch.testing.assert_close(expected["clip_score_100"], 100 * cos.clamp(min=0))
+    assert (cos > 0).sum() >= 3 and (cos < 0).any(), "a control: scores on both sides of the clamp"
 
 
 @pytest.mark.unit

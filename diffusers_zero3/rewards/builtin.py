@@ -7,28 +7,46 @@ id. Every model call happens inside the forward of the module or of its submodul
 ZeRO-3 inference engine gathers each layer's parameters on the way (a parameter read outside
 a forward would be an empty partition). None imports its authors' packages.
 
-* ``pickscore``: PickScore (Kirstain et al. 2023), a CLIP-H fine-tuned on Pick-a-Pic.
-  ``logit_scale.exp() * cos(text, image)``, as the authors' inference code
-  (yuvalkirstain/PickScore, README) computes it. Weights: ``yuvalkirstain/PickScore_v1``
-  with the processor of ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K`` (taken from there when the
-  model folder has none).
-* ``clip_score``: CLIPScore as torchmetrics computes it per sample:
-  ``100 * max(cos(text, image), 0)`` (Hessel et al. use 2.5 instead of 100). Any CLIP,
-  e.g. ``openai/clip-vit-large-patch14``.
+Each score is on the scale of the RL reference named beside it, so that a weight copied from
+its config (DiffusionNFT's ``{pickscore: 1, hpsv2: 1, clipscore: 1}``) means the same here
+(the references: yifan123/flow_grpo and NVlabs/DiffusionNFT, files under ``flow_grpo/``).
+
+* ``pickscore``: PickScore (Kirstain et al. 2023), a CLIP-H fine-tuned on Pick-a-Pic, as
+  flow_grpo's and DiffusionNFT's ``flow_grpo/pickscore_scorer.py`` score it:
+  ``logit_scale.exp() * cos(text, image) / 26`` (about 0.8 for the published weights, whose
+  logits sit near 21). Weights: ``yuvalkirstain/PickScore_v1`` with the processor of
+  ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K`` (taken from there when the model folder has none).
+* ``pickscore_logit``: the same model's logit ``logit_scale.exp() * cos(text, image)``, as the
+  authors' inference code (yuvalkirstain/PickScore, README) computes it: 26 times ``pickscore``.
+* ``clip_score``: CLIP's cosine as DiffusionNFT's ``flow_grpo/clip_scorer.py`` scores it:
+  ``logits_per_image.diagonal() / 100`` = ``logit_scale.exp() / 100 * cos(text, image)``, the
+  cosine itself for OpenAI's CLIPs (their ``logit_scale.exp()`` is 100), not clamped. Any CLIP,
+  e.g. ``openai/clip-vit-large-patch14`` (DiffusionNFT's).
+* ``clip_score_100``: CLIPScore as torchmetrics computes it per sample:
+  ``100 * max(cos(text, image), 0)`` (Hessel et al. use 2.5 instead of 100).
 * ``aesthetic``: the LAION aesthetic predictor (christophschuhmann/improved-aesthetic-predictor):
   the normalised CLIP ViT-L/14 image embedding through an MLP head. A folder with ``clip/``
   (a CLIP model and its processor config) and the head's weights
   (``aesthetic_head.safetensors``, or the published ``sac+logos+ava1-l14-linearMSE.pth``).
+  The head's output as it is (about 1 to 10), as flow_grpo's and DiffusionNFT's
+  ``flow_grpo/aesthetic_scorer.py``.
 * ``vlm``: a Qwen2-VL / Qwen2.5-VL judge: ``P(Yes) / (P(Yes) + P(No))`` from the next-token
-  logits of its answer to a question about the image and the prompt (``VLMJudge.question``).
+  logits of its answer to a question about the image and the prompt (``VLMJudge.question``),
+  in ``[0, 1]``. Neither RL reference has it (their VLM judges, flow_grpo's ``qwenvl.py`` and
+  DiffusionNFT's UnifiedReward in ``rewards.py``, parse a generated 1-5 grade and divide it by 5:
+  also in ``[0, 1]``, but another judge and question).
 * ``hpsv2``: HPSv2 / HPSv2.1 (tgxs002/HPSv2, ``img_score.py``): ``cos(text, image)`` of an
   open_clip ViT-H-14 fine-tuned on human preferences, its checkpoint converted to a
-  ``CLIPModel`` (``rewards.hps``; open_clip is not needed). Weights: ``xswu/HPSv2``.
+  ``CLIPModel`` (``rewards.hps``; open_clip is not needed), in ``[-1, 1]`` (about 0.25 to 0.3
+  for the published weights), as DiffusionNFT's ``flow_grpo/hpsv2_scorer.py``. Weights:
+  ``xswu/HPSv2``.
 * ``imagereward``: ImageReward (Xu et al. 2023, THUDM/ImageReward): a BLIP text encoder
   cross-attending to the ViT's image tokens, its [CLS] feature through an MLP head,
   ``(mlp - mean) / std`` with the published constants, as the authors' ``ImageReward.score``
   (``rewards.imagereward``, on transformers' BLIP classes; the image-reward package is not
-  needed). Weights: ``THUDM/ImageReward`` (``ImageReward.pt``, ``med_config.json``).
+  needed), as flow_grpo's and DiffusionNFT's ``flow_grpo/imagereward_scorer.py`` (its
+  ``inference_rank``, the same normalised score). Weights: ``THUDM/ImageReward``
+  (``ImageReward.pt``, ``med_config.json``).
 """
 
 from __future__ import annotations
@@ -156,24 +174,54 @@ class ClipTextImageReward(nn.Module):
         )
 
 
-class PickScore(ClipTextImageReward):
-    """PickScore: ``logit_scale.exp() * cos(text_embedding, image_embedding)`` per pair, the
-    diagonal of the CLIP logits (yuvalkirstain/PickScore README: ``model.logit_scale.exp() *
+# flow_grpo's and DiffusionNFT's PickScoreScorer: ``scores = scores / 26`` ("norm to 0-1")
+PICKSCORE_DIVISOR = 26.0
+# DiffusionNFT's ClipScorer: ``outputs.logits_per_image.diagonal() / 100``
+CLIP_SCORE_DIVISOR = 100.0
+
+
+class PickScoreLogit(ClipTextImageReward):
+    """PickScore's logit: ``logit_scale.exp() * cos(text_embedding, image_embedding)`` per pair,
+    the diagonal of the CLIP logits (yuvalkirstain/PickScore README: ``model.logit_scale.exp() *
     (text_embs @ image_embs.T)`` of L2-normalised ``get_text_features`` /
     ``get_image_features``)."""
 
-    name = "pickscore"
+    name = "pickscore_logit"
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         """Scores ``[B]`` of packed rows (``preprocess``)."""
         return self.clip_output(rows).logits_per_image.diagonal()
 
 
+class PickScore(PickScoreLogit):
+    """PickScore as flow_grpo and DiffusionNFT score it (``flow_grpo/pickscore_scorer.py``,
+    ``PickScoreScorer``): the logit divided by 26, about 0.8 for the published weights."""
+
+    name = "pickscore"
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """Scores ``[B]`` of packed rows (``preprocess``)."""
+        return super().forward(rows) / PICKSCORE_DIVISOR
+
+
 class ClipScore(ClipTextImageReward):
-    """CLIPScore as torchmetrics' ``CLIPScore`` computes it per sample:
-    ``100 * max(cos(text_embedding, image_embedding), 0)``."""
+    """CLIP's text-image cosine as DiffusionNFT scores it (``flow_grpo/clip_scorer.py``,
+    ``ClipScorer``): ``logits_per_image.diagonal() / 100``, i.e. ``logit_scale.exp() / 100 *
+    cos(text_embedding, image_embedding)``: the cosine for OpenAI's CLIPs (``logit_scale.exp()``
+    = 100), in ``[-1, 1]``, not clamped."""
 
     name = "clip_score"
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """Scores ``[B]`` of packed rows (``preprocess``)."""
+        return self.clip_output(rows).logits_per_image.diagonal() / CLIP_SCORE_DIVISOR
+
+
+class ClipScore100(ClipTextImageReward):
+    """CLIPScore as torchmetrics' ``CLIPScore`` computes it per sample:
+    ``100 * max(cos(text_embedding, image_embedding), 0)``, in ``[0, 100]``."""
+
+    name = "clip_score_100"
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         """Scores ``[B]`` of packed rows (``preprocess``)."""
@@ -465,7 +513,7 @@ class BuiltinReward:
             (``vlm`` takes ``question=``).
         dtype: the dtype its weights, inputs and score are in whatever the run's: float32, as
             the references score (flow_grpo and DiffusionNFT load their reward models in fp32).
-            In bf16 PickScore's logits (~21) round in steps of 0.125 and HPSv2's cosines in
+            In bf16 PickScore's logits (~21, a ``pickscore`` of ~0.8) round in steps of 0.125 and HPSv2's cosines in
             steps of ~0.002, the size of the differences within a prompt's group; bf16 weights
             with an fp32 final score still err by a sizeable fraction of those differences
             (docs/rl.md, "Rewards in fp32"). None: the run's dtype (the ``vlm`` judge, a 7-72 B
@@ -489,15 +537,28 @@ BUILTINS: dict[str, BuiltinReward] = {
     for b in (
         BuiltinReward(
             "pickscore",
-            "PickScore: logit_scale.exp() * cos(text, image) of a CLIP-H fine-tuned on Pick-a-Pic",
+            "PickScore / 26, as flow_grpo and DiffusionNFT: logit_scale.exp() * cos(text, image) / 26 of a"
+            " CLIP-H fine-tuned on Pick-a-Pic",
             "yuvalkirstain/PickScore_v1",
             PickScore.from_pretrained,
         ),
         BuiltinReward(
+            "pickscore_logit",
+            "PickScore's logit, as its authors' README: logit_scale.exp() * cos(text, image) (26 x pickscore)",
+            "yuvalkirstain/PickScore_v1",
+            PickScoreLogit.from_pretrained,
+        ),
+        BuiltinReward(
             "clip_score",
-            "CLIPScore: 100 * max(cos(text, image), 0), torchmetrics' convention",
+            "CLIP cosine, as DiffusionNFT: logits_per_image / 100 (cos(text, image) for OpenAI's CLIPs)",
             "openai/clip-vit-large-patch14",
             ClipScore.from_pretrained,
+        ),
+        BuiltinReward(
+            "clip_score_100",
+            "CLIPScore as torchmetrics: 100 * max(cos(text, image), 0)",
+            "openai/clip-vit-large-patch14",
+            ClipScore100.from_pretrained,
         ),
         BuiltinReward(
             "aesthetic",

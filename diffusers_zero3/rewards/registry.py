@@ -10,13 +10,17 @@ that raises) is one ``RewardError`` on every rank, instead of a rank that stops 
 others wait in the next collective.
 
 Images are float tensors ``[B, 3, H, W]`` in ``[0, 1]`` on the accelerator's device; each
-built-in resizes and normalises them itself, on that device (``rewards.images``).
+built-in resizes and normalises them itself, on that device (``rewards.images``). A
+``module:function`` whose signature takes a third positional parameter
+(``RewardSpec.takes_metadata``) is called ``fn(images, prompts, metadata)``, ``metadata`` one
+dict per image (``{}`` where its prompt has none); the others never see the metadata.
 
 Example:
     >>> specs = parse_reward_specs(args.reward, args.reward_model, args.reward_placement)
     >>> rewards = load_rewards(specs, accelerator, torch.bfloat16)     # every rank; built-ins in fp32
     >>> images = (vae.decode(latents).sample / 2 + 0.5).clamp(0, 1)  # [B, 3, H, W] in [0, 1]
     >>> total, scores = rewards(images, prompts)                     # every rank, B may be 0
+    >>> total, scores = rewards(images, prompts, metadata=[{"color": "red"}] * len(images))
     >>> scores["pickscore"].shape, total.shape
     (torch.Size([B]), torch.Size([B]))
 """
@@ -24,8 +28,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +45,53 @@ from .specs import RewardSpec
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+
+
+class MetadataRewardFunction:
+    """A reward function ``fn(images, prompts, metadata)`` called as ``(images, prompts)``, the
+    way ``ParallelReward`` calls a function: ``given(metadata)`` sets the metadata of the calls
+    made inside it (``WeightedRewards`` enters it around each call; ``{}`` per image outside).
+
+    Args:
+        fn: the user's function; ``metadata`` is a list of dicts, one per image.
+    """
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+        self.metadata: list[dict] | None = None
+
+    @contextlib.contextmanager
+    def given(self, metadata: list[dict]) -> Iterator[None]:
+        """The metadata of the calls inside the block (restored on the way out, even on error)."""
+        previous, self.metadata = self.metadata, metadata
+        try:
+            yield
+        finally:
+            self.metadata = previous
+
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str] | None) -> Any:
+        """``fn(images, prompts, metadata)``: the metadata set by ``given`` (a copy of each dict,
+        so that one function's edits do not reach the next), ``{}`` per image when none is."""
+        metadata = self.metadata if self.metadata is not None else [{}] * len(images)
+        return self.fn(images, prompts, [dict(m) for m in metadata])
+
+
+def metadata_rows(metadata: Sequence[Mapping[str, Any] | None] | None, n: int) -> list[dict]:
+    """One dict per image of ``metadata`` (None, or None entries: ``{}``).
+
+    Raises:
+        ValueError: ``metadata`` is not one entry per image, or an entry is not a dict.
+    """
+    if metadata is None:
+        return [{} for _ in range(n)]
+    if len(metadata) != n:
+        raise ValueError(f"got {n} images but {len(metadata)} metadata entries (one dict per image expected)")
+    rows = []
+    for i, m in enumerate(metadata):
+        if m is not None and not isinstance(m, Mapping):
+            raise ValueError(f"metadata entry {i} is a {type(m).__name__}, not a dict")
+        rows.append(dict(m or {}))
+    return rows
 
 
 class WeightedRewards:
@@ -60,7 +111,11 @@ class WeightedRewards:
         self.weights = weights
 
     def __call__(
-        self, images: torch.Tensor, prompts: Sequence[str] | None = None
+        self,
+        images: torch.Tensor,
+        prompts: Sequence[str] | None = None,
+        *,
+        metadata: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Score this rank's samples with every reward.
 
@@ -68,6 +123,10 @@ class WeightedRewards:
             images: float ``[B, 3, H, W]`` in ``[0, 1]``, on the accelerator's device; ``B``
                 may differ between ranks and be 0.
             prompts: one prompt per image (the prompt-free rewards ignore them).
+            metadata: one dict per image, its prompt's metadata (e.g. a JSONL prompt file's
+                other fields; None or a None entry: ``{}``). Passed as a list of dicts to the
+                functions that take it (``MetadataRewardFunction``); the built-ins, models and
+                two-argument functions ignore it.
 
         Returns:
             ``(total, scores)``: ``total`` ``[B]`` float32, the weighted sum; ``scores`` ``{spec
@@ -82,12 +141,16 @@ class WeightedRewards:
         if prompts is not None and len(prompts) != len(images):
             raise ValueError(f"got {len(images)} images but {len(prompts)} prompts")
         n = len(images)
+        rows = metadata_rows(metadata, n)
         scores: dict[str, torch.Tensor] = {}
         problems: list[str] = []
         raised: Exception | None = None
         for name, reward in self.rewards.items():
+            fn = reward.fn
+            given = fn.given(rows) if isinstance(fn, MetadataRewardFunction) else contextlib.nullcontext()
             try:
-                out = reward(images, prompts)
+                with given:
+                    out = reward(images, prompts)
             except Exception as e:  # reported on every rank below; the next rewards are still called
                 problems.append(f"reward '{name}' raised {type(e).__name__}: {' '.join(str(e).split())}")
                 raised = raised or e
@@ -178,7 +241,8 @@ def load_rewards(
     into partitions (``load_pretrained_zero3``: no rank ever holds them whole); the CLIP-sized
     built-ins are loaded whole (``zero3_init_disabled``) and then partitioned parameter by
     parameter by ``prepare_frozen``; ``replicate`` is a copy on every rank. Functions are used
-    as they are (called on every rank with that rank's samples).
+    as they are (called on every rank with that rank's samples); one that takes metadata
+    (``RewardSpec.takes_metadata``) is wrapped in a ``MetadataRewardFunction``.
 
     Args:
         specs: from ``parse_reward_specs``.
@@ -196,7 +260,8 @@ def load_rewards(
             ``normalize``: None, ``"batch"`` or ``"per_prompt"``, over every rank's samples).
 
     Returns:
-        The rewards and their weights, called as ``rewards(images, prompts)``.
+        The rewards and their weights, called as ``rewards(images, prompts)`` or
+        ``rewards(images, prompts, metadata=[{...}, ...])``.
 
     Collective: call on every rank, in the same order relative to other engines (a sharded
     reward builds a DeepSpeed engine).
@@ -245,9 +310,8 @@ def load_rewards(
                 name=spec.name,
             )
         else:
-            reward = ParallelReward(
-                spec.function, accelerator=accelerator, normalize=normalize, name=spec.name
-            )
+            fn = MetadataRewardFunction(spec.function) if spec.takes_metadata else spec.function
+            reward = ParallelReward(fn, accelerator=accelerator, normalize=normalize, name=spec.name)
         rewards[spec.name] = reward
         weights[spec.name] = spec.weight
     return WeightedRewards(rewards, weights)

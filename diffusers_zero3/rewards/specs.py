@@ -1,10 +1,13 @@
 """The reward flags of a command line, parsed into one typed list of ``RewardSpec``.
 
 * ``--reward SPEC[=WEIGHT]`` (repeatable): ``SPEC`` is a built-in name (``pickscore``,
-  ``clip_score``, ``aesthetic``, ``vlm``, ``hpsv2``, ``imagereward``; see ``rewards.builtin``), ``module:function``, a
-  function ``fn(images, prompts) -> scores`` (one number per image), or ``module:Class``, a
-  reward model class with ``from_pretrained`` (its weights from ``--reward_model``);
-  ``WEIGHT`` its weight in the sum (default 1.0).
+  ``pickscore_logit``, ``clip_score``, ``clip_score_100``, ``aesthetic``, ``vlm``, ``hpsv2``,
+  ``imagereward``; see ``rewards.builtin``), ``module:function``, a function ``fn(images,
+  prompts) -> scores`` (one number per image) or ``fn(images, prompts, metadata) -> scores``
+  (``metadata``: one dict per image, ``{}`` where its prompt has none; which of the two is
+  read once from the function's signature, ``function_takes_metadata``), or
+  ``module:Class``, a reward model class with ``from_pretrained`` (its weights from
+  ``--reward_model``); ``WEIGHT`` its weight in the sum (default 1.0).
 * ``--reward_model NAME=PATH_OR_HUB_ID`` (repeatable): the weights of the built-in ``NAME``.
 * ``--reward_placement NAME=shard|replicate|offload`` (repeatable): where a built-in's model
   lives (default ``shard``: a ZeRO-3 inference engine, see ``placement.frozen``).
@@ -24,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +54,8 @@ class RewardSpec:
         placement: a model's placement (``shard``, ``replicate`` or ``offload``); None for a
             function, which runs as it is on every rank.
         function: the imported function of a ``module:function`` reward.
+        takes_metadata: the function is called ``fn(images, prompts, metadata)`` (three
+            positional parameters), not ``fn(images, prompts)``; False for a model.
         model_class: the imported class of a ``module:Class`` reward: a ``torch.nn.Module``
             with ``from_pretrained`` (a diffusers ``ModelMixin`` or a transformers model) whose
             forward maps images (or its ``preprocess(images, prompts)``'s output) to one score
@@ -61,6 +67,7 @@ class RewardSpec:
     model_path: str | None = None
     placement: str | None = None
     function: Callable[..., Any] | None = field(default=None, repr=False, compare=False)
+    takes_metadata: bool = False
     model_class: type | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -124,6 +131,55 @@ def import_reward_function(spec: str) -> Callable[..., Any]:
     return fn
 
 
+def function_takes_metadata(spec: str, fn: Callable[..., Any]) -> bool:
+    """Whether the reward function ``fn`` of ``--reward spec`` takes each image's metadata.
+
+    A reward function is called with two positional arguments, ``fn(images, prompts)``, or
+    three, ``fn(images, prompts, metadata)``. This reads which from its signature, once, when the
+    spec is loaded: three when it has at least three positional parameters (``metadata`` may
+    have a default), two otherwise (a function of two, or of ``*args`` only, works unchanged).
+    A callable whose signature cannot be read (some C functions) is called with two.
+
+    Args:
+        spec: the ``--reward`` name (``module:function``), for the error message.
+        fn: the imported function.
+
+    Returns:
+        True for ``fn(images, prompts, metadata)``, False for ``fn(images, prompts)``.
+
+    Raises:
+        ArgumentError: a signature that takes neither call: fewer than two positional
+            parameters (and no ``*args``), more than three without defaults, or a keyword-only
+            parameter without a default.
+
+    Example:
+        >>> function_takes_metadata("m:f", lambda images, prompts: images.mean((1, 2, 3)))
+        False
+        >>> function_takes_metadata("m:g", lambda images, prompts, metadata=None: images.mean((1, 2, 3)))
+        True
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read: the two-argument call, as before
+        return False
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = signature.parameters.values()
+    positional = [p for p in params if p.kind in kinds]
+    required = [p for p in positional if p.default is inspect.Parameter.empty]
+    varargs = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+    keyword_only = [
+        p.name
+        for p in params
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty
+    ]
+    if (len(positional) < 2 and not varargs) or len(required) > 3 or keyword_only:
+        raise ArgumentError(
+            f"--reward {spec}: a reward function is called fn(images, prompts) or fn(images, prompts,"
+            f" metadata), but its signature is {signature}"
+        )
+    return len(positional) >= 3
+
+
 def _builtin(name: str) -> None:
     """Raise ``ArgumentError`` for a name that is no built-in."""
     builtin = BUILTINS.get(name)
@@ -149,7 +205,8 @@ def parse_reward_specs(
 
     Raises:
         ArgumentError: an unknown built-in or one that is not available; a ``module:function``
-            that does not import or is not callable; a weight that is not a number; a reward
+            that does not import, is not callable or has a signature that takes neither
+            ``(images, prompts)`` nor ``(images, prompts, metadata)``; a weight that is not a number; a reward
             given twice; a model or placement for a reward not given with ``--reward``, or for
             a function; a built-in without its ``--reward_model``; an unknown placement.
     """
@@ -172,7 +229,8 @@ def parse_reward_specs(
                 for flag, given in (("--reward_model", model_of), ("--reward_placement", placement_of)):
                     if name in given:
                         raise ArgumentError(f"{flag} {name}: a function reward has no model to load or place")
-                specs.append(RewardSpec(name, weight, function=function))
+                takes_metadata = function_takes_metadata(name, function)
+                specs.append(RewardSpec(name, weight, function=function, takes_metadata=takes_metadata))
                 continue
             model_class = function
             if name not in model_of:
