@@ -34,22 +34,30 @@ ZERO3_ENV = {
 
 
 def _expected_advantages(rewards: list[float], prompts: list[int], eps: float = 1e-4) -> list[float]:
-    """Flow-GRPO's per-prompt advantage of every sample: ``(r - mean) / (std + eps)`` over the
-    rewards of its prompt, population standard deviation, in float64."""
+    """Flow-GRPO's per-prompt advantage of every sample with its configs' ``global_std``:
+    ``(r - mean of its prompt's rewards) / (std of every reward + eps)``, population standard
+    deviation, in float64 (``PerPromptStatTracker.update``)."""
     import statistics
 
     by_prompt: dict[int, list[float]] = {}
     for r, p in zip(rewards, prompts):
         by_prompt.setdefault(p, []).append(r)
-    stats = {p: (statistics.fmean(v), statistics.pstdev(v)) for p, v in by_prompt.items()}
-    return [(r - stats[p][0]) / (stats[p][1] + eps) for r, p in zip(rewards, prompts)]
+    means = {p: statistics.fmean(v) for p, v in by_prompt.items()}
+    std = statistics.pstdev(rewards)
+    return [(r - means[p]) / (std + eps) for r, p in zip(rewards, prompts)]
 
 
 def _one_round(pipe_dir: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from diffusers_zero3.recipes.grpo import GRPOSettings, GRPOTrainer, nft_noise_generator
+    from diffusers_zero3.recipes.grpo import (
+        GRPOSettings,
+        GRPOTrainer,
+        nft_noise_generator,
+        timestep_generator,
+    )
+    from diffusers_zero3.rl import trained_timestep_indices
 
     settings = GRPOSettings.parse([
         "--pretrained_model_name_or_path", pipe_dir, "--reward", REDNESS, "--output_dir", out,
@@ -98,12 +106,14 @@ def _one_round(pipe_dir: str, out: str) -> None:
     # loss of each micro-batch and trained step is -mean(advantage) over its real samples
     full = torch.zeros(len(batch.pairs), dtype=torch.float64)
     full[real] = expected
+    batch.steps = trainer._trained_steps(batch)
+    assert batch.steps[0].tolist() == [[0, 1]] * len(batch.pairs)  # grpo: the first steps, in order
     for start in range(0, len(batch.pairs), settings.train_batch_size):
         rows = slice(start, min(len(batch.pairs), start + settings.train_batch_size))
         n, keep = rows.stop - rows.start, real[rows]
         for i in range(settings.train_timesteps):
             with torch.no_grad():
-                loss, stats = trainer._loss(batch, i, rows)
+                loss, stats = trainer._loss(batch, 0, i, rows)
             if not keep.any():
                 continue
             assert stats["approx_kl"].item() < 1e-8 and stats["clipfrac"].item() == 0, (rank, rows, i, stats)
@@ -111,17 +121,28 @@ def _one_round(pipe_dir: str, out: str) -> None:
             want = (-full[rows][keep].clamp(-clip, clip).mean() * keep.sum() / n).item()
             assert loss.item() == pytest.approx(want, abs=1e-4), (rank, rows, i, loss.item(), want)
 
-    # --- DiffusionNFT's noised points against the schedule the round was sampled on
+    # --- DiffusionNFT's noised points against the schedule the round was sampled on, each
+    # sample at its own random subset of 2 of the 3 steps (DiffusionNFT's per-sample randperm)
+    settings.timestep_subset = "random"
+    batch.steps = trainer._trained_steps(batch)
+    for (p, m), steps in zip(batch.pairs, batch.steps[0].tolist()):  # each sample's own draw
+        assert (
+            steps
+            == trained_timestep_indices(
+                3, 2, "random", timestep_generator(settings.seed, 0, p, m, 0)
+            ).tolist()
+        )
     trainer._prepare_nft(batch)
     sigmas = trainer.scheduler.sigmas.float()
     x0 = batch.latents[:, -1].cpu()
-    for i in range(settings.train_timesteps):
-        sigma = sigmas[i].clamp(max=0.999)
+    for k in range(settings.train_timesteps):
+        index = batch.steps[0, :, k].cpu()
+        sigma = sigmas[index].clamp(max=0.999).view(-1, *[1] * (x0.ndim - 1))
         noise = torch.cat([
             torch.randn(1, *x0.shape[1:], generator=nft_noise_generator(settings.seed, 0, p, m, i))
-            for p, m in batch.pairs
+            for (p, m), i in zip(batch.pairs, index.tolist())
         ])  # fmt: skip
-        x_t = batch.nft_points[i][0].cpu()
+        x_t = batch.nft_points[0][k][0].cpu()
         torch.testing.assert_close(x_t, (1 - sigma) * x0 + sigma * noise, rtol=1e-6, atol=1e-6)
     print(f"rank {rank}: {len(mine)} real samples, advantages {[round(a, 3) for a in expected.tolist()]}")
 

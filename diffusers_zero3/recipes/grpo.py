@@ -82,10 +82,15 @@ from ..rl import (
     gather_group_reward_stats,
     group_assignment,
     grpo_loss,
+    kept_sample_weight,
     nft_loss,
+    nft_old_decay,
+    reference_ema_decay,
+    reference_ema_updates,
     samples_per_rank,
     sde_kl,
     sde_step_with_logprob,
+    trained_timestep_indices,
 )
 from ..runtime.context_parallel import (
     ContextParallel,
@@ -98,6 +103,7 @@ from ..runtime.distributed import log_rank_zero
 from ..runtime.ds_config import weight_dtype
 from ..runtime.memory import return_large_frees_to_os
 from ..runtime.notices import quiet_library_notices
+from ..state.ema import ShardedEMA
 from ..state.pipeline_io import (
     check_output_dir,
     image_grid,
@@ -141,9 +147,12 @@ class GRPOSettings(CommonSettings):
         "with reward models sharded and called on every rank."
     )
     GROUP: ClassVar[str | None] = "online RL (Flow-GRPO / DiffusionNFT)"
-    # not a flag: the accelerator accumulates over a micro-batch's trained timesteps
-    # (``accumulation_steps``) unless --step_every_timestep
-    gradient_accumulation_steps: ClassVar[int] = 1
+    gradient_accumulation_steps: int = flag(
+        1,
+        "Micro-batches per optimizer step (flow_grpo's train.gradient_accumulation_steps): one step per N "
+        "micro-batches x trained timesteps (x 1 with --step_every_timestep). N must divide the micro-batches "
+        "of a rank's round.",
+    )
     tracker_project_name: str = redefault(_C, "tracker_project_name", "grpo")
     output_dir: str = redefault(_C, "output_dir", "grpo-finetuned")
     seed: int = redefault(_C, "seed", 0)
@@ -177,13 +186,54 @@ class GRPOSettings(CommonSettings):
     sample_batch_size: int = flag(4, "Samples per denoiser / VAE / reward call while sampling.")
     num_inference_steps: int = flag(10, "SDE steps of each sample.")
     noise_level: float = flag(0.7, "Flow-GRPO's SDE noise level a.")
-    guidance_scale: float = flag(1.0, "Classifier-free guidance scale (1: none).")
+    guidance_scale: float = flag(1.0, "Classifier-free guidance scale while sampling (1: none).")
+    train_guidance_scale: float | None = flag(
+        None,
+        "Classifier-free guidance scale of the training forwards (default: --guidance_scale); the unconditional "
+        "branch is detached there, as flow_grpo's compute_log_prob.",
+    )
     clip_range: float = flag(1e-4, "PPO's clip range of the policy ratio (grpo).")
     adv_clip_max: float = flag(5.0, "Advantages are clamped to [-adv_clip_max, adv_clip_max].")
-    timestep_fraction: float = flag(1.0, "Train on the first fraction of the sampled timesteps.")
+    timestep_fraction: float = flag(1.0, "Train on this fraction of each sample's sampled timesteps.")
+    timestep_subset: str | None = flag(
+        None,
+        "Which of a sample's timesteps it trains on: first (the noisiest int(T x fraction), flow_grpo) or random "
+        "(a random subset per sample and inner epoch, DiffusionNFT). Default: the objective's reference.",
+        choices=("first", "random"),
+    )
+    global_std: bool = flag(
+        True,
+        "Divide the advantages by the standard deviation of every reward of the round (each group keeping its "
+        "mean), as the references' sample.global_std (on in their configs); false: each group's own.",
+        as_value=True,
+    )
+    filter_zero_std: bool = flag(
+        True,
+        "Leave the samples of zero advantage (a group whose rewards are all equal) out of the loss, the mean "
+        "taken over the others, as flow_grpo's train_sd3.py.",
+        as_value=True,
+    )
     num_inner_epochs: int = flag(1, "Passes over one round's samples.")
     kl_beta: float = flag(0.0, "Weight of the KL to the reference policy.")
     nft_beta: float = flag(1.0, "DiffusionNFT's beta (nft).")
+    nft_adv_mode: str = flag(
+        "all", "DiffusionNFT's train.adv_mode: which advantages enter r (nft).",
+        choices=("all", "positive_only", "negative_only", "one_only", "binary"),
+    )  # fmt: skip
+    nft_decay_type: int = flag(
+        1,
+        "DiffusionNFT's decay_type of the old policy that samples and gives v_old: after each round old = d * old + "
+        "(1 - d) * trained, d = 0 (type 0: the trained one), min(0.001 x steps, 0.5) (type 1, its default), 0 for "
+        "75 steps then min(0.0075 x (steps - 75), 0.999) (type 2) (nft).",
+        choices=(0, 1, 2),
+    )
+    ema_decay: float = flag(
+        0.9, "--use_ema's decay, capped by (1 + step) / (10 + step) as the references' EMA."
+    )
+    ema_update_every: int | None = flag(
+        None,
+        "--use_ema updates every N optimizer steps (default: flow_grpo's 8 for grpo, DiffusionNFT's 1 for nft).",
+    )
     step_every_timestep: bool = flag(
         False,
         "One optimizer step per trained timestep of a micro-batch. Default: as Flow-GRPO, the gradients of a "
@@ -255,6 +305,22 @@ class GRPOSettings(CommonSettings):
             raise ArgumentError(f"--nft_beta must be positive, got {self.nft_beta}")
         if self.guidance_scale < 1:
             raise ArgumentError(f"--guidance_scale must be >= 1 (1: no guidance), got {self.guidance_scale}")
+        if self.train_guidance_scale is None:
+            self.train_guidance_scale = self.guidance_scale
+        if self.train_guidance_scale < 1:
+            raise ArgumentError(
+                f"--train_guidance_scale must be >= 1 (1: no guidance), got {self.train_guidance_scale}"
+            )
+        if (
+            self.timestep_subset is None
+        ):  # the objective's reference: flow_grpo trains in order, NFT at random
+            self.timestep_subset = "first" if self.objective == "grpo" else "random"
+        if self.ema_update_every is None:  # flow_grpo's EMA every 8 steps, DiffusionNFT's every step
+            self.ema_update_every = 8 if self.objective == "grpo" else 1
+        if self.ema_update_every < 1 or self.gradient_accumulation_steps < 1:
+            raise ArgumentError("--ema_update_every and --gradient_accumulation_steps must be at least 1")
+        if not 0 <= self.ema_decay < 1:
+            raise ArgumentError(f"--ema_decay must be in [0, 1), got {self.ema_decay}")
         if self.rank is not None and self.rank < 1:
             raise ArgumentError(f"--rank must be at least 1 (omit it for full fine-tuning), got {self.rank}")
         if self.rank is not None and self.reference_placement != "shard":
@@ -271,10 +337,11 @@ class GRPOSettings(CommonSettings):
 
     @property
     def accumulation_steps(self) -> int:
-        """Backwards per optimizer step: a micro-batch's trained timesteps (Flow-GRPO's
-        ``gradient_accumulation_steps * num_train_timesteps`` with one sample batch), or 1 with
-        ``--step_every_timestep``."""
-        return 1 if self.step_every_timestep else self.train_timesteps
+        """Backwards per optimizer step: ``--gradient_accumulation_steps`` micro-batches times their
+        trained timesteps (Flow-GRPO's and DiffusionNFT's ``gradient_accumulation_steps *
+        num_train_timesteps``), or ``--gradient_accumulation_steps`` with ``--step_every_timestep``."""
+        per_batch = 1 if self.step_every_timestep else self.train_timesteps
+        return self.gradient_accumulation_steps * per_batch
 
 
 @dataclasses.dataclass
@@ -296,7 +363,10 @@ class Round:
     sigmas: torch.Tensor  # [T + 1]
     images: torch.Tensor | None = None  # [P, 3, H, W], dropped once scored
     advantages: torch.Tensor | None = None  # [P], 0 for dummies
-    nft_points: list | None = None  # per trained timestep: (x_t [P, ...], v_old [P, ...])
+    weight: torch.Tensor | None = None  # [P] each sample's weight in the loss (rl.kept_sample_weight)
+    steps: torch.Tensor | None = None  # [E, P, K] long: each inner epoch's trained steps of each sample
+    # per inner epoch, per trained slot k: (x_t [P, ...], v_old [P, ...], sigma [P]) (nft)
+    nft_points: list | None = None
     stats: dict[str, float] = dataclasses.field(default_factory=dict)  # REWARD_/LOSS_STATS, every rank's
 
 
@@ -328,12 +398,21 @@ def sample_generator(seed: int, round_index: int, prompt: int, member: int) -> t
 
 
 def nft_noise_generator(
-    seed: int, round_index: int, prompt: int, member: int, timestep: int
+    seed: int, round_index: int, prompt: int, member: int, timestep: int, inner_epoch: int = 0
 ) -> torch.Generator:
     """The CPU generator of DiffusionNFT's fresh noise of one sample at one trained timestep
-    (its index in the schedule): like ``sample_generator``, independent of the rank and of the
-    number of ranks, and of the sampling noise."""
-    return _hashed_generator(f"grpo-nft:{seed}:{round_index}:{prompt}:{member}:{timestep}")
+    (its index in the schedule) in one inner epoch: like ``sample_generator``, independent of
+    the rank and of the number of ranks, and of the sampling noise."""
+    epoch = f":{inner_epoch}" if inner_epoch else ""  # the first epoch's keys as before epochs had one
+    return _hashed_generator(f"grpo-nft:{seed}:{round_index}:{prompt}:{member}:{timestep}{epoch}")
+
+
+def timestep_generator(
+    seed: int, round_index: int, prompt: int, member: int, inner_epoch: int
+) -> torch.Generator:
+    """The CPU generator of the random subset of one sample's timesteps it trains on in one inner
+    epoch (``--timestep_subset random``): independent of the rank and of the number of ranks."""
+    return _hashed_generator(f"grpo-steps:{seed}:{round_index}:{prompt}:{member}:{inner_epoch}")
 
 
 def pipeline_sigmas(pipeline_class: str, steps: int) -> list[float] | None:
@@ -457,14 +536,6 @@ def _chunks(n: int, size: int) -> Iterator[slice]:
         yield slice(start, min(n, start + size))
 
 
-def _masked_mean_loss(loss_of_real, n_real: int, n_all: int, anchor: torch.Tensor) -> torch.Tensor:
-    """A micro-batch's loss weighted by its share of real samples; a micro-batch of dummies
-    only gives ``0 * anchor.sum()`` (its backward still runs, keeping ranks in lockstep)."""
-    if n_real == 0:
-        return anchor.float().sum() * 0.0
-    return loss_of_real * (n_real / n_all)
-
-
 class GRPOTrainer:
     """setup() -> train() -> save(). Every method is collective: call on every rank."""
 
@@ -483,6 +554,7 @@ class GRPOTrainer:
         self.trained_rounds = 0
         self.optimizer_steps = 0  # optimizer steps taken by this process (not restored on resume)
         self.cp: ContextParallel | None = None  # --context_parallel_size > 1
+        self.old_policy: ShardedEMA | None = None  # DiffusionNFT's, --nft_decay_type 1 or 2
 
     # ------------------------------------------------------------------ setup
 
@@ -549,8 +621,11 @@ class GRPOTrainer:
         # input: no CFG; otherwise CFG where the pipeline runs it (not a step-distilled Flux.2 [klein])
         self.guidance_embeds = bool(denoiser.config.get("guidance_embeds", False))
         model_index = json.loads((Path(self.source) / "model_index.json").read_text())
-        self.cfg = family.classifier_free_guidance(model_index, denoiser.config, args.guidance_scale)
-        if args.guidance_scale > 1 and not (self.cfg or self.guidance_embeds):
+        # the empty prompts are encoded where sampling or training runs CFG
+        self.cfg = family.classifier_free_guidance(
+            model_index, denoiser.config, max(args.guidance_scale, args.train_guidance_scale)
+        )
+        if max(args.guidance_scale, args.train_guidance_scale) > 1 and not (self.cfg or self.guidance_embeds):
             log_rank_zero(
                 f"--guidance_scale {args.guidance_scale} ignored: the {family.title} pipeline runs no CFG"
             )
@@ -579,6 +654,11 @@ class GRPOTrainer:
             max_grad_norm=args.max_grad_norm, use_ema=bool(args.use_ema),
         )  # fmt: skip
         self.engine, self.ema = self.part.engine, self.part.ema
+        # DiffusionNFT's old policy: an average of the trained weights, partitioned like them
+        self.old_policy = (
+            ShardedEMA(self.engine) if args.objective == "nft" and args.nft_decay_type != 0 else None
+        )
+        self._check_accumulation()
         if (
             acc.state.deepspeed_plugin is not None
             and self.engine.gradient_accumulation_steps() != args.accumulation_steps
@@ -590,7 +670,9 @@ class GRPOTrainer:
         if acc.is_main_process and args.report_to != "none":
             acc.init_trackers(args.tracker_project_name, args.scalars())
         self.rewards_by_spec = {name: [] for name in self.reward_names}
-        resumed = resume_training(acc, args.output_dir, args.resume_from_checkpoint, ema=self.ema)
+        resumed = resume_training(
+            acc, args.output_dir, args.resume_from_checkpoint, ema=self.ema, averages=self._averages()
+        )
         if resumed is not None:
             path, state = resumed
             self.global_step, self.rewards = state["global_step"], state["rewards"]
@@ -605,6 +687,25 @@ class GRPOTrainer:
                 log_rank_zero(
                     f"{path} was written by {state['world_size']} processes; resharded for {acc.num_processes}"
                 )
+
+    def _averages(self) -> dict[str, ShardedEMA]:
+        """The averages a checkpoint holds beside the engine and the EMA: the old policy."""
+        return {} if self.old_policy is None else {"nft_old_policy": self.old_policy}
+
+    def _check_accumulation(self) -> None:
+        """``--gradient_accumulation_steps`` must divide a rank's micro-batches of a round (an
+        optimizer step never spans two rounds, whose samples differ); one error line. Not a
+        collective."""
+        args = self.args
+        groups, _ = self.sampling_ranks
+        micro_batches = -(
+            -samples_per_rank(args.prompts_per_round, args.group_size, groups) // args.train_batch_size
+        )
+        if micro_batches % args.gradient_accumulation_steps:
+            raise ArgumentError(
+                f"--gradient_accumulation_steps {args.gradient_accumulation_steps} does not divide the {micro_batches} "
+                f"micro-batches of --train_batch_size {args.train_batch_size} in a rank's round"
+            )
 
     def _context_parallel(self) -> ContextParallel | None:
         """``--context_parallel_size``: the groups of K ranks that sample, score and train the same
@@ -662,21 +763,23 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ model calls
 
     def _velocity(
-        self, model, x: torch.Tensor, sigma: torch.Tensor, batch: Round, rows: slice
+        self, model, x: torch.Tensor, sigma: torch.Tensor, batch: Round, rows: slice, *, train: bool = False
     ) -> torch.Tensor:
         """The model's velocity at ``x`` (``[n, ...]``) and per-sample ``sigma`` ``[n]`` for the
-        rows ``rows`` of the round, with classifier-free guidance when asked. Collective when
-        the model is sharded."""
+        rows ``rows`` of the round, with classifier-free guidance when asked: ``--guidance_scale``
+        while sampling, ``--train_guidance_scale`` for a training forward (``train``: the trained
+        policy's, the old policy's and the reference's), whose unconditional branch is detached
+        (flow_grpo's ``compute_log_prob``: the gradient flows through the conditional branch
+        only). Collective when the model is sharded."""
+        scale = self.args.train_guidance_scale if train else self.args.guidance_scale
         cond = {k: v[rows] for k, v in batch.cond.items()}
         # fp32, as the scheduler's timesteps the pipelines pass: bf16 would round 999.5 to 1000
         # (steps of 4 near 1000); the family's predict casts where its pipeline does, and a
         # model that embeds in its own dtype (Flux, Qwen-Image) casts inside its forward
         t = sigma.float() * 1000
         if self.guidance_embeds:
-            return self.family.predict(
-                model, x.to(self.dtype), t, cond, guidance_scale=self.args.guidance_scale
-            ).float()
-        if batch.uncond is None:
+            return self.family.predict(model, x.to(self.dtype), t, cond, guidance_scale=scale).float()
+        if batch.uncond is None or scale == 1:
             return self.family.predict(model, x.to(self.dtype), t, cond).float()
         both = {k: cat_padded(batch.uncond[k][rows], v) for k, v in cond.items()}
         v_u, v_c = (
@@ -684,7 +787,18 @@ class GRPOTrainer:
             .float()
             .chunk(2)
         )
-        return self.family.guided_velocity(v_u, v_c, self.args.guidance_scale)
+        return self.family.guided_velocity(v_u.detach() if train else v_u, v_c, scale)
+
+    @contextlib.contextmanager
+    def _old_policy(self):
+        """DiffusionNFT's old policy swapped into the denoiser for the block (sampling, ``v_old``);
+        the trained weights are back after it. Nothing to swap where the old policy is the trained
+        one (GRPO, ``--nft_decay_type 0``). Collective when the denoiser has whole parameters."""
+        if self.old_policy is None:
+            yield
+            return
+        with self.old_policy.averaged_weights():
+            yield
 
     @contextlib.contextmanager
     def _reference(self):
@@ -717,8 +831,9 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def sample_round(self, round_index: int) -> Round:
-        """This rank's padded samples of a round with their SDE trajectories (no gradient).
-        Collective: every rank makes the same number of every model call."""
+        """This rank's padded samples of a round with their SDE trajectories (no gradient), drawn
+        from the old policy where DiffusionNFT keeps one (as its reference samples). Collective:
+        every rank makes the same number of every model call."""
         args, acc = self.args, self.accelerator
         device = acc.device
         groups, group = self.sampling_ranks
@@ -745,14 +860,20 @@ class GRPOTrainer:
         images = []
         for rows in _chunks(length, args.sample_batch_size):
             x = latents[rows]
-            for i in range(args.num_inference_steps):
-                n = x.shape[0]
-                v = self._velocity(self.engine, x, sigmas[i].expand(n), batch, rows)
-                x, log_prob, _, _ = sde_step_with_logprob(
-                    v, sigmas[i], sigmas[i + 1], x, noise_level=args.noise_level, generator=generators[rows]
-                )
-                batch.latents[rows, i + 1] = x
-                batch.log_probs[rows, i] = log_prob
+            with self._old_policy():
+                for i in range(args.num_inference_steps):
+                    n = x.shape[0]
+                    v = self._velocity(self.engine, x, sigmas[i].expand(n), batch, rows)
+                    x, log_prob, _, _ = sde_step_with_logprob(
+                        v,
+                        sigmas[i],
+                        sigmas[i + 1],
+                        x,
+                        noise_level=args.noise_level,
+                        generator=generators[rows],
+                    )
+                    batch.latents[rows, i + 1] = x
+                    batch.log_probs[rows, i] = log_prob
             images.append(self._decode(x))
         batch.images = torch.cat(images)
         return batch
@@ -768,7 +889,8 @@ class GRPOTrainer:
 
     def score_round(self, batch: Round) -> tuple[float, dict[str, float]]:
         """Score every sample's decoded image (dummies too, then dropped; the images are
-        released), fill the advantages and the reward's spread in ``batch.stats``
+        released), fill the advantages (``--global_std``), each sample's weight in the loss
+        (``rl.kept_sample_weight``: ``--filter_zero_std``) and the reward's spread in ``batch.stats``
         (``gather_group_reward_stats``); return the round's mean weighted reward and each
         reward's mean over every rank's real samples. Collective."""
         args, acc = self.args, self.accelerator
@@ -789,8 +911,9 @@ class GRPOTrainer:
         batch.images = None
         groups = torch.tensor([p for p, _ in batch.pairs], device=total.device)[real]
         advantages = torch.zeros(len(batch.pairs), device=acc.device)
-        advantages[real] = gather_group_advantages(total, groups).to(acc.device)
+        advantages[real] = gather_group_advantages(total, groups, global_std=args.global_std).to(acc.device)
         batch.advantages = advantages
+        batch.weight = kept_sample_weight(advantages, real, args.filter_zero_std)
         batch.stats.update(gather_group_reward_stats(total, groups))
         means = {name: self._global_mean(torch.cat(v)[real]) for name, v in per_spec.items()}
         return self._global_mean(total), means
@@ -801,109 +924,158 @@ class GRPOTrainer:
         stats = self.accelerator.reduce(stats.to(self.accelerator.device), reduction="sum")
         return (stats[0] / stats[1]).item()
 
+    def _trained_steps(self, batch: Round) -> torch.Tensor:
+        """``[E, P, K]``: for each inner epoch and sample, the indices of the ``K`` sampled steps it
+        trains on, in order (``rl.trained_timestep_indices``; ``--timestep_subset random``: each
+        sample's own subset per inner epoch, from ``timestep_generator``, the same on any rank).
+        Not a collective."""
+        args = self.args
+        steps = [
+            torch.stack([
+                trained_timestep_indices(
+                    args.num_inference_steps, args.train_timesteps, args.timestep_subset,
+                    timestep_generator(args.seed, batch.index, p, m, epoch),
+                )
+                for p, m in batch.pairs
+            ])
+            for epoch in range(args.num_inner_epochs)
+        ]  # fmt: skip
+        return torch.stack(steps).to(batch.latents.device)
+
     @torch.no_grad()
     def _prepare_nft(self, batch: Round) -> None:
-        """DiffusionNFT's training points before any update: for each trained timestep, the
-        clean latents noised afresh at its sigma (each sample's noise from
-        ``nft_noise_generator``: the same on any rank and any number of ranks) and the sampling
-        policy's velocity there. Collective."""
+        """DiffusionNFT's training points before any update: for each inner epoch and trained
+        slot, each sample's clean latents noised afresh at its trained step's sigma (clamped to
+        0.999; the noise from ``nft_noise_generator``: the same on any rank and any number of
+        ranks) and the old policy's velocity there (the round's sampling policy: the old policy
+        is fixed within a round). Collective."""
         args = self.args
         x0 = batch.latents[:, -1]
         points = []
-        for i in range(args.train_timesteps):
-            sigma = batch.sigmas[i].clamp(max=0.999)  # at sigma 1 x_t holds no trace of x0
-            noise = torch.cat([
-                # CPU: each sample's own CPU generator (the same noise on any device and rank), then moved
-                torch.randn(1, *x0.shape[1:], generator=nft_noise_generator(args.seed, batch.index, p, m, i))
-                for p, m in batch.pairs
-            ]).to(x0.device)  # fmt: skip
-            x_t = (1 - sigma) * x0 + sigma * noise
-            v_old = torch.cat([
-                self._velocity(self.engine, x_t[rows], sigma.expand(rows.stop - rows.start), batch, rows)
-                for rows in _chunks(len(x0), args.train_batch_size)
-            ])  # fmt: skip
-            points.append((x_t, v_old))
+        with self._old_policy():
+            for epoch in range(args.num_inner_epochs):
+                slots = []
+                for k in range(args.train_timesteps):
+                    index = batch.steps[epoch, :, k]
+                    sigma = batch.sigmas[index].clamp(max=0.999)  # at sigma 1 x_t holds no trace of x0
+                    noise = torch.cat([
+                        # CPU: each sample's own CPU generator (the same noise on any device and rank), then moved
+                        torch.randn(1, *x0.shape[1:], generator=nft_noise_generator(args.seed, batch.index, p, m, i, epoch))
+                        for (p, m), i in zip(batch.pairs, index.tolist())
+                    ]).to(x0.device)  # fmt: skip
+                    s = sigma.view(-1, *[1] * (x0.ndim - 1))
+                    x_t = (1 - s) * x0 + s * noise
+                    v_old = torch.cat([
+                        self._velocity(self.engine, x_t[rows], sigma[rows], batch, rows, train=True)
+                        for rows in _chunks(len(x0), args.train_batch_size)
+                    ])  # fmt: skip
+                    slots.append((x_t, v_old, sigma))
+                points.append(slots)
         batch.nft_points = points
 
-    def _loss(self, batch: Round, i: int, rows: slice) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The loss of trained timestep ``i`` on the rows ``rows`` (dummies weigh nothing).
-        Collective: the policy (and reference) forwards run for dummies too."""
+    def _loss(
+        self, batch: Round, epoch: int, k: int, rows: slice
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of inner epoch ``epoch``'s trained slot ``k`` on the rows ``rows``: each
+        sample at its own trained step (``batch.steps``), over the samples of weight above 0
+        (``batch.weight``: no dummy, no filtered sample), scaled by the rows' total weight over
+        their number (a micro-batch's loss is its weighted sum over ``--train_batch_size``).
+        Collective: the policy (and reference) forwards run for every row."""
         args = self.args
-        real = batch.real[rows]
-        n, n_real = rows.stop - rows.start, int(real.sum())
-        adv = batch.advantages[rows][real]
+        weight = batch.weight[rows]
+        keep = weight > 0
+        n, kept = rows.stop - rows.start, int(keep.sum())
+        share = weight.sum().item() / n
+        adv = batch.advantages[rows][keep]
+        index = batch.steps[epoch, rows, k]
         if args.objective == "grpo":
-            x, x_next = batch.latents[rows, i], batch.latents[rows, i + 1]
-            sigma, sigma_next = batch.sigmas[i], batch.sigmas[i + 1]
-            v = self._velocity(self.engine, x, sigma.expand(n), batch, rows)
+            at = torch.arange(n, device=index.device)
+            x, x_next = batch.latents[rows][at, index], batch.latents[rows][at, index + 1]
+            sigma, sigma_next = batch.sigmas[index], batch.sigmas[index + 1]
+            v = self._velocity(self.engine, x, sigma, batch, rows, train=True)
             _, log_prob, mean, std = sde_step_with_logprob(
                 v, sigma, sigma_next, x, noise_level=args.noise_level, prev_sample=x_next
             )
             kl = None
             if args.kl_beta > 0:
                 with torch.no_grad(), self._reference() as reference:
-                    v_ref = self._velocity(reference, x, sigma.expand(n), batch, rows)
+                    v_ref = self._velocity(reference, x, sigma, batch, rows, train=True)
                     _, _, ref_mean, _ = sde_step_with_logprob(
                         v_ref, sigma, sigma_next, x, noise_level=args.noise_level, prev_sample=x_next
                     )
-                kl = sde_kl(mean, ref_mean, std)[real]
-            if n_real == 0:
-                return _masked_mean_loss(None, 0, n, log_prob), {}
+                kl = sde_kl(mean, ref_mean, std)[keep]
+            if kept == 0:
+                return log_prob.float().sum() * 0.0, {}  # its backward still runs: ranks in lockstep
             loss, stats = grpo_loss(
-                log_prob[real], batch.log_probs[rows, i][real], adv, clip_range=args.clip_range,
+                log_prob[keep], batch.log_probs[rows][at, index][keep], adv, clip_range=args.clip_range,
                 adv_clip_max=args.adv_clip_max, kl=kl, kl_beta=args.kl_beta,
             )  # fmt: skip
-            return _masked_mean_loss(loss, n_real, n, log_prob), stats
-        x_t, v_old = batch.nft_points[i][0][rows], batch.nft_points[i][1][rows]
-        sigma = batch.sigmas[i].clamp(max=0.999)
-        v = self._velocity(self.engine, x_t, sigma.expand(n), batch, rows)
+            return loss * share, stats
+        x_t, v_old, sigma = (t[rows] for t in batch.nft_points[epoch][k])
+        v = self._velocity(self.engine, x_t, sigma, batch, rows, train=True)
         v_ref = None
         if args.kl_beta > 0:
             with torch.no_grad(), self._reference() as reference:
-                v_ref = self._velocity(reference, x_t, sigma.expand(n), batch, rows)[real]
-        if n_real == 0:
-            return _masked_mean_loss(None, 0, n, v), {}
+                v_ref = self._velocity(reference, x_t, sigma, batch, rows, train=True)[keep]
+        if kept == 0:
+            return v.float().sum() * 0.0, {}
         loss, stats = nft_loss(
-            v[real], v_old[real], x_t[real], batch.latents[rows, -1][real], sigma, adv, beta=args.nft_beta,
-            adv_clip_max=args.adv_clip_max, v_ref=v_ref, kl_beta=args.kl_beta,
+            v[keep], v_old[keep], x_t[keep], batch.latents[rows, -1][keep], sigma[keep], adv, beta=args.nft_beta,
+            adv_clip_max=args.adv_clip_max, adv_mode=args.nft_adv_mode, v_ref=v_ref, kl_beta=args.kl_beta,
         )  # fmt: skip
-        return _masked_mean_loss(loss, n_real, n, v), stats
+        return loss * share, stats
 
     def train_round(self, batch: Round) -> float:
-        """The round's updates: inner epochs x micro-batches x trained timesteps, one backward
-        each, the optimizer stepped once per micro-batch on the mean of its timesteps' gradients
-        (``--step_every_timestep``: after each backward); returns the mean loss, and puts the
-        loss's statistics (``LOSS_STATS``: each backward's over its real samples, weighted by
-        their number, over every rank) in ``batch.stats``. Collective."""
+        """The round's updates: inner epochs x micro-batches x trained slots, one backward each,
+        the optimizer stepped once per ``--gradient_accumulation_steps`` micro-batches on the
+        mean of their backwards' gradients (``--step_every_timestep``: per
+        ``--gradient_accumulation_steps`` backwards), the EMA updated as the references' and,
+        after the round, DiffusionNFT's old policy moved toward the trained weights
+        (``rl.nft_old_decay``); returns the mean loss, and puts the loss's statistics
+        (``LOSS_STATS``: each backward's over its kept samples, weighted by their number, over
+        every rank) in ``batch.stats``. Collective."""
         args, acc = self.args, self.accelerator
+        batch.steps = self._trained_steps(batch)
         if args.objective == "nft":
             self._prepare_nft(batch)
         names = LOSS_STATS[args.objective]
-        # sums of each statistic times its real samples, then the number of real samples
+        # sums of each statistic times its kept samples, then the number of kept samples
         sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=acc.device)
         losses = []
-        for _ in range(args.num_inner_epochs):
+        for epoch in range(args.num_inner_epochs):
             for rows in _chunks(len(batch.pairs), args.train_batch_size):
-                for i in range(args.train_timesteps):
+                for k in range(args.train_timesteps):
                     # accelerate syncs (and DeepSpeed steps) every accumulation_steps backwards: at
-                    # a micro-batch's last trained timestep; the loss is divided by their number
+                    # the last trained slot of every --gradient_accumulation_steps-th micro-batch;
+                    # the loss is divided by their number
                     with acc.accumulate(self.engine):
-                        loss, stats = self._loss(batch, i, rows)
+                        loss, stats = self._loss(batch, epoch, k, rows)
                         acc.backward(loss * self.cp.loss_scale if self.cp is not None else loss)
                         step_part(self.part, acc, acc.sync_gradients)
                     if acc.sync_gradients:
                         self.optimizer_steps += 1
-                        if self.ema is not None:
-                            self.ema.step()
+                        self._update_ema()
                     losses.append(loss.detach().float())
-                    if stats:  # none for a micro-batch of dummies alone
-                        n_real = batch.real[rows].sum().double()
-                        sums += torch.stack([*(stats[k].double() * n_real for k in names), n_real])
+                    if stats:  # none for a micro-batch without a kept sample
+                        n_kept = (batch.weight[rows] > 0).sum().double()
+                        sums += torch.stack([*(stats[name].double() * n_kept for name in names), n_kept])
+        if self.old_policy is not None:
+            self.old_policy.update(nft_old_decay(self._optimizer_steps(), args.nft_decay_type))
         sums = acc.reduce(sums, reduction="sum")
         batch.stats.update(
             {k: (v / sums[-1]).item() if sums[-1] > 0 else math.nan for k, v in zip(names, sums)}
         )
         return torch.stack(losses).mean().item()
+
+    def _update_ema(self) -> None:
+        """After an optimizer step: the EMA (``--use_ema``) as the references' ``EMAModuleWrapper``,
+        decay ``min((1 + s) / (10 + s), --ema_decay)`` at every ``--ema_update_every``-th step
+        ``s``. Local: no collective."""
+        if self.ema is None:
+            return
+        step = self._optimizer_steps()
+        if reference_ema_updates(step, self.args.ema_update_every):
+            self.ema.update(reference_ema_decay(step, self.args.ema_decay))
 
     # ------------------------------------------------------------------ the loop
 
@@ -959,7 +1131,7 @@ class GRPOTrainer:
                 acc, args.output_dir, self.global_step,
                 {"epoch": 0, "batches_in_epoch": 0, "rewards": self.rewards, "rewards_by_spec": self.rewards_by_spec,
                  "seconds": self.seconds, "stats": self.stats},
-                ema=self.ema, total_limit=args.checkpoints_total_limit,
+                ema=self.ema, total_limit=args.checkpoints_total_limit, averages=self._averages(),
             )  # fmt: skip
 
     def _optimizer_steps(self) -> int:

@@ -10,6 +10,13 @@ from .advantages import (
 )
 from .groups import group_assignment, samples_per_rank
 from .losses import grpo_loss, nft_loss, nft_optimality, sde_kl
+from .schedules import (
+    kept_sample_weight,
+    nft_old_decay,
+    reference_ema_decay,
+    reference_ema_updates,
+    trained_timestep_indices,
+)
 from .sde import sde_step_with_logprob
 
 __all__ = [
@@ -19,9 +26,14 @@ __all__ = [
     "group_reward_stats",
     "group_assignment",
     "grpo_loss",
+    "kept_sample_weight",
     "nft_loss",
+    "nft_old_decay",
     "nft_optimality",
+    "reference_ema_decay",
+    "reference_ema_updates",
     "samples_per_rank",
     "sde_kl",
     "sde_step_with_logprob",
+    "trained_timestep_indices",
 ]

@@ -99,9 +99,17 @@ class ShardedEMA:
 
     @torch.no_grad()
     def step(self, model=None) -> None:
-        """One EMA update from the current weights. Local: no collective, call on every rank."""
+        """One EMA update from the current weights, with ``get_decay``'s decay. Local: no
+        collective, call on every rank."""
         self.optimization_step += 1
-        decay = self.get_decay(self.optimization_step)
+        self.update(self.get_decay(self.optimization_step))
+
+    @torch.no_grad()
+    def update(self, decay: float) -> None:
+        """``average = decay * average + (1 - decay) * weights``, with a decay the caller
+        schedules (the step counter is left alone: e.g. the RL references' EMA, or DiffusionNFT's
+        old policy following the trained one once a round). Local: no collective, call on every
+        rank."""
         self.cur_decay_value = decay
         sources = [self._source(p) for _, p in self._named]
         sources = [s.to(self.device or s.device, torch.float32) for s in sources]

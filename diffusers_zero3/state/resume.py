@@ -146,6 +146,7 @@ def save_training_checkpoint(
     ema=None,
     total_limit: int | None = None,
     parts=(),
+    averages: dict | None = None,
 ) -> Path:
     """Save a resumable ``checkpoint-<global_step>`` folder atomically. Collective: every rank.
 
@@ -154,7 +155,8 @@ def save_training_checkpoint(
     trained models of the job (``parts``: each own-engine ``parts.TrainedModel`` as
     ``<name>/`` in DeepSpeed's layout, its schedule and its EMA shards), and
     ``training_state.json`` (``training_state`` plus the step, the world size and the parts'
-    names). Written into ``.tmp-checkpoint-<step>-*``, fsynced and renamed by global rank 0
+    names). ``averages`` (``{name: ShardedEMA}``, e.g. DiffusionNFT's old policy) add one
+    ``average_<name>_rank<r>.pt`` per rank each. Written into ``.tmp-checkpoint-<step>-*``, fsynced and renamed by global rank 0
     (``collective_publish``), so a crash leaves no partial ``checkpoint-*``. Then, with
     ``total_limit``, the oldest checkpoints beyond the newest ``total_limit`` are deleted (the
     new one is the newest, so it always remains). ``output_dir`` must be one folder that every
@@ -175,6 +177,8 @@ def save_training_checkpoint(
         accelerator.save_state(str(tmp))
         if ema is not None:
             torch.save(ema.state_dict(), tmp / f"ema_rank{get_rank()}.pt")
+        for name, average in (averages or {}).items():
+            torch.save(average.state_dict(), tmp / f"average_{name}_rank{get_rank()}.pt")
         for part in own:
             part.engine.save_checkpoint(str(tmp), tag=part.name)  # collective
             if is_main_process():
@@ -200,11 +204,12 @@ def _engine_files(model_dir: Path, rank: int) -> list[tuple[Path, ...]]:
 
 
 def _files_needed(
-    path: Path, ranks: list[int], ema: bool, parts: list[tuple[str, bool]] = ()
+    path: Path, ranks: list[int], ema: bool, parts: list[tuple[str, bool]] = (), averages=()
 ) -> list[tuple[Path, ...]]:
     """The files of the saved ``ranks`` this rank needs to resume from ``path`` (its own when
     the world size is unchanged, every saved rank's otherwise), each as the names it may have;
-    ``parts`` are the other trained models' ``(name, with EMA)``."""
+    ``parts`` are the other trained models' ``(name, with EMA)``, ``averages`` the names of
+    the other averages."""
     need = [(path / STATE_FILE,)]
     model_dir = path / "pytorch_model"
     engine = model_dir.is_dir() or (path / "latest").exists()  # a DeepSpeed engine's checkpoint
@@ -212,6 +217,7 @@ def _files_needed(
         need.append((path / f"{name}_lr_scheduler.pt",))
     for rank in ranks:
         need.append((path / f"random_states_{rank}.pkl",))
+        need.extend((path / f"average_{name}_rank{rank}.pt",) for name in averages)
         if ema:
             need.append((path / f"ema_rank{rank}.pt",))
         if engine:
@@ -223,14 +229,15 @@ def _files_needed(
     return need
 
 
-def check_resumable(path: str | os.PathLike, *, ema: bool = False, parts=()) -> dict:
+def check_resumable(path: str | os.PathLike, *, ema: bool = False, parts=(), averages=()) -> dict:
     """Check on every rank that ``path`` can be resumed here; return its training state.
 
     Collective: call on every rank. Raises ``CheckpointError`` on every rank when a rank
     does not see the files it needs (its own, or every saved rank's when the number of
     processes changed; node-local disks: checkpoints need a filesystem that every machine
     shares), or when ``ema`` is asked for and it has no EMA state, or when the job's other
-    trained models (``parts``) are not the checkpoint's. The state's ``world_size`` is the
+    trained models (``parts``) are not the checkpoint's, or one of ``averages`` (names) is
+    missing. The state's ``world_size`` is the
     number of processes that wrote it.
     """
     path = Path(path)
@@ -253,7 +260,7 @@ def check_resumable(path: str | os.PathLike, *, ema: bool = False, parts=()) -> 
         ranks = [rank] if saved == world else list(range(saved))
         missing = [
             str(names[0].relative_to(path))
-            for names in _files_needed(path, ranks, ema, own)
+            for names in _files_needed(path, ranks, ema, own, averages)
             if not any(p.exists() for p in names)
         ]
     reports = all_gather_object((missing, state))
@@ -287,21 +294,26 @@ def load_ema_shard(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"{path} is not a plain tensor file; refusing to unpickle it ({e})") from e
 
 
-def load_training_checkpoint(accelerator, path: str | os.PathLike, *, ema=None, check=None, parts=()) -> dict:
+def load_training_checkpoint(
+    accelerator, path: str | os.PathLike, *, ema=None, check=None, parts=(), averages: dict | None = None
+) -> dict:
     """Restore what ``save_training_checkpoint`` wrote; return its training state.
 
     Collective: call on every rank. Checks the checkpoint first (``check_resumable``, then
     ``check(state)`` if given, which may raise before anything is loaded or written). With
     the number of processes that wrote it, accelerate's ``load_state`` restores everything
     as it was; with another number, ``load_resharded`` does. The other trained models
-    (``parts``) are restored either way.
+    (``parts``) and the other averages (``averages``, ``{name: ShardedEMA}``) are restored
+    either way.
     """
     path = Path(path)
-    state = check_resumable(path, ema=ema is not None, parts=parts)
+    averages = averages or {}
+    state = check_resumable(path, ema=ema is not None, parts=parts, averages=list(averages))
     if check is not None:
         check(state)
     own = [p for p in parts if p.own_engine]
     saved_world = int(state["world_size"])
+    _load_averages(averages, path, saved_world)
     if saved_world != get_world_size():
         load_resharded(accelerator, path, saved_world, ema=ema, parts=own)
         return state
@@ -312,6 +324,18 @@ def load_training_checkpoint(accelerator, path: str | os.PathLike, *, ema=None, 
         part.engine.load_checkpoint(str(path), tag=part.name)
         _load_part_state(part, path, saved_world)
     return state
+
+
+def _load_averages(averages: dict, path: Path, saved_world: int) -> None:
+    """Each ``{name: ShardedEMA}`` from its ``average_<name>_rank<r>.pt`` files: this rank's, or
+    re-cut from every saved rank's. Not a collective."""
+    for name, average in averages.items():
+        if saved_world == get_world_size():
+            average.load_state_dict(load_ema_shard(path / f"average_{name}_rank{get_rank()}.pt"))
+        else:
+            average.load_resharded(
+                [load_ema_shard(path / f"average_{name}_rank{r}.pt") for r in range(saved_world)]
+            )
 
 
 def _load_part_state(part, path: Path, saved_world: int) -> None:
@@ -503,8 +527,9 @@ def _load_rng_states(accelerator, file: Path) -> None:
 
 
 def resume_training(
-    accelerator, output_dir: str | os.PathLike, value: str | None, *, ema=None, check=None, parts=()
-):
+    accelerator, output_dir: str | os.PathLike, value: str | None, *, ema=None, check=None, parts=(),
+    averages: dict | None = None,
+):  # fmt: skip
     """Resume as ``--resume_from_checkpoint value`` asks; return ``(path, state)`` or None.
 
     Collective: call on every rank, after ``accelerator.prepare`` (and the other trained
@@ -514,7 +539,7 @@ def resume_training(
     path = resolve_resume_checkpoint(output_dir, value)
     if path is None:
         return None
-    state = load_training_checkpoint(accelerator, path, ema=ema, check=check, parts=parts)
+    state = load_training_checkpoint(accelerator, path, ema=ema, check=check, parts=parts, averages=averages)
     if is_main_process():
         abandon_newer_checkpoints(output_dir, int(state["global_step"]))
     barrier()
