@@ -178,3 +178,44 @@ def test_training_cfg_detaches_the_unconditional_branch():
     with torch.no_grad():
         sampled = trainer._velocity(model, x, sigma, batch, rows)
         torch.testing.assert_close(sampled, branch(uncond) + 4.5 * (branch(cond) - branch(uncond)))
+
+
+def test_a_trajectorys_noise_drawn_up_front_is_the_step_by_steps():
+    """``GRPOTrainer.sample_round`` draws each sample's initial latents and every step's noise up
+    front (one copy to the device) instead of per step: the same trajectories, to the bit, as
+    ``sde_step_with_logprob`` drawing from each sample's generator at each step."""
+    from diffusers_zero3.recipes.grpo import sample_generator
+    from diffusers_zero3.rl import sde_step_with_logprob
+
+    shape, steps, sigmas = (4, 8, 8), 3, torch.tensor([1.0, 0.6, 0.3, 0.0])
+    pairs = [(0, 0), (0, 1), (2, 1)]
+
+    def velocity(x):
+        return -0.5 * x + 0.1
+
+    gens = [sample_generator(0, 0, p, m) for p, m in pairs]
+    x = torch.cat([torch.randn(1, *shape, generator=g) for g in gens])
+    per_step = []
+    for i in range(steps):
+        x, lp, _, _ = sde_step_with_logprob(
+            velocity(x), sigmas[i], sigmas[i + 1], x, noise_level=0.7, generator=gens
+        )
+        per_step.append((x, lp))
+    gens = [sample_generator(0, 0, p, m) for p, m in pairs]
+    x = torch.cat([torch.randn(1, *shape, generator=g) for g in gens])
+    noise = torch.stack(
+        [torch.cat([torch.randn(1, *shape, generator=g) for _ in range(steps)]) for g in gens]
+    )
+    for i in range(steps):
+        x, lp, _, _ = sde_step_with_logprob(
+            velocity(x), sigmas[i], sigmas[i + 1], x, noise_level=0.7, noise=noise[:, i]
+        )
+        assert torch.equal(x, per_step[i][0]) and torch.equal(lp, per_step[i][1]), i
+    # positive control: another sample's noise gives another trajectory
+    x2, _, _, _ = sde_step_with_logprob(
+        velocity(x), sigmas[0], sigmas[1], x, noise_level=0.7, noise=noise[:, 0].flip(0)
+    )
+    x1, _, _, _ = sde_step_with_logprob(
+        velocity(x), sigmas[0], sigmas[1], x, noise_level=0.7, noise=noise[:, 0]
+    )
+    assert not torch.equal(x1, x2)

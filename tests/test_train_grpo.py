@@ -176,6 +176,44 @@ def test_settings_defaults_and_prompt_file(tmp_path):
     (tmp_path / "p.txt").write_text("one\n\ntwo\n")
     assert _parse("--prompt_file", str(tmp_path / "p.txt")).prompts == ["one", "two"]
     assert _parse("--prompts", "a", "--timestep_fraction", "0.25").train_timesteps == 2
+    # the references' defaults: global_std and the zero-advantage filter on, CFG while training at
+    # the sampling scale, flow_grpo's timesteps in order and EMA every 8 steps, DiffusionNFT's at
+    # random and every step, its old policy's decay type 1 and adv_mode "all"
+    grpo, nft = (
+        _parse("--prompts", "a", "--guidance_scale", "4.5"),
+        _parse("--prompts", "a", "--objective", "nft"),
+    )
+    assert grpo.global_std and grpo.filter_zero_std and grpo.train_guidance_scale == 4.5
+    assert (grpo.timestep_subset, grpo.ema_update_every, grpo.ema_decay) == ("first", 8, 0.9)
+    assert (nft.timestep_subset, nft.ema_update_every, nft.nft_decay_type, nft.nft_adv_mode) == (
+        "random",
+        1,
+        1,
+        "all",
+    )
+    assert not _parse("--prompts", "a", "--global_std", "false").global_std
+    assert _parse("--prompts", "a", "--gradient_accumulation_steps", "3").accumulation_steps == 30
+    assert (
+        _parse(
+            "--prompts", "a", "--gradient_accumulation_steps", "3", "--step_every_timestep"
+        ).accumulation_steps
+        == 3
+    )
+    # a .jsonl prompt file: each row's prompt, the row its metadata
+    from diffusers_zero3.recipes.grpo import read_prompt_file
+
+    rows = [{"prompt": "a red bench", "color": "red"}, {"prompt": "two cats", "count": 2}]
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert _parse("--prompt_file", str(tmp_path / "p.jsonl")).prompts == ["a red bench", "two cats"]
+    assert read_prompt_file(str(tmp_path / "p.jsonl"), "--prompt_file") == (["a red bench", "two cats"], rows)
+    evaluated = _parse(
+        "--prompts", "a", "--eval_prompt_file", str(tmp_path / "p.txt"), "--checkpointing_steps", "5"
+    )
+    assert (evaluated.eval_steps, evaluated.eval_num_inference_steps, evaluated.eval_resolution) == (
+        5,
+        40,
+        512,
+    )
 
 
 @pytest.mark.unit
@@ -198,6 +236,12 @@ def test_settings_defaults_and_prompt_file(tmp_path):
         (["--prompts", "a", "--reward", "nosuch"], "--reward nosuch: unknown built-in reward"),
         (["--prompts", "a", "--num_inner_epochs", "0"], "--num_inner_epochs must be at least 1, got 0"),
         (["--prompts", "a", "--sample_grid_steps", "0"], "--sample_grid_steps must be at least 1, got 0"),
+        (["--prompts", "a", "--train_guidance_scale", "0.5"], "--train_guidance_scale must be >= 1"),
+        (["--prompts", "a", "--ema_decay", "1"], "--ema_decay must be in [0, 1), got 1.0"),
+        (["--prompts", "a", "--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps must be at least 1"),
+        (["--prompts", "a", "--eval_steps", "2"], "--eval_reward and --eval_steps need --eval_prompt_file"),
+        (["--prompts", "a", "--eval_prompt_file", "/nonexistent/e.jsonl"],
+         "--eval_prompt_file /nonexistent/e.jsonl: no such file"),
     ],
 )  # fmt: skip
 def test_settings_errors_are_one_line(extra, message):
@@ -206,6 +250,24 @@ def test_settings_errors_are_one_line(extra, message):
     with pytest.raises(ArgumentError) as e:
         _parse(*extra)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"prompt": "a"}\nnot json\n', "row 2 is not JSON"),
+        ('{"caption": "a"}\n', "row 1 is not an object with a 'prompt' string"),
+        ("\n\n", "no prompts in it"),
+    ],
+)
+def test_a_bad_jsonl_prompt_file_is_one_line(text, message, tmp_path):
+    from diffusers_zero3.errors import ArgumentError
+
+    (tmp_path / "p.jsonl").write_text(text)
+    with pytest.raises(ArgumentError) as e:
+        _parse("--prompt_file", str(tmp_path / "p.jsonl"))
+    assert f"--prompt_file {tmp_path / 'p.jsonl'}: {message}" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.unit
@@ -441,12 +503,21 @@ def test_guidance_follows_the_pipelines():
 
 @pytest.mark.e2e
 def test_lora_grpo_with_function_and_sharded_clip_reward(tiny_sd3, tiny_clip, tmp_path):
+    """LoRA + grpo with a python reward beside a sharded CLIP score, every knob of the references
+    away from its default, and an evaluation before each round and after the last on 3 held-out
+    .jsonl prompts (their metadata to a GenEval-style reward), at another resolution."""
     out = tmp_path / "lora"
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text("".join(json.dumps(row) + "\n" for row in [
+        {"prompt": "a red apple", "color": "red"}, {"prompt": "a photo of a car", "color": "blue"},
+        {"prompt": "a green field", "tag": "colors"}]))  # fmt: skip
     argv = [*LAUNCH, "--pretrained_model_name_or_path", tiny_sd3, *SMALL, "--rank", "4",
             "--reward", REDNESS, "--reward", "clip_score=0.01", "--reward_model", f"clip_score={tiny_clip}",
             "--reward_placement", "clip_score=shard", "--kl_beta", "0.01", "--num_inner_epochs", "2",
             "--gradient_accumulation_steps", "2", "--use_ema", "--ema_decay", "0.5", "--ema_update_every", "1",
             "--global_std", "false", "--guidance_scale", "2", "--train_guidance_scale", "1.5",
+            "--eval_prompt_file", str(held_out), "--eval_steps", "1", "--eval_num_inference_steps", "2",
+            "--eval_resolution", "48", "--eval_reward", "diffusers_zero3.demo.rewards:named_colour",
             "--checkpointing_steps", "1", "--output_dir", str(out)]  # fmt: skip
     _, log = run_launcher(argv, timeout=240)
     assert sorted(_rounds(log)) == [1, 2], log[-3000:]
@@ -475,14 +546,25 @@ def test_lora_grpo_with_function_and_sharded_clip_reward(tiny_sd3, tiny_clip, tm
         assert summary.get(label) == str(path.resolve()), (label, log[-3000:])
     assert summary["rewards"].startswith(f"{(out / 'rewards.json').resolve()} (")
     assert summary["sample grids"].startswith(f"{(out / 'samples').resolve()} (")
+    # evaluations before rounds 1 and 2 and after round 2, each reward's mean over the 3 prompts
+    # (2 on rank 0, 1 on rank 1 and a dummy); the curve, and rank 0's images at 48 px
+    evaluations = json.loads((out / "eval.json").read_text())
+    colour = "diffusers_zero3.demo.rewards:named_colour"
+    assert set(evaluations) == {"round", "mean", REDNESS, "clip_score", colour}, evaluations
+    assert evaluations["round"] == [0, 1, 2] and all(len(v) == 3 for v in evaluations.values()), evaluations
+    assert all(v in (0.0, 1 / 3, 2 / 3, 1.0) for v in evaluations[colour]), evaluations  # 0/1 per prompt
+    for mean, red, clip in zip(evaluations["mean"], evaluations[REDNESS], evaluations["clip_score"]):
+        assert mean == pytest.approx(red + 0.01 * clip, abs=1e-5)  # the total of --reward only
+    assert summary.get("evaluation curve") == str((out / "eval.png").resolve())
+    from PIL import Image
+
+    assert Image.open(out / "samples" / "eval-2.png").size == (2 * 48, 48)
     assert "TensorBoard logs" not in summary  # --report_to none
     # the round lines print (the log is not a terminal) and go to the step log alike
     logged = (out / "logs" / "train.log").read_text().splitlines()
     assert [int(line.split()[1]) for line in logged] == [1, 2] and logged[0] in log
     # a grid of rank 0's samples per round (every checkpoint by default): 5 of the 9 samples
     # (3 prompts x 3) are rank 0's, 4 a row, with each one's prompt and weighted reward
-    from PIL import Image
-
     for n in (1, 2):
         shown = json.loads((out / "samples" / f"round-{n}.json").read_text())
         assert len(shown) == 5 and all(isinstance(s["reward"], float) for s in shown), shown
@@ -511,6 +593,16 @@ def test_lora_grpo_with_function_and_sharded_clip_reward(tiny_sd3, tiny_clip, tm
     assert all(resumed["seconds"][p][0] == seconds[p][0] for p in seconds)
     assert all(resumed["stats"][k][0] == stats[k][0] for k in stats)  # round 1's from the checkpoint
     _check_stats(resumed["stats"], 2)
+    # the evaluation before round 1 comes from the checkpoint; those before round 2 and after it are
+    # sampled again, deterministically, from the same (EMA) weights: the same numbers
+    again_evals = json.loads((tmp_path / "resumed" / "eval.json").read_text())
+    assert again_evals["round"] == [0, 1, 2] and again_evals["mean"][0] == evaluations["mean"][0]
+    for name in evaluations:
+        assert again_evals[name] == pytest.approx(evaluations[name], abs=1e-6), (
+            name,
+            again_evals,
+            evaluations,
+        )
 
 
 @pytest.mark.e2e

@@ -158,6 +158,8 @@ class GRPOSettings(CommonSettings):
     seed: int = redefault(_C, "seed", 0)
     train_batch_size: int = redefault(_C, "train_batch_size", 4)
     max_train_steps: int = redefault(_C, "max_train_steps", 20)
+    learning_rate: float = redefault(_C, "learning_rate", 3e-4)  # the references' train.learning_rate
+    adam_weight_decay: float = redefault(_C, "adam_weight_decay", 1e-4)  # their train.adam_weight_decay
     # --- placements of the frozen models (None: replicate)
     text_encoder_placement: str | None = placement_flag(
         None, "Where text_encoder lives.", ENGINE_PLACEMENT_CHOICES
@@ -180,7 +182,11 @@ class GRPOSettings(CommonSettings):
     # --- the objective
     objective: str = flag("grpo", "grpo: Flow-GRPO; nft: DiffusionNFT.", choices=OBJECTIVES)
     prompts: list[str] | None = flag(None, "Prompts to sample from.")
-    prompt_file: str | None = flag(None, "A text file of prompts, one a line (instead of --prompts).")
+    prompt_file: str | None = flag(
+        None,
+        "A text file of prompts, one a line, or a .jsonl file of rows with a 'prompt' (the row is the prompt's "
+        "metadata, given to a reward function that takes a third argument), instead of --prompts.",
+    )
     group_size: int = flag(4, "Images per prompt in a round (a group; its members may sit on several ranks).")
     prompts_per_round: int | None = flag(None, "Prompts (groups) per round (default: every prompt).")
     sample_batch_size: int = flag(4, "Samples per denoiser / VAE / reward call while sampling.")
@@ -251,6 +257,19 @@ class GRPOSettings(CommonSettings):
     reward_model: list[str] = flag([], "NAME=PATH_OR_HUB_ID of a built-in reward.", append=True)
     reward_placement: list[str] = flag([], "NAME=shard|replicate|offload of a built-in reward.", append=True)
     reward_micro_batch_size: int = flag(8, "Samples per reward-model forward.")
+    # --- evaluation: held-out prompts sampled deterministically (ODE) with fixed seeds
+    eval_prompt_file: str | None = flag(
+        None, "Held-out prompts to evaluate on (a text file, or .jsonl rows with a 'prompt' and metadata)."
+    )
+    eval_steps: int | None = flag(
+        None, "Evaluate before the first round and every N rounds (default: --checkpointing_steps)."
+    )
+    eval_num_inference_steps: int | None = flag(
+        None, "Euler (ODE) steps of an evaluation sample (default: 40)."
+    )
+    eval_resolution: int | None = flag(None, "Evaluation images' side (default: --resolution).")
+    eval_reward: list[str] = flag([], "SPEC[=WEIGHT]: a reward measured at evaluation only (repeatable); "
+                                  "every --reward is measured too.", append=True, metavar="SPEC")  # fmt: skip
     sample_grid_steps: int | None = flag(
         None,
         "Every N rounds, save rank 0's samples of the round with their rewards as "
@@ -271,10 +290,7 @@ class GRPOSettings(CommonSettings):
         if self.prompts and self.prompt_file:
             raise ArgumentError("give --prompts or --prompt_file, not both")
         if self.prompt_file:
-            path = Path(self.prompt_file)
-            if not path.is_file():
-                raise ArgumentError(f"--prompt_file {self.prompt_file}: no such file")
-            self.prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+            self.prompts, _ = read_prompt_file(self.prompt_file, "--prompt_file")
         if not self.prompts:
             raise ArgumentError("no prompts: give --prompts or a non-empty --prompt_file")
         if not self.reward:
@@ -283,6 +299,16 @@ class GRPOSettings(CommonSettings):
                      "train_batch_size", "max_train_steps", "reward_micro_batch_size"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ArgumentError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.eval_prompt_file is not None:
+            read_prompt_file(self.eval_prompt_file, "--eval_prompt_file")  # its errors, early
+            self.eval_steps = self.eval_steps or self.checkpointing_steps
+            self.eval_num_inference_steps = self.eval_num_inference_steps or 40
+            self.eval_resolution = self.eval_resolution or self.resolution
+            for name in ("eval_steps", "eval_num_inference_steps", "eval_resolution"):
+                if getattr(self, name) < 1:
+                    raise ArgumentError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        elif self.eval_reward or self.eval_steps:
+            raise ArgumentError("--eval_reward and --eval_steps need --eval_prompt_file")
         if self.sample_grid_steps is not None and self.sample_grid_steps < 1:
             raise ArgumentError(f"--sample_grid_steps must be at least 1, got {self.sample_grid_steps}")
         if self.prompts_per_round is None:
@@ -328,7 +354,14 @@ class GRPOSettings(CommonSettings):
                 f"--reference_placement {self.reference_placement} applies to full fine-tuning: with LoRA "
                 f"(--rank {self.rank}) the reference is the base with the adapters disabled"
             )
-        parse_reward_specs(self.reward, self.reward_model, self.reward_placement)  # its errors, early
+        self.reward_specs()  # their errors, early
+
+    def reward_specs(self) -> tuple[list, list]:
+        """``(--reward specs, --eval_reward specs)`` (``rewards.RewardSpec``), parsed together so
+        that ``--reward_model`` / ``--reward_placement`` may name either; one ``ArgumentError``
+        line for a bad one."""
+        specs = parse_reward_specs([*self.reward, *self.eval_reward], self.reward_model, self.reward_placement)
+        return specs[: len(self.reward)], specs[len(self.reward) :]
 
     @property
     def train_timesteps(self) -> int:
@@ -344,6 +377,49 @@ class GRPOSettings(CommonSettings):
         return self.gradient_accumulation_steps * per_batch
 
 
+def read_prompt_file(path: str, flag_name: str) -> tuple[list[str], list[dict]]:
+    """The prompts of a prompt file and each one's metadata: a text file (one prompt a line, no
+    metadata: ``{}``), or a ``.jsonl`` file whose rows are objects with a ``"prompt"`` (the whole
+    row is the metadata, as GenEval's ``*_metadata.jsonl``). One ``ArgumentError`` line naming
+    the file (and row) for a missing file, a bad row or no prompt. Not a collective.
+
+    Example:
+        >>> read_prompt_file("geneval.jsonl", "--eval_prompt_file")  # doctest: +SKIP
+        (['a photo of a red bench'], [{'prompt': 'a photo of a red bench', 'tag': 'colors', ...}])
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise ArgumentError(f"{flag_name} {path}: no such file")
+    lines = [line.strip() for line in file.read_text().splitlines() if line.strip()]
+    if file.suffix != ".jsonl":
+        prompts, metadata = lines, [{} for _ in lines]
+    else:
+        prompts, metadata = [], []
+        for number, line in enumerate(lines, 1):
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise ArgumentError(f"{flag_name} {path}: row {number} is not JSON ({e})") from e
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise ArgumentError(
+                    f"{flag_name} {path}: row {number} is not an object with a 'prompt' string"
+                )
+            prompts.append(row["prompt"])
+            metadata.append(row)
+    if not prompts:
+        raise ArgumentError(f"{flag_name} {path}: no prompts in it")
+    return prompts, metadata
+
+
+@dataclasses.dataclass
+class Conditioning:
+    """The text conditioning of a batch of samples (the family's), and the empty prompts' for CFG
+    (None without CFG): what ``GRPOTrainer._velocity`` reads of a ``Round``."""
+
+    cond: dict[str, torch.Tensor]
+    uncond: dict[str, torch.Tensor] | None
+
+
 @dataclasses.dataclass
 class Round:
     """One round of this rank's samples, padded to ``samples_per_rank``: ``real`` marks the
@@ -356,6 +432,7 @@ class Round:
     pairs: list[tuple[int, int]]
     real: torch.Tensor  # [P] bool
     prompts: list[str]
+    metadata: list[dict]  # each sample's prompt's metadata (a .jsonl prompt file's row, else {})
     cond: dict[str, torch.Tensor]
     uncond: dict[str, torch.Tensor] | None
     latents: torch.Tensor  # [P, T + 1, *family.denoiser_latent_shape]: [C, H, W], Qwen-Image [C, 1, H, W]
@@ -475,6 +552,15 @@ def decode_images(family, vae, normalize, latents: torch.Tensor) -> torch.Tensor
     return (images.float() / 2 + 0.5).clamp(0, 1)
 
 
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` (on the host) on ``device``: through pinned memory and a non-blocking copy on
+    CUDA (the copy overlaps the queued kernels; no sync), a plain move elsewhere. Not a
+    collective."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def wall_clock(device: torch.device) -> float:
     """``time.perf_counter()`` once the work queued on ``device`` is done (CUDA runs kernels
     asynchronously: without the wait, a phase's kernels would count in the next one). Not a
@@ -506,10 +592,11 @@ def cat_padded(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def save_sample_grid(
-    folder: Path, round_number: int, images: torch.Tensor, prompts: list[str], rewards: list[float]
-) -> Path:
+    folder: Path, round_number: int, images: torch.Tensor, prompts: list[str], rewards: list[float],
+    stem: str = "round",
+) -> Path:  # fmt: skip
     """Save a round's samples (``[n, 3, H, W]`` in ``[0, 1]``) as one grid
-    ``folder/round-N.png`` (4 per row) and ``folder/round-N.json`` (each image's prompt and
+    ``folder/<stem>-N.png`` (4 per row) and ``folder/<stem>-N.json`` (each image's prompt and
     weighted reward, in the grid's order); each file written whole, then renamed into place.
     Main process only (no collective); returns the PNG's path."""
     import numpy as np
@@ -520,10 +607,10 @@ def save_sample_grid(
     grid = image_grid(
         [Image.fromarray(np.ascontiguousarray(x.numpy())) for x in pixels], cols=min(4, len(pixels))
     )
-    path = folder / f"round-{round_number}.png"
-    grid.save(folder / f".round-{round_number}.png.partial", format="PNG")
-    (folder / f".round-{round_number}.png.partial").replace(path)
-    meta = folder / f"round-{round_number}.json"
+    path = folder / f"{stem}-{round_number}.png"
+    grid.save(folder / f".{path.name}.partial", format="PNG")
+    (folder / f".{path.name}.partial").replace(path)
+    meta = folder / f"{stem}-{round_number}.json"
     (folder / f".{meta.name}.partial").write_text(
         json.dumps([{"prompt": q, "reward": r} for q, r in zip(prompts, rewards)], indent=1)
     )
@@ -555,6 +642,8 @@ class GRPOTrainer:
         self.optimizer_steps = 0  # optimizer steps taken by this process (not restored on resume)
         self.cp: ContextParallel | None = None  # --context_parallel_size > 1
         self.old_policy: ShardedEMA | None = None  # DiffusionNFT's, --nft_decay_type 1 or 2
+        # evaluations: the round each ran before (0: before training), the total's mean, each reward's
+        self.evaluations: dict[str, list[float]] = {"round": [], "mean": []}
 
     # ------------------------------------------------------------------ setup
 
@@ -613,10 +702,11 @@ class GRPOTrainer:
         self.frozen = place_frozen_models(acc, family, self.source, placements)
         self.vae = self.frozen.models["vae"]
         multiple = family.latent_multiple(self.vae.config)
-        if args.resolution % multiple:
-            raise ArgumentError(
-                f"--resolution {args.resolution} must be a multiple of {multiple} for {family.name}"
-            )
+        for name in ("resolution", "eval_resolution"):
+            if (getattr(args, name) or multiple) % multiple:
+                raise ArgumentError(
+                    f"--{name} {getattr(args, name)} must be a multiple of {multiple} for {family.name}"
+                )
         # a guidance-distilled transformer (Flux.1 [dev], Flux.2 [dev]) takes --guidance_scale as an
         # input: no CFG; otherwise CFG where the pipeline runs it (not a step-distilled Flux.2 [klein])
         self.guidance_embeds = bool(denoiser.config.get("guidance_embeds", False))
@@ -640,7 +730,7 @@ class GRPOTrainer:
             if self.cp is not None:
                 self._split_sequence(self.reference.module, trained=False)
             log_rank_zero(self.reference.describe())
-        specs = parse_reward_specs(args.reward, args.reward_model, args.reward_placement)
+        specs, eval_specs = args.reward_specs()
         self.reward_names = [s.name for s in specs]
         self.reward_fn = load_rewards(
             specs,
@@ -670,6 +760,23 @@ class GRPOTrainer:
         if acc.is_main_process and args.report_to != "none":
             acc.init_trackers(args.tracker_project_name, args.scalars())
         self.rewards_by_spec = {name: [] for name in self.reward_names}
+        self.prompt_metadata = (
+            read_prompt_file(args.prompt_file, "--prompt_file")[1]
+            if args.prompt_file
+            else [{} for _ in args.prompts]
+        )
+        self.eval_prompts, self.eval_metadata, self.eval_reward_fn = [], [], None
+        if args.eval_prompt_file:
+            self.eval_prompts, self.eval_metadata = read_prompt_file(
+                args.eval_prompt_file, "--eval_prompt_file"
+            )
+            if eval_specs:
+                self.eval_reward_fn = load_rewards(
+                    eval_specs, acc, self.dtype, micro_batch_size=args.reward_micro_batch_size,
+                    vlm_question=args.vlm_question,
+                )  # fmt: skip
+            names = [*self.reward_names, *(s.name for s in eval_specs)]
+            self.evaluations.update({name: [] for name in names})
         resumed = resume_training(
             acc, args.output_dir, args.resume_from_checkpoint, ema=self.ema, averages=self._averages()
         )
@@ -682,6 +789,8 @@ class GRPOTrainer:
             self.seconds = {p: list(saved.get(p, [None] * self.global_step)) for p in PHASES}
             saved = state.get("stats") or {}
             self.stats = {k: list(saved.get(k, [None] * self.global_step)) for k in self.stats}
+            saved = state.get("evaluations") or {}
+            self.evaluations = {k: list(saved.get(k, [])) for k in self.evaluations}
             log_rank_zero(f"resumed from {path} at round {self.global_step}")
             if state["world_size"] != acc.num_processes:  # rounds do not depend on the world size
                 log_rank_zero(
@@ -763,8 +872,9 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ model calls
 
     def _velocity(
-        self, model, x: torch.Tensor, sigma: torch.Tensor, batch: Round, rows: slice, *, train: bool = False
-    ) -> torch.Tensor:
+        self, model, x: torch.Tensor, sigma: torch.Tensor, batch: Round | Conditioning, rows: slice, *,
+        train: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
         """The model's velocity at ``x`` (``[n, ...]``) and per-sample ``sigma`` ``[n]`` for the
         rows ``rows`` of the round, with classifier-free guidance when asked: ``--guidance_scale``
         while sampling, ``--train_guidance_scale`` for a training forward (``train``: the trained
@@ -844,15 +954,25 @@ class GRPOTrainer:
         length = samples_per_rank(args.prompts_per_round, args.group_size, groups)
         padded, real = pad_assignment(pairs, length)
         prompts = [args.prompts[p] for p, _ in padded]
+        metadata = [self.prompt_metadata[p] for p, _ in padded]
         cond = self._encode(prompts)
         uncond = self._encode([""] * len(prompts)) if self.cfg else None
         shape = self.family.denoiser_latent_shape(self.vae.config, args.resolution, args.resolution)
         sigmas = self._sampling_sigmas(shape)
+        # each sample's own CPU generator (the same noise on any device and rank) draws its initial
+        # latents and then every step's noise, all up front: one copy to the device (pinned and
+        # non-blocking on CUDA), not a pageable copy and a sync at every step
         generators = [sample_generator(args.seed, round_index, p, m) for p, m in padded]
-        # CPU: each sample's own CPU generator (the same noise on any device and rank), then moved
-        latents = torch.cat([torch.randn(1, *shape, generator=g) for g in generators]).to(device)
+        latents = host_to_device(torch.cat([torch.randn(1, *shape, generator=g) for g in generators]), device)
+        step_noise = host_to_device(
+            torch.stack([
+                torch.cat([torch.randn(1, *shape, generator=g) for _ in range(args.num_inference_steps)])
+                for g in generators
+            ]),
+            device,
+        )  # fmt: skip
         batch = Round(
-            index=round_index, pairs=padded, real=torch.tensor(real, device=device), prompts=prompts, cond=cond,
+            index=round_index, pairs=padded, real=torch.tensor(real, device=device), prompts=prompts, metadata=metadata, cond=cond,
             uncond=uncond, latents=latents.new_empty(length, args.num_inference_steps + 1, *shape),
             log_probs=latents.new_empty(length, args.num_inference_steps), sigmas=sigmas,
         )  # fmt: skip
@@ -870,7 +990,7 @@ class GRPOTrainer:
                         sigmas[i + 1],
                         x,
                         noise_level=args.noise_level,
-                        generator=generators[rows],
+                        noise=step_noise[rows, i],
                     )
                     batch.latents[rows, i + 1] = x
                     batch.log_probs[rows, i] = log_prob
@@ -878,12 +998,12 @@ class GRPOTrainer:
         batch.images = torch.cat(images)
         return batch
 
-    def _sampling_sigmas(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """The sampling schedule ``[T + 1]`` (ending at 0) for denoiser latents of ``shape``, as the
-        family's pipeline sets it (``sampling_schedule``), on the device in fp32. Not a
-        collective."""
+    def _sampling_sigmas(self, shape: tuple[int, ...], steps: int | None = None) -> torch.Tensor:
+        """The sampling schedule ``[T + 1]`` (ending at 0) of ``steps`` (default
+        ``--num_inference_steps``) for denoiser latents of ``shape``, as the family's pipeline
+        sets it (``sampling_schedule``), on the device in fp32. Not a collective."""
         return sampling_schedule(
-            self.family, self.scheduler, self.args.num_inference_steps, shape, self.vae.config,
+            self.family, self.scheduler, steps or self.args.num_inference_steps, shape, self.vae.config,
             self.part.module.config, self.accelerator.device,
         )  # fmt: skip
 
@@ -896,7 +1016,9 @@ class GRPOTrainer:
         args, acc = self.args, self.accelerator
         totals, per_spec = [], {name: [] for name in self.reward_names}
         for rows in _chunks(len(batch.pairs), args.sample_batch_size):
-            total, scores = self.reward_fn(batch.images[rows], batch.prompts[rows])
+            total, scores = self.reward_fn(
+                batch.images[rows], batch.prompts[rows], metadata=batch.metadata[rows]
+            )
             totals.append(total)
             for name in self.reward_names:
                 per_spec[name].append(scores[name])
@@ -1093,7 +1215,9 @@ class GRPOTrainer:
             unit="round",
         ) as steps:
             while self.global_step < args.max_train_steps:
+                self._evaluate_when_due()
                 self._round(steps)
+            self._evaluate_when_due()
 
     def _round(self, steps: StepOutput) -> None:
         """One round: sample, score, train, log, checkpoint. Collective."""
@@ -1130,9 +1254,84 @@ class GRPOTrainer:
             save_training_checkpoint(
                 acc, args.output_dir, self.global_step,
                 {"epoch": 0, "batches_in_epoch": 0, "rewards": self.rewards, "rewards_by_spec": self.rewards_by_spec,
-                 "seconds": self.seconds, "stats": self.stats},
+                 "seconds": self.seconds, "stats": self.stats, "evaluations": self.evaluations},
                 ema=self.ema, total_limit=args.checkpoints_total_limit, averages=self._averages(),
             )  # fmt: skip
+
+    def _evaluate_when_due(self) -> None:
+        """Evaluate before round ``global_step`` when ``--eval_steps`` divides it and it has not been
+        evaluated (a resumed run keeps its checkpoint's evaluations). Collective."""
+        args = self.args
+        due = args.eval_prompt_file and self.global_step % args.eval_steps == 0
+        if due and self.global_step not in self.evaluations["round"]:
+            self.evaluate()
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Sample every ``--eval_prompt_file`` prompt once, deterministically: Euler (ODE) steps of
+        the pipeline's schedule (``--eval_num_inference_steps``) from a fixed noise per prompt (the
+        same at every evaluation, on any number of ranks), at ``--eval_resolution`` and the
+        sampling CFG, with the EMA weights under ``--use_ema`` (as flow_grpo evaluates); score each
+        image with every ``--reward`` and ``--eval_reward`` (metadata from a ``.jsonl`` file); put
+        the means over every prompt in ``self.evaluations`` and the trackers, and rank 0's images in
+        ``samples/eval-N.png``. Returns ``{"mean": total, <reward>: mean, ...}``. Collective: the
+        ranks (context-parallel groups) share the prompts, padded to the same count."""
+        args, acc, family = self.args, self.accelerator, self.family
+        groups, group = self.sampling_ranks
+        count = len(self.eval_prompts)
+        padded, real = pad_assignment([(i, 0) for i in range(group, count, groups)], -(-count // groups))
+        indices = [i for i, _ in padded]
+        prompts = [self.eval_prompts[i] for i in indices]
+        metadata = [self.eval_metadata[i] for i in indices]
+        real = torch.tensor(real, device=acc.device)
+        text = Conditioning(self._encode(prompts), self._encode([""] * len(prompts)) if self.cfg else None)
+        shape = family.denoiser_latent_shape(self.vae.config, args.eval_resolution, args.eval_resolution)
+        sigmas = self._sampling_sigmas(shape, args.eval_num_inference_steps)
+        noise = torch.cat(
+            [
+                torch.randn(1, *shape, generator=_hashed_generator(f"grpo-eval:{args.seed}:{i}"))
+                for i in indices
+            ]
+        )
+        images = []
+        with self.ema.averaged_weights() if self.ema is not None else contextlib.nullcontext():
+            for rows in _chunks(len(indices), args.sample_batch_size):
+                x = noise[rows].to(acc.device)
+                for i in range(args.eval_num_inference_steps):
+                    v = self._velocity(self.engine, x, sigmas[i].expand(x.shape[0]), text, rows)
+                    x = x + (sigmas[i + 1] - sigmas[i]) * v  # the scheduler's Euler step, in fp32
+                images.append(self._decode(x))
+        images = torch.cat(images)
+        totals, scores = [], {}
+        for rows in _chunks(len(indices), args.sample_batch_size):
+            total, each = self.reward_fn(images[rows], prompts[rows], metadata=metadata[rows])
+            if self.eval_reward_fn is not None:
+                each = {
+                    **each,
+                    **self.eval_reward_fn(images[rows], prompts[rows], metadata=metadata[rows])[1],
+                }
+            totals.append(total)
+            for name, value in each.items():
+                scores.setdefault(name, []).append(value)
+        means = {"mean": self._global_mean(torch.cat(totals).to(acc.device)[real])}
+        means.update(
+            {name: self._global_mean(torch.cat(v).to(acc.device)[real]) for name, v in scores.items()}
+        )
+        self.evaluations["round"].append(self.global_step)
+        for name, value in means.items():
+            self.evaluations[name].append(value)
+        acc.log({f"eval/{k}": v for k, v in means.items()}, step=self.global_step)
+        log_rank_zero(
+            f"evaluation before round {self.global_step + 1}: "
+            + " ".join(f"{k} {v:.6f}" for k, v in means.items())
+        )
+        if acc.is_main_process:
+            shown = real.cpu().tolist()
+            save_sample_grid(
+                Path(args.output_dir) / "samples", self.global_step, images[real],
+                [q for q, keep in zip(prompts, shown) if keep], torch.cat(totals)[real].tolist(), stem="eval",
+            )  # fmt: skip
+        return means
 
     def _optimizer_steps(self) -> int:
         """Optimizer steps taken so far: DeepSpeed's own count under DeepSpeed (restored on
@@ -1164,6 +1363,9 @@ class GRPOTrainer:
             log_outputs([
                 weights,
                 ("rewards", out / "rewards.json", "per round: the total, each reward, each phase's seconds, the stats"),
+                ("evaluations", out / "eval.json" if self.evaluations["round"] else None,
+                 "the round before which each ran, the total's and each reward's mean"),
+                ("evaluation curve", out / "eval.png" if self.evaluations["round"] else None),
                 *((f"{name} curve", file) for name, file in curves.items()),
                 ("sample grids", out / "samples", "round-N.png, each sample's prompt and reward in round-N.json"),
                 ("step log", step_log_path(out, args.logging_dir)),
@@ -1184,6 +1386,13 @@ class GRPOTrainer:
                 {"mean": self.rewards, **self.rewards_by_spec, "seconds": self.seconds, "stats": self.stats}
             )
         )
+        if self.evaluations["round"]:
+            (out / "eval.json").write_text(json.dumps(self.evaluations))
+            rounds = self.evaluations["round"]
+            every = rounds[1] - rounds[0] if len(rounds) > 1 else 1
+            plot_curve(self.evaluations["mean"], out / "eval.png",
+                       f"evaluation (total reward) before rounds {rounds[0] + 1}, {rounds[0] + 1 + every}, ...",
+                       ylabel="total reward (mean over the evaluation prompts)", xlabel=f"evaluation (every {every} rounds)")  # fmt: skip
         curves = [("total reward", "mean", self.rewards, out / "rewards.png")]
         for name, values in self.rewards_by_spec.items():
             taken = {file.name for *_, file in curves}

@@ -89,6 +89,7 @@ def sde_step_with_logprob(
     generator: torch.Generator | list[torch.Generator] | None = None,
     prev_sample: torch.Tensor | None = None,
     sigma_max: float | torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One SDE step from ``sigma`` to ``sigma_next`` and the log-probability of its result, as
     Flow-GRPO's ``sde_step_with_logprob`` (see the module docstring for the formulas).
@@ -116,6 +117,9 @@ def sde_step_with_logprob(
         noise_level: Flow-GRPO's ``a`` (``config.sample.noise_level``, 0.7 in its configs).
         generator: The noise's generator(s) when sampling.
         prev_sample: The next latents to score instead of sampling them.
+        noise: The standard normal draw of the step (shaped like ``sample``), instead of drawing
+            it with ``generator``: e.g. a trajectory's noise drawn up front and copied to the
+            device at once.
         sigma_max: What stands in for ``sigma`` in ``1 - sigma`` where ``sigma == 1``. The
             reference uses its schedule's second sigma (``scheduler.sigmas[1]``). The default,
             ``sigma_next``, is that value wherever sigma is 1 at the schedule's first step, as in
@@ -147,7 +151,9 @@ def sde_step_with_logprob(
     step_std = std_dev_t * torch.sqrt(-dt)  # the step's own standard deviation
 
     if prev_sample is None:
-        prev_sample = prev_sample_mean + step_std * _standard_normal(prev_sample_mean, generator)
+        if noise is None:
+            noise = _standard_normal(prev_sample_mean, generator)
+        prev_sample = prev_sample_mean + step_std * noise.to(device=sample.device, dtype=dtype)
     else:
         prev_sample = prev_sample.to(device=sample.device, dtype=dtype)
 
