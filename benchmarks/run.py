@@ -27,6 +27,7 @@ SUITES = [
     "cache",
     "data",
     "context_parallel",
+    "host_stalls",
 ]
 
 

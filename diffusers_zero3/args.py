@@ -396,7 +396,11 @@ class TextToImageSettings(CommonSettings):
     offload_ema: bool = flag(False, "Keep the EMA partitions in CPU memory.")
     foreach_ema: bool = flag(False, "Accepted for compatibility: ShardedEMA gathers nothing.")
     non_ema_revision: str | None = flag(None, "Revision of the UNet to train from (default --revision).")
-    dataloader_num_workers: int = flag(0)
+    dataloader_num_workers: int | None = flag(
+        None,
+        "Loader worker processes (decoding threads with --streaming). Default: 0 on the CPU (as diffusers); "
+        "on a CUDA host min(4, cores per local process - 1), at least 1, with pinned batches.",
+    )
     push_to_hub: bool = flag(False, "Not supported here (no hub access is assumed).")
     hub_token: str | None = flag(None)
     hub_model_id: str | None = flag(None)

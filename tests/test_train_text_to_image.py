@@ -80,6 +80,10 @@ DIFFUSERS_FLAGS = {
     "--validation_epochs": (5, int),
     "--tracker_project_name": ("text2image-fine-tune", str),
 }
+# Defaults resolved when a run starts, from its host: None here, diffusers' default on the CPU
+# (--dataloader_num_workers: 0 workers on the CPU; workers and pinned batches on a CUDA host,
+# issue 51; the samples' draws do not depend on which process loads them).
+RESOLVED_AT_START = {"--dataloader_num_workers"}
 
 
 def _losses(output: str) -> dict[int, float]:
@@ -144,6 +148,7 @@ def test_parser_accepts_every_diffusers_flag(monkeypatch):
     type), what a value given for it becomes (type, nargs, choices), the required model, and
     LOCAL_RANK and --non_ema_revision applied after parsing as diffusers' parse_args does."""
     from diffusers_zero3.args import TextToImageSettings
+    from diffusers_zero3.data.loading import loader_settings
 
     parse_args = TextToImageSettings.parse
 
@@ -154,7 +159,11 @@ def test_parser_accepts_every_diffusers_flag(monkeypatch):
     defaults = vars(parse_args(required))
     for flag, (default, kind) in DIFFUSERS_FLAGS.items():
         dest = flag[2:]
-        if dest != "pretrained_model_name_or_path":
+        if flag in RESOLVED_AT_START:
+            assert defaults[dest] is None, f"{flag} is resolved at start, not parsed to {defaults[dest]!r}"
+            got = loader_settings("cpu", defaults[dest], 8).num_workers
+            assert (got, type(got)) == (default, type(default)), f"{flag} resolves to {got!r} on the CPU"
+        elif dest != "pretrained_model_name_or_path":
             got = defaults[dest]
             assert (got, type(got)) == (default, type(default)), (
                 f"{flag} defaults to {got!r}, not {default!r}"
@@ -306,6 +315,8 @@ def test_single_process_without_deepspeed_runs(default_data, tmp_path):
     )  # fmt: skip
     assert sorted(_losses(log)) == [1, 2]
     assert "auto placements: text_encoder=replicate" in log  # without DeepSpeed nothing is sharded
+    # the CPU keeps diffusers' loader (a CUDA host gets workers and pinned batches), said once
+    assert log.count("data loader: 0 worker processes (chosen for a cpu host), batches not pinned") == 1
     assert (tmp_path / "plain" / "model_index.json").exists()
 
 

@@ -231,11 +231,14 @@ class StreamedExamples:
 
 
 def streamed_loader(
-    rows: StreamedRows, examples: StreamedExamples, batch_size: int
+    rows: StreamedRows, examples: StreamedExamples, batch_size: int, pin_memory: bool = False
 ) -> torch.utils.data.DataLoader:
     """A DataLoader of ``rows`` in micro-batches of ``batch_size``, decoded by ``examples``
-    (in the main process: ``--dataloader_num_workers`` are its decoding threads). Deal each
-    global batch out to the ranks with ``runtime.context_parallel.group_loader`` (accelerate's
+    (in the main process: ``--dataloader_num_workers`` are its decoding threads), pinned with
+    ``pin_memory`` (a CUDA host: ``loading.loader_settings``). Deal each global batch out to
+    the ranks with ``runtime.context_parallel.group_loader`` (accelerate's
     ``IterableDatasetShard``: each rank decodes its own rows), not with ``accelerator.prepare``,
     whose dispatcher has rank 0 read and decode every row, then broadcast them."""
-    return torch.utils.data.DataLoader(rows, batch_size=batch_size, collate_fn=examples, drop_last=True)
+    return torch.utils.data.DataLoader(
+        rows, batch_size=batch_size, collate_fn=examples, drop_last=True, pin_memory=pin_memory
+    )

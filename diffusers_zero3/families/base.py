@@ -431,7 +431,11 @@ class Family:
     def latents_of(self, distribution, generators=None) -> torch.Tensor:
         """Training latents of a latent distribution: a sample (from this rank's RNG, or one
         generator per sample), or its mode (``sample_latents``)."""
-        return distribution.sample(generator=generators) if self.sample_latents else distribution.mode()
+        if not self.sample_latents:
+            return distribution.mode()
+        from .objectives import sample_latent_distribution
+
+        return sample_latent_distribution(distribution, generators)
 
     def latent_multiple(self, vae_config: dict) -> int:
         """Image sides must be a multiple of this: the VAE's downsampling (x2 for families

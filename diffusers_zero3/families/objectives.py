@@ -16,6 +16,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from ..runtime.host_transfer import host_to_device, stack_to_device
+
 
 def compute_snr(noise_scheduler, timesteps: torch.Tensor) -> torch.Tensor:
     """Signal-to-noise ratio of ``timesteps`` (Min-SNR weighting, arXiv:2303.09556)."""
@@ -40,8 +42,11 @@ def sample_generators(seed: int, epoch: int, indices) -> list[torch.Generator]:
 
 
 def _per_sample(draw, generators: list[torch.Generator], device, dtype=None) -> torch.Tensor:
-    """``draw(generator)`` for each sample's generator, stacked and moved to ``device``."""
-    return torch.stack([draw(g) for g in generators]).to(device=device, dtype=dtype)
+    """``draw(generator)`` for each sample's generator, stacked and moved to ``device``. On CUDA
+    the draws are stacked into pinned memory and copied without blocking
+    (``runtime.host_transfer.stack_to_device``): a pageable copy each step would make the host
+    wait for the device's whole queue. The values are the CPU generators' either way."""
+    return stack_to_device([draw(g) for g in generators], device, dtype)
 
 
 def sample_noise(
@@ -71,6 +76,39 @@ def sample_noise(
         )
         noise = noise + noise_offset * offset.to(latents.dtype)
     return noise
+
+
+def sample_latent_distribution(
+    distribution, generators: torch.Generator | list[torch.Generator] | None = None
+) -> torch.Tensor:
+    """A sample of a VAE's latent distribution (diffusers' ``DiagonalGaussianDistribution``:
+    ``mean + std * noise``), the values of its own ``sample(generator=generators)``.
+
+    With one CPU generator per sample, diffusers draws each sample's noise on the host and
+    copies it from pageable memory (``randn_tensor``), which blocks the host until the device's
+    queue has run; here the draws (the same ones, in the distribution's dtype) are stacked into
+    pinned memory and copied without blocking (``_per_sample``). Any other distribution or
+    generator: its own ``sample``.
+
+    Example:
+        >>> from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+        >>> dist = DiagonalGaussianDistribution(torch.zeros(2, 8, 4, 4))
+        >>> ours = sample_latent_distribution(dist, sample_generators(0, 0, [3, 4]))
+        >>> torch.equal(ours, dist.sample(generator=sample_generators(0, 0, [3, 4])))
+        True
+    """
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    if (
+        type(distribution) is not DiagonalGaussianDistribution
+        or not isinstance(generators, list)
+        or generators[0].device.type != "cpu"
+    ):
+        return distribution.sample(generator=generators)
+    shape, dtype = distribution.mean.shape[1:], distribution.parameters.dtype
+    noise = _per_sample(lambda g: torch.randn(shape, generator=g, dtype=dtype), generators,
+                        distribution.parameters.device)  # fmt: skip
+    return distribution.mean + distribution.std * noise
 
 
 TIMESTEP_BIAS_STRATEGIES = ("none", "earlier", "later", "range")
@@ -131,7 +169,7 @@ def sample_timesteps(
         return _per_sample(lambda g: torch.multinomial(weights, 1, generator=g)[0], generators, device).long()
     if weights is None:
         return torch.randint(0, num_timesteps, (batch_size,), device=device).long()
-    return torch.multinomial(weights, batch_size, replacement=True).long().to(device)
+    return host_to_device(torch.multinomial(weights, batch_size, replacement=True).long(), device)
 
 
 def diffusion_target(
@@ -287,8 +325,9 @@ def flow_matching_loss(
         u = compute_density_for_timestep_sampling(batch_size=n, **density)
     num_steps = noise_scheduler.config.num_train_timesteps
     indices = (u * num_steps).long().clamp(max=num_steps - 1)
-    timesteps = noise_scheduler.timesteps[indices].to(latents.device)
-    sigmas = noise_scheduler.sigmas[indices].to(latents.device, latents.dtype)
+    # the scheduler's tables are on the host: pinned, non-blocking copies on CUDA
+    timesteps = host_to_device(noise_scheduler.timesteps[indices], latents.device)
+    sigmas = host_to_device(noise_scheduler.sigmas[indices], latents.device, latents.dtype)
     sigmas = sigmas.view(n, *([1] * (latents.ndim - 1)))
     noisy = (1.0 - sigmas) * latents + sigmas * noise
     model_pred = predict(noisy, timesteps)

@@ -16,6 +16,7 @@ from typing import ClassVar
 
 import torch
 
+from ..runtime.host_transfer import host_to_device
 from .base import ChannelMeanStd, Family, PublishedConfig, TextEncoderSpec
 
 HIGH, LOW = "transformer", "transformer_2"  # Wan 2.2's high-noise and low-noise experts
@@ -168,8 +169,9 @@ class ExpertFlowMatchingObjective:
             )
         n = latents.shape[0]
         indices = _indices(self.draw_u(n, generators), self.noise_scheduler.config.num_train_timesteps)
-        timesteps = self.noise_scheduler.timesteps[indices].to(latents.device)
-        sigmas = self.noise_scheduler.sigmas[indices].to(latents.device, latents.dtype)
+        # the scheduler's tables are on the host: pinned, non-blocking copies on CUDA
+        timesteps = host_to_device(self.noise_scheduler.timesteps[indices], latents.device)
+        sigmas = host_to_device(self.noise_scheduler.sigmas[indices], latents.device, latents.dtype)
         sigmas = sigmas.view(n, *([1] * (latents.ndim - 1)))
         noisy = (1.0 - sigmas) * latents + sigmas * noise
         model_pred = predict(noisy, timesteps)

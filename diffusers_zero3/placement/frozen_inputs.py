@@ -23,6 +23,7 @@ from ..families.sdxl import time_ids
 from ..placement.frozen import load_frozen_component
 from ..runtime.distributed import log_rank_zero
 from ..runtime.ds_config import weight_dtype
+from ..runtime.host_transfer import host_to_device
 from ..runtime.phases import reached
 from ..state.pretrained import CheckpointError
 from .cache import CachedOutputs, precompute_frozen_outputs
@@ -90,7 +91,7 @@ class FrozenInputs:
             )
         vae = self.models["vae"]
         if vae is None:
-            latents = cached["latents"].to(device)
+            latents = host_to_device(cached["latents"], device)  # pinned, non-blocking on CUDA
             sizes, crops = cached.get("original_size"), cached.get("crop_top_left")
             targets = cached.get("target_size")
         else:
@@ -180,9 +181,10 @@ def conditioning_on(
 
     Cached outputs come from safetensors on the CPU while live encoders' outputs are on their
     device (the GPU), and a family concatenates them (SDXL's two encoders, SD3's CLIPs and
-    T5): every output is moved to ``device`` before they meet.
+    T5): every output is moved to ``device`` before they meet (from the host through pinned
+    memory on CUDA: ``runtime.host_transfer.host_to_device``).
     """
-    moved = {k: v.to(device) for k, v in outputs.items()}
+    moved = {k: host_to_device(v, device) for k, v in outputs.items()}
     # Masks and ids keep their integer dtypes; embeddings take the training dtype.
     return {
         k: v.to(device, dtype) if v.is_floating_point() else v.to(device)

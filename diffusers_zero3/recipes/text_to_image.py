@@ -44,6 +44,7 @@ from ..data.images import (
     prepare_image_column,
     resolve_columns,
 )
+from ..data.loading import cpus_per_local_process, loader_settings
 from ..data.pairs import (
     SOURCE_COLUMN,
     PairedImageDataset,
@@ -275,6 +276,9 @@ class TextToImageTrainer:
             use_8bit_adam=args.use_8bit_adam,
         )
         self.cp = self._context_parallel()
+        # workers and pinned batches on a CUDA host unless --dataloader_num_workers says otherwise
+        self.loading = loader_settings(acc.device.type, args.dataloader_num_workers, cpus_per_local_process())
+        log_rank_zero(self.loading.describe(acc.device.type, streaming=args.streaming))
         clear_interrupted_writes(args.output_dir)
         set_seed(args.seed if args.seed is not None else 0)
         if args.allow_tf32 and torch.cuda.is_available():
@@ -583,7 +587,7 @@ class TextToImageTrainer:
         self.collate_fn = StreamedExamples(
             examples,
             self.image_column,
-            threads=args.dataloader_num_workers,
+            threads=self.loading.num_workers,
             skipped_rows=self.train_dataset.skipped_rows,
         )
         log_rank_zero(
@@ -696,13 +700,16 @@ class TextToImageTrainer:
         self._learning_rate = lr
         optimizer = adamw(self.denoiser, args, lr)  # the adapters alone under LoRA
         if args.streaming:  # accelerate deals each global batch out to the ranks
-            loader = streamed_loader(self.train_dataset, self.collate_fn, args.train_batch_size)
+            loader = streamed_loader(
+                self.train_dataset, self.collate_fn, args.train_batch_size, pin_memory=self.loading.pin_memory
+            )
         elif self.bucket_sampler is not None:  # one bucket per global batch, dealt out to the ranks
             loader = torch.utils.data.DataLoader(
                 self.train_dataset,
                 batch_sampler=self.bucket_sampler,
                 collate_fn=self.collate_fn,
-                num_workers=args.dataloader_num_workers,
+                num_workers=self.loading.num_workers,
+                pin_memory=self.loading.pin_memory,
             )
             # a loader with a batch sampler has no batch_size, from which accelerate fills "auto"
             plugin = acc.state.deepspeed_plugin
@@ -714,7 +721,8 @@ class TextToImageTrainer:
                 shuffle=True,
                 collate_fn=self.collate_fn,
                 batch_size=args.train_batch_size,
-                num_workers=args.dataloader_num_workers,
+                num_workers=self.loading.num_workers,
+                pin_memory=self.loading.pin_memory,
                 generator=torch.Generator().manual_seed(args.seed or 0),  # CPU: the sampler shuffles there
             )
         if args.max_train_steps is None:

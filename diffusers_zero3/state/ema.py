@@ -17,11 +17,97 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.distributed import comm_device, get_rank, get_world_size
+from ..runtime.host_transfer import pins_host_memory
 from ..runtime.zero3 import is_zero3_param
+
+# Bytes of each of the two pinned staging buffers of an offloaded EMA's update (--offload_ema on
+# a CUDA host): bounded, whatever the model's size; a partition larger than this gets a buffer
+# of its size.
+STAGING_BYTES = 64 * 2**20
 
 
 def _has_local_fp32(p: torch.nn.Parameter) -> bool:
     return is_zero3_param(p) and getattr(p, "_z3_optimizer", None) is not None
+
+
+def stages_through_pinned_memory(
+    shadow_device: torch.device | str, source_device: torch.device | str
+) -> bool:
+    """Whether an average on ``shadow_device`` is updated from weights on ``source_device``
+    through pinned staging buffers (``lerp_through_staging``): host averages of CUDA weights
+    (``--offload_ema`` on a GPU host). A copy from CUDA into pageable memory blocks the host
+    until it is done, one parameter after the other; into pinned memory it is queued.
+
+    Example:
+        >>> stages_through_pinned_memory("cpu", "cuda:0"), stages_through_pinned_memory("cpu", "cpu")
+        (True, False)
+    """
+    return torch.device(shadow_device).type == "cpu" and pins_host_memory(source_device)
+
+
+def staging_buckets(numels: list[int], limit: int) -> list[list[int]]:
+    """Consecutive indices of ``numels`` in groups of at most ``limit`` elements (one element
+    larger than ``limit`` is a group of its own): the tensors staged together.
+
+    Example:
+        >>> staging_buckets([3, 3, 5, 9, 1], 6)
+        [[0, 1], [2], [3], [4]]
+    """
+    buckets: list[list[int]] = []
+    total = limit + 1
+    for i, n in enumerate(numels):
+        if total + n > limit:
+            buckets.append([])
+            total = 0
+        buckets[-1].append(i)
+        total += n
+    return buckets
+
+
+def lerp_through_staging(
+    shadow: list[torch.Tensor],
+    sources: list[torch.Tensor],
+    weight: float,
+    buckets: list[list[int]],
+    buffers: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """``shadow[i].lerp_(sources[i], weight)`` for host ``shadow`` and device ``sources``, the
+    sources copied bucket by bucket (``staging_buckets``) into two flat fp32 ``buffers`` in
+    turn (pinned, on CUDA): bucket k+1's copies are queued before the host averages bucket k,
+    so the copies run while the host computes, and the host waits once per bucket (for its
+    copies), not once per tensor. The values are those of ``torch._foreach_lerp_(shadow,
+    [s.to(shadow's device, float32) for s in sources], weight)``. Not a collective.
+
+    Each buffer holds the largest bucket. A buffer is refilled only after the host has
+    averaged what it held (two buckets earlier, synchronously).
+    """
+    pending = None
+    for k, bucket in enumerate(buckets):
+        buffer, offset, views = buffers[k % 2], 0, []
+        for i in bucket:
+            n = sources[i].numel()
+            view = buffer[offset : offset + n].view(sources[i].shape)
+            view.copy_(sources[i], non_blocking=True)  # a plain copy unless buffer is pinned
+            views.append(view)
+            offset += n
+        ready, cuda = (
+            None,
+            next((sources[i].device for i in bucket if sources[i].device.type == "cuda"), None),
+        )
+        if cuda is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(cuda))
+        if pending is not None:
+            _lerp_when_copied(shadow, weight, *pending)
+        pending = (ready, bucket, views)
+    if pending is not None:
+        _lerp_when_copied(shadow, weight, *pending)
+
+
+def _lerp_when_copied(shadow, weight: float, ready, bucket: list[int], views: list[torch.Tensor]) -> None:
+    if ready is not None:
+        ready.synchronize()  # this bucket's copies (and nothing queued after them) are done
+    torch._foreach_lerp_([shadow[i] for i in bucket], views, weight)
 
 
 class ShardedEMA:
@@ -68,11 +154,19 @@ class ShardedEMA:
         self.cur_decay_value: float | None = None
         self._named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         self.device = torch.device(device) if device is not None else None
-        self.shadow: list[torch.Tensor] = [
-            self._source(p).detach().to(self.device or self._source(p).device, torch.float32, copy=True)
-            for _, p in self._named
-        ]
+        self.shadow: list[torch.Tensor] = [self._initial_average(self._source(p)) for _, p in self._named]
         self._stored: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+        # --offload_ema on a GPU host: update() stages the weights through two pinned buffers
+        self._staging: tuple[list[list[int]], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def _initial_average(self, source: torch.Tensor) -> torch.Tensor:
+        """An fp32 copy of ``source`` where the average lives; in pinned memory for host
+        averages of CUDA weights (``stages_through_pinned_memory``: their copies to and from
+        the device are then asynchronous, as DeepSpeed pins its offloaded optimizer states)."""
+        device = self.device or source.device
+        if not stages_through_pinned_memory(device, source.device):
+            return source.detach().to(device, torch.float32, copy=True)
+        return torch.empty(source.shape, dtype=torch.float32, pin_memory=True).copy_(source.detach())
 
     # ---------------------------------------------------------------- averaging
 
@@ -112,9 +206,28 @@ class ShardedEMA:
         rank."""
         self.cur_decay_value = decay
         sources = [self._source(p) for _, p in self._named]
+        if self.device is not None and any(
+            stages_through_pinned_memory(self.device, s.device) for s in sources
+        ):
+            # --offload_ema on a GPU host: pinned staging, the copies overlapping the averaging
+            lerp_through_staging(self.shadow, sources, 1 - decay, *self._staging_buffers(sources))
+            return
         sources = [s.to(self.device or s.device, torch.float32) for s in sources]
         # shadow += (1 - decay) * (source - shadow), in place and fused: no temporaries.
         torch._foreach_lerp_(self.shadow, sources, 1 - decay)
+
+    def _staging_buffers(
+        self, sources: list[torch.Tensor]
+    ) -> tuple[list[list[int]], tuple[torch.Tensor, torch.Tensor]]:
+        """The buckets and the two pinned fp32 buffers of ``lerp_through_staging``, made at the
+        first update (2 x ``STAGING_BYTES``, or 2 x the largest partition if larger)."""
+        if self._staging is None:
+            numels = [s.numel() for s in sources]
+            buckets = staging_buckets(numels, STAGING_BYTES // 4)
+            size = max(sum(numels[i] for i in bucket) for bucket in buckets)
+            buffers = tuple(torch.empty(size, dtype=torch.float32, pin_memory=True) for _ in range(2))
+            self._staging = (buckets, buffers)
+        return self._staging
 
     # ---------------------------------------------------------------- live weights
 

@@ -62,7 +62,11 @@ def setup_accelerator(
         mixed_precision=mixed_precision,
         log_with=None if report_to == "none" else report_to,
         project_config=ProjectConfiguration(output_dir, os.path.join(output_dir, logging_dir)),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        # non_blocking: the prepared loaders' batches are copied to the GPU without blocking the
+        # host (their memory is pinned there: data.loading.loader_settings)
+        dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True, non_blocking=torch.cuda.is_available()
+        ),
     )
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None and max_grad_norm is not None:
