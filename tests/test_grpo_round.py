@@ -12,6 +12,11 @@ the trainer's own code path (``sample_round``, ``score_round``, ``_loss``, ``_pr
   with ``sigma_i`` the schedule the round was sampled on (clamped to 0.999) and the noise of
   ``nft_noise_generator``.
 
+* with several optimizer steps a round (2 micro-batches a rank), each sample's change over the
+  round follows its advantage: of its log-probability of its trained steps (grpo; correlation 0.96
+  measured) and of its x0 error at its training points (nft with DiffusionNFT's 2-step beta 0.1,
+  from the same start and fresh Adam moments; 0.70; -0.70 with the advantages negated in its loss).
+
 The direction of a whole run (a reward and its negation both rise) is checked end to end in
 tests/test_train_grpo.py (``test_both_objectives_raise_a_reward_and_its_negation``).
 """
@@ -73,8 +78,8 @@ def _one_round(pipe_dir: str, out: str) -> None:
     totals: list[torch.Tensor] = []
     score = trainer.reward_fn
 
-    def recorded(images, prompts):
-        total, each = score(images, prompts)
+    def recorded(images, prompts, metadata=None):
+        total, each = score(images, prompts, metadata=metadata)
         totals.append(total.detach().double().cpu())
         return total, each
 
@@ -145,6 +150,81 @@ def _one_round(pipe_dir: str, out: str) -> None:
         x_t = batch.nft_points[0][k][0].cpu()
         torch.testing.assert_close(x_t, (1 - sigma) * x0 + sigma * noise, rtol=1e-6, atol=1e-6)
     print(f"rank {rank}: {len(mine)} real samples, advantages {[round(a, 3) for a in expected.tolist()]}")
+
+    # --- several optimizer steps a round move the policy the advantages' way: each rank's 5 rows
+    # are 2 micro-batches, 2 steps; afterwards (every rank's real samples) the change of each
+    # sample's log-probability of its trained steps (grpo), and of its x0 error at its training
+    # points (nft, from the same start), follows its advantage
+    import copy
+
+    from diffusers_zero3.rl import sde_step_with_logprob
+
+    def gathered_correlation(values: torch.Tensor) -> float:
+        pairs = torch.stack(
+            [batch.advantages[batch.real].double().cpu(), values[batch.real.cpu()].double()], 1
+        )
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, pairs)
+        return torch.corrcoef(torch.cat(everyone).T)[0, 1].item()
+
+    @torch.no_grad()
+    def log_probs() -> torch.Tensor:  # [P]: the sum over the trained steps
+        total = torch.zeros(len(batch.pairs), dtype=torch.float64)
+        for k in range(settings.train_timesteps):
+            i = batch.steps[0, :, k]
+            at = torch.arange(len(i))
+            x, sig = batch.latents[at, i], batch.sigmas[i]
+            v = trainer._velocity(trainer.engine, x, sig, batch, slice(0, len(i)), train=True)
+            _, lp, _, _ = sde_step_with_logprob(
+                v,
+                sig,
+                batch.sigmas[i + 1],
+                x,
+                noise_level=settings.noise_level,
+                prev_sample=batch.latents[at, i + 1],
+            )
+            total += lp.double().cpu()
+        return total
+
+    @torch.no_grad()
+    def x0_errors(points) -> torch.Tensor:  # [P]: the sum over the training points
+        total = torch.zeros(len(batch.pairs), dtype=torch.float64)
+        for x_t, _, sig in points:
+            v = trainer._velocity(trainer.engine, x_t, sig, batch, slice(0, len(sig)), train=True)
+            x0_hat = x_t - sig.view(-1, *[1] * (x_t.ndim - 1)) * v
+            total += (x0_hat - batch.latents[:, -1]).pow(2).mean(dim=(1, 2, 3)).double().cpu()
+        return total
+
+    from deepspeed.utils import safe_set_local_fp32_param
+
+    from diffusers_zero3.state.ema import ShardedEMA
+
+    start_weights = ShardedEMA(trainer.engine)  # a copy of every fp32 master partition
+    settings.timestep_subset = "first"
+    batch.steps = trainer._trained_steps(batch)
+    before = log_probs()
+    steps_before = trainer._optimizer_steps()
+    trainer.train_round(batch)
+    assert trainer._optimizer_steps() - steps_before == 2  # 2 micro-batches, a step each
+    grpo_corr = gathered_correlation(log_probs() - before)
+    # DiffusionNFT from the same weights (and Adam's moments restarted) on the same round
+    start_weights.copy_to()  # the live partitions (and whole parameters), then the masters
+    trained = [p for p in trainer.part.module.parameters() if p.requires_grad]
+    for p, w in zip(trained, start_weights.shadow):
+        safe_set_local_fp32_param(p, w)
+    trainer.engine.optimizer.optimizer.state.clear()  # Adam's moments: GRPO's would steer the first steps
+    settings.objective, settings.nft_beta = "nft", 0.1  # beta 0.1: DiffusionNFT's 2-step config
+    settings.timestep_subset = "random"
+    batch.steps = trainer._trained_steps(batch)
+    trainer._prepare_nft(batch)
+    points = copy.copy(batch.nft_points[0])
+    before = x0_errors(points)
+    trainer.train_round(batch)
+    nft_corr = gathered_correlation(before - x0_errors(points))
+    print(
+        f"rank {rank}: correlation of the advantage with the change: grpo {grpo_corr:.3f}, nft {nft_corr:.3f}"
+    )
+    assert grpo_corr > 0.5 and nft_corr > 0.5, (grpo_corr, nft_corr)
 
 
 @pytest.mark.multirank

@@ -101,6 +101,7 @@ from ..runtime.context_parallel import (
 )
 from ..runtime.distributed import log_rank_zero
 from ..runtime.ds_config import weight_dtype
+from ..runtime.host_transfer import host_to_device
 from ..runtime.memory import return_large_frees_to_os
 from ..runtime.notices import quiet_library_notices
 from ..state.ema import ShardedEMA
@@ -550,15 +551,6 @@ def decode_images(family, vae, normalize, latents: torch.Tensor) -> torch.Tensor
     Collective when the VAE is sharded."""
     images = family.decode_latents(vae, normalize, latents)
     return (images.float() / 2 + 0.5).clamp(0, 1)
-
-
-def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` (on the host) on ``device``: through pinned memory and a non-blocking copy on
-    CUDA (the copy overlaps the queued kernels; no sync), a plain move elsewhere. Not a
-    collective."""
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
 
 
 def wall_clock(device: torch.device) -> float:
