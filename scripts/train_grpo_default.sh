@@ -24,6 +24,6 @@ $PYTHON -m accelerate.commands.launch --config_file "$CONFIG" --num_processes "$
   --objective nft --group_size 4 \
   --output_dir "$OUT/grpo-run" \
   --resolution 32 --num_inference_steps 6 --sample_batch_size 8 --train_batch_size 8 \
-  --max_train_steps 60 --learning_rate 3e-3 \
+  --nft_beta 0.1 --max_train_steps 60 --learning_rate 3e-3 \
   --checkpointing_steps 30 --checkpoints_total_limit 1 \
   --seed 0 "$@"
