@@ -226,6 +226,35 @@ def _one_round(pipe_dir: str, out: str) -> None:
     )
     assert grpo_corr > 0.5 and nft_corr > 0.5, (grpo_corr, nft_corr)
 
+    # --- a round with a 1-step SDE window in [0, 2), CPS steps and each group's shared initial
+    # noise: the members of a prompt follow one deterministic path up to the window and part in
+    # it; the window's step is the trained one, and before any update its CPS log-probability is
+    # the sampled one (ratio 1)
+    from diffusers_zero3.recipes.grpo import round_window
+
+    settings.objective, settings.timestep_subset, settings.sampler = "grpo", "first", "cps"
+    settings.sde_window_size, settings.sde_window_range, settings.same_noise_per_group = 1, [0, 2], True
+    windowed = trainer.sample_round(1)
+    start, end = windowed.window
+    assert (start, end) == round_window(settings.seed, 1, 1, (0, 2)) and end == start + 1
+    members: dict[int, list[int]] = {}
+    for row, ((p, _), keep) in enumerate(zip(windowed.pairs, windowed.real.tolist())):
+        if keep:
+            members.setdefault(p, []).append(row)
+    shared = [rows for rows in members.values() if len(rows) > 1]
+    assert shared, members  # 5 samples of 3 prompts on a rank: one prompt has two
+    for a, b in shared:
+        assert torch.equal(windowed.latents[a, : start + 1], windowed.latents[b, : start + 1]), start
+        assert not torch.allclose(windowed.latents[a, start + 1], windowed.latents[b, start + 1])
+    trainer.score_round(windowed)
+    windowed.steps = trainer._trained_steps(windowed)
+    assert windowed.steps.unique().tolist() == [start]
+    for first in range(0, len(windowed.pairs), settings.train_batch_size):
+        rows = slice(first, min(len(windowed.pairs), first + settings.train_batch_size))
+        with torch.no_grad():
+            _, stats = trainer._loss(windowed, 0, 0, rows)
+        assert not stats or stats["approx_kl"].item() < 1e-10, stats
+
 
 @pytest.mark.multirank
 def test_one_round_advantages_old_log_probs_and_nft_points(tiny_sd3, tmp_path):

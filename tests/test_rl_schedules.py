@@ -219,3 +219,66 @@ def test_a_trajectorys_noise_drawn_up_front_is_the_step_by_steps():
         velocity(x), sigmas[0], sigmas[1], x, noise_level=0.7, noise=noise[:, 0]
     )
     assert not torch.equal(x1, x2)
+
+
+def _cps_step(sample, model_output, sigma, sigma_prev, noise_level, variance_noise):
+    """flow_grpo's ``sde_step_with_logprob`` branch ``sde_type == "cps"``, as written there (fp32)."""
+    import math
+
+    model_output, sample = model_output.float(), sample.float()
+    std_dev_t = sigma_prev * math.sin(noise_level * math.pi / 2)  # sigma_t in paper
+    pred_original_sample = sample - sigma * model_output  # predicted x_0 in paper
+    noise_estimate = sample + model_output * (1 - sigma)  # predicted x_1 in paper
+    prev_sample_mean = pred_original_sample * (1 - sigma_prev) + noise_estimate * torch.sqrt(
+        sigma_prev**2 - std_dev_t**2
+    )
+    prev_sample = prev_sample_mean + std_dev_t * variance_noise
+    log_prob = -((prev_sample.detach() - prev_sample_mean) ** 2)  # remove all constants
+    return prev_sample, log_prob.mean(dim=tuple(range(1, log_prob.ndim))), prev_sample_mean, std_dev_t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cps_step_is_flow_grpos(dtype):
+    from diffusers_zero3.rl import sde_step_with_logprob
+
+    g = torch.Generator().manual_seed(0)
+    x, v, noise = (torch.randn(3, 4, 8, 8, generator=g).to(dtype) for _ in range(3))
+    for sigma, sigma_next in [(1.0, 0.8), (0.5, 0.3), (0.2, 0.0)]:
+        s, s_next = torch.tensor(sigma), torch.tensor(sigma_next)
+        ours = sde_step_with_logprob(v, s, s_next, x, noise_level=0.8, noise=noise, sampler="cps")
+        theirs = _cps_step(x, v, s, s_next, 0.8, noise.float())
+        for a, b in zip(ours[:3], theirs[:3]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        # scoring the sampled step gives the same log-probability (0: the sample is the mean + noise)
+        _, lp, _, _ = sde_step_with_logprob(
+            v, s, s_next, x, noise_level=0.8, prev_sample=ours[0], sampler="cps"
+        )
+        torch.testing.assert_close(lp, theirs[1], rtol=1e-6, atol=1e-6)
+    # at noise level 0 both samplers are the Euler step; positive control: the SDE differs at 0.8
+    s, s_next = torch.tensor(0.6), torch.tensor(0.4)
+    euler = x.float() + (s_next - s) * v.float()
+    for sampler in ("sde", "cps"):
+        step = sde_step_with_logprob(v, s, s_next, x, noise_level=0.0, noise=noise, sampler=sampler)[0]
+        torch.testing.assert_close(step, euler, rtol=1e-6, atol=1e-6)
+    sde = sde_step_with_logprob(v, s, s_next, x, noise_level=0.8, noise=noise)[0]
+    cps = sde_step_with_logprob(v, s, s_next, x, noise_level=0.8, noise=noise, sampler="cps")[0]
+    assert not torch.allclose(sde, cps, atol=1e-3)
+
+
+def test_sde_window_is_flow_grpos():
+    """``rl.sde_window`` against flow_grpo's ``start = random.randint(range[0], range[1] -
+    size)``: the same window from the same generator state; every start reachable."""
+    import random
+
+    from diffusers_zero3.recipes.grpo import round_window
+    from diffusers_zero3.rl import sde_window
+
+    for seed in range(50):
+        a, b = random.Random(seed), random.Random(seed)
+        start = b.randint(1, 8 - 3)
+        assert sde_window(3, (1, 8), a) == (start, start + 3)
+    starts = {round_window(0, r, 2, (0, 6))[0] for r in range(200)}
+    assert starts == {0, 1, 2, 3, 4}, starts  # (0, 6) with 2 steps: starts 0..4
+    assert round_window(0, 7, 2, (0, 6)) == round_window(0, 7, 2, (0, 6))  # per (seed, round)
+    with pytest.raises(ValueError):
+        sde_window(4, (0, 3), random.Random(0))

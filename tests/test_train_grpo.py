@@ -237,6 +237,12 @@ def test_settings_defaults_and_prompt_file(tmp_path):
         (["--prompts", "a", "--num_inner_epochs", "0"], "--num_inner_epochs must be at least 1, got 0"),
         (["--prompts", "a", "--sample_grid_steps", "0"], "--sample_grid_steps must be at least 1, got 0"),
         (["--prompts", "a", "--train_guidance_scale", "0.5"], "--train_guidance_scale must be >= 1"),
+        (["--prompts", "a", "--sde_window_size", "11"], "--sde_window_size 11 must fit in --sde_window_range 0 10"),
+        (["--prompts", "a", "--sde_window_range", "0", "2"], "--sde_window_range needs --sde_window_size"),
+        (["--prompts", "a", "--objective", "nft", "--sde_window_size", "2"], "--sde_window_size applies to --objective grpo"),
+        (["--prompts", "a", "--sampler", "cps", "--sde_window_size", "2", "--sde_window_range", "5", "10"],
+         "--sampler cps adds no noise at the last step"),
+        (["--prompts", "a", "--sampler", "cps", "--kl_beta", "0.1"], "--sampler cps with --kl_beta needs an --sde_window_size"),
         (["--prompts", "a", "--ema_decay", "1"], "--ema_decay must be in [0, 1), got 1.0"),
         (["--prompts", "a", "--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps must be at least 1"),
         (["--prompts", "a", "--eval_steps", "2"], "--eval_reward and --eval_steps need --eval_prompt_file"),
@@ -662,7 +668,8 @@ def test_full_fine_tuning_nft_with_sharded_reference_resumed_on_1_and_3_processe
 
 @pytest.mark.e2e
 def test_flux_lora_grpo_split_over_two_ranks_equals_one_process(tiny_flux, tmp_path):
-    """Flux.1 with dynamic shifting and its distilled guidance, LoRA with the KL to the base, on
+    """Flux.1 with dynamic shifting and its distilled guidance, LoRA with the KL to the base, CPS
+    steps in a one-step SDE window of [0, 2) and each group's shared initial noise, on
     one process (K=1); its round-1 checkpoint resumed with --context_parallel_size 2 on 2 ranks,
     one group that draws all 9 samples and splits every transformer sequence in two (Ulysses).
     Round 2's rewards (sampling) and the trained adapters (training) equal the one process's, and
@@ -670,6 +677,7 @@ def test_flux_lora_grpo_split_over_two_ranks_equals_one_process(tiny_flux, tmp_p
     initial values depend on the number of processes.)"""
     flags = ["--pretrained_model_name_or_path", tiny_flux, *SMALL, "--rank", "4", "--reward", REDNESS,
              "--guidance_scale", "3.5", "--max_sequence_length", "16", "--kl_beta", "0.01",
+             "--sampler", "cps", "--sde_window_size", "1", "--sde_window_range", "0", "2", "--same_noise_per_group",
              "--text_encoder_2_placement", "shard", "--checkpointing_steps", "1"]  # fmt: skip
     single, out = tmp_path / "flux-lora-1", tmp_path / "flux-lora-cp2"
     _, log1 = run_launcher([*accelerate_launch("scripts/train_grpo.py", 1), *flags, "--output_dir", str(single)],

@@ -3,7 +3,9 @@ trainer behind ``scripts/train_grpo.py``.
 
 A round: every rank takes its share of ``--prompts_per_round x --group_size`` (prompt, member)
 samples (``rl.group_assignment``; a prompt's members may sit on several ranks), pads it to
-``rl.samples_per_rank`` with dummy samples, samples with Flow-GRPO's SDE from the current policy
+``rl.samples_per_rank`` with dummy samples, samples with Flow-GRPO's SDE (or CPS, ``--sampler``;
+inside an SDE window only, ``--sde_window_size``; from each group's shared noise with
+``--same_noise_per_group``) from the current policy (DiffusionNFT: its old policy)
 (no gradient; latents, log-probabilities and sigmas of every step kept), decodes with the VAE,
 scores with the rewards (``rewards.load_rewards``: built-in models sharded and called on every
 rank, ``module:function`` rewards run on each rank's own images), drops the dummies and
@@ -11,7 +13,8 @@ normalises each reward within its prompt's group over every rank's samples
 (``rl.gather_group_advantages``). Then the denoiser (a ZeRO-3 engine; LoRA adapters on it with
 ``--rank``) is trained on the round:
 
-* ``--objective grpo``: for each inner epoch and each trained timestep, the policy's
+* ``--objective grpo``: for each inner epoch and each trained timestep (each sample's own:
+  ``--timestep_subset``; the window's with ``--sde_window_size``), the policy's
   log-probability of the stored next latents, PPO's clipped surrogate (``rl.grpo_loss``) and,
   with ``--kl_beta``, the KL of the SDE step to the reference's (``rl.sde_kl``).
 * ``--objective nft``: DiffusionNFT (``rl.nft_loss``) at the sampled clean latents, noised afresh
@@ -52,6 +55,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import re
 import time
 from collections.abc import Iterator
@@ -90,6 +94,7 @@ from ..rl import (
     samples_per_rank,
     sde_kl,
     sde_step_with_logprob,
+    sde_window,
     trained_timestep_indices,
 )
 from ..runtime.context_parallel import (
@@ -193,6 +198,25 @@ class GRPOSettings(CommonSettings):
     sample_batch_size: int = flag(4, "Samples per denoiser / VAE / reward call while sampling.")
     num_inference_steps: int = flag(10, "SDE steps of each sample.")
     noise_level: float = flag(0.7, "Flow-GRPO's SDE noise level a.")
+    sampler: str = flag(
+        "sde",
+        "The stochastic step of a round's sampling: sde (Flow-GRPO's) or cps (coefficients-preserving, "
+        "arXiv 2509.05952, flow_grpo's sde_type cps; noise std sigma_next x sin(noise_level x pi / 2)).",
+        choices=("sde", "cps"),
+    )
+    sde_window_size: int = flag(
+        0,
+        "Steps of a round's SDE window (flow_grpo's sde_window_size; 0: every step): the other steps are "
+        "deterministic (Euler) and untrained; the window's steps are the trained ones (grpo).",
+    )
+    sde_window_range: list[int] | None = flag(
+        None, "LOW HIGH: the window lies in steps [LOW, HIGH) (flow_grpo's sde_window_range; default: all).",
+        metavar="STEP",
+    )  # fmt: skip
+    same_noise_per_group: bool = flag(
+        False,
+        "The members of a prompt's group start from the same noise (DanceGRPO; with a window: branching at it).",
+    )
     guidance_scale: float = flag(1.0, "Classifier-free guidance scale while sampling (1: none).")
     train_guidance_scale: float | None = flag(
         None,
@@ -332,6 +356,32 @@ class GRPOSettings(CommonSettings):
             raise ArgumentError(f"--nft_beta must be positive, got {self.nft_beta}")
         if self.guidance_scale < 1:
             raise ArgumentError(f"--guidance_scale must be >= 1 (1: no guidance), got {self.guidance_scale}")
+        if self.sde_window_size:
+            low, high = self.sde_window_range or (0, self.num_inference_steps)
+            if self.objective != "grpo":
+                raise ArgumentError("--sde_window_size applies to --objective grpo (its log-probabilities)")
+            if not (0 <= low < high <= self.num_inference_steps and 1 <= self.sde_window_size <= high - low):
+                raise ArgumentError(
+                    f"--sde_window_size {self.sde_window_size} must fit in --sde_window_range {low} {high} within the "
+                    f"{self.num_inference_steps} steps"
+                )
+            self.sde_window_range = [low, high]
+        elif self.sde_window_range is not None:
+            raise ArgumentError("--sde_window_range needs --sde_window_size")
+        if (
+            self.sampler == "cps"
+            and self.sde_window_size
+            and self.sde_window_range[1] == self.num_inference_steps
+        ):
+            raise ArgumentError(
+                "--sampler cps adds no noise at the last step (its std is sigma_next x ...): give an "
+                f"--sde_window_range that ends before step {self.num_inference_steps}"
+            )
+        if self.sampler == "cps" and self.kl_beta > 0 and not self.sde_window_size:
+            raise ArgumentError(
+                "--sampler cps with --kl_beta needs an --sde_window_size window before the last step (the KL divides "
+                "by the step's noise, none at the last step)"
+            )
         if self.train_guidance_scale is None:
             self.train_guidance_scale = self.guidance_scale
         if self.train_guidance_scale < 1:
@@ -361,13 +411,15 @@ class GRPOSettings(CommonSettings):
         """``(--reward specs, --eval_reward specs)`` (``rewards.RewardSpec``), parsed together so
         that ``--reward_model`` / ``--reward_placement`` may name either; one ``ArgumentError``
         line for a bad one."""
-        specs = parse_reward_specs([*self.reward, *self.eval_reward], self.reward_model, self.reward_placement)
+        specs = parse_reward_specs(
+            [*self.reward, *self.eval_reward], self.reward_model, self.reward_placement
+        )
         return specs[: len(self.reward)], specs[len(self.reward) :]
 
     @property
     def train_timesteps(self) -> int:
-        """How many of the sampled steps are trained (at least one)."""
-        return max(1, int(self.num_inference_steps * self.timestep_fraction))
+        """How many of a sample's steps are trained (at least one): of the SDE window's, or of all."""
+        return max(1, int((self.sde_window_size or self.num_inference_steps) * self.timestep_fraction))
 
     @property
     def accumulation_steps(self) -> int:
@@ -440,6 +492,7 @@ class Round:
     log_probs: torch.Tensor  # [P, T]
     sigmas: torch.Tensor  # [T + 1]
     images: torch.Tensor | None = None  # [P, 3, H, W], dropped once scored
+    window: tuple[int, int] | None = None  # the round's SDE window [start, end) (--sde_window_size)
     advantages: torch.Tensor | None = None  # [P], 0 for dummies
     weight: torch.Tensor | None = None  # [P] each sample's weight in the loss (rl.kept_sample_weight)
     steps: torch.Tensor | None = None  # [E, P, K] long: each inner epoch's trained steps of each sample
@@ -473,6 +526,19 @@ def sample_generator(seed: int, round_index: int, prompt: int, member: int) -> t
     """The CPU generator of one sample's noise: the same whichever rank (and however many ranks)
     draws it, so that a resumed run or another world size samples the same images."""
     return _hashed_generator(f"grpo:{seed}:{round_index}:{prompt}:{member}")
+
+
+def group_noise_generator(seed: int, round_index: int, prompt: int) -> torch.Generator:
+    """The CPU generator of a group's shared initial noise (``--same_noise_per_group``): every
+    member of the prompt's group, on any rank, starts from its first draw."""
+    return _hashed_generator(f"grpo-group:{seed}:{round_index}:{prompt}")
+
+
+def round_window(seed: int, round_index: int, size: int, window_range: tuple[int, int]) -> tuple[int, int]:
+    """The round's SDE window (``rl.sde_window`` with a generator of ``(seed, round)``): the same on
+    every rank and any number of ranks, and on resume."""
+    digest = hashlib.sha256(f"grpo-window:{seed}:{round_index}".encode()).digest()
+    return sde_window(size, window_range, random.Random(int.from_bytes(digest[:8], "little")))
 
 
 def nft_noise_generator(
@@ -955,7 +1021,10 @@ class GRPOTrainer:
         # latents and then every step's noise, all up front: one copy to the device (pinned and
         # non-blocking on CUDA), not a pageable copy and a sync at every step
         generators = [sample_generator(args.seed, round_index, p, m) for p, m in padded]
-        latents = host_to_device(torch.cat([torch.randn(1, *shape, generator=g) for g in generators]), device)
+        starts = generators
+        if args.same_noise_per_group:  # each group's own generator: its members' initial noise
+            starts = [group_noise_generator(args.seed, round_index, p) for p, _ in padded]
+        latents = host_to_device(torch.cat([torch.randn(1, *shape, generator=g) for g in starts]), device)
         step_noise = host_to_device(
             torch.stack([
                 torch.cat([torch.randn(1, *shape, generator=g) for _ in range(args.num_inference_steps)])
@@ -969,6 +1038,11 @@ class GRPOTrainer:
             log_probs=latents.new_empty(length, args.num_inference_steps), sigmas=sigmas,
         )  # fmt: skip
         batch.latents[:, 0] = latents
+        if args.sde_window_size:
+            batch.window = round_window(
+                args.seed, round_index, args.sde_window_size, tuple(args.sde_window_range)
+            )
+        start, end = batch.window or (0, args.num_inference_steps)
         images = []
         for rows in _chunks(length, args.sample_batch_size):
             x = latents[rows]
@@ -981,8 +1055,10 @@ class GRPOTrainer:
                         sigmas[i],
                         sigmas[i + 1],
                         x,
-                        noise_level=args.noise_level,
+                        # deterministic (noise level 0: the Euler step) outside the SDE window
+                        noise_level=args.noise_level if start <= i < end else 0.0,
                         noise=step_noise[rows, i],
+                        sampler=args.sampler,
                     )
                     batch.latents[rows, i + 1] = x
                     batch.log_probs[rows, i] = log_prob
@@ -1044,10 +1120,11 @@ class GRPOTrainer:
         sample's own subset per inner epoch, from ``timestep_generator``, the same on any rank).
         Not a collective."""
         args = self.args
+        start, end = batch.window or (0, args.num_inference_steps)
         steps = [
             torch.stack([
-                trained_timestep_indices(
-                    args.num_inference_steps, args.train_timesteps, args.timestep_subset,
+                start + trained_timestep_indices(
+                    end - start, args.train_timesteps, args.timestep_subset,
                     timestep_generator(args.seed, batch.index, p, m, epoch),
                 )
                 for p, m in batch.pairs
@@ -1108,7 +1185,13 @@ class GRPOTrainer:
             sigma, sigma_next = batch.sigmas[index], batch.sigmas[index + 1]
             v = self._velocity(self.engine, x, sigma, batch, rows, train=True)
             _, log_prob, mean, std = sde_step_with_logprob(
-                v, sigma, sigma_next, x, noise_level=args.noise_level, prev_sample=x_next
+                v,
+                sigma,
+                sigma_next,
+                x,
+                noise_level=args.noise_level,
+                prev_sample=x_next,
+                sampler=args.sampler,
             )
             kl = None
             if args.kl_beta > 0:

@@ -15,6 +15,7 @@ from .schedules import (
     nft_old_decay,
     reference_ema_decay,
     reference_ema_updates,
+    sde_window,
     trained_timestep_indices,
 )
 from .sde import sde_step_with_logprob
@@ -35,5 +36,6 @@ __all__ = [
     "samples_per_rank",
     "sde_kl",
     "sde_step_with_logprob",
+    "sde_window",
     "trained_timestep_indices",
 ]

@@ -8,6 +8,7 @@ DiffusionNFT @24af555, ``scripts/train_nft_sd3.py``), named there.
 
 from __future__ import annotations
 
+import random
 from typing import Literal
 
 import torch
@@ -80,6 +81,23 @@ def trained_timestep_indices(
     raise ValueError(f"unknown timestep subset {subset!r}")
 
 
+def sde_window(size: int, window_range: tuple[int, int], rng: random.Random) -> tuple[int, int]:
+    """The ``[start, end)`` steps of a round's SDE window (flow_grpo's ``pipeline_with_logprob``
+    with ``sde_window_size``: ``start = random.randint(range[0], range[1] - size)``, ``end = start +
+    size``); the steps outside it are deterministic (noise level 0) and untrained. ``rng`` is the
+    round's: every rank draws the same window.
+
+    Example:
+        >>> sde_window(2, (0, 6), random.Random(0))
+        (3, 5)
+    """
+    low, high = window_range
+    if not 1 <= size <= high - low:
+        raise ValueError(f"a window of {size} steps does not fit in [{low}, {high})")
+    start = rng.randint(low, high - size)
+    return start, start + size
+
+
 def kept_sample_weight(advantages: torch.Tensor, real: torch.Tensor, filter_zero: bool) -> torch.Tensor:
     """Each sample's weight in the loss of a rank's round (``[P]`` float, on ``advantages``'
     device): 0 for a dummy (``real`` false); with ``filter_zero``, flow_grpo's zero-advantage
@@ -114,5 +132,6 @@ __all__ = [
     "nft_old_decay",
     "reference_ema_decay",
     "reference_ema_updates",
+    "sde_window",
     "trained_timestep_indices",
 ]

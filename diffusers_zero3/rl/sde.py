@@ -11,6 +11,18 @@ velocity::
     mean      = sample + (v + std_dev_t**2 / (2 * sigma) * (sample + (1 - sigma) * v)) * dt
     prev      = mean + std_dev_t * sqrt(-dt) * N(0, I)
 
+``sampler="cps"`` is Coefficients-Preserving Sampling (arXiv 2509.05952; flow_grpo's
+``sde_type == "cps"``): the step's noise is ``std = sigma_next * sin(noise_level * pi / 2)`` and
+its mean keeps the coefficients of the clean and noise estimates::
+
+    x0_hat = sample - sigma * v;   x1_hat = sample + (1 - sigma) * v
+    mean   = (1 - sigma_next) * x0_hat + sqrt(sigma_next**2 - std**2) * x1_hat
+    prev   = mean + std * N(0, I)
+
+with the reference's log-probability ``-(prev - mean)**2`` (its constants and variance dropped:
+they cancel in a policy ratio of one step), averaged like the SDE's. At ``noise_level=0`` both
+samplers are the Euler step.
+
 The reference's scheduler sigmas start at exactly 1 (``sigma / (1 - sigma)`` would divide by
 zero), so where ``sigma == 1`` it puts ``sigmas[1]`` in the denominator: the *second* sigma of
 the schedule, which it calls ``sigma_max``. The last step (``sigma_next == 0``) needs nothing
@@ -90,6 +102,7 @@ def sde_step_with_logprob(
     prev_sample: torch.Tensor | None = None,
     sigma_max: float | torch.Tensor | None = None,
     noise: torch.Tensor | None = None,
+    sampler: str = "sde",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One SDE step from ``sigma`` to ``sigma_next`` and the log-probability of its result, as
     Flow-GRPO's ``sde_step_with_logprob`` (see the module docstring for the formulas).
@@ -120,6 +133,9 @@ def sde_step_with_logprob(
         noise: The standard normal draw of the step (shaped like ``sample``), instead of drawing
             it with ``generator``: e.g. a trajectory's noise drawn up front and copied to the
             device at once.
+        sampler: ``"sde"`` (Flow-GRPO's) or ``"cps"`` (coefficients-preserving; see the module
+            docstring). With ``"cps"`` the returned ``std_dev_t`` is the step's own standard
+            deviation and ``log_prob`` is the reference's ``-mean((prev - mean)**2)``.
         sigma_max: What stands in for ``sigma`` in ``1 - sigma`` where ``sigma == 1``. The
             reference uses its schedule's second sigma (``scheduler.sigmas[1]``). The default,
             ``sigma_next``, is that value wherever sigma is 1 at the schedule's first step, as in
@@ -144,6 +160,22 @@ def sde_step_with_logprob(
     sigma_next = per_sample(sigma_next, sample, dtype)
     substitute = sigma_next if sigma_max is None else per_sample(sigma_max, sample, dtype)
 
+    if sampler == "cps":
+        std_dev_t = sigma_next * math.sin(noise_level * math.pi / 2)
+        x0_hat = sample - sigma * model_output
+        x1_hat = sample + (1 - sigma) * model_output
+        prev_sample_mean = (1 - sigma_next) * x0_hat + torch.sqrt(sigma_next**2 - std_dev_t**2) * x1_hat
+        if prev_sample is None:
+            if noise is None:
+                noise = _standard_normal(prev_sample_mean, generator)
+            prev_sample = prev_sample_mean + std_dev_t * noise.to(device=sample.device, dtype=dtype)
+        else:
+            prev_sample = prev_sample.to(device=sample.device, dtype=dtype)
+        log_density = -((prev_sample.detach() - prev_sample_mean) ** 2)
+        log_prob = log_density.mean(dim=tuple(range(1, log_density.ndim)))
+        return prev_sample, log_prob, prev_sample_mean, std_dev_t
+    if sampler != "sde":
+        raise ValueError(f"unknown sampler {sampler!r}: sde or cps")
     dt = sigma_next - sigma  # negative: sigma decreases towards the data
     std_dev_t = torch.sqrt(sigma / (1 - torch.where(sigma == 1, substitute, sigma))) * noise_level
     drift_gain = std_dev_t**2 / (2 * sigma)
