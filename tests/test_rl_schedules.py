@@ -282,3 +282,35 @@ def test_sde_window_is_flow_grpos():
     assert round_window(0, 7, 2, (0, 6)) == round_window(0, 7, 2, (0, 6))  # per (seed, round)
     with pytest.raises(ValueError):
         sde_window(4, (0, 3), random.Random(0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_guard_log_ratio_is_grpo_guards(dtype):
+    """``rl.guard_log_ratio`` against GRPO-Guard's ratio as Flow-GRPO trainers write it
+    (Flow-Factory's ``GRPOGuardTrainer``: ``exp((log_prob - old_log_prob) * scale + mse / (2 *
+    scale))``, ``scale = sqrt(-dt) * std_dev_t``), on the trainer's own SDE steps; and what it is
+    for: over many draws from the old policy the plain log-ratio's mean is ``-mse / (2 s**2)``
+    (negative: the bias RatioNorm removes), the guarded one's about 0."""
+    from diffusers_zero3.rl import guard_log_ratio, sde_step_with_logprob
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 4, 8, 8, generator=g).to(dtype)
+    v_old = torch.randn(256, 4, 8, 8, generator=g).to(dtype)
+    v_new = (v_old.float() + 0.3 * torch.randn(256, 4, 8, 8, generator=g)).to(dtype)
+    sigma, sigma_next = torch.tensor(0.6), torch.tensor(0.5)
+    sampled, old_lp, old_mean, _ = sde_step_with_logprob(
+        v_old, sigma, sigma_next, x, noise_level=0.7, generator=g
+    )
+    _, new_lp, new_mean, std = sde_step_with_logprob(
+        v_new, sigma, sigma_next, x, noise_level=0.7, prev_sample=sampled
+    )
+    scale_factor = torch.sqrt(sigma - sigma_next) * std  # sqrt(-dt) * std_dev_t
+    mse = (new_mean - old_mean).flatten(1).pow(2).mean(dim=1)
+    reference = (new_lp - old_lp) * scale_factor.reshape(-1) + mse / (2 * scale_factor.reshape(-1))
+    ours = guard_log_ratio(new_lp, old_lp, new_mean, old_mean, scale_factor)
+    torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-7)
+    s2 = (scale_factor.reshape(-1) ** 2).item()
+    plain = new_lp - old_lp
+    assert plain.mean().item() == pytest.approx(-(mse / (2 * s2)).mean().item(), rel=0.1)
+    assert abs(ours.mean().item()) < 0.2 * abs(plain.mean().item()) * scale_factor.item()
+    assert torch.equal(guard_log_ratio(old_lp, old_lp, old_mean, old_mean, scale_factor), torch.zeros(256))

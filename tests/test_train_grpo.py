@@ -243,6 +243,7 @@ def test_settings_defaults_and_prompt_file(tmp_path):
         (["--prompts", "a", "--sampler", "cps", "--sde_window_size", "2", "--sde_window_range", "5", "10"],
          "--sampler cps adds no noise at the last step"),
         (["--prompts", "a", "--sampler", "cps", "--kl_beta", "0.1"], "--sampler cps with --kl_beta needs an --sde_window_size"),
+        (["--prompts", "a", "--sampler", "cps", "--ratio_norm"], "--ratio_norm applies to --objective grpo with --sampler sde"),
         (["--prompts", "a", "--ema_decay", "1"], "--ema_decay must be in [0, 1), got 1.0"),
         (["--prompts", "a", "--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps must be at least 1"),
         (["--prompts", "a", "--eval_steps", "2"], "--eval_reward and --eval_steps need --eval_prompt_file"),
@@ -521,7 +522,7 @@ def test_lora_grpo_with_function_and_sharded_clip_reward(tiny_sd3, tiny_clip, tm
             "--reward", REDNESS, "--reward", "clip_score=0.01", "--reward_model", f"clip_score={tiny_clip}",
             "--reward_placement", "clip_score=shard", "--kl_beta", "0.01", "--num_inner_epochs", "2",
             "--gradient_accumulation_steps", "2", "--use_ema", "--ema_decay", "0.5", "--ema_update_every", "1",
-            "--global_std", "false", "--guidance_scale", "2", "--train_guidance_scale", "1.5",
+            "--global_std", "false", "--guidance_scale", "2", "--train_guidance_scale", "1.5", "--ratio_norm",
             "--eval_prompt_file", str(held_out), "--eval_steps", "1", "--eval_num_inference_steps", "2",
             "--eval_resolution", "48", "--eval_reward", "diffusers_zero3.demo.rewards:named_colour",
             "--checkpointing_steps", "1", "--output_dir", str(out)]  # fmt: skip

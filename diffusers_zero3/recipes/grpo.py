@@ -86,6 +86,7 @@ from ..rl import (
     gather_group_reward_stats,
     group_assignment,
     grpo_loss,
+    guard_log_ratio,
     kept_sample_weight,
     nft_loss,
     nft_old_decay,
@@ -213,6 +214,11 @@ class GRPOSettings(CommonSettings):
         None, "LOW HIGH: the window lies in steps [LOW, HIGH) (flow_grpo's sde_window_range; default: all).",
         metavar="STEP",
     )  # fmt: skip
+    ratio_norm: bool = flag(
+        False,
+        "GRPO-Guard's ratio (arXiv 2510.22319): each step's log policy ratio re-centred to mean 0 and weighted by "
+        "the step's noise std (grpo, --sampler sde).",
+    )
     same_noise_per_group: bool = flag(
         False,
         "The members of a prompt's group start from the same noise (DanceGRPO; with a window: branching at it).",
@@ -382,6 +388,8 @@ class GRPOSettings(CommonSettings):
                 "--sampler cps with --kl_beta needs an --sde_window_size window before the last step (the KL divides "
                 "by the step's noise, none at the last step)"
             )
+        if self.ratio_norm and (self.objective != "grpo" or self.sampler != "sde"):
+            raise ArgumentError("--ratio_norm applies to --objective grpo with --sampler sde")
         if self.train_guidance_scale is None:
             self.train_guidance_scale = self.guidance_scale
         if self.train_guidance_scale < 1:
@@ -493,6 +501,9 @@ class Round:
     sigmas: torch.Tensor  # [T + 1]
     images: torch.Tensor | None = None  # [P, 3, H, W], dropped once scored
     window: tuple[int, int] | None = None  # the round's SDE window [start, end) (--sde_window_size)
+    means: torch.Tensor | None = (
+        None  # [P, T, ...]: each step's mean under the sampling policy (--ratio_norm)
+    )
     advantages: torch.Tensor | None = None  # [P], 0 for dummies
     weight: torch.Tensor | None = None  # [P] each sample's weight in the loss (rl.kept_sample_weight)
     steps: torch.Tensor | None = None  # [E, P, K] long: each inner epoch's trained steps of each sample
@@ -1038,6 +1049,8 @@ class GRPOTrainer:
             log_probs=latents.new_empty(length, args.num_inference_steps), sigmas=sigmas,
         )  # fmt: skip
         batch.latents[:, 0] = latents
+        if args.ratio_norm:
+            batch.means = latents.new_empty(length, args.num_inference_steps, *shape)
         if args.sde_window_size:
             batch.window = round_window(
                 args.seed, round_index, args.sde_window_size, tuple(args.sde_window_range)
@@ -1050,7 +1063,7 @@ class GRPOTrainer:
                 for i in range(args.num_inference_steps):
                     n = x.shape[0]
                     v = self._velocity(self.engine, x, sigmas[i].expand(n), batch, rows)
-                    x, log_prob, _, _ = sde_step_with_logprob(
+                    x, log_prob, mean, _ = sde_step_with_logprob(
                         v,
                         sigmas[i],
                         sigmas[i + 1],
@@ -1062,6 +1075,8 @@ class GRPOTrainer:
                     )
                     batch.latents[rows, i + 1] = x
                     batch.log_probs[rows, i] = log_prob
+                    if batch.means is not None:
+                        batch.means[rows, i] = mean
             images.append(self._decode(x))
         batch.images = torch.cat(images)
         return batch
@@ -1203,9 +1218,20 @@ class GRPOTrainer:
                 kl = sde_kl(mean, ref_mean, std)[keep]
             if kept == 0:
                 return log_prob.float().sum() * 0.0, {}  # its backward still runs: ranks in lockstep
+            old_log_prob = batch.log_probs[rows][at, index][keep]
+            log_ratio = None
+            if args.ratio_norm:  # GRPO-Guard: the step's std, sqrt(sigma - sigma_next) * std_dev_t
+                step_std = std * (sigma - sigma_next).sqrt().view(-1, *[1] * (x.ndim - 1))
+                log_ratio = guard_log_ratio(
+                    log_prob[keep],
+                    old_log_prob,
+                    mean[keep],
+                    batch.means[rows][at, index][keep],
+                    step_std[keep],
+                )
             loss, stats = grpo_loss(
-                log_prob[keep], batch.log_probs[rows][at, index][keep], adv, clip_range=args.clip_range,
-                adv_clip_max=args.adv_clip_max, kl=kl, kl_beta=args.kl_beta,
+                log_prob[keep], old_log_prob, adv, clip_range=args.clip_range, adv_clip_max=args.adv_clip_max,
+                kl=kl, kl_beta=args.kl_beta, log_ratio=log_ratio,
             )  # fmt: skip
             return loss * share, stats
         x_t, v_old, sigma = (t[rows] for t in batch.nft_points[epoch][k])

@@ -9,7 +9,7 @@ from .advantages import (
     group_reward_stats,
 )
 from .groups import group_assignment, samples_per_rank
-from .losses import grpo_loss, nft_loss, nft_optimality, sde_kl
+from .losses import grpo_loss, guard_log_ratio, nft_loss, nft_optimality, sde_kl
 from .schedules import (
     kept_sample_weight,
     nft_old_decay,
@@ -27,6 +27,7 @@ __all__ = [
     "group_reward_stats",
     "group_assignment",
     "grpo_loss",
+    "guard_log_ratio",
     "kept_sample_weight",
     "nft_loss",
     "nft_old_decay",

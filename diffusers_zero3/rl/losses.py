@@ -75,6 +75,7 @@ def grpo_loss(
     adv_clip_max: float,
     kl: torch.Tensor | None = None,
     kl_beta: float = 0.0,
+    log_ratio: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Flow-GRPO's loss for one denoising step of a batch: PPO's clipped surrogate on the
     advantages clamped to ``adv_clip_max``, plus ``kl_beta`` times the mean KL term.
@@ -92,6 +93,8 @@ def grpo_loss(
         kl: ``[B]`` (or a 0-d mean of) ``sde_kl`` terms; needed when ``kl_beta > 0``.
         kl_beta: The KL weight (``config.train.beta``); 0 leaves the KL out of the loss, as the
             reference does (the stats report it when given).
+        log_ratio: ``[B]`` log policy ratios to use instead of ``log_prob - old_log_prob``
+            (e.g. GRPO-Guard's, ``guard_log_ratio``).
 
     Returns:
         ``(loss, stats)``; the stats are detached 0-d tensors: ``policy_loss``, ``kl_loss`` (0
@@ -107,7 +110,9 @@ def grpo_loss(
     if kl_beta and kl is None:
         raise ValueError("kl_beta > 0 needs the kl terms (sde_kl)")
     dtype = compute_dtype(log_prob, old_log_prob, advantages)
-    log_ratio = log_prob.to(dtype) - old_log_prob.to(dtype)
+    if log_ratio is None:
+        log_ratio = log_prob.to(dtype) - old_log_prob.to(dtype)
+    log_ratio = log_ratio.to(dtype)
     ratio = torch.exp(log_ratio)
     advantages = advantages.to(dtype).clamp(-adv_clip_max, adv_clip_max)
     unclipped = -advantages * ratio
@@ -125,6 +130,38 @@ def grpo_loss(
             "clipfrac_lt_one": (1.0 - ratio > clip_range).to(dtype).mean(),
         }
     return loss, stats
+
+
+def guard_log_ratio(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    mean: torch.Tensor,
+    old_mean: torch.Tensor,
+    step_std: torch.Tensor | float,
+) -> torch.Tensor:
+    """GRPO-Guard's re-centred and re-weighted log policy ratio of one SDE step (arXiv 2510.22319;
+    as Flow-GRPO trainers implement it, e.g. Flow-Factory's ``GRPOGuardTrainer``):
+    ``(log_prob - old_log_prob) * s + mean((mean - old_mean)**2) / (2 * s)`` with ``s`` the step's
+    standard deviation (``std_dev_t * sqrt(sigma - sigma_next)``). The plain log-ratio of a step
+    sampled from the old policy has the negative mean ``-|mean - old_mean|**2 / (2 s**2)``
+    (elementwise mean); the second term removes it (RatioNorm), and the factor ``s`` evens out the
+    steps' gradients (small at the low-noise steps, whose ``1 / s**2`` would dominate). Computed in
+    float32 for bf16 / fp16 inputs.
+
+    Args:
+        log_prob: ``[B]`` the trained policy's ``sde_step_with_logprob`` log-probability.
+        old_log_prob: ``[B]`` the sampling policy's (stored).
+        mean: the trained policy's step mean ``[B, ...]``.
+        old_mean: the sampling policy's step mean (stored while sampling).
+        step_std: the step's standard deviation: a number, ``[B]`` or ``[B, 1, ...]``.
+
+    Returns:
+        ``[B]`` log-ratios (0 where the policies agree), for ``grpo_loss(..., log_ratio=...)``.
+    """
+    dtype = compute_dtype(log_prob, old_log_prob, mean, old_mean)
+    mse = _mean_over_non_batch((mean.to(dtype) - old_mean.to(dtype)) ** 2)
+    s = per_sample(step_std, mean, dtype).reshape(-1)
+    return (log_prob.to(dtype) - old_log_prob.to(dtype)) * s + mse / (2 * s)
 
 
 def nft_optimality(
