@@ -46,7 +46,10 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
         ["--train_batch_size", "4", "--nft_beta", "0.1"],
         "NFT, 2 steps, beta 0.1 (DiffusionNFT's 2-step OCR config's beta)",
     ),
-    "nft-2epochs-beta0.1": (["--num_inner_epochs", "2", "--nft_beta", "0.1"], "NFT, 2 inner epochs, beta 0.1"),
+    "nft-2epochs-beta0.1": (
+        ["--num_inner_epochs", "2", "--nft_beta", "0.1"],
+        "NFT, 2 inner epochs, beta 0.1",
+    ),
     "nft-2batches-ocr": (
         ["--train_batch_size", "4", "--nft_beta", "0.1", "--nft_decay_type", "2"],
         "NFT, 2 steps, beta 0.1, decay type 2 (DiffusionNFT's OCR config)",
@@ -54,6 +57,28 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
     "nft-1step-beta0.1": (["--nft_beta", "0.1"], "NFT, 1 step, beta 0.1"),
     "grpo-1step": (["--objective", "grpo"], "GRPO, 1 step a round"),
     "grpo-2batches": (["--objective", "grpo", "--train_batch_size", "4"], "GRPO, 2 steps a round"),
+    "grpo-window2": (
+        ["--objective", "grpo", "--sde_window_size", "2", "--sde_window_range", "0", "4"],
+        "GRPO, an SDE window of 2 of the 6 steps in [0, 4) (MixGRPO / Flow-GRPO-Fast)",
+    ),
+    "grpo-window2-cps-shared": (
+        [
+            "--objective",
+            "grpo",
+            "--sde_window_size",
+            "2",
+            "--sde_window_range",
+            "0",
+            "4",
+            "--sampler",
+            "cps",
+            "--noise_level",
+            "0.8",
+            "--same_noise_per_group",
+        ],
+        "GRPO, the window with CPS at 0.8 and shared noise (flow_grpo's fast recipe, with CFG off)",
+    ),  # fmt: skip
+    "grpo-ratio-norm": (["--objective", "grpo", "--ratio_norm"], "GRPO with GRPO-Guard's ratio"),
 }
 
 
@@ -87,7 +112,7 @@ def run_pairs(jobs: list[tuple[str, list[str]]], folder: Path) -> None:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     for start in range(0, len(jobs), 2):
         running = []
-        for i, (name, argv) in enumerate(jobs[start : start + 2]):
+        for name, argv in jobs[start : start + 2]:
             log = open(folder / f"{name}.log", "w")
             running.append((name, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env), log))
         for name, proc, log in running:
@@ -116,7 +141,9 @@ def main(argv: list[str] | None = None) -> None:
         extra, _ = VARIANTS[name]
         for weight in ("1", "-1"):
             out = folder / f"{name}_w{weight}"
-            flags = with_flags(default_flags(str(pipe), str(out)), ["--max_train_steps", str(args.rounds), *extra])
+            flags = with_flags(
+                default_flags(str(pipe), str(out)), ["--max_train_steps", str(args.rounds), *extra]
+            )
             flags = with_flags(flags, ["--reward", f"{REDNESS}={weight}", "--checkpointing_steps", "1000"])
             jobs.append((f"{name}_w{weight}", launch([*flags, "--report_to", "none"], port)))
             port += 7
@@ -129,8 +156,11 @@ def main(argv: list[str] | None = None) -> None:
             first, last = sum(curve[:TAIL]) / TAIL, sum(curve[-TAIL:]) / TAIL
             row[f"w{weight} first->last"] = f"{first:.4f} -> {last:.4f}"
             row[f"w{weight} rise"] = f"{last - first:+.4f}"
+            seconds = json.loads((folder / f"{name}_w{weight}" / "rewards.json").read_text())["seconds"]
+            if weight == "1":  # a round's seconds (the first left out: it warms up), both runs side by side
+                row["s / round"] = f"{sum(sum(v[1:]) for v in seconds.values()) / (len(curve) - 1):.2f}"
         rows.append(row)
-    columns = ["variant", "what", "w1 first->last", "w1 rise", "w-1 first->last", "w-1 rise"]
+    columns = ["variant", "what", "w1 first->last", "w1 rise", "w-1 first->last", "w-1 rise", "s / round"]
     print_section(
         f"Learning on the tiny default, {args.rounds} rounds, mean of the first / last {TAIL} (runs in {folder})",
         markdown_table(rows, columns),

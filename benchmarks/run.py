@@ -28,6 +28,7 @@ SUITES = [
     "data",
     "context_parallel",
     "host_stalls",
+    "rl_learning",
 ]
 
 
