@@ -246,6 +246,11 @@ class CheckpointSettings(Settings):
     checkpointing_steps: int = flag(500, "Save a resumable checkpoint every N steps.")
     checkpoints_total_limit: int | None = flag(None, "Keep the newest N checkpoints (N >= 1).")
     resume_from_checkpoint: str | None = flag(None, "'latest' or a checkpoint folder.")
+    resume_fallback: bool = flag(
+        False,
+        "With --resume_from_checkpoint latest: a damaged latest checkpoint (its files differ from its "
+        "manifest) falls back to the newest intact one instead of stopping.",
+    )
     use_ema: bool = flag(False, "Keep an EMA of the trained model (ShardedEMA under ZeRO-3).")
 
 

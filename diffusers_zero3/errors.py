@@ -20,6 +20,10 @@ class CheckpointError(UserError):
     """A model folder or checkpoint is missing, incomplete or does not fit the model."""
 
 
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint's files differ from its manifest (a truncated, changed or missing file)."""
+
+
 class RewardError(UserError):
     """A reward gave scores that cannot be used (wrong count, NaN, inf) or raised; the message
     names the reward spec and what is wrong."""

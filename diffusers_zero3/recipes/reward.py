@@ -215,7 +215,9 @@ class RewardTrainer:
         self.unet, self.ema = self.part.engine, self.part.ema
         if acc.is_main_process and args.report_to != "none":
             acc.init_trackers(args.tracker_project_name, args.scalars())
-        resumed = resume_training(acc, args.output_dir, args.resume_from_checkpoint, ema=self.ema)
+        resumed = resume_training(
+            acc, args.output_dir, args.resume_from_checkpoint, ema=self.ema, fallback=args.resume_fallback
+        )
         if resumed is not None:
             path, state = resumed
             self.global_step, self.rewards = state["global_step"], state["rewards"]

@@ -972,6 +972,7 @@ class TextToImageTrainer:
             ema=self.ema,
             check=check,
             parts=self.extra_parts,
+            fallback=self.args.resume_fallback,
         )
         if resumed is None:
             if self.args.resume_from_checkpoint:

@@ -9,10 +9,14 @@
   written, every rank checks that it sees the folder global rank 0 created (node-local
   disks fail there, with nothing left behind on any node).
 * ``remove_interrupted_writes``: the ``.tmp-*`` / ``.old-*`` leftovers of a killed save.
+* ``WriteErrors``: a rank's write error (a full disk, an I/O error, a quota) held until the
+  next exchange of verdicts, so that the rank goes on through the same collectives as the
+  others instead of leaving them waiting in one it skipped.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
@@ -62,6 +66,92 @@ def fsync_dir(folder: str | os.PathLike) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def is_write_error(error: BaseException) -> bool:
+    """Whether ``error`` is a failed write (ENOSPC, EIO, EDQUOT, ...) rather than a bug.
+
+    An ``OSError``, or the ``RuntimeError`` that ``torch.save`` raises when it writes to a
+    path itself and the write fails (its C++ stream writer reports no errno, only "unexpected
+    pos" or "file write failed").
+    """
+    if isinstance(error, OSError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("PytorchStreamWriter" in text or "inline_container" in text)
+
+
+def describe_write_error(error: BaseException) -> str:
+    """One phrase for a write error: the path and the errno's meaning, e.g.
+    ``/out/.tmp-checkpoint-8-1a2b/ema_rank1.pt: no space left on device (ENOSPC)``."""
+    if isinstance(error, OSError) and error.errno is not None:
+        meaning = (error.strerror or os.strerror(error.errno)).lower()
+        what = f"{meaning} ({errno.errorcode.get(error.errno, error.errno)})"
+        return f"{error.filename}: {what}" if error.filename else what
+    if not isinstance(error, OSError) and is_write_error(error):
+        return f"a write failed ({type(error).__name__}: {str(error).splitlines()[0]})"
+    return f"{type(error).__name__}: {error}"
+
+
+@contextmanager
+def naming(path: str | os.PathLike) -> Iterator[None]:
+    """Give an ``OSError`` raised inside the path it was writing when it names none (a failed
+    ``write()`` reports only its errno), so that the error line says which file.
+
+    Example:
+        >>> with naming(tmp / "ema_rank1.pt"), open(tmp / "ema_rank1.pt", "wb") as f:
+        ...     torch.save(state, f)
+    """
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror or os.strerror(e.errno), str(path)) from e
+
+
+class WriteErrors:
+    """Hold this rank's first write error until the ranks exchange verdicts.
+
+    A rank whose write fails must not leave a collective sequence that the other ranks are
+    still in (the next barrier or gather would pair with another one, or wait until the
+    process-group timeout). So a write that may fail runs through ``run``: a write error is
+    kept and the call returns None, the rank goes on with the same collectives, and ``raise_first`` raises it where every rank exchanges its outcome
+    (inside a ``collective_publish`` block, which then removes the temporary folder); files
+    written after a failure go into that folder too, and with it. Errors
+    that are not write errors (bugs) propagate at once.
+
+    Example:
+        >>> errors = WriteErrors()
+        >>> with collective_publish(final) as tmp:                      # every rank
+        ...     errors.run(torch.save, state, tmp / f"ema_rank{rank}.pt")
+        ...     barrier()                                              # reached by every rank
+        ...     errors.raise_first()
+    """
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+
+    def record(self, error: BaseException) -> None:
+        """Keep ``error`` (a write error) unless one is kept already."""
+        if self.error is None:
+            self.error = error
+
+    def run(self, fn: Callable, *args, **kwargs):
+        """``fn(*args, **kwargs)``; a write error is kept and None returned. Runs even after an
+        earlier failure: ``fn`` may hold collectives (DeepSpeed's save) that every rank enters."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            if not is_write_error(e):
+                raise
+            self.record(e)
+            return None
+
+    def raise_first(self) -> None:
+        """Raise the kept write error, if any."""
+        if self.error is not None:
+            raise self.error
 
 
 @contextmanager
@@ -147,8 +237,10 @@ def collective_publish(
     folder and calls ``commit(tmp, final)`` (default: ``replace_folder``, a rename over any
     previous ``final``). If any rank raised, or the commit fails, the temporary folder is
     removed, ``final`` is left as it was, and every rank raises ``CheckpointError`` naming the
-    rank and the error (a failing rank whose error is not an ``OSError`` re-raises it as is,
-    with its traceback).
+    rank and the error: for a write error, the file and the errno's meaning
+    (``describe_write_error``). A failing rank whose error is not a write error re-raises it
+    as is, with its traceback. A write that may fail while the other ranks go on into a
+    collective inside the block must be held until the block's end (``WriteErrors``).
 
     Example:
         >>> with collective_publish(out / "checkpoint-8") as tmp:    # every rank
@@ -161,7 +253,7 @@ def collective_publish(
         yield tmp
     except Exception as e:  # reported to every rank below
         failure = e
-    reports = all_gather_object(f"{type(failure).__name__}: {failure}" if failure is not None else None)
+    reports = all_gather_object(_describe(failure) if failure is not None else None)
     failed = [(rank, msg) for rank, msg in enumerate(reports) if msg]
     commit_error = None
     if is_main_process():
@@ -170,10 +262,10 @@ def collective_publish(
                 fsync_tree(tmp)
                 (commit or replace_folder)(tmp, final)
         except OSError as e:
-            commit_error = f"{type(e).__name__}: {e}"
+            commit_error = describe_write_error(e)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)  # gone already when it was renamed
-    if failure is not None and not isinstance(failure, (OSError, CheckpointError)):
+    if failure is not None and not (is_write_error(failure) or isinstance(failure, CheckpointError)):
         raise failure  # a bug, not a write error: keep its traceback
     if failed:
         rank, msg = failed[0]
@@ -181,6 +273,12 @@ def collective_publish(
     commit_error = all_gather_object(commit_error)[0]
     if commit_error:
         raise CheckpointError(f"publishing {final} failed on rank 0: {commit_error}")
+
+
+def _describe(failure: BaseException) -> str:
+    if isinstance(failure, CheckpointError):
+        return str(failure)
+    return describe_write_error(failure)
 
 
 def _shared_temporary_folder(final: Path, folder_flag: str | None) -> Path:

@@ -37,7 +37,7 @@ from ..runtime.zero3 import (
     is_zero3_param,
     zero3_init_disabled,
 )
-from .folders import CheckpointError, publish_folder
+from .folders import CheckpointError, describe_write_error, naming, publish_folder
 
 _ST_DTYPES = {
     torch.float32: "F32",
@@ -615,11 +615,12 @@ def save_pretrained_zero3(
                 fname = (
                     f"{stem}.safetensors" if total == 1 else f"{stem}-{k + 1:05d}-of-{total:05d}.safetensors"
                 )
-                fh = open(tmp / fname, "wb")
-                fh.write(_safetensors_header_bytes([entries[i] for i in idx]))
-                files.append((fname, fh))
+                with naming(tmp / fname):
+                    fh = open(tmp / fname, "wb")
+                    files.append((fname, fh))
+                    fh.write(_safetensors_header_bytes([entries[i] for i in idx]))
         except Exception as e:
-            error = f"{type(e).__name__}: {e}"
+            error = describe_write_error(e)
     try:
         for k, idx in enumerate(shards):
             for i in idx:
@@ -633,15 +634,23 @@ def save_pretrained_zero3(
                     try:
                         _write_tensor(files[k][1], full, entries[i][2])
                     except Exception as e:
-                        error = f"{type(e).__name__} writing {names[i]}: {e}"
+                        where = files[k][0] if isinstance(e, OSError) and e.filename is None else None
+                        error = (
+                            f"{where + ': ' if where else ''}{describe_write_error(e)} (writing {names[i]})"
+                        )
         if is_main_process() and error is None:
-            for _, fh in files:
-                fh.close()
-            if len(shards) > 1:
-                weight_map = {entries[i][0]: files[k][0] for k, idx in enumerate(shards) for i in idx}
-                total_size = sum(_numel(s) * _itemsize(d) for _, s, d in entries)
-                index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-                (tmp / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2))
+            try:  # closing flushes the last bytes: a full disk may show only here
+                for fname, fh in files:
+                    with naming(tmp / fname):
+                        fh.close()
+                if len(shards) > 1:
+                    weight_map = {entries[i][0]: files[k][0] for k, idx in enumerate(shards) for i in idx}
+                    total_size = sum(_numel(s) * _itemsize(d) for _, s, d in entries)
+                    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+                    with naming(tmp / f"{stem}.safetensors.index.json"):
+                        (tmp / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2))
+            except OSError as e:  # reported to every rank below, not raised past their exchange
+                error = describe_write_error(e)
         completed = True
     finally:
         for _, fh in files:

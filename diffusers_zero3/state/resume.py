@@ -27,6 +27,16 @@ A training run writes ``OUTPUT_DIR/checkpoint-<step>`` folders. The rules, in on
   resume checks that every rank sees the files it needs (its own partitions, RNG state, EMA
   shard, and rank 0's files): a checkpoint copied onto node-local disks fails with one clear
   error on every rank instead of a hang or a half-loaded state.
+* **Write errors.** A full disk (or any failed write) on any rank while a checkpoint is written
+  is held until the ranks exchange verdicts (``WriteErrors``; inside DeepSpeed's collective
+  save too, ``deferred_engine_writes``), so no rank is left waiting in a collective: the
+  temporary folder is removed, the previous checkpoint stays the latest, and every rank raises
+  one ``CheckpointError`` naming the file and the errno's meaning.
+* **Manifest.** The last file written before the rename is ``manifest.json`` (each file's size
+  and CRC-32, ``state.manifest``). A resume compares the checkpoint with it first; a damaged
+  file is one ``CorruptCheckpointError`` naming it, and with ``fallback`` (``--resume_fallback``)
+  ``latest`` falls back to the newest intact checkpoint instead. A checkpoint without a
+  manifest (an older version's) resumes with its files checked for presence only.
 
 Checkpoints hold pickles (DeepSpeed's and accelerate's state files): resume only
 checkpoints you trust. The EMA shards are read with ``torch.load(weights_only=True)``.
@@ -38,13 +48,25 @@ import json
 import math
 import os
 import shutil
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 
+from ..errors import CorruptCheckpointError
+from ..runtime.deepspeed_internals.checkpoint_writes import deferred_engine_writes
 from ..runtime.deepspeed_internals.universal import Zero3Layout, convert_whole, load_universal
-from ..runtime.distributed import all_gather_object, barrier, get_rank, get_world_size, is_main_process
-from .folders import CheckpointError, collective_publish, fsync_dir, replace_folder
+from ..runtime.distributed import (
+    all_gather_object,
+    barrier,
+    get_rank,
+    get_world_size,
+    is_main_process,
+    log_rank_zero,
+)
+from .folders import CheckpointError, WriteErrors, collective_publish, fsync_dir, naming, replace_folder
+from .manifest import balanced_shares as _balanced_shares
+from .manifest import manifest_problems, write_manifest
 
 CHECKPOINT_PREFIX = "checkpoint-"
 ABANDONED_PREFIX = "abandoned-"
@@ -162,7 +184,11 @@ def save_training_checkpoint(
     new one is the newest, so it always remains). ``output_dir`` must be one folder that every
     rank sees: on node-local disks each machine would write its partitions into its own disk
     and rank 0 would publish a checkpoint without them, so that is refused (``CheckpointError``
-    on every rank) before anything is written.
+    on every rank) before anything is written. The last file written is ``manifest.json``
+    (``state.manifest``). A failed write on any rank (a full disk) is held until the end of
+    the block (``WriteErrors``), so that every rank goes through the same collectives; then
+    the temporary folder is removed and every rank raises ``CheckpointError`` naming the file
+    and the errno's meaning, the previous checkpoints untouched.
     """
     out = Path(output_dir)
     final = out / f"{CHECKPOINT_PREFIX}{global_step}"
@@ -173,25 +199,54 @@ def save_training_checkpoint(
             prune_checkpoints(out, total_limit)
 
     own = [p for p in parts if p.own_engine]
+    engines = [m for m in accelerator._models if hasattr(m, "save_checkpoint")]
+    errors = WriteErrors()
     with collective_publish(final, commit=commit, folder_flag="--output_dir") as tmp:
-        accelerator.save_state(str(tmp))
-        if ema is not None:
-            torch.save(ema.state_dict(), tmp / f"ema_rank{get_rank()}.pt")
-        for name, average in (averages or {}).items():
-            torch.save(average.state_dict(), tmp / f"average_{name}_rank{get_rank()}.pt")
-        for part in own:
-            part.engine.save_checkpoint(str(tmp), tag=part.name)  # collective
+        with ExitStack() as stack:
+            for engine in [*engines, *(p.engine for p in own)]:
+                stack.enter_context(deferred_engine_writes(engine, errors.run))
+            # DeepSpeed writes `latest` on rank 0 just before its closing barrier, where a
+            # failure would leave the other ranks in it: written below, held like the others.
+            errors.run(accelerator.save_state, str(tmp), **({"save_latest": False} if engines else {}))
+            if ema is not None:
+                errors.run(_save_file, ema.state_dict(), tmp / f"ema_rank{get_rank()}.pt")
+            for name, average in (averages or {}).items():
+                errors.run(_save_file, average.state_dict(), tmp / f"average_{name}_rank{get_rank()}.pt")
+            for part in own:
+                part.engine.save_checkpoint(str(tmp), tag=part.name, save_latest=False)  # collective
+                if is_main_process():
+                    errors.run(
+                        _save_file, part.lr_scheduler.state_dict(), tmp / f"{part.name}_lr_scheduler.pt"
+                    )
+                if part.ema is not None:
+                    errors.run(
+                        _save_file, part.ema.state_dict(), tmp / f"ema_{part.name}_rank{get_rank()}.pt"
+                    )
+        # Every rank's files are written (or failed): skip the rest on every rank when one failed.
+        if not any(all_gather_object(errors.error is not None)):
             if is_main_process():
-                torch.save(part.lr_scheduler.state_dict(), tmp / f"{part.name}_lr_scheduler.pt")
-            if part.ema is not None:
-                torch.save(part.ema.state_dict(), tmp / f"ema_{part.name}_rank{get_rank()}.pt")
-        barrier()
-        if is_main_process():
-            state = {**training_state, "global_step": global_step, "world_size": get_world_size()}
-            if own:
-                state["parts"] = [p.name for p in own]
-            (tmp / STATE_FILE).write_text(json.dumps(state))
+                state = {**training_state, "global_step": global_step, "world_size": get_world_size()}
+                if own:
+                    state["parts"] = [p.name for p in own]
+                errors.run(_write_text, tmp / STATE_FILE, json.dumps(state))
+                if engines or own:  # as DeepSpeed leaves it: the tag saved last
+                    last = own[-1].name if own else engine_checkpoint_names(accelerator)[-1]
+                    errors.run(_write_text, tmp / "latest", last)
+            errors.run(write_manifest, tmp)  # collective; the last file before the rename
+        errors.raise_first()
     return final
+
+
+def _save_file(obj, path: Path) -> None:
+    """``torch.save`` through a Python file: a failed write is an ``OSError`` with its errno and
+    path (torch's own writer, given a path, says "unexpected pos" without either)."""
+    with naming(path), open(path, "wb") as f:
+        torch.save(obj, f)
+
+
+def _write_text(path: Path, text: str) -> None:
+    with naming(path):
+        path.write_text(text)
 
 
 def _engine_files(model_dir: Path, rank: int) -> list[tuple[Path, ...]]:
@@ -237,8 +292,13 @@ def check_resumable(path: str | os.PathLike, *, ema: bool = False, parts=(), ave
     processes changed; node-local disks: checkpoints need a filesystem that every machine
     shares), or when ``ema`` is asked for and it has no EMA state, or when the job's other
     trained models (``parts``) are not the checkpoint's, or one of ``averages`` (names) is
-    missing. The state's ``world_size`` is the
-    number of processes that wrote it.
+    missing. The state's ``world_size`` is the number of processes that wrote it.
+
+    First, the checkpoint is compared with its manifest (``state.manifest.manifest_problems``:
+    every file's size on every rank, the checksums shared out between the ranks): a damaged
+    file raises ``CorruptCheckpointError`` (a ``CheckpointError``) naming it and what differs,
+    on every rank. A checkpoint without a manifest (an older version's) is said so in the log,
+    and checked for its files' presence only.
     """
     path = Path(path)
     rank, world = get_rank(), get_world_size()
@@ -263,8 +323,20 @@ def check_resumable(path: str | os.PathLike, *, ema: bool = False, parts=(), ave
             for names in _files_needed(path, ranks, ema, own, averages)
             if not any(p.exists() for p in names)
         ]
-    reports = all_gather_object((missing, state))
-    problems = [(r, m) for r, (m, _) in enumerate(reports) if m]
+    reports = all_gather_object((missing, state, manifest_problems(path)))
+    damaged = [(r, d) for r, (_, _, d) in enumerate(reports) if d]
+    if damaged:
+        r, found = damaged[0]
+        more = sum(len(d) for _, d in damaged) - 1
+        raise CorruptCheckpointError(
+            f"checkpoint {path} is damaged: {found[0]}" + (f" (and {more} more)" if more else "")
+            + f" (checked against its manifest.json on rank {r})"
+        )  # fmt: skip
+    if reports[0][2] is None and reports[0][1] is not None:
+        log_rank_zero(
+            f"{path} has no manifest (written by an older version): its files are checked for presence only"
+        )
+    problems = [(r, m) for r, (m, _, _) in enumerate(reports) if m]
     if problems:
         r, m = problems[0]
         if ema and all(f.startswith("ema_rank") for f in m):
@@ -295,8 +367,9 @@ def load_ema_shard(path: str | os.PathLike) -> dict:
 
 
 def load_training_checkpoint(
-    accelerator, path: str | os.PathLike, *, ema=None, check=None, parts=(), averages: dict | None = None
-) -> dict:
+    accelerator, path: str | os.PathLike, *, ema=None, check=None, parts=(), averages: dict | None = None,
+    state: dict | None = None,
+) -> dict:  # fmt: skip
     """Restore what ``save_training_checkpoint`` wrote; return its training state.
 
     Collective: call on every rank. Checks the checkpoint first (``check_resumable``, then
@@ -304,11 +377,13 @@ def load_training_checkpoint(
     the number of processes that wrote it, accelerate's ``load_state`` restores everything
     as it was; with another number, ``load_resharded`` does. The other trained models
     (``parts``) and the other averages (``averages``, ``{name: ShardedEMA}``) are restored
-    either way.
+    either way. ``state``: what ``check_resumable`` returned for ``path`` with these
+    arguments, which is then not checked again.
     """
     path = Path(path)
     averages = averages or {}
-    state = check_resumable(path, ema=ema is not None, parts=parts, averages=list(averages))
+    if state is None:
+        state = check_resumable(path, ema=ema is not None, parts=parts, averages=list(averages))
     if check is not None:
         check(state)
     own = [p for p in parts if p.own_engine]
@@ -432,17 +507,6 @@ def convert_engine_to_universal(src: str | os.PathLike, dst: str | os.PathLike) 
         (dst.parent / "latest_universal").write_text(dst.name)  # as ds_to_universal.main writes it
 
 
-def _balanced_shares(items: dict, world: int) -> list[list]:
-    """Split ``{item: cost}`` into ``world`` lists of about equal cost: largest first, each to
-    the least loaded rank (ties: the lower rank). The same on every rank (sorted input)."""
-    loads, shares = [0] * world, [[] for _ in range(world)]
-    for item, cost in sorted(items.items(), key=lambda kv: (-kv[1], kv[0])):
-        r = loads.index(min(loads))
-        shares[r].append(item)
-        loads[r] += cost
-    return shares
-
-
 def _each_rank_then_sync(phase: str, work) -> None:
     """Run ``work()`` on this rank, then exchange outcomes. Collective: call on every rank.
 
@@ -528,19 +592,50 @@ def _load_rng_states(accelerator, file: Path) -> None:
 
 def resume_training(
     accelerator, output_dir: str | os.PathLike, value: str | None, *, ema=None, check=None, parts=(),
-    averages: dict | None = None,
+    averages: dict | None = None, fallback: bool = False,
 ):  # fmt: skip
     """Resume as ``--resume_from_checkpoint value`` asks; return ``(path, state)`` or None.
 
     Collective: call on every rank, after ``accelerator.prepare`` (and the other trained
-    models, ``parts``). ``latest`` with no checkpoint yet returns None (a new run). Newer checkpoints than the one resumed from are
-    abandoned (renamed ``abandoned-checkpoint-<step>``) by global rank 0.
+    models, ``parts``). ``latest`` with no checkpoint yet returns None (a new run). Newer
+    checkpoints than the one resumed from are abandoned (renamed ``abandoned-checkpoint-<step>``)
+    by global rank 0. A damaged checkpoint (``CorruptCheckpointError``) is an error, unless
+    ``value`` is ``latest`` and ``fallback`` (``--resume_fallback``) is set: then the newest
+    intact checkpoint is resumed (said in the log), and the damaged newer ones are abandoned.
     """
     path = resolve_resume_checkpoint(output_dir, value)
     if path is None:
         return None
-    state = load_training_checkpoint(accelerator, path, ema=ema, check=check, parts=parts, averages=averages)
+    averages = averages or {}
+    check_args = {"ema": ema is not None, "parts": parts, "averages": list(averages)}
+    if fallback and value == "latest":
+        path, state = _newest_intact(output_dir, path, check_args)
+    else:
+        state = check_resumable(path, **check_args)
+    state = load_training_checkpoint(
+        accelerator, path, ema=ema, check=check, parts=parts, averages=averages, state=state
+    )
     if is_main_process():
         abandon_newer_checkpoints(output_dir, int(state["global_step"]))
     barrier()
     return path, state
+
+
+def _newest_intact(output_dir: str | os.PathLike, latest: Path, check_args: dict) -> tuple[Path, dict]:
+    """The newest checkpoint from ``latest`` down that ``check_resumable`` finds undamaged, and
+    its state. Collective: call on every rank (rank 0's listing decides the order). Raises the
+    newest one's ``CorruptCheckpointError`` when every checkpoint is damaged."""
+    names = all_gather_object([p.name for p in list_checkpoints(output_dir)] if is_main_process() else None)[
+        0
+    ]
+    older = [Path(output_dir) / n for n in reversed(names) if checkpoint_step(n) < checkpoint_step(latest)]
+    first = None
+    for path in [latest, *older]:
+        try:
+            return path, check_resumable(path, **check_args)
+        except CorruptCheckpointError as e:
+            first = first or e
+            log_rank_zero(f"--resume_fallback: not resuming {path.name}: {e}", level=30)
+    raise CorruptCheckpointError(
+        f"{first}; no older intact checkpoint in {output_dir} to fall back to"
+    ) from first

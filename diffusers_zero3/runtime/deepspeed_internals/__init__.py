@@ -42,6 +42,13 @@ error naming it (``require_names``), whatever the version:
 | ``pause_init`` | ``zero3_init_disabled`` pauses an enclosing ``zero.Init`` | ``partition_parameters.top_level_context``, ``.patched``, ``unpatch_init_and_builtins`` / ``patch_init_and_builtins`` |
 | ``universal_load`` | loads a universal checkpoint into a built engine (resume on another number of processes) | ``DeepSpeedEngine._config.load_universal_checkpoint`` (written) |
 
+One use falls back to DeepSpeed's own behaviour without a warning when a name is missing
+(``checkpoint_writes.py``):
+
+| use | what it does | private names |
+|---|---|---|
+| ``deferred_writes`` | a rank's failed checkpoint write is kept, not raised mid-collective (``deferred_engine_writes``) | ``DeepSpeedEngine._save_checkpoint`` / ``_save_zero_checkpoint`` (replaced on the instance), ``.checkpoint_engine``, ``TorchCheckpointEngine.save`` (replaced on the instance), ``.zipfile_serialization`` |
+
 (transformers' ``integrations.deepspeed._hf_deepspeed_config_weak_ref`` is read and written
 here too: ``zero_init.py``.)
 """
@@ -124,6 +131,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("pause_init", _INIT, "unpatch_init_and_builtins"),
     PrivateName("pause_init", _INIT, "patch_init_and_builtins"),
     PrivateName("universal_load", _ENGINE, "_config", on_class=False),
+    PrivateName("deferred_writes", _ENGINE, "_save_checkpoint"),
+    PrivateName("deferred_writes", _ENGINE, "_save_zero_checkpoint"),
+    PrivateName("deferred_writes", _ENGINE, "checkpoint_engine", on_class=False),
 )
 
 _decided: dict[str, bool] = {}
