@@ -771,11 +771,9 @@ class GRPOTrainer:
         self.frozen = place_frozen_models(acc, family, self.source, placements)
         self.vae = self.frozen.models["vae"]
         multiple = family.latent_multiple(self.vae.config)
-        for name in ("resolution", "eval_resolution"):
-            if (getattr(args, name) or multiple) % multiple:
-                raise ArgumentError(
-                    f"--{name} {getattr(args, name)} must be a multiple of {multiple} for {family.name}"
-                )
+        for name, side in (("resolution", args.resolution), ("eval_resolution", args.eval_resolution)):
+            if side is not None and side % multiple:
+                raise ArgumentError(f"--{name} {side} must be a multiple of {multiple} for {family.name}")
         # a guidance-distilled transformer (Flux.1 [dev], Flux.2 [dev]) takes --guidance_scale as an
         # input: no CFG; otherwise CFG where the pipeline runs it (not a step-distilled Flux.2 [klein])
         self.guidance_embeds = bool(denoiser.config.get("guidance_embeds", False))
@@ -847,8 +845,9 @@ class GRPOTrainer:
             names = [*self.reward_names, *(s.name for s in eval_specs)]
             self.evaluations.update({name: [] for name in names})
         resumed = resume_training(
-            acc, args.output_dir, args.resume_from_checkpoint, ema=self.ema, averages=self._averages()
-        )
+            acc, args.output_dir, args.resume_from_checkpoint, ema=self.ema, averages=self._averages(),
+            fallback=args.resume_fallback,
+        )  # fmt: skip
         if resumed is not None:
             path, state = resumed
             self.global_step, self.rewards = state["global_step"], state["rewards"]
