@@ -91,13 +91,20 @@ def default_flags(pipe: str, out: str) -> list[str]:
 
 
 def with_flags(flags: list[str], extra: list[str]) -> list[str]:
-    """``flags`` with each ``--name value`` of ``extra`` replacing the default's or added."""
+    """``flags`` with each ``--name value`` of ``extra`` replacing the default's (one value) or
+    added (any number of values, or none)."""
     flags = list(flags)
-    for name, value in zip(extra[::2], extra[1::2]):
-        if name in flags:
-            flags[flags.index(name) + 1] = value
+    groups: list[list[str]] = []
+    for item in extra:
+        if item.startswith("--"):
+            groups.append([item])
         else:
-            flags += [name, value]
+            groups[-1].append(item)
+    for name, *values in groups:
+        if name in flags and len(values) == 1:
+            flags[flags.index(name) + 1] = values[0]
+        else:
+            flags += [name, *values]
     return flags
 
 

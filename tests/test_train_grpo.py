@@ -239,6 +239,7 @@ def test_settings_defaults_and_prompt_file(tmp_path):
         (["--prompts", "a", "--train_guidance_scale", "0.5"], "--train_guidance_scale must be >= 1"),
         (["--prompts", "a", "--sde_window_size", "11"], "--sde_window_size 11 must fit in --sde_window_range 0 10"),
         (["--prompts", "a", "--sde_window_range", "0", "2"], "--sde_window_range needs --sde_window_size"),
+        (["--prompts", "a", "--sde_window_size", "1", "--sde_window_range", "3"], "--sde_window_range takes two steps"),
         (["--prompts", "a", "--objective", "nft", "--sde_window_size", "2"], "--sde_window_size applies to --objective grpo"),
         (["--prompts", "a", "--sampler", "cps", "--sde_window_size", "2", "--sde_window_range", "5", "10"],
          "--sampler cps adds no noise at the last step"),

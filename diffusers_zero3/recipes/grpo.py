@@ -362,6 +362,8 @@ class GRPOSettings(CommonSettings):
             raise ArgumentError(f"--nft_beta must be positive, got {self.nft_beta}")
         if self.guidance_scale < 1:
             raise ArgumentError(f"--guidance_scale must be >= 1 (1: no guidance), got {self.guidance_scale}")
+        if self.sde_window_range is not None and len(self.sde_window_range) != 2:
+            raise ArgumentError(f"--sde_window_range takes two steps, LOW HIGH; got {self.sde_window_range}")
         if self.sde_window_size:
             low, high = self.sde_window_range or (0, self.num_inference_steps)
             if self.objective != "grpo":
