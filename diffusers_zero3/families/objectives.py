@@ -106,6 +106,7 @@ def sample_latent_distribution(
     ):
         return distribution.sample(generator=generators)
     shape, dtype = distribution.mean.shape[1:], distribution.parameters.dtype
+    # CPU: each sample's own CPU generator draws (the same values on any device), then staged and moved
     noise = _per_sample(lambda g: torch.randn(shape, generator=g, dtype=dtype), generators,
                         distribution.parameters.device)  # fmt: skip
     return distribution.mean + distribution.std * noise

@@ -1036,9 +1036,11 @@ class GRPOTrainer:
         starts = generators
         if args.same_noise_per_group:  # each group's own generator: its members' initial noise
             starts = [group_noise_generator(args.seed, round_index, p) for p, _ in padded]
+        # CPU: each sample's own CPU generator (the same noise on any device and rank), then moved
         latents = host_to_device(torch.cat([torch.randn(1, *shape, generator=g) for g in starts]), device)
         step_noise = host_to_device(
             torch.stack([
+                # CPU: the same generators' step noise, drawn up front, then moved in one copy
                 torch.cat([torch.randn(1, *shape, generator=g) for _ in range(args.num_inference_steps)])
                 for g in generators
             ]),
@@ -1391,6 +1393,7 @@ class GRPOTrainer:
         sigmas = self._sampling_sigmas(shape, args.eval_num_inference_steps)
         noise = torch.cat(
             [
+                # CPU: a CPU generator per prompt (the same noise at every evaluation, on any device), then moved
                 torch.randn(1, *shape, generator=_hashed_generator(f"grpo-eval:{args.seed}:{i}"))
                 for i in indices
             ]

@@ -75,8 +75,10 @@ def trained_timestep_indices(
     if not 1 <= count <= num_steps:
         raise ValueError(f"cannot train {count} of {num_steps} steps")
     if subset == "first":
+        # CPU: indices into a round's stored steps, moved by the caller
         return torch.arange(count)
     if subset == "random":
+        # CPU: drawn with a CPU generator (the same subset on any device and rank)
         return torch.randperm(num_steps, generator=generator)[:count]
     raise ValueError(f"unknown timestep subset {subset!r}")
 

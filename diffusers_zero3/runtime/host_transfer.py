@@ -48,6 +48,7 @@ def stack_to_device(
     if not pins_host_memory(device):
         return torch.stack(list(tensors)).to(device=device, dtype=dtype)
     first = tensors[0]
+    # CPU: the pinned host staging buffer of the copy
     staged = torch.empty((len(tensors), *first.shape), dtype=dtype or first.dtype, pin_memory=True)
     for row, tensor in zip(staged, tensors):
         row.copy_(tensor)  # the cast, on the host, as .to(dtype) of the stack makes it
@@ -67,6 +68,7 @@ def host_to_device(
     device = torch.device(device)
     if not pins_host_memory(device) or tensor.device.type != "cpu":
         return tensor.to(device=device, dtype=dtype)
+    # CPU: the pinned host staging buffer of the copy
     staged = torch.empty(tensor.shape, dtype=dtype or tensor.dtype, pin_memory=True)
     staged.copy_(tensor)
     return staged.to(device, non_blocking=True)

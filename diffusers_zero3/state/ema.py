@@ -166,6 +166,7 @@ class ShardedEMA:
         device = self.device or source.device
         if not stages_through_pinned_memory(device, source.device):
             return source.detach().to(device, torch.float32, copy=True)
+        # CPU: the offloaded average lives in pinned host memory
         return torch.empty(source.shape, dtype=torch.float32, pin_memory=True).copy_(source.detach())
 
     # ---------------------------------------------------------------- averaging
@@ -225,6 +226,7 @@ class ShardedEMA:
             numels = [s.numel() for s in sources]
             buckets = staging_buckets(numels, STAGING_BYTES // 4)
             size = max(sum(numels[i] for i in bucket) for bucket in buckets)
+            # CPU: pinned host staging buffers of the offloaded average's update
             buffers = tuple(torch.empty(size, dtype=torch.float32, pin_memory=True) for _ in range(2))
             self._staging = (buckets, buffers)
         return self._staging
