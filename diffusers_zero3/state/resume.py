@@ -294,7 +294,7 @@ def check_resumable(path: str | os.PathLike, *, ema: bool = False, parts=(), ave
     trained models (``parts``) are not the checkpoint's, or one of ``averages`` (names) is
     missing. The state's ``world_size`` is the number of processes that wrote it.
 
-    First, the checkpoint is compared with its manifest (``state.manifest.manifest_problems``:
+    Then (the files each rank needs being there) the checkpoint is compared with its manifest (``state.manifest.manifest_problems``:
     every file's size on every rank, the checksums shared out between the ranks): a damaged
     file raises ``CorruptCheckpointError`` (a ``CheckpointError``) naming it and what differs,
     on every rank. A checkpoint without a manifest (an older version's) is said so in the log,
@@ -324,6 +324,17 @@ def check_resumable(path: str | os.PathLike, *, ema: bool = False, parts=(), ave
             if not any(p.exists() for p in names)
         ]
     reports = all_gather_object((missing, state, manifest_problems(path)))
+    # a file a rank needs and does not see first: that says node-local disks, where the manifest
+    # (listed on rank 0) would only call the other machine's files missing
+    problems = [(r, m) for r, (m, _, _) in enumerate(reports) if m]
+    if problems:
+        r, m = problems[0]
+        if ema and all(f.startswith("ema_rank") for f in m):
+            raise CheckpointError(f"{path} has no EMA state for rank {r} (saved without --use_ema?)")
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete as seen from rank {r} (missing {', '.join(m[:3])}); "
+            "checkpoints must be on a filesystem that every machine shares"
+        )
     damaged = [(r, d) for r, (_, _, d) in enumerate(reports) if d]
     if damaged:
         r, found = damaged[0]
@@ -335,15 +346,6 @@ def check_resumable(path: str | os.PathLike, *, ema: bool = False, parts=(), ave
     if reports[0][2] is None and reports[0][1] is not None:
         log_rank_zero(
             f"{path} has no manifest (written by an older version): its files are checked for presence only"
-        )
-    problems = [(r, m) for r, (m, _, _) in enumerate(reports) if m]
-    if problems:
-        r, m = problems[0]
-        if ema and all(f.startswith("ema_rank") for f in m):
-            raise CheckpointError(f"{path} has no EMA state for rank {r} (saved without --use_ema?)")
-        raise CheckpointError(
-            f"checkpoint {path} is incomplete as seen from rank {r} (missing {', '.join(m[:3])}); "
-            "checkpoints must be on a filesystem that every machine shares"
         )
     return reports[0][1]
 
