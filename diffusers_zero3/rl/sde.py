@@ -165,22 +165,15 @@ def sde_step_with_logprob(
         x0_hat = sample - sigma * model_output
         x1_hat = sample + (1 - sigma) * model_output
         prev_sample_mean = (1 - sigma_next) * x0_hat + torch.sqrt(sigma_next**2 - std_dev_t**2) * x1_hat
-        if prev_sample is None:
-            if noise is None:
-                noise = _standard_normal(prev_sample_mean, generator)
-            prev_sample = prev_sample_mean + std_dev_t * noise.to(device=sample.device, dtype=dtype)
-        else:
-            prev_sample = prev_sample.to(device=sample.device, dtype=dtype)
-        log_density = -((prev_sample.detach() - prev_sample_mean) ** 2)
-        log_prob = log_density.mean(dim=tuple(range(1, log_density.ndim)))
-        return prev_sample, log_prob, prev_sample_mean, std_dev_t
-    if sampler != "sde":
+        step_std = std_dev_t  # the step's own standard deviation
+    elif sampler == "sde":
+        dt = sigma_next - sigma  # negative: sigma decreases towards the data
+        std_dev_t = torch.sqrt(sigma / (1 - torch.where(sigma == 1, substitute, sigma))) * noise_level
+        drift_gain = std_dev_t**2 / (2 * sigma)
+        prev_sample_mean = sample * (1 + drift_gain * dt) + model_output * (1 + drift_gain * (1 - sigma)) * dt
+        step_std = std_dev_t * torch.sqrt(-dt)  # the step's own standard deviation
+    else:
         raise ValueError(f"unknown sampler {sampler!r}: sde or cps")
-    dt = sigma_next - sigma  # negative: sigma decreases towards the data
-    std_dev_t = torch.sqrt(sigma / (1 - torch.where(sigma == 1, substitute, sigma))) * noise_level
-    drift_gain = std_dev_t**2 / (2 * sigma)
-    prev_sample_mean = sample * (1 + drift_gain * dt) + model_output * (1 + drift_gain * (1 - sigma)) * dt
-    step_std = std_dev_t * torch.sqrt(-dt)  # the step's own standard deviation
 
     if prev_sample is None:
         if noise is None:
@@ -189,10 +182,13 @@ def sde_step_with_logprob(
     else:
         prev_sample = prev_sample.to(device=sample.device, dtype=dtype)
 
-    log_density = (
-        -((prev_sample.detach() - prev_sample_mean) ** 2) / (2 * step_std**2)
-        - torch.log(step_std)
-        - _LOG_SQRT_2PI
-    )
+    if sampler == "cps":  # the reference's: its constants and variance dropped
+        log_density = -((prev_sample.detach() - prev_sample_mean) ** 2)
+    else:
+        log_density = (
+            -((prev_sample.detach() - prev_sample_mean) ** 2) / (2 * step_std**2)
+            - torch.log(step_std)
+            - _LOG_SQRT_2PI
+        )
     log_prob = log_density.mean(dim=tuple(range(1, log_density.ndim)))
     return prev_sample, log_prob, prev_sample_mean, std_dev_t
