@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from tests.distributed_harness import run_on_ranks
-from tests.test_resume_resharded import _gathered_state, _prepare
+from tests.test_resume_resharded import _gathered_state, _prepare, _train
 
 
 @contextmanager
@@ -56,16 +56,6 @@ def _full_disk(name: str | None):
     finally:
         builtins.open = io.open = real_open
         torch.save = real_save
-
-
-def _train(accelerator, engine, optimizer, scheduler, ema, steps: int = 1) -> None:
-    for _ in range(steps):
-        loss = engine(torch.randn(1, 7)).square().mean()
-        accelerator.backward(loss)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        ema.step()
 
 
 def _contents(folder: Path) -> dict:

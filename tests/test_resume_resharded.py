@@ -60,18 +60,23 @@ def _gathered_state(engine, scheduler, ema) -> dict:
     return state
 
 
-def worker_save(out: str):
-    from diffusers_zero3 import get_rank, save_training_checkpoint
-
-    accelerator, engine, optimizer, scheduler, ema = _prepare(world_size=2)
-    torch.manual_seed(get_rank())
-    for _ in range(2):  # each rank its own data
+def _train(accelerator, engine, optimizer, scheduler, ema, steps: int = 1) -> None:
+    """``steps`` optimizer steps of the tiny engine on random data (this rank's RNG), the EMA after each."""
+    for _ in range(steps):
         loss = engine(torch.randn(1, 7)).square().mean()
         accelerator.backward(loss)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
         ema.step()
+
+
+def worker_save(out: str):
+    from diffusers_zero3 import get_rank, save_training_checkpoint
+
+    accelerator, engine, optimizer, scheduler, ema = _prepare(world_size=2)
+    torch.manual_seed(get_rank())
+    _train(accelerator, engine, optimizer, scheduler, ema, steps=2)  # each rank its own data
     state = {"epoch": 0, "batches_in_epoch": 2, "train_batch_size": 1}
     save_training_checkpoint(accelerator, out, 2, state, ema=ema)
     reference = _gathered_state(engine, scheduler, ema)
