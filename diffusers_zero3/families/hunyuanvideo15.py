@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..runtime.library_internals import hunyuanvideo15_causal_mask
 from .base import Family, PublishedConfig, ScaleShift, TextEncoderSpec, VideoLatents
 from .qwenimage import PUBLISHED_TEXT_ENCODER as QWEN25_VL_7B
 
@@ -72,15 +73,8 @@ def _causal_mask(n_frame: int, n_hw: int, dtype, device, batch_size: int | None 
 def batched_vae_attention():
     """While open, ``AutoencoderKLHunyuanVideo15``'s attention takes batches of clips (its causal
     mask built once per call as ``(L, L)``, equal to the per-clip mask: see the module doc)."""
-    from diffusers.models.autoencoders import autoencoder_kl_hunyuanvideo15 as module
-
-    block = module.HunyuanVideo15AttnBlock
-    original = block.__dict__["prepare_causal_attention_mask"]
-    block.prepare_causal_attention_mask = staticmethod(_causal_mask)
-    try:
+    with hunyuanvideo15_causal_mask(_causal_mask):
         yield
-    finally:
-        block.prepare_causal_attention_mask = original
 
 
 @dataclass(frozen=True)

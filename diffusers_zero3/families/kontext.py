@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime.library_internals import kontext_keep_source_size
 from .flux import (
     FLUX,
     FLUX_LORA_TARGETS,
@@ -79,7 +80,8 @@ class _AreaPipeline:
         height = kwargs.get("height") or self._resolution
         width = kwargs.get("width") or self._resolution
         kwargs.setdefault("max_area", height * width)
-        kwargs.setdefault("_auto_resize", False)
+        for key, value in kontext_keep_source_size().items():
+            kwargs.setdefault(key, value)
         return self._pipeline(*args, **kwargs)
 
 
@@ -118,7 +120,7 @@ class Kontext(Flux):
         """``height`` x ``width`` and the same ``max_area`` (the pipeline rescales every request
         to ``max_area``, default 1024^2), the source at its own size (``_auto_resize=False``: not
         resized to a preferred Kontext resolution), as ``_AreaPipeline`` calls it."""
-        return {"height": height, "width": width, "max_area": height * width, "_auto_resize": False}
+        return {"height": height, "width": width, "max_area": height * width, **kontext_keep_source_size()}
 
     def prepare_validation_pipeline(self, pipeline, resolution):
         """The pipeline generating (and editing at) ``resolution`` x ``resolution`` or the

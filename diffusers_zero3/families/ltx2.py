@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..runtime.library_internals import ltx2_pack_audio_latents, ltx2_pack_latents, ltx2_unpack_latents
 from .base import Family, PublishedConfig, TextEncoderSpec, VideoLatents, read_vae_tensors
 
 # LTX2Pipeline.__call__'s defaults
@@ -75,30 +76,24 @@ class LTX2Latents:
         return latents * std / self.scaling_factor + mean
 
 
-def _pipeline_class():
-    from diffusers.pipelines.ltx2.pipeline_ltx2 import LTX2Pipeline
-
-    return LTX2Pipeline
-
-
 def pack_video(latents: torch.Tensor, patch_size: int = 1, patch_size_t: int = 1) -> torch.Tensor:
     """``(N, C, F, H, W)`` latents as the transformer's ``(N, tokens, C p_t p p)`` tokens
     (``LTX2Pipeline._pack_latents``)."""
-    return _pipeline_class()._pack_latents(latents, patch_size, patch_size_t)
+    return ltx2_pack_latents(latents, patch_size, patch_size_t)
 
 
 def unpack_video(
     tokens: torch.Tensor, frames: int, height: int, width: int, patch_size: int = 1, patch_size_t: int = 1
 ) -> torch.Tensor:
     """The inverse of ``pack_video`` (``LTX2Pipeline._unpack_latents``): ``(N, C, F, H, W)``."""
-    return _pipeline_class()._unpack_latents(
+    return ltx2_unpack_latents(
         tokens, frames // patch_size_t, height // patch_size, width // patch_size, patch_size, patch_size_t
     )
 
 
 def pack_audio(latents: torch.Tensor) -> torch.Tensor:
     """Audio latents ``(N, C, L, M)`` as ``(N, L, C x M)`` tokens (``_pack_audio_latents``)."""
-    return _pipeline_class()._pack_audio_latents(latents)
+    return ltx2_pack_audio_latents(latents)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ import functools
 
 import torch
 
+from ..runtime.library_internals import qwenimage_edit_plus_source_area
 from .base import TextEncoderSpec
 from .kontext import EDIT_VALIDATION_ARGS
 from .qwenimage import (
@@ -195,16 +196,10 @@ class _AreaPipeline:
         return getattr(self._pipeline, name)
 
     def __call__(self, *args, **kwargs):
-        from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as module
-
         kwargs["height"] = kwargs.get("height") or self._resolution
         kwargs["width"] = kwargs.get("width") or self._resolution
-        saved = module.VAE_IMAGE_SIZE
-        module.VAE_IMAGE_SIZE = kwargs["height"] * kwargs["width"]
-        try:
+        with qwenimage_edit_plus_source_area(kwargs["height"] * kwargs["width"]):
             return self._pipeline(*args, **kwargs)
-        finally:
-            module.VAE_IMAGE_SIZE = saved
 
 
 class QwenImageEdit(QwenImage):

@@ -16,11 +16,12 @@ weights of K=2 against K=1, Wan, Flux.1, Qwen-Image).
 diffusers' ``ModelMixin.enable_parallelism`` builds its own mesh over the whole world and picks
 the device as ``rank % torch.accelerator.device_count()``, which is 0 on a CPU host;
 ``enable_context_parallel`` does its steps with a mesh whose first dimension is the data-parallel
-groups. The diffusers names it uses (checked on diffusers 0.42.1): ``ContextParallelConfig``,
-``ParallelConfig`` (``models._modeling_parallel``), ``hooks.context_parallel.apply_context_parallel``,
-a model's ``_cp_plan`` / ``_parallel_config`` and an attention processor's ``_parallel_config`` /
-``_attention_backend``, ``attention_dispatch._AttentionBackendRegistry`` (``get_active_backend``,
-``set_active_backend``, ``_supports_context_parallel``: the backends that honour a parallel config).
+groups. The diffusers names it uses: ``ContextParallelConfig``, ``ParallelConfig`` and
+``hooks.apply_context_parallel`` (documented), and through ``runtime.library_internals`` (its
+table, with the versions they were verified on) a model's ``_cp_plan`` / ``_parallel_config``, an
+attention processor's ``_parallel_config`` / ``_attention_backend``, ``ParallelConfig.setup`` and
+``attention_dispatch._AttentionBackendRegistry`` (the active backend, and the backends that
+honour a parallel config).
 """
 
 from __future__ import annotations
@@ -30,11 +31,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .library_internals import (
+    active_attention_backend,
+    attach_parallel_config,
+    attention_backend_of,
+    context_parallel_backends,
+    cp_plan_of,
+    set_active_attention_backend,
+)
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 CONTEXT_PARALLEL_MODES = ("ulysses", "ring")
-DIFFUSERS_CHECKED = "0.42.1"
 
 
 @dataclass(frozen=True)
@@ -93,7 +102,7 @@ def check_context_parallel(
     if model is None or size == 1:
         return
     name = type(model).__name__
-    plan = getattr(model, "_cp_plan", None)
+    plan = cp_plan_of(model)
     if plan is None:
         raise ValueError(
             f"{name} has no context-parallel plan (_cp_plan): train it with context parallel size 1"
@@ -103,7 +112,7 @@ def check_context_parallel(
         raise ValueError(
             f"Ulysses context parallelism splits the attention heads: {name} has {heads}, not divisible by {size}"
         )
-    backend = _attention_backend(model) or "native"
+    backend = attention_backend_of(model) or "native"
     supported = context_parallel_backends()
     if backend not in supported:
         raise ValueError(
@@ -138,14 +147,6 @@ def check_context_parallel(
             )
 
 
-def context_parallel_backends() -> list[str]:
-    """The attention backends diffusers splits for context parallelism (its own registry's list,
-    read at the call: ``_AttentionBackendRegistry._supports_context_parallel``)."""
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
-
-    return sorted(_AttentionBackendRegistry._supports_context_parallel)
-
-
 def set_attention_backend(model: torch.nn.Module, backend: str) -> None:
     """``model.set_attention_backend(backend)`` (diffusers' registry names: ``flash``,
     ``_native_cudnn``, ``sage``, ...) for ``model``'s attention processors alone, a backend that
@@ -153,30 +154,14 @@ def set_attention_backend(model: torch.nn.Module, backend: str) -> None:
     process's active backend, which every other model without a backend of its own then runs
     (a VAE in fp32 on ``flash``, which takes bf16/fp16 only): the active one is restored. Not a
     collective."""
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
-
-    active, _ = _AttentionBackendRegistry.get_active_backend()
+    active = active_attention_backend()
     try:
         model.set_attention_backend(backend)
     except (RuntimeError, ValueError, ImportError) as e:
         message = " ".join(str(e).split())
         raise ValueError(f"--attention_backend {backend}: {message}") from e
     finally:
-        _AttentionBackendRegistry.set_active_backend(active)
-
-
-def _attention_backend(model: torch.nn.Module) -> str | None:
-    """The attention backend of ``model``'s first attention processor (the active one when unset)."""
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
-
-    for module in model.modules():
-        processor = getattr(module, "processor", None)
-        if processor is not None and hasattr(processor, "_attention_backend"):
-            backend = processor._attention_backend
-            if backend is None:
-                backend, _ = _AttentionBackendRegistry.get_active_backend()
-            return getattr(backend, "value", backend)
-    return None
+        set_active_attention_backend(active)
 
 
 def context_parallel(
@@ -219,20 +204,15 @@ def enable_context_parallel(
     every forward of the model is one within the group.
     """
     import torch.distributed as dist
-    from diffusers.hooks.context_parallel import apply_context_parallel
-    from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
+    from diffusers import ContextParallelConfig, ParallelConfig
+    from diffusers.hooks import apply_context_parallel
 
     check_context_parallel(cp.size, cp.mode, dist.get_world_size(), model, trained=trained, dtype=dtype)
     ring, ulysses = (cp.size, 1) if cp.mode == "ring" else (1, cp.size)
     cp_config = ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses, mesh=cp.mesh)
     config = ParallelConfig(context_parallel_config=cp_config)
-    config.setup(dist.get_rank(), dist.get_world_size(), device, mesh=cp.mesh)
-    model._parallel_config = config
-    for module in model.modules():
-        processor = getattr(module, "processor", None)
-        if processor is not None and hasattr(processor, "_parallel_config"):
-            processor._parallel_config = config
-    apply_context_parallel(model, cp_config, model._cp_plan)
+    attach_parallel_config(model, config, dist.get_rank(), dist.get_world_size(), device, cp.mesh)
+    apply_context_parallel(model, cp_config, cp_plan_of(model))
 
 
 # the text masks a denoiser reads beside its text: positions masked there attend to nothing and

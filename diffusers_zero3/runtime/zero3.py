@@ -36,16 +36,15 @@ def _register_zero3_engine() -> None:
 
 def _accelerate_zero3_stage() -> int | None:
     """ZeRO stage of accelerate's active DeepSpeed plugin, or None when there is none."""
-    state_mod = sys.modules.get("accelerate.state")
-    if state_mod is None:
-        return None
-    shared = getattr(state_mod.AcceleratorState, "_shared_state", {})
+    from .library_internals import accelerate_shared_state
+
+    shared = accelerate_shared_state()
     if not shared:
         return None
     plugins = shared.get("deepspeed_plugins")
     if not plugins:
         return None
-    state = state_mod.AcceleratorState()
+    state = sys.modules["accelerate.state"].AcceleratorState()
     plugin = state.deepspeed_plugin
     return None if plugin is None else int(plugin.zero_stage)
 
@@ -194,7 +193,9 @@ def gathered_parameters(
     if modifier_rank is None:
         # Already whole (kept by the persistence threshold): reading needs no gather, and
         # DeepSpeed's exit would release them, undoing their persistence.
-        zero_params = [p for p in zero_params if p.ds_status.name != "AVAILABLE"]
+        from .deepspeed_internals.reads import held_whole
+
+        zero_params = [p for p in zero_params if not held_whole(p)]
     if not enabled or not zero_params:
         return contextlib.nullcontext()
     import deepspeed

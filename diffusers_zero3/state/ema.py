@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from ..runtime.deepspeed_internals.reads import held_whole, local_fp32_master
 from ..runtime.distributed import comm_device, get_rank, get_world_size
 from ..runtime.host_transfer import pins_host_memory
 from ..runtime.zero3 import is_zero3_param
@@ -24,10 +25,6 @@ from ..runtime.zero3 import is_zero3_param
 # a CUDA host): bounded, whatever the model's size; a partition larger than this gets a buffer
 # of its size.
 STAGING_BYTES = 64 * 2**20
-
-
-def _has_local_fp32(p: torch.nn.Parameter) -> bool:
-    return is_zero3_param(p) and getattr(p, "_z3_optimizer", None) is not None
 
 
 def stages_through_pinned_memory(
@@ -173,13 +170,10 @@ class ShardedEMA:
 
     def _source(self, p: torch.nn.Parameter) -> torch.Tensor:
         """The tensor this rank averages for ``p``: its fp32 master partition under ZeRO-3."""
-        if _has_local_fp32(p):
-            from deepspeed.utils import safe_get_local_fp32_param
-
-            return safe_get_local_fp32_param(p)
-        if is_zero3_param(p):
-            return p.ds_tensor
-        return p
+        if not is_zero3_param(p):
+            return p
+        master = local_fp32_master(p)
+        return master if master is not None else p.ds_tensor
 
     def get_decay(self, optimization_step: int) -> float:
         """The decay factor after ``optimization_step`` steps (``EMAModel.get_decay``)."""
@@ -245,7 +239,7 @@ class ShardedEMA:
     @staticmethod
     def _is_whole(p: torch.nn.Parameter) -> bool:
         # A ZeRO-3 parameter kept whole on every rank (persistence threshold).
-        return p.ds_status.name == "AVAILABLE"
+        return held_whole(p)
 
     @torch.no_grad()
     def copy_to(self, model=None) -> None:

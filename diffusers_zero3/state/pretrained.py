@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..runtime.deepspeed_internals.reads import held_whole
 from ..runtime.distributed import (
     all_gather_object,
     barrier,
@@ -32,6 +33,7 @@ from ..runtime.distributed import (
     is_main_process,
 )
 from ..runtime.ds_config import base_config, zero_init_config
+from ..runtime.library_internals import keep_in_fp32_modules
 from ..runtime.zero3 import (
     _register_zero3_engine,
     is_zero3_param,
@@ -278,12 +280,11 @@ def buffers_to(model: torch.nn.Module, device: torch.device) -> None:
 def keeps_fp32(model: torch.nn.Module, name: str, dtype: torch.dtype) -> bool:
     """Whether ``from_pretrained(torch_dtype=dtype)`` keeps the tensor ``name`` of ``model`` in
     fp32: a module the class names in ``_keep_in_fp32_modules`` (diffusers: always; transformers:
-    under fp16 only) or ``_keep_in_fp32_modules_strict`` (transformers), matched by name part."""
+    under fp16 only) or ``_keep_in_fp32_modules_strict`` (transformers), matched by name part
+    (``runtime.library_internals.keep_in_fp32_modules``)."""
     if dtype == torch.float32:
         return True
-    keep = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
-    if dtype == torch.float16 or hasattr(model, "save_config"):  # save_config: a diffusers model
-        keep += list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    keep = keep_in_fp32_modules(model, fp16=dtype == torch.float16)
     parts = name.split(".")
     return any(k in parts for k in keep)
 
@@ -490,7 +491,7 @@ def _load_partitions(
             hi = min(lo + part.numel(), tensor.ds_numel)
             with torch.no_grad():
                 _read_flat_range(path, start, info, lo, hi, out=part.data.view(-1)[: hi - lo])
-                if tensor.ds_status.name == "AVAILABLE":  # kept whole (persistence): fill it too
+                if held_whole(tensor):  # kept whole (persistence): fill it too
                     full = _read_flat_range(path, start, info, 0, tensor.ds_numel)
                     tensor.data.copy_(full.view(tensor.ds_shape))
         else:

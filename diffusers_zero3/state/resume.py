@@ -64,6 +64,7 @@ from ..runtime.distributed import (
     is_main_process,
     log_rank_zero,
 )
+from ..runtime.library_internals import prepared_models, prepared_schedulers
 from .folders import CheckpointError, WriteErrors, collective_publish, fsync_dir, naming, replace_folder
 from .manifest import balanced_shares as _balanced_shares
 from .manifest import manifest_problems, write_manifest
@@ -199,7 +200,7 @@ def save_training_checkpoint(
             prune_checkpoints(out, total_limit)
 
     own = [p for p in parts if p.own_engine]
-    engines = [m for m in accelerator._models if hasattr(m, "save_checkpoint")]
+    engines = [m for m in prepared_models(accelerator) if hasattr(m, "save_checkpoint")]
     errors = WriteErrors()
     with collective_publish(final, commit=commit, folder_flag="--output_dir") as tmp:
         with ExitStack() as stack:
@@ -432,7 +433,9 @@ def _load_part_state(part, path: Path, saved_world: int) -> None:
 def engine_checkpoint_names(accelerator) -> list[str]:
     """The folder names accelerate gives each prepared model's DeepSpeed checkpoint, in
     order: ``pytorch_model``, ``pytorch_model_1``, ..."""
-    return ["pytorch_model" if i == 0 else f"pytorch_model_{i}" for i in range(len(accelerator._models))]
+    return [
+        "pytorch_model" if i == 0 else f"pytorch_model_{i}" for i in range(len(prepared_models(accelerator)))
+    ]
 
 
 def convert_to_universal(path: str | os.PathLike, names: list[str]) -> Path:
@@ -544,7 +547,7 @@ def load_resharded(accelerator, path: str | os.PathLike, saved_world: int, *, em
     path = Path(path)
     world = get_world_size()
     names = engine_checkpoint_names(accelerator)
-    engines = [m for m in accelerator._models if hasattr(m, "load_checkpoint")]
+    engines = [m for m in prepared_models(accelerator) if hasattr(m, "load_checkpoint")]
     if engines or parts:
         universal = convert_to_universal(path, [*names, *(p.name for p in parts)])
     for part in parts:
@@ -553,14 +556,14 @@ def load_resharded(accelerator, path: str | os.PathLike, saved_world: int, *, em
     if engines:
         for name, engine in zip(names, engines):
             load_universal(engine, str(universal), name)
-        for i, scheduler in enumerate(accelerator._schedulers):
+        for i, scheduler in enumerate(prepared_schedulers(accelerator)):
             saved = torch.load(
                 path / ("scheduler.bin" if i == 0 else f"scheduler_{i}.bin"), weights_only=False
             )
             getattr(scheduler, "scheduler", scheduler).load_state_dict(saved)
     else:  # whole models (DDP): only the schedule and the RNG depend on the number of processes
         accelerator.load_state(str(path))
-    for scheduler in accelerator._schedulers:
+    for scheduler in prepared_schedulers(accelerator):
         inner = getattr(scheduler, "scheduler", scheduler)
         # accelerate steps the wrapped scheduler num_processes times per optimizer step
         inner.last_epoch = inner.last_epoch // saved_world * world

@@ -41,6 +41,7 @@ from ..runtime.deepspeed_internals.levers import (
     share_fp32_master_weights,
     trim_zero3_overhead,
 )
+from ..runtime.deepspeed_internals.reads import engine_loss_scale
 from ..runtime.distributed import log_rank_zero
 from ..runtime.ds_config import zero3_bucket_sizes
 
@@ -293,18 +294,13 @@ def loss_scale(engine) -> float:
     engine's own optimizer; 1.0 under bf16 and fp32, and for a model that is not a DeepSpeed
     engine (under DDP one backward reaches every part: nothing is cut). Read it before that
     engine's backward: at an accumulation boundary accelerate's backward also runs the engine's
-    step, which updates a dynamic scale. Not a collective.
+    step, which updates a dynamic scale. Not a collective. The engine's names it reads are not
+    DeepSpeed's documented API: ``runtime.deepspeed_internals.reads.engine_loss_scale``.
 
     Example:
         >>> scale = loss_scale(first.engine)  # 65536.0 at the start of an fp16 run
     """
-    scale_if_loss = getattr(getattr(engine, "optimizer", None), "scale_if_loss", None)
-    if scale_if_loss is not None:
-        # what DeepSpeed takes for a loss: one element with a graph
-        probe = torch.ones((), device=engine.device, requires_grad=True) * 1.0
-        return float(scale_if_loss(probe).detach())
-    scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
-    return float(scaler.get_scale()) if scaler is not None else 1.0
+    return engine_loss_scale(engine)
 
 
 def backward_parts(

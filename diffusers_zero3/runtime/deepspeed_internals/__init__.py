@@ -34,13 +34,15 @@ verified on (the test suite ran on them):
 | ``memory`` (read only) | counts a ZeRO-3 optimizer's bytes (``zero3_optimizer_bytes``) | ``grad_partitions_flat_buffer``, ``fp16_partitioned_groups_flat``, ``fp32_partitioned_groups_flat``, ``ipg_buckets`` |
 | ``universal`` | converts a ZeRO-3 checkpoint to the universal form with the work spread over the ranks | ``ds_to_universal``'s ``_get_optim_files``, ``_filter_zero3_optim_files``, ``_get_zero3_model_state_files``, ``_autoep_expert_param_names_by_rank``, ``_build_zero3_rank_grid``, ``_parse_model_states_stage3``, ``extract_zero_shards_stage3``, ``merge_zero3_slices``, ``_save_optimizer_state_stage3``, ``_is_expert_model_state_file`` |
 
-Two uses are not levers but the only way to do what they do, so a missing name there is an
+Four uses are not levers but the only way to do what they do, so a missing name there is an
 error naming it (``require_names``), whatever the version:
 
 | use | what it does | private names |
 |---|---|---|
 | ``pause_init`` | ``zero3_init_disabled`` pauses an enclosing ``zero.Init`` | ``partition_parameters.top_level_context``, ``.patched``, ``unpatch_init_and_builtins`` / ``patch_init_and_builtins`` |
 | ``universal_load`` | loads a universal checkpoint into a built engine (resume on another number of processes) | ``DeepSpeedEngine._config.load_universal_checkpoint`` (written) |
+| ``held_whole`` | whether a ZeRO-3 parameter is whole on this rank (``reads.held_whole``: the partitioned load fills it whole, ``gathered_parameters`` and the EMA do not gather it) | ``partition_parameters.ZeroParamStatus.AVAILABLE`` (the value of a parameter's ``ds_status``) |
+| ``loss_scale`` | the factor an engine's backward multiplies a loss by (``reads.engine_loss_scale``, for ``training.parts.loss_scale``) | ``ZeROOptimizer.scale_if_loss``, ``DeepSpeedEngine.torch_autocast_z0_gradscaler`` |
 
 One use falls back to DeepSpeed's own behaviour without a warning when a name is missing
 (``checkpoint_writes.py``):
@@ -48,6 +50,12 @@ One use falls back to DeepSpeed's own behaviour without a warning when a name is
 | use | what it does | private names |
 |---|---|---|
 | ``deferred_writes`` | a rank's failed checkpoint write is kept, not raised mid-collective (``deferred_engine_writes``) | ``DeepSpeedEngine._save_checkpoint`` / ``_save_zero_checkpoint`` (replaced on the instance), ``.checkpoint_engine``, ``TorchCheckpointEngine.save`` (replaced on the instance), ``.zipfile_serialization`` |
+
+One read falls back to what a missing name would mean (``reads.py``):
+
+| use | what it does | private names |
+|---|---|---|
+| ``fp32_master`` | the fp32 master partition the EMA averages (``reads.local_fp32_master``; a parameter without the name is one no ZeRO-3 optimizer owns, averaged from its partition) | ``param._z3_optimizer`` (written on each parameter ``DeepSpeedZeroOptimizer_Stage3`` owns) |
 
 (transformers' ``integrations.deepspeed._hf_deepspeed_config_weak_ref`` is read and written
 here too: ``zero_init.py``.)
@@ -80,7 +88,7 @@ _PARTITION = "deepspeed.runtime.zero.partition_parameters"
 _UNIVERSAL = "deepspeed.checkpoint.ds_to_universal"
 _ENGINE = "deepspeed.runtime.engine:DeepSpeedEngine"
 # Uses that have no fallback: checked for names only (``require_names``), not for versions.
-REQUIRED = ("pause_init", "universal_load")
+REQUIRED = ("pause_init", "universal_load", "held_whole", "loss_scale")
 
 
 @dataclass(frozen=True)
@@ -134,6 +142,10 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("deferred_writes", _ENGINE, "_save_checkpoint"),
     PrivateName("deferred_writes", _ENGINE, "_save_zero_checkpoint"),
     PrivateName("deferred_writes", _ENGINE, "checkpoint_engine", on_class=False),
+    PrivateName("held_whole", "deepspeed.runtime.zero.partition_parameters:ZeroParamStatus", "AVAILABLE"),
+    PrivateName("loss_scale", "deepspeed.runtime.base_optimizer:ZeROOptimizer", "scale_if_loss"),
+    PrivateName("loss_scale", _ENGINE, "torch_autocast_z0_gradscaler", on_class=False),
+    PrivateName("fp32_master", _STAGE3, "_z3_optimizer", on_class=False),
 )
 
 _decided: dict[str, bool] = {}
