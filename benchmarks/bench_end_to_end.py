@@ -3,7 +3,7 @@
 A UNet of tens of millions of parameters (``WIDTH``), fp32, batch 2 per rank, 32 px, on two
 CPU processes (gloo). ZeRO-3 runs with the frozen text encoder and VAE all replicated, all
 sharded, and cached; DDP runs them replicated. Each run's numbers come from the script's own
-log (``TextToImageTrainer._log_memory``): peak RSS per rank, RSS per phase, the trained
+log (``training.report.log_memory_per_rank``): peak RSS per rank, RSS per phase, the trained
 model's state bytes per rank, and the time of the steps after the first.
 """
 

@@ -157,8 +157,9 @@ class Settings:
 
     def scalars(self) -> dict[str, Any]:
         """``{flag: value}`` of the settings that are not lists: the hyper-parameters a tracker
-        and a model card take."""
-        return {k: v for k, v in vars(self).items() if not isinstance(v, list)}
+        and a model card take (the flags alone: not what ``resolve`` derives from them)."""
+        flags = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return {f.name: v for f, v in zip(dataclasses.fields(self), flags) if not isinstance(v, list)}
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -789,9 +790,9 @@ def validate_family(args: TextToImageSettings, family) -> None:
                 f"--{name} applies to editing families (Flux.1 Kontext, Qwen-Image-Edit-Plus, Flux.2), not to a "
                 f"{family.pipeline_class}"
             )
-    if args.train_experts is not None and len(getattr(family, "experts", ())) < 2:
+    if args.train_experts is not None and family.denoiser_choice_flag != "--train_experts":
         raise ArgumentError(f"--train_experts applies to Wan 2.2's two experts, not to a {family.title}")
-    if args.train_denoisers is not None and not hasattr(family, "trained_denoisers"):
+    if args.train_denoisers is not None and family.denoiser_choice_flag != "--train_denoisers":
         raise ArgumentError(
             f"--train_denoisers applies to Ideogram 4's two transformers, not to a {family.title}"
         )

@@ -67,7 +67,11 @@ def worker_context_parallel_trains_like_one_model(names: list[str]):
 
     deepspeed.init_distributed("gloo")
     cp = context_parallel(2, "ulysses")
-    assert cp.data_parallel_size == 1 and cp.data_parallel_rank == 0 and cp.loss_scale == 2.0
+    assert (
+        cp.data_parallel_size == 1
+        and cp.data_parallel_rank == 0
+        and cp.group_loss(torch.tensor(1.0)).item() == 2.0
+    )
     lr = 1.0
     for name in names:
         family = family_named(name)
@@ -96,7 +100,7 @@ def worker_context_parallel_trains_like_one_model(names: list[str]):
         torch.testing.assert_close(out, out_ref.detach(), rtol=1e-5, atol=1e-6)
         loss = (out - target).pow(2).mean()
         torch.testing.assert_close(loss, loss_ref.detach(), rtol=1e-6, atol=0)
-        engine.backward(loss * cp.loss_scale)
+        engine.backward(cp.group_loss(loss))
         engine.step()
         with gathered_parameters(list(engine.module.parameters())):
             updated = torch.cat([p.detach().flatten().clone() for p in engine.module.parameters()])

@@ -166,25 +166,22 @@ def test_memory_log_format_is_unchanged_on_cpu(monkeypatch):
 def test_trainer_logs_device_bytes_beside_the_model_states(monkeypatch, caplog):
     import logging
     import re
-    from types import SimpleNamespace
 
     import torch
 
-    from diffusers_zero3.recipes.text_to_image import TextToImageTrainer
     from diffusers_zero3.runtime.memory import MIB, MemoryLog
+    from diffusers_zero3.training.report import log_memory_per_rank
 
     def log_of_a_run(cuda: bool) -> str:
         if cuda:
             _fake_cuda(monkeypatch, 40 * MIB, 90 * MIB, 128 * MIB)
         else:
             monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-        trainer = SimpleNamespace(
-            memory=MemoryLog(), model_states={"parameters": 10 * MIB, "optimizer": 20 * MIB}
-        )
-        trainer.memory.mark("first optimizer step")
+        memory = MemoryLog()
+        memory.mark("first optimizer step")
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="diffusers_zero3"):
-            TextToImageTrainer._log_memory(trainer)
+            log_memory_per_rank(memory, {"parameters": 10 * MIB, "optimizer": 20 * MIB})
         return caplog.text
 
     text = log_of_a_run(cuda=True)

@@ -341,7 +341,7 @@ def _wan_both_experts_idle_expert_stays(pipe: str, data: str, out: str, mixed_pr
     def loss_after_snapshot(batch):
         if not snapshots or snapshots[-1][0] != trainer.global_step:
             states = {name: _part_state(part) for name, part in parts.items()}
-            snapshots.append((trainer.global_step, trainer._expert_of_step(), states))
+            snapshots.append((trainer.global_step, trainer.schedule.of_step(trainer.global_step), states))
         return loss(batch)
 
     trainer._loss = loss_after_snapshot

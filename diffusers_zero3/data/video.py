@@ -293,13 +293,12 @@ def check_video_shape(num_frames: int, height: int, width: int, family, vae_conf
     temporal rule (an image family) takes one frame."""
     if num_frames < 1:
         raise ValueError(f"--num_frames must be at least 1, got {num_frames}")
-    frame_multiple = getattr(family, "frame_multiple", None)
-    title = getattr(family, "title", "") or family.pipeline_class
-    if frame_multiple is None:
+    m = family.frame_multiple(vae_config)
+    title = family.title or family.pipeline_class
+    if m is None:
         if num_frames != 1:
             raise ValueError(f"--num_frames {num_frames}: {title} is an image family (one frame)")
     else:
-        m = frame_multiple(vae_config)
         if (num_frames - 1) % m:
             lower = (num_frames - 1) // m * m + 1
             raise ValueError(

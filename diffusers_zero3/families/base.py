@@ -159,6 +159,34 @@ class VideoLatents:
         return latent_shape[-3] * latent_shape[-2] * latent_shape[-1]
 
 
+class DenoiserSchedule:
+    """The denoisers a job trains and which one each optimizer step trains: the one denoiser
+    of most families; Wan 2.2's two experts (``wan.ExpertSchedule``: drawn per step by the
+    timestep density's mass on each side of the boundary) or Ideogram 4's two transformers (in
+    turn). Every rank picks the same one (each denoiser's ZeRO-3 engine is called in lockstep).
+    ``Family.denoiser_schedule`` gives it."""
+
+    def __init__(self, folders: tuple[str, ...]):
+        self.folders = tuple(folders)
+
+    def of_step(self, step: int) -> str:
+        """The folder of the denoiser that optimizer step ``step`` trains (all its micro-batches)."""
+        return self.folders[step % len(self.folders)]
+
+    def trains(self, name: str, step: int) -> bool:
+        """Whether the denoiser ``name`` trains at ``step`` (always, when the job trains one):
+        an untrained step skips its optimizer, schedule and EMA steps."""
+        return len(self.folders) < 2 or name == self.of_step(step)
+
+    def loss_kwargs(self, name: str) -> dict[str, Any]:
+        """What ``Family.loss`` takes besides the batch for the denoiser ``name``."""
+        return {}
+
+    def describe(self) -> str | None:
+        """One log line for a job that trains several denoisers (None for one)."""
+        return f"denoisers trained: {', '.join(self.folders)}" if len(self.folders) > 1 else None
+
+
 # -------------------------------------------------------------------------------- families
 
 
@@ -201,6 +229,10 @@ class Family:
     # ``model_index.json``) and the family reads: each a field of the same name whose default is
     # the pipeline's own; ``configured`` sets them from a pipeline folder, ``pipeline`` passes them.
     registered_config: ClassVar[tuple[str, ...]] = ()
+    # The least side of a source image its pipelines take (Flux.2's check_image_input: 64)
+    least_source_side: ClassVar[int] = 0
+    # One timestep per latent token (Wan 2.2 TI2V-5B's registered flag; the others: one per sample)
+    expand_timesteps: ClassVar[bool] = False
 
     def configured(self, model_index: dict) -> Family:
         """This family with the values a pipeline folder's ``model_index.json`` registers
@@ -242,6 +274,35 @@ class Family:
         if self.video:
             return "text-to-video"
         return "image-to-image" if self.edits else "text-to-image"
+
+    @property
+    def pipeline_denoisers(self) -> tuple[str, ...]:
+        """The denoiser folders the pipeline holds (Wan 2.2's two experts, Ideogram 4's
+        conditional and unconditional transformers; one for the others)."""
+        return (self.denoiser,)
+
+    @property
+    def denoiser_choice_flag(self) -> str | None:
+        """The flag that chooses which of ``pipeline_denoisers`` train (``--train_experts``,
+        ``--train_denoisers``), None for a family that trains its one denoiser."""
+        return None
+
+    def trained_denoisers(self, choice: str | None) -> tuple[str, ...]:
+        """The denoiser folders a job trains, given ``denoiser_choice_flag``'s value (None: the
+        default), the first one the loop's first engine."""
+        return (self.denoiser,)
+
+    def denoiser_schedule(
+        self, folders: tuple[str, ...], source: str | os.PathLike, noise_scheduler, settings, seed: int
+    ) -> DenoiserSchedule:
+        """Which of ``folders`` (``trained_denoisers``) each optimizer step trains, and the loss
+        arguments for each: in turn (one denoiser: always it)."""
+        return DenoiserSchedule(folders)
+
+    def frame_multiple(self, vae_config: dict) -> int | None:
+        """Frames per latent frame of a video family's VAE (clips of ``1 + k * frame_multiple``
+        frames); None for an image family (one frame)."""
+        return None
 
     @property
     def never_cached(self) -> tuple[str, ...]:

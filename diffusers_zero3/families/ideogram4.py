@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from .base import Family, PublishedConfig, TextEncoderSpec
+from .base import DenoiserSchedule, Family, PublishedConfig, TextEncoderSpec
 from .flux2 import PUBLISHED_VAE as FLUX2_VAE
 from .flux2 import BatchNormLatents, pack_latents, unpack_latents
 from .objectives import _per_sample, sample_noise, weighted_sample_means
@@ -195,6 +195,16 @@ class Ideogram4Objective:
 # -------------------------------------------------------------------------------- family
 
 
+class TrainedInTurn(DenoiserSchedule):
+    """Ideogram 4's trained transformers, one optimizer step each in turn; the loss names it."""
+
+    def loss_kwargs(self, name: str) -> dict:
+        return {"trained": name}
+
+    def describe(self) -> str:
+        return f"denoisers trained: {', '.join(self.folders)}"
+
+
 class Ideogram4(Family):
     """Ideogram 4: thirteen interleaved Qwen3-VL states per token, left-padded; one packed
     text+image sequence; the script's logit-normal sigmas."""
@@ -202,9 +212,15 @@ class Ideogram4(Family):
     # the denoisers an Ideogram4Pipeline holds (validation reloads the one not trained)
     pipeline_denoisers: tuple[str, ...] = ("transformer", UNCONDITIONAL)
 
+    denoiser_choice_flag = "--train_denoisers"
+
     def trained_denoisers(self, choice: str | None) -> tuple[str, ...]:
         """The denoiser folders ``--train_denoisers`` trains (default ``transformer``, the script's)."""
         return TRAIN_DENOISERS[choice or "transformer"]
+
+    def denoiser_schedule(self, folders, source, noise_scheduler, settings, seed):
+        """Both trained: the steps in turn; each loss says which one it trains (``trained``)."""
+        return TrainedInTurn(folders)
 
     def component_library(self, name):
         if name in self.pipeline_denoisers:

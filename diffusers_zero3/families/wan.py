@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 
 from ..runtime.host_transfer import host_to_device
-from .base import ChannelMeanStd, Family, PublishedConfig, TextEncoderSpec
+from .base import ChannelMeanStd, DenoiserSchedule, Family, PublishedConfig, TextEncoderSpec
 
 HIGH, LOW = "transformer", "transformer_2"  # Wan 2.2's high-noise and low-noise experts
 TRAIN_EXPERTS = {"high": (HIGH,), "low": (LOW,), "both": (HIGH, LOW)}  # --train_experts
@@ -78,6 +78,27 @@ def expert_of_step(seed: int, step: int, p_high: float) -> str:
 
     digest = hashlib.sha256(f"{seed}-{step}-expert".encode()).digest()
     return HIGH if random.Random(digest).random() < p_high else LOW
+
+
+class ExpertSchedule(DenoiserSchedule):
+    """Wan's trained experts: with both (``--train_experts both``) each optimizer step draws
+    one, the high one with probability ``p_high`` (``expert_of_step``); each expert's loss draws
+    its timesteps on its side of ``boundary``."""
+
+    def __init__(self, folders: tuple[str, ...], boundary: float | None, p_high: float, seed: int):
+        super().__init__(folders)
+        self.boundary, self.p_high, self.seed = boundary, p_high, seed
+
+    def of_step(self, step: int) -> str:
+        if len(self.folders) == 1:
+            return self.folders[0]
+        return expert_of_step(self.seed, step, self.p_high)
+
+    def loss_kwargs(self, name: str) -> dict:
+        return {"expert": name, "boundary": self.boundary}
+
+    def describe(self) -> str:
+        return f"experts trained: {', '.join(self.folders)} (boundary at timestep {self.boundary:g})"
 
 
 # -------------------------------------------------------------------------------- objective
@@ -219,6 +240,26 @@ class Wan(Family):
         if len(self.experts) > 1:
             return two
         return not two and bool(model_index.get("expand_timesteps")) == bool(self.expand_timesteps)
+
+    @property
+    def pipeline_denoisers(self) -> tuple[str, ...]:
+        return self.experts
+
+    @property
+    def denoiser_choice_flag(self) -> str | None:
+        return "--train_experts" if len(self.experts) > 1 else None
+
+    def trained_denoisers(self, choice: str | None) -> tuple[str, ...]:
+        """``--train_experts`` (default both, the high-noise expert first) for Wan 2.2 A14B."""
+        return TRAIN_EXPERTS[choice or "both"] if len(self.experts) > 1 else self.experts
+
+    def denoiser_schedule(self, folders, source, noise_scheduler, settings, seed):
+        """Wan 2.2 A14B: ``ExpertSchedule`` at the folder's boundary; one expert otherwise."""
+        if len(self.experts) < 2:
+            return DenoiserSchedule(folders)
+        boundary = self.boundary(source)
+        p_high = self.expert_probability(noise_scheduler, settings, boundary) if len(folders) > 1 else 1.0
+        return ExpertSchedule(folders, boundary, p_high, seed)
 
     def component_library(self, name):
         if name in self.experts:

@@ -158,7 +158,7 @@ def pipeline_components(pipeline: str | os.PathLike) -> tuple[object, dict[str, 
             components[name] = Component(name, lib, cls, _read_json(folder / name / "config.json"))
     if family is None:
         raise ValueError(f"{pipeline} is a {class_name} pipeline; supported: {', '.join(sorted(FAMILIES))}")
-    trained = {family.denoiser, *getattr(family, "experts", ())}  # Wan 2.2: both experts train
+    trained = set(family.trained_denoisers(None))  # Wan 2.2: both experts train
     for name in list(components):
         if name not in trained and name not in family.frozen_components:
             del components[name]  # e.g. a safety checker: not part of training
@@ -467,7 +467,7 @@ def plan_activations(
         return None
     if options.num_frames == 1 and options.context_parallel_size == 1:
         return None  # no clip given: the note says what grows with it
-    shape = wan_shape(denoiser.config, bool(getattr(family, "expand_timesteps", False)))
+    shape = wan_shape(denoiser.config, family.expand_timesteps)
     vae_config = components["vae"].config
     spatial = vae_compression(vae_config)[1]
     height, width = options.height or options.resolution, options.width or options.resolution

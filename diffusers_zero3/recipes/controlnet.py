@@ -22,6 +22,7 @@ from ..args import ENGINE_PLACEMENT_CHOICES, TextToImageSettings, flag, placemen
 from ..data.images import DataError, transform_image
 from ..errors import ArgumentError
 from ..runtime.distributed import is_main_process, log_rank_zero
+from ..training.data import TrainingData
 from ..training.report import log_outputs
 from .text_to_image import TextToImageTrainer
 
@@ -249,9 +250,7 @@ class ControlNetTrainer(TextToImageTrainer):
         if args.gradient_checkpointing:
             model.enable_gradient_checkpointing()
         self.denoiser = model  # the trained model of the loop: the ControlNet
-
-    def _first_part_name(self) -> str:
-        return "controlnet"
+        self.trained_folder = "controlnet"
 
     def _fixed_crop(self) -> tuple[int, int] | None:
         """``(top, left)`` of ``--crops_coords_top_left_h/_w`` (one given: the other 0, diffusers'
@@ -270,17 +269,16 @@ class ControlNetTrainer(TextToImageTrainer):
         )
         return (16, 32, 96, 256)[: len(vae_config["block_out_channels"])]
 
-    def _load_data(self) -> None:
-        super()._load_data()
+    def _load_data(self) -> TrainingData:
+        data = super()._load_data()
         column = self.args.conditioning_image_column
-        if column not in self.hf_dataset.column_names:
+        if column not in data.dataset.column_names:
             raise DataError(
                 f"--conditioning_image_column {column!r} is not a dataset column (columns: "
-                f"{', '.join(self.hf_dataset.column_names)})"
+                f"{', '.join(data.dataset.column_names)})"
             )
-        self.train_dataset = ControlNetPairs(
-            self.train_dataset, self.hf_dataset, column, self.args.resolution
-        )
+        data.rows = ControlNetPairs(data.rows, data.dataset, column, self.args.resolution)
+        return data
 
     def _place_frozen(self) -> None:
         from ..placement.frozen import load_frozen_component

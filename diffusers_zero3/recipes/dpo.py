@@ -34,6 +34,7 @@ from ..placement.frozen import load_frozen_component
 from ..runtime.distributed import log_rank_zero
 from ..runtime.ds_config import weight_dtype
 from ..state.pipeline_io import plot_curve
+from ..training.data import TrainingData, select_rows
 from ..training.schedule import first_last_means
 from .text_to_image import TextToImageTrainer
 
@@ -254,7 +255,7 @@ class DPOTrainer(TextToImageTrainer):
         self.reference_fingerprint = model_fingerprint(self.reference.module)  # collective
         log_rank_zero(f"reference fingerprint before training: {self.reference_fingerprint}")
 
-    def _load_data(self) -> None:
+    def _load_data(self) -> TrainingData:
         args = self.args
         if args.train_data_dir is not None:
             raise ArgumentError(
@@ -267,9 +268,8 @@ class DPOTrainer(TextToImageTrainer):
         before = len(ds)
         ds = drop_ties(ds)
         log_rank_zero(f"{len(ds)} preference pairs ({before - len(ds)} ties dropped)")
-        self.hf_dataset = ds = self._select_rows(ds)
-        self.image_column, self.caption_column = "jpg_0", "caption"
-        self.train_dataset = PreferencePairs(
+        ds = select_rows(ds, args, self.data_processes)
+        pairs = PreferencePairs(
             ds,
             lambda captions: self.family.tokenize(self.tokenizers, captions),
             args.resolution,
@@ -277,7 +277,10 @@ class DPOTrainer(TextToImageTrainer):
             args.random_flip,
             seed=args.seed or 0,
         )
-        self.collate_fn = collate_pairs
+        return TrainingData(
+            pairs, ds, "jpg_0", "caption", args.train_batch_size, self.data_processes, seed=args.seed or 0,
+            collate_fn=collate_pairs,
+        )  # fmt: skip
 
     @contextlib.contextmanager
     def _reference_context(self):

@@ -24,6 +24,7 @@ from ..data.images import DataError, collate
 from ..errors import ArgumentError
 from ..runtime.distributed import barrier, get_rank, get_world_size, log_rank_zero
 from ..runtime.lockstep import lockstep_map
+from ..training.data import TrainingData
 from .text_to_image import TextToImageTrainer
 
 # Text encoders each family's DreamBooth scripts train with --train_text_encoder (Flux: CLIP, not T5).
@@ -357,7 +358,7 @@ class DreamBoothTrainer(TextToImageTrainer):
         log_rank_zero(f"{name}: trained ({count:,} parameters)")
         return model
 
-    def _load_data(self) -> None:
+    def _load_data(self) -> TrainingData:
         args = self.args
         num_class = args.num_class_images if args.with_prior_preservation else 0
         if num_class:
@@ -371,7 +372,6 @@ class DreamBoothTrainer(TextToImageTrainer):
                 f"--class_data_dir {args.class_data_dir} has {n_class} class images, fewer than {num_class}"
             )
         log_rank_zero(f"{n_instance} instance images" + (f", {n_class} class images" if n_class else ""))
-        self.hf_dataset, self.image_column, self.caption_column = ds, "image", "text"
         from ..data.images import ImageCaptionDataset, check_enough_rows
 
         check_enough_rows(
@@ -379,11 +379,13 @@ class DreamBoothTrainer(TextToImageTrainer):
         )
         images = ImageCaptionDataset(
             ds, None, "image", "text", args.resolution, args.center_crop, args.random_flip, seed=args.seed or 0,
-            with_images=self.placements.get("vae") != "cache",
-            tokenize=lambda captions: self.family.tokenize(self.tokenizers, captions, args.max_sequence_length),
+            with_images=self.placements.get("vae") != "cache", tokenize=self._tokenize,
         )  # fmt: skip
-        self.train_dataset = DreamBoothPairs(images, n_instance, n_class, repeats=args.repeats)
-        self.collate_fn = collate_pairs
+        pairs = DreamBoothPairs(images, n_instance, n_class, repeats=args.repeats)
+        return TrainingData(
+            pairs, ds, "image", "text", args.train_batch_size, self.data_processes, seed=args.seed or 0,
+            collate_fn=collate_pairs,
+        )  # fmt: skip
 
     def _generate_class_images(self, count: int) -> None:
         """The missing class images, from the pipeline as it is before training (the denoiser's

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -100,8 +101,7 @@ from ..rl import (
 )
 from ..runtime.context_parallel import (
     ContextParallel,
-    check_context_parallel,
-    context_parallel,
+    context_parallel_of_flags,
     enable_context_parallel,
     set_attention_backend,
 )
@@ -415,12 +415,13 @@ class GRPOSettings(CommonSettings):
                 f"--reference_placement {self.reference_placement} applies to full fine-tuning: with LoRA "
                 f"(--rank {self.rank}) the reference is the base with the adapters disabled"
             )
-        self.reward_specs()  # their errors, early
+        self.reward_specs  # noqa: B018  parsed once, here: their errors early
 
+    @functools.cached_property
     def reward_specs(self) -> tuple[list, list]:
         """``(--reward specs, --eval_reward specs)`` (``rewards.RewardSpec``), parsed together so
         that ``--reward_model`` / ``--reward_placement`` may name either; one ``ArgumentError``
-        line for a bad one."""
+        line for a bad one. Parsed once (by ``resolve``)."""
         specs = parse_reward_specs(
             [*self.reward, *self.eval_reward], self.reward_model, self.reward_placement
         )
@@ -751,7 +752,7 @@ class GRPOTrainer:
             args, deepspeed_active=acc.state.deepspeed_plugin is not None, on_cpu=acc.device.type == "cpu",
             placements=checked,
         )  # fmt: skip
-        self.cp = self._context_parallel()
+        self.cp = context_parallel_of_flags(args.context_parallel_size, args.context_parallel_mode, acc)
         clear_interrupted_writes(args.output_dir)
         set_seed(args.seed, device_specific=True)  # LoRA's init: the engine broadcasts rank 0's
         self.dtype = weight_dtype(acc)
@@ -799,7 +800,7 @@ class GRPOTrainer:
             if self.cp is not None:
                 self._split_sequence(self.reference.module, trained=False)
             log_rank_zero(self.reference.describe())
-        specs, eval_specs = args.reward_specs()
+        specs, eval_specs = args.reward_specs
         self.reward_names = [s.name for s in specs]
         self.reward_fn = load_rewards(
             specs,
@@ -885,23 +886,6 @@ class GRPOTrainer:
                 f"--gradient_accumulation_steps {args.gradient_accumulation_steps} does not divide the {micro_batches} "
                 f"micro-batches of --train_batch_size {args.train_batch_size} in a rank's round"
             )
-
-    def _context_parallel(self) -> ContextParallel | None:
-        """``--context_parallel_size``: the groups of K ranks that sample, score and train the same
-        samples, each rank of a group on 1/K of every sequence (None for 1); one error line for
-        what cannot be split. Collective (it creates the groups' process groups)."""
-        args, acc = self.args, self.accelerator
-        if args.context_parallel_size == 1:
-            return None
-        try:
-            check_context_parallel(args.context_parallel_size, args.context_parallel_mode, acc.num_processes)
-        except ValueError as e:
-            raise ArgumentError(str(e)) from e
-        if acc.state.deepspeed_plugin is None:
-            raise ArgumentError(
-                "--context_parallel_size needs DeepSpeed: launch with a ZeRO-3 accelerate config"
-            )
-        return context_parallel(args.context_parallel_size, args.context_parallel_mode, acc.device.type)
 
     def _split_sequence(self, model: torch.nn.Module, trained: bool = True) -> None:
         """Split ``model``'s (the policy's, the frozen reference's) sequence over the context-parallel
@@ -1276,7 +1260,7 @@ class GRPOTrainer:
                     # the loss is divided by their number
                     with acc.accumulate(self.engine):
                         loss, stats = self._loss(batch, epoch, k, rows)
-                        acc.backward(loss * self.cp.loss_scale if self.cp is not None else loss)
+                        acc.backward(self.cp.group_loss(loss) if self.cp is not None else loss)
                         step_part(self.part, acc, acc.sync_gradients)
                     if acc.sync_gradients:
                         self.optimizer_steps += 1

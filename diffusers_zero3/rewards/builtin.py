@@ -518,6 +518,9 @@ class BuiltinReward:
             with an fp32 final score still err by a sizeable fraction of those differences
             (docs/rl.md, "Rewards in fp32"). None: the run's dtype (the ``vlm`` judge, a 7-72 B
             model; its yes/no probabilities are formed in fp32 from its logits).
+        partitioned_load: ``load`` takes ``load_model=`` to read the weights straight into
+            ZeRO-3 partitions under ``shard``/``offload`` (a 7-72 B judge, never whole on a rank).
+        takes_question: ``load`` takes ``question=`` (``--vlm_question``).
     """
 
     name: str
@@ -525,6 +528,8 @@ class BuiltinReward:
     published: str
     load: Callable[..., nn.Module]
     dtype: torch.dtype | None = torch.float32
+    partitioned_load: bool = False
+    takes_question: bool = False
 
     @property
     def needs_weights(self) -> bool:
@@ -572,6 +577,8 @@ BUILTINS: dict[str, BuiltinReward] = {
             "Qwen/Qwen2.5-VL-7B-Instruct",
             VLMJudge.from_pretrained,
             dtype=None,
+            partitioned_load=True,
+            takes_question=True,
         ),
         BuiltinReward(
             "hpsv2",

@@ -286,8 +286,8 @@ def load_rewards(
             # fp32 whatever the run's dtype (BuiltinReward.dtype): weights, inputs (ParallelReward
             # casts them to the model's dtype) and the score, as the references score
             model_dtype = builtin.dtype or dtype
-            kwargs = {"question": vlm_question} if spec.name == "vlm" and vlm_question else {}
-            if spec.name == "vlm" and spec.placement in ("shard", "offload"):
+            kwargs = {"question": vlm_question} if builtin.takes_question and vlm_question else {}
+            if builtin.partitioned_load and spec.placement in ("shard", "offload"):
                 # the judge read straight into partitions: a 7-72 B model never whole on a rank
                 kwargs["load_model"] = partitioned_loader(accelerator, spec.placement)
                 module = builtin.load(spec.model_path, model_dtype, **kwargs)

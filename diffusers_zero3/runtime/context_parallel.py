@@ -8,8 +8,8 @@ parameters, gradients and optimizer state over all N ranks.
 
 Gradients: every rank of a group computes the whole loss (the output is gathered) and the
 gradient of its own share of the tokens; the group's shares sum to the sample's gradient.
-ZeRO-3 averages over all N ranks, which divides that sum by K too often: ``loss_scale`` (= K)
-multiplies the loss before the backward so that training equals data parallelism over the
+ZeRO-3 averages over all N ranks, which divides that sum by K too often: ``group_loss``
+multiplies the loss by K before the backward so that training equals data parallelism over the
 N / K groups on the same global batch (tests/test_context_parallel.py: losses and updated
 weights of K=2 against K=1, Wan, Flux.1, Qwen-Image).
 
@@ -70,10 +70,11 @@ class ContextParallel:
         """This rank's group: ranks with the same one take the same samples."""
         return self.mesh.get_local_rank("dp")
 
-    @property
-    def loss_scale(self) -> float:
-        """What the loss is multiplied by before the backward (see the module docstring)."""
-        return float(self.size)
+    def group_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to backward: ``loss`` times K, since ZeRO-3's average over all N ranks
+        divides each group's summed token shares by K too often (see the module docstring).
+        Every trainer applies the factor here, and only here."""
+        return loss * float(self.size)
 
 
 def check_context_parallel(
@@ -162,6 +163,23 @@ def set_attention_backend(model: torch.nn.Module, backend: str) -> None:
         raise ValueError(f"--attention_backend {backend}: {message}") from e
     finally:
         set_active_attention_backend(active)
+
+
+def context_parallel_of_flags(size: int, mode: str, accelerator) -> ContextParallel | None:
+    """``--context_parallel_size`` / ``--context_parallel_mode`` for a trainer: the groups
+    (``context_parallel``; None for 1), one ``ArgumentError`` line for what cannot be split or
+    a launch without DeepSpeed. Collective (it creates the groups' process groups)."""
+    from ..errors import ArgumentError
+
+    if size == 1:
+        return None
+    try:
+        check_context_parallel(size, mode, accelerator.num_processes)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from e
+    if accelerator.state.deepspeed_plugin is None:
+        raise ArgumentError("--context_parallel_size needs DeepSpeed: launch with a ZeRO-3 accelerate config")
+    return context_parallel(size, mode, accelerator.device.type)
 
 
 def context_parallel(

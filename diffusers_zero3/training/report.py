@@ -173,3 +173,38 @@ def log_outputs(outputs: Iterable[Output]) -> list[str]:
 
 
 __all__ = ["STEP_LOG_NAME", "StepOutput", "is_terminal", "log_outputs", "step_log_path", "summary_lines"]
+
+
+def log_memory_per_rank(memory, states: dict[str, int]) -> dict[str, int]:
+    """Log the RSS per phase of ``memory`` (a ``runtime.memory.MemoryLog``), the trained
+    model's state bytes ``states`` (by kind), the glibc heap and, on a GPU, the device memory
+    after the first optimizer step, each the maximum over ranks; returns that maximum of
+    ``states``. Collectives: every rank calls it once, at the end of training."""
+    from ..runtime.distributed import max_over_ranks
+    from ..runtime.memory import MIB, MemoryLog, heap_bytes
+
+    records = memory.gathered()
+    states = dict(zip(states, (int(v) for v in max_over_ranks(list(states.values())))))
+    log_rank_zero("memory per rank (maximum over ranks):\n" + MemoryLog.format(records))
+    log_rank_zero(
+        "model states per rank: "
+        + ", ".join(f"{k} {v / MIB:.1f} MiB" for k, v in states.items())
+        + f" (total {sum(states.values()) / MIB:.1f} MiB)"
+    )
+    heap = heap_bytes()
+    heap = max_over_ranks(list(heap) if heap is not None else [-1, -1, -1])  # every rank the same call
+    if heap[0] >= 0:
+        log_rank_zero(
+            f"glibc heap per rank at the end: in use {heap[0] / MIB:.1f} MiB, freed but held "
+            f"{heap[1] / MIB:.1f} MiB, mmapped {heap[2] / MIB:.1f} MiB (the RSS counts all three)"
+        )
+    # On a GPU the states live in device memory: what torch's allocator held right after the
+    # first optimizer step (marked just before the states were counted) is the device-side
+    # number to compare the planner's with (it also holds frozen models on the GPU).
+    step = next((r for r in records if r.phase == "first optimizer step"), None)
+    if step is not None and step.device_allocated:
+        log_rank_zero(
+            f"device memory per rank after the first optimizer step: {step.device_allocated / MIB:.1f} MiB"
+            " allocated (model states above, plus frozen models and buffers on the device)"
+        )
+    return states
