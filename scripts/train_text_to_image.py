@@ -40,8 +40,8 @@ from diffusers_zero3 import use_huge_pages_for_host_tensors
 
 use_huge_pages_for_host_tensors()  # first: torch reads it at the process's first tensor, and imports make tensors
 
-from diffusers_zero3.args import TextToImageSettings
 from diffusers_zero3.recipes.text_to_image import TextToImageTrainer
+from diffusers_zero3.recipes.text_to_image_settings import TextToImageSettings
 from diffusers_zero3.training.job import run_trainer
 
 

@@ -179,7 +179,7 @@ def test_launch_flags_lead_the_command_line():
 
 @pytest.mark.unit
 def test_a_malformed_command_line_is_one_error_line(capfd):
-    from diffusers_zero3.args import TextToImageSettings
+    from diffusers_zero3.recipes.text_to_image_settings import TextToImageSettings
 
     with pytest.raises(SystemExit) as exit_:
         TextToImageSettings.parse(["--resolution", "abc"])

@@ -34,8 +34,13 @@ def test_every_familys_default_run_flags_are_valid_for_its_pipeline():
     """`make train MODEL=<name>` passes the family's ``default_run_args`` to the training script:
     each set parses and applies to its family (a flag naming a component the family lacks, or a
     flag of the other objective, would fail the run after the pipeline was generated)."""
-    from diffusers_zero3.args import TextToImageSettings, component_overrides, validate_args, validate_family
+    from diffusers_zero3.args import component_overrides
     from diffusers_zero3.families import ALL_FAMILIES
+    from diffusers_zero3.recipes.text_to_image_settings import (
+        TextToImageSettings,
+        validate_args,
+        validate_family,
+    )
 
     for family in ALL_FAMILIES:
         run_args = [a.format(pipeline="/tmp/tiny") for a in family.default_run_args]

@@ -151,8 +151,13 @@ def test_flow_matching_loss_is_diffusers_rectified_flow(tiny_flux, scheme):
 
 @pytest.mark.unit
 def test_flags_that_do_not_apply_to_a_family_are_refused(tiny_flux, tiny_pipeline):
-    from diffusers_zero3.args import ArgumentError, TextToImageSettings, check_resolution, validate_family
+    from diffusers_zero3.args import ArgumentError
     from diffusers_zero3.families import FLUX, SD
+    from diffusers_zero3.recipes.text_to_image_settings import (
+        TextToImageSettings,
+        check_resolution,
+        validate_family,
+    )
 
     def args(*extra):
         return TextToImageSettings.parse(

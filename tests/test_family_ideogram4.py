@@ -369,8 +369,9 @@ def test_unconditional_loss_is_the_objective_through_the_pipelines_negative_bran
     ],
 )
 def test_train_denoisers_flags(folder, flags, message):
-    from diffusers_zero3.args import ArgumentError, TextToImageSettings, validate_family
+    from diffusers_zero3.args import ArgumentError
     from diffusers_zero3.families import IDEOGRAM4, SD
+    from diffusers_zero3.recipes.text_to_image_settings import TextToImageSettings, validate_family
 
     args = TextToImageSettings.parse(
         ["--pretrained_model_name_or_path", folder, "--train_data_dir", folder, *flags]

@@ -143,7 +143,7 @@ def test_cores_are_shared_among_the_local_processes(monkeypatch):
 
 @pytest.mark.unit
 def test_the_flag_defaults_to_the_hosts_choice():
-    from diffusers_zero3.args import TextToImageSettings
+    from diffusers_zero3.recipes.text_to_image_settings import TextToImageSettings
 
     args = TextToImageSettings.parse(["--pretrained_model_name_or_path", "m"])
     assert args.dataloader_num_workers is None

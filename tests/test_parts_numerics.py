@@ -317,8 +317,8 @@ def _diff(a, b) -> str:
 
 
 def _wan_both_experts_idle_expert_stays(pipe: str, data: str, out: str, mixed_precision: str):
-    from diffusers_zero3.args import TextToImageSettings
     from diffusers_zero3.recipes.text_to_image import TextToImageTrainer
+    from diffusers_zero3.recipes.text_to_image_settings import TextToImageSettings
 
     # seed 3: the steps draw low, low, high, low (p_high = 1/8): both experts sit idle at least once,
     # after a step of their own and after one of the other. AdamW's weight decay and a linear

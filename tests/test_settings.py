@@ -16,12 +16,12 @@ pytestmark = pytest.mark.unit
 
 
 def _recipes() -> dict[str, type]:
-    from diffusers_zero3.args import TextToImageSettings
     from diffusers_zero3.recipes.controlnet import ControlNetSettings
     from diffusers_zero3.recipes.dpo import DPOSettings
     from diffusers_zero3.recipes.dreambooth import DreamBoothSettings
     from diffusers_zero3.recipes.grpo import GRPOSettings
     from diffusers_zero3.recipes.reward import RewardSettings
+    from diffusers_zero3.recipes.text_to_image_settings import TextToImageSettings
 
     return {
         "train_text_to_image.py": TextToImageSettings,
@@ -195,7 +195,7 @@ def test_every_flag_of_diffusers_script_is_a_flag_of_ours(upstream):
 
 
 def _t2i(*argv: str):
-    from diffusers_zero3.args import TextToImageSettings
+    from diffusers_zero3.recipes.text_to_image_settings import TextToImageSettings
 
     return TextToImageSettings.parse(
         ["--pretrained_model_name_or_path", "p", "--train_data_dir", "d", "--report_to", "none", *argv]
@@ -260,8 +260,8 @@ def test_optimizer_flags_build_adamw_or_prodigy_with_upstreams_settings(monkeypa
 
     import torch
 
-    from diffusers_zero3.args import validate_args
     from diffusers_zero3.errors import ArgumentError
+    from diffusers_zero3.recipes.text_to_image_settings import validate_args
     from diffusers_zero3.training.parts import adamw, build_optimizer
 
     model = torch.nn.Linear(4, 4)
@@ -337,11 +337,11 @@ def test_use_dora_reaches_peft_and_trains_the_magnitudes():
     from diffusers import UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from diffusers_zero3.args import validate_args
     from diffusers_zero3.demo.pipelines import tiny_component_configs
     from diffusers_zero3.errors import ArgumentError
     from diffusers_zero3.families import SD
     from diffusers_zero3.recipes.dreambooth import TEXT_ENCODER_LORA_TARGETS
+    from diffusers_zero3.recipes.text_to_image_settings import validate_args
     from diffusers_zero3.training.lora import adapter_shapes, add_lora_adapters
 
     args = _t2i("--rank", "4", "--use_dora")
@@ -393,8 +393,9 @@ def test_upstream_flags_that_cannot_apply_fail_with_one_line_and_the_others_map(
     refused with one line saying why when set; the ones it has another spelling for map to it
     (``--tokenizer_name`` to ``--component tokenizer=PATH``, ``--tokenizer_max_length`` to
     ``--max_sequence_length``); ``--set_grads_to_none`` is accepted as it is."""
-    from diffusers_zero3.args import component_overrides, validate_args
+    from diffusers_zero3.args import component_overrides
     from diffusers_zero3.errors import ArgumentError
+    from diffusers_zero3.recipes.text_to_image_settings import validate_args
 
     refused = {
         "--enable_npu_flash_attention": "Ascend NPUs",

@@ -38,12 +38,12 @@ def smoke():
 
 def _parsers() -> dict:
     """Each script's own parser (with its own checks), by the case's script key."""
-    from diffusers_zero3.args import TextToImageSettings
     from diffusers_zero3.recipes.controlnet import ControlNetSettings
     from diffusers_zero3.recipes.dpo import DPOSettings
     from diffusers_zero3.recipes.dreambooth import DreamBoothSettings
     from diffusers_zero3.recipes.grpo import GRPOSettings
     from diffusers_zero3.recipes.reward import RewardSettings
+    from diffusers_zero3.recipes.text_to_image_settings import TextToImageSettings
 
     return {
         "t2i": TextToImageSettings.parse,
@@ -256,8 +256,9 @@ def test_every_launch_parses(smoke, tmp_path, num_processes, gpus):
     and the script's own parser and checks (``validate_args``) take its flags."""
     from accelerate.commands.launch import launch_command_parser
 
-    from diffusers_zero3.args import validate_args, validate_common_args
+    from diffusers_zero3.args import validate_common_args
     from diffusers_zero3.recipes.grpo import GRPO_FAMILIES
+    from diffusers_zero3.recipes.text_to_image_settings import validate_args
 
     data = tmp_path / "data"
     (data / "controlnet-shapes-masks").mkdir(parents=True)

@@ -147,8 +147,8 @@ def test_parser_accepts_every_diffusers_flag(monkeypatch):
     """A launch command of diffusers' script means the same here: each flag's default (value and
     type), what a value given for it becomes (type, nargs, choices), the required model, and
     LOCAL_RANK and --non_ema_revision applied after parsing as diffusers' parse_args does."""
-    from diffusers_zero3.args import TextToImageSettings
     from diffusers_zero3.data.loading import loader_settings
+    from diffusers_zero3.recipes.text_to_image_settings import TextToImageSettings
 
     parse_args = TextToImageSettings.parse
 

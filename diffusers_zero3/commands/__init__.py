@@ -130,7 +130,10 @@ def run_command(module: str, make_trainer: Callable[[list[str]], Any], parse: Ca
 
 # each command module's settings and trainer, "module:Name" under the package (imported at run time)
 TRAINERS: dict[str, tuple[str, str]] = {
-    "train_text_to_image": ("args:TextToImageSettings", "recipes.text_to_image:TextToImageTrainer"),
+    "train_text_to_image": (
+        "recipes.text_to_image_settings:TextToImageSettings",
+        "recipes.text_to_image:TextToImageTrainer",
+    ),
     "train_dreambooth": ("recipes.dreambooth:DreamBoothSettings", "recipes.dreambooth:DreamBoothTrainer"),
     "train_controlnet": ("recipes.controlnet:ControlNetSettings", "recipes.controlnet:ControlNetTrainer"),
     "train_dpo": ("recipes.dpo:DPOSettings", "recipes.dpo:DPOTrainer"),

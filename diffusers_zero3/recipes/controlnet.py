@@ -18,13 +18,14 @@ from typing import ClassVar
 
 import torch
 
-from ..args import ENGINE_PLACEMENT_CHOICES, TextToImageSettings, flag, placement_flag, redefault
+from ..args import ENGINE_PLACEMENT_CHOICES, flag, placement_flag, redefault
 from ..data.images import DataError, transform_image
 from ..errors import ArgumentError
 from ..runtime.distributed import is_main_process, log_rank_zero
 from ..training.data import TrainingData
 from ..training.report import log_outputs
 from .text_to_image import TextToImageTrainer
+from .text_to_image_settings import TextToImageSettings
 
 CONTROLNET_PIPELINES = {
     "sd": "StableDiffusionControlNetPipeline",

@@ -25,7 +25,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..args import ENGINE_PLACEMENT_CHOICES, TextToImageSettings, flag, redefault
+from ..args import ENGINE_PLACEMENT_CHOICES, flag, redefault
 from ..data.images import DataError, load_image_caption_dataset, transform_image_with_crop
 from ..errors import ArgumentError
 from ..families.objectives import diffusion_target, sample_generators, sample_noise, sample_timesteps
@@ -37,6 +37,7 @@ from ..state.pipeline_io import plot_curve
 from ..training.data import TrainingData, select_rows
 from ..training.schedule import first_last_means
 from .text_to_image import TextToImageTrainer
+from .text_to_image_settings import TextToImageSettings
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
 PICKAPIC_COLUMNS = ("jpg_0", "jpg_1", "label_0", "caption")

@@ -19,13 +19,14 @@ from typing import ClassVar
 
 import torch
 
-from ..args import TextToImageSettings, check_positive, flag, redefault
+from ..args import check_positive, flag, redefault
 from ..data.images import DataError, collate
 from ..errors import ArgumentError
 from ..runtime.distributed import barrier, get_rank, get_world_size, log_rank_zero
 from ..runtime.lockstep import lockstep_map
 from ..training.data import TrainingData
 from .text_to_image import TextToImageTrainer
+from .text_to_image_settings import TextToImageSettings
 
 # Text encoders each family's DreamBooth scripts train with --train_text_encoder (Flux: CLIP, not T5).
 TRAINABLE_TEXT_ENCODERS = {

@@ -69,7 +69,6 @@ from ..args import (
     ENGINE_PLACEMENT_CHOICES,
     ArgumentError,
     CommonSettings,
-    TextToImageSettings,
     check_positive,
     component_placements,
     flag,
@@ -132,6 +131,7 @@ from ..training.lora import LORA_WEIGHT_NAME, add_lora_adapters, save_lora_zero3
 from ..training.parts import adamw, prepare_first_part, step_part
 from ..training.report import StepOutput, log_outputs, step_log_path
 from ..training.schedule import first_last_means
+from .text_to_image_settings import TextToImageSettings
 
 OBJECTIVES = ("grpo", "nft")
 # tested end to end (tests/test_train_grpo.py); HiDream, Wan (video) and the others are not

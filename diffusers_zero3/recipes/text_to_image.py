@@ -24,16 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..args import (
-    ArgumentError,
-    TextToImageSettings,
-    check_resolution,
-    component_overrides,
-    component_placements,
-    validate_args,
-    validate_family,
-    validate_launch,
-)
+from ..args import ArgumentError, component_overrides, component_placements, validate_launch
 from ..data.loading import LoaderSettings, cpus_per_local_process, loader_settings
 from ..data.pairs import gives_edit_pairs
 from ..families import detect_family
@@ -98,6 +89,7 @@ from ..training.schedule import (
     scaled_learning_rate,
     updates_per_epoch,
 )
+from .text_to_image_settings import TextToImageSettings, check_resolution, validate_args, validate_family
 
 logger = logging.getLogger("diffusers_zero3.recipes.text_to_image")
 
