@@ -33,15 +33,23 @@ from ..families import (
     WAN22_5B,
     ZIMAGE,
     Family,
+    flux2,
+    ideogram4,
+    krea2,
+    nucleusmoe,
+    qwenimage,
+    zimage,
 )
-from ..families.flux2 import FLUX2_SCHEDULER
+from ..families.flux2 import FLUX2_SCHEDULER, MISTRAL_SMALL_3_24B
 from ..families.hidream import TRAINING_SHIFT
 from ..families.ideogram4 import ACTIVATION_LAYERS, IDEOGRAM4
 from ..families.krea2 import KREA2_SCHEDULER, TEXT_ENCODER_SELECT_LAYERS
 from ..families.nucleusmoe import NUCLEUSMOE, NUCLEUSMOE_SCHEDULER
+from ..families.published import CLIP_L, QWEN3_4B, QWEN3_VL_4B, QWEN3_VL_8B, T5_XXL, shrink
 from ..families.qwenimage import QWEN_IMAGE_SCHEDULER
 from ..families.wan import WAN_SCHEDULER, Wan
 from ..families.zimage import ZIMAGE_TURBO_SCHEDULER
+from ..runtime.zero3 import zero3_init_disabled
 from .tokenizers import (
     CLIP_VOCAB_SIZE,
     local_clip_tokenizer,
@@ -61,42 +69,128 @@ from .tokenizers import (
 
 # -------------------------------------------------------------------------------- shared tiny models
 
+# A tiny model is its published config shrunk (``families.published.shrink``: the published keys,
+# small sizes), with the ids of the locally written tokenizer beside it.
+
+# The tiny LLMs' widths (Qwen3, Qwen3-VL's text model, Mistral 3's): 16, two query heads of 8
+# sharing one key/value head.
+TINY_LLM = dict(
+    hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=8
+)
+
+
+def save_pipeline(
+    family: Family, folder: Path, denoiser, vae, text_encoders: dict, tokenizers: dict, scheduler
+) -> Path:
+    """``family.pipeline`` of these modules saved to ``folder`` (fp32 safetensors); the folder."""
+    family.pipeline(denoiser, vae, text_encoders, tokenizers, scheduler).save_pretrained(
+        folder, safe_serialization=True
+    )
+    return folder
+
 
 def tiny_clip_config(hidden_size: int = 32, projection_dim: int = 32, layers: int = 2) -> dict:
-    """A tiny CLIP text config for the byte-level CLIP tokenizer."""
-    return dict(
+    """CLIP-L's text config shrunk, for the byte-level CLIP tokenizer."""
+    clip = shrink(
+        CLIP_L,
         vocab_size=CLIP_VOCAB_SIZE,
         hidden_size=hidden_size,
         intermediate_size=37,
         num_hidden_layers=layers,
         num_attention_heads=4,
-        max_position_embeddings=77,
+        projection_dim=projection_dim,
+    )
+    return dict(
+        clip,
         bos_token_id=CLIP_VOCAB_SIZE - 2,
         eos_token_id=CLIP_VOCAB_SIZE - 1,
         pad_token_id=CLIP_VOCAB_SIZE - 1,
-        projection_dim=projection_dim,
     )
+
+
+def tiny_t5_config(d_model: int, vocab_size: int, layers: int = 2) -> dict:
+    """T5-XXL's config shrunk (T5 v1.1: gated-gelu, the encoder alone; umT5 has its structure):
+    ``d_model`` wide, four heads of 8, eight relative-position buckets."""
+    t5 = shrink(
+        T5_XXL,
+        vocab_size=vocab_size,
+        d_model=d_model,
+        d_kv=8,
+        d_ff=d_model * 2,
+        num_layers=layers,
+        num_heads=4,
+    )
+    return dict(t5, relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1)
 
 
 def tiny_t5_encoder(d_model: int, vocab_size: int, layers: int = 2):
-    """A tiny ``T5EncoderModel`` (gated-gelu, as T5 v1.1 / T5-XXL)."""
+    """A tiny ``T5EncoderModel`` (``tiny_t5_config``)."""
     from transformers import T5Config, T5EncoderModel
 
-    return T5EncoderModel(
-        T5Config(
-            vocab_size=vocab_size,
-            d_model=d_model,
-            d_kv=8,
-            d_ff=d_model * 2,
-            num_layers=layers,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            feed_forward_proj="gated-gelu",
-            is_encoder_decoder=False,
-            pad_token_id=0,
-            eos_token_id=1,
-        )
+    return T5EncoderModel(T5Config(**tiny_t5_config(d_model, vocab_size, layers)))
+
+
+def tiny_llm_config(published: dict, vocab_size: int, **sizes) -> dict:
+    """An LLM's ``published`` (text) config at ``TINY_LLM``'s widths with ``vocab_size`` tokens and
+    2048 positions; ``sizes`` set more (``num_hidden_layers``: else the published depth)."""
+    return shrink(
+        published, **{**TINY_LLM, "vocab_size": vocab_size, "max_position_embeddings": 2048, **sizes}
     )
+
+
+def qwen_token_ids(tid) -> dict[str, int]:
+    """A Qwen config's BOS and EOS ids from its tokenizer's ``convert_tokens_to_ids``."""
+    return {"bos_token_id": tid("<|endoftext|>"), "eos_token_id": tid("<|im_end|>")}
+
+
+def vl_token_ids(tid) -> dict[str, int]:
+    """A Qwen VL config's image/video token ids from its tokenizer's ``convert_tokens_to_ids``."""
+    return {
+        "image_token_id": tid("<|image_pad|>"),
+        "video_token_id": tid("<|video_pad|>"),
+        "vision_start_token_id": tid("<|vision_start|>"),
+        "vision_end_token_id": tid("<|vision_end|>"),
+    }
+
+
+def tiny_qwen3_vl_config(published: dict, tokenizer) -> dict:
+    """A Qwen3-VL config (``QWEN3_VL_4B``, ``QWEN3_VL_8B``) shrunk: its 36 decoder layers (the
+    published taps stay intermediate layers) at ``TINY_LLM``'s widths with interleaved mRoPE, a
+    2-block vision tower; ``tokenizer``'s ids."""
+    tid = tokenizer.convert_tokens_to_ids
+    config = shrink(
+        published,
+        vision_config=dict(
+            depth=2,
+            hidden_size=16,
+            intermediate_size=16,
+            num_heads=2,
+            out_hidden_size=TINY_LLM["hidden_size"],
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[1],
+        ),
+    )
+    text = tiny_llm_config(
+        published["text_config"], len(tokenizer), rope_scaling=dict(mrope_section=[2, 1, 1])
+    )
+    return dict(config, text_config=dict(text, **qwen_token_ids(tid)), **vl_token_ids(tid))
+
+
+def tiny_qwen25_vl_text_config(tokenizer, layers: int) -> dict:
+    """Qwen2.5-VL-7B's text config shrunk to the width of diffusers' Qwen-Image pipeline tests (16,
+    two heads of 8, mRoPE sections 1, 1, 2) with ``layers`` layers; ``tokenizer``'s ids."""
+    text = shrink(
+        qwenimage.PUBLISHED_TEXT_ENCODER["text_config"],
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=16,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rope_scaling=dict(mrope_section=[1, 1, 2]),
+    )
+    return dict(text, **qwen_token_ids(tokenizer.convert_tokens_to_ids))
 
 
 def tiny_vae_config(width: int = 32, latent_channels: int = 4) -> dict:
@@ -215,8 +309,6 @@ def build_tiny_components(
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from ..runtime.zero3 import zero3_init_disabled
-
     cfg = tiny_component_configs(width, text_layers, cross_dim, unet_shape)
     with zero3_init_disabled():
         torch.manual_seed(seed)
@@ -249,15 +341,15 @@ def save_tiny_sd_pipeline(
     """
     folder = Path(folder)
     parts = build_tiny_components(seed, width, text_layers, unet_shape=unet_shape)
-    pipe = SD.pipeline(
+    return save_pipeline(
+        SD,
+        folder,
         parts["unet"],
         parts["vae"],
         {"text_encoder": parts["text_encoder"]},
         {"text_encoder": local_clip_tokenizer(folder)},
         sd_scheduler(),
     )
-    pipe.save_pretrained(folder, safe_serialization=True)
-    return folder
 
 
 # -------------------------------------------------------------------------------- SDXL
@@ -272,8 +364,6 @@ def save_tiny_sdxl_pipeline(folder: str | os.PathLike, seed: int = 0, width: int
     """
     from diffusers import AutoencoderKL, EulerDiscreteScheduler, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-
-    from ..runtime.zero3 import zero3_init_disabled
 
     folder = Path(folder)
     text_cfg = tiny_clip_config()
@@ -308,15 +398,15 @@ def save_tiny_sdxl_pipeline(folder: str | os.PathLike, seed: int = 0, width: int
         steps_offset=1,
         timestep_spacing="leading",
     )
-    pipe = SDXL.pipeline(
+    return save_pipeline(
+        SDXL,
+        folder,
         unet,
         vae,
         {"text_encoder": text_encoder, "text_encoder_2": text_encoder_2},
         {"text_encoder": tokenizer, "text_encoder_2": tokenizer},
         scheduler,
     )
-    pipe.save_pretrained(folder, safe_serialization=True)
-    return folder
 
 
 # -------------------------------------------------------------------------------- SD3
@@ -332,8 +422,6 @@ def save_tiny_sd3_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
     """
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
-
-    from ..runtime.zero3 import zero3_init_disabled
 
     folder = Path(folder)
     t5_width = 64  # >= the two CLIP widths together (32 + 32), as in SD3 (2048 <= 4096)
@@ -358,15 +446,15 @@ def save_tiny_sd3_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
         text_encoder_3 = tiny_t5_encoder(t5_width, len(t5_tokenizer))
         vae = tiny_flow_vae(4)
     clip_tokenizer = local_clip_tokenizer(folder)
-    pipe = SD3.pipeline(
+    return save_pipeline(
+        SD3,
+        folder,
         transformer,
         vae,
         {"text_encoder": text_encoder, "text_encoder_2": text_encoder_2, "text_encoder_3": text_encoder_3},
         {"text_encoder": clip_tokenizer, "text_encoder_2": clip_tokenizer, "text_encoder_3": t5_tokenizer},
         FlowMatchEulerDiscreteScheduler(shift=3.0),
     )
-    pipe.save_pretrained(folder, safe_serialization=True)
-    return folder
 
 
 # -------------------------------------------------------------------------------- Flux.1
@@ -383,8 +471,6 @@ def save_tiny_flux_pipeline(folder: str | os.PathLike, seed: int = 0, guidance_e
     """
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel
-
-    from ..runtime.zero3 import zero3_init_disabled
 
     folder = Path(folder)
     t5_tokenizer = local_t5_tokenizer(folder)
@@ -405,15 +491,15 @@ def save_tiny_flux_pipeline(folder: str | os.PathLike, seed: int = 0, guidance_e
         text_encoder = CLIPTextModel(CLIPTextConfig(**tiny_clip_config()))
         text_encoder_2 = tiny_t5_encoder(32, len(t5_tokenizer))
         vae = tiny_flow_vae(16)
-    pipe = FLUX.pipeline(
+    return save_pipeline(
+        FLUX,
+        folder,
         transformer,
         vae,
         {"text_encoder": text_encoder, "text_encoder_2": text_encoder_2},
         {"text_encoder": local_clip_tokenizer(folder), "text_encoder_2": t5_tokenizer},
         FlowMatchEulerDiscreteScheduler(shift=3.0),
     )
-    pipe.save_pretrained(folder, safe_serialization=True)
-    return folder
 
 
 def save_tiny_kontext_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
@@ -460,14 +546,42 @@ def tiny_qwenimage_vae():
     )
 
 
-def vl_token_ids(tid) -> dict[str, int]:
-    """A Qwen VL config's image/video token ids from its tokenizer's ``convert_tokens_to_ids``."""
-    return {
-        "image_token_id": tid("<|image_pad|>"),
-        "video_token_id": tid("<|video_pad|>"),
-        "vision_start_token_id": tid("<|vision_start|>"),
-        "vision_end_token_id": tid("<|vision_end|>"),
-    }
+def tiny_qwenimage_transformer():
+    """Qwen-Image's transformer shrunk to diffusers' pipeline tests' (2 blocks, 3 heads of 16)
+    for 4 latent channels in 2x2 patches. Build it inside ``zero3_init_disabled()``."""
+    from diffusers import QwenImageTransformer2DModel
+
+    return QwenImageTransformer2DModel(
+        **shrink(
+            qwenimage.PUBLISHED_TRANSFORMER,
+            in_channels=16,
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=3,
+            joint_attention_dim=16,
+            axes_dims_rope=(8, 4, 4),
+        )
+    )
+
+
+def tiny_qwen25_vl_config(tokenizer) -> dict:
+    """Qwen-Image's Qwen2.5-VL-7B config shrunk to diffusers' pipeline tests' (2 text layers,
+    ``tiny_qwen25_vl_text_config``; a 2-block vision tower with the published patching: 14 px
+    patches, 2x2 merges); ``tokenizer``'s ids."""
+    config = shrink(
+        qwenimage.PUBLISHED_TEXT_ENCODER,
+        vision_config=dict(
+            depth=2,
+            hidden_size=16,
+            intermediate_size=16,
+            num_heads=2,
+            out_hidden_size=16,
+            fullatt_block_indexes=[1],
+        ),
+    )
+    text = tiny_qwen25_vl_text_config(tokenizer, layers=2)
+    return dict(config, text_config=text, **vl_token_ids(tokenizer.convert_tokens_to_ids))
 
 
 def save_tiny_qwenimage_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
@@ -478,66 +592,26 @@ def save_tiny_qwenimage_pipeline(folder: str | os.PathLike, seed: int = 0) -> Pa
     statistics that are not 0 and 1 (so that a missing normalisation shows), the published
     scheduler, and a locally written tokenizer. Not a collective.
     """
-    from diffusers import (
-        FlowMatchEulerDiscreteScheduler,
-        QwenImageTransformer2DModel,
-    )
+    from diffusers import FlowMatchEulerDiscreteScheduler
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    from ..runtime.zero3 import zero3_init_disabled
 
     folder = Path(folder)
     tokenizer = read_back(write_qwenimage_tokenizer, folder)
-    tid = tokenizer.convert_tokens_to_ids
     with zero3_init_disabled():
         torch.manual_seed(seed)
-        transformer = QwenImageTransformer2DModel(
-            patch_size=2,
-            in_channels=16,
-            out_channels=4,
-            num_layers=2,
-            attention_head_dim=16,
-            num_attention_heads=3,
-            joint_attention_dim=16,
-            guidance_embeds=False,
-            axes_dims_rope=(8, 4, 4),
-        )
+        transformer = tiny_qwenimage_transformer()
         vae = tiny_qwenimage_vae()
-        config = Qwen2_5_VLConfig(
-            text_config=dict(
-                vocab_size=len(tokenizer),
-                hidden_size=16,
-                intermediate_size=16,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                num_key_value_heads=2,
-                max_position_embeddings=2048,
-                rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
-                rope_theta=1000000.0,
-                bos_token_id=tid("<|endoftext|>"),
-                eos_token_id=tid("<|im_end|>"),
-            ),
-            vision_config=dict(
-                depth=2,
-                hidden_size=16,
-                intermediate_size=16,
-                num_heads=2,
-                out_hidden_size=16,
-                fullatt_block_indexes=[1],
-            ),
-            **vl_token_ids(tid),
-            tie_word_embeddings=False,
-        )
+        config = Qwen2_5_VLConfig(**tiny_qwen25_vl_config(tokenizer))
         text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
-    pipe = QWENIMAGE.pipeline(
+    return save_pipeline(
+        QWENIMAGE,
+        folder,
         transformer,
         vae,
         {"text_encoder": text_encoder},
         {"text_encoder": tokenizer},
         FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
     )
-    pipe.save_pretrained(folder, safe_serialization=True)
-    return folder
 
 
 def save_tiny_qwenimage_edit_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
@@ -550,13 +624,12 @@ def save_tiny_qwenimage_edit_pipeline(folder: str | os.PathLike, seed: int = 0) 
     (``Qwen2VLImageTextProcessor``: no torchvision). Beside it ``<folder>-source.png`` (a red
     circle, 32 px): the source image of the default run's validation edits. Not a collective.
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from ..families import QWENIMAGE_EDIT
     from ..families import qwenimage_edit as edit
-    from ..runtime.zero3 import zero3_init_disabled
     from . import shape_image
 
     folder = Path(folder)
@@ -566,35 +639,21 @@ def save_tiny_qwenimage_edit_pipeline(folder: str | os.PathLike, seed: int = 0) 
     processor = getattr(edit, edit.PROCESSOR_CLASS)(
         image_processor=Qwen2VLImageProcessorPil(), tokenizer=tokenizer
     )
-    tid = tokenizer.convert_tokens_to_ids
     with zero3_init_disabled():
         torch.manual_seed(seed)
-        transformer = QwenImageTransformer2DModel(
-            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
-            num_attention_heads=3, joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
-        )  # fmt: skip
+        transformer = tiny_qwenimage_transformer()
         vae = tiny_qwenimage_vae()
-        config = Qwen2_5_VLConfig(
-            text_config=dict(
-                vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
-                rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
-                rope_theta=1000000.0, bos_token_id=tid("<|endoftext|>"), eos_token_id=tid("<|im_end|>"),
-            ),
-            vision_config=dict(
-                depth=2, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16,
-                fullatt_block_indexes=[1], patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
-            ),
-            **vl_token_ids(tid),
-            tie_word_embeddings=False,
-        )  # fmt: skip
+        config = Qwen2_5_VLConfig(**tiny_qwen25_vl_config(tokenizer))
         text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
-    pipe = QWENIMAGE_EDIT.pipeline(
-        transformer, vae, {"text_encoder": text_encoder}, {"text_encoder": processor},
+    return save_pipeline(
+        QWENIMAGE_EDIT,
+        folder,
+        transformer,
+        vae,
+        {"text_encoder": text_encoder},
+        {"text_encoder": processor},
         FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
-    )  # fmt: skip
-    pipe.save_pretrained(folder, safe_serialization=True)
-    return folder
+    )
 
 
 # -------------------------------------------------------------------------------- Z-Image
@@ -612,29 +671,23 @@ def save_tiny_zimage_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
-    from ..runtime.zero3 import zero3_init_disabled
-
     folder = Path(folder)
     tokenizer = read_back(write_zimage_tokenizer, folder)
     tid = tokenizer.convert_tokens_to_ids
     with zero3_init_disabled():
         torch.manual_seed(seed)
         transformer = ZImageTransformer2DModel(
-            all_patch_size=(2,),
-            all_f_patch_size=(1,),
-            in_channels=16,
-            dim=32,
-            n_layers=2,
-            n_refiner_layers=1,
-            n_heads=2,
-            n_kv_heads=2,
-            norm_eps=1e-5,
-            qk_norm=True,
-            cap_feat_dim=16,
-            rope_theta=256.0,
-            t_scale=1000.0,
-            axes_dims=[8, 4, 4],
-            axes_lens=[1024, 32, 32],  # caption positions 1..ceil32(L), then the image: L up to 512 fits
+            **shrink(
+                zimage.PUBLISHED_TRANSFORMER,
+                dim=32,
+                n_layers=2,
+                n_refiner_layers=1,
+                n_heads=2,
+                n_kv_heads=2,
+                cap_feat_dim=TINY_LLM["hidden_size"],
+                axes_dims=[8, 4, 4],
+                axes_lens=[1024, 32, 32],  # caption positions 1..ceil32(L), then the image: L up to 512 fits
+            )
         )
         with torch.no_grad():  # as diffusers' test: pad tokens that are not zero
             transformer.x_pad_token.fill_(1.0)
@@ -646,31 +699,17 @@ def save_tiny_zimage_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
             scaling_factor=0.3611,
             shift_factor=0.1159,
         )
-        text_encoder = Qwen3Model(
-            Qwen3Config(
-                vocab_size=len(tokenizer),
-                hidden_size=16,
-                intermediate_size=32,
-                num_hidden_layers=3,
-                num_attention_heads=2,
-                num_key_value_heads=1,
-                head_dim=8,
-                max_position_embeddings=1024,
-                rope_theta=1000000,
-                tie_word_embeddings=True,
-                bos_token_id=tid("<|endoftext|>"),
-                eos_token_id=tid("<|im_end|>"),
-            )
-        ).eval()
-    pipe = ZIMAGE.pipeline(
+        config = tiny_llm_config(QWEN3_4B, len(tokenizer), num_hidden_layers=3, max_position_embeddings=1024)
+        text_encoder = Qwen3Model(Qwen3Config(**config, **qwen_token_ids(tid))).eval()
+    return save_pipeline(
+        ZIMAGE,
+        folder,
         transformer,
         vae,
         {"text_encoder": text_encoder},
         {"text_encoder": tokenizer},
         FlowMatchEulerDiscreteScheduler(**ZIMAGE_TURBO_SCHEDULER),
     )
-    pipe.save_pretrained(folder, safe_serialization=True)
-    return folder
 
 
 # -------------------------------------------------------------------------------- Krea 2
@@ -691,69 +730,39 @@ def save_tiny_krea2_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
     from diffusers import FlowMatchEulerDiscreteScheduler, Krea2Transformer2DModel
     from transformers import Qwen3VLConfig, Qwen3VLModel
 
-    from ..runtime.zero3 import zero3_init_disabled
-
     folder = Path(folder)
     tokenizer = read_back(write_krea2_tokenizer, folder)
-    tid = tokenizer.convert_tokens_to_ids
     with zero3_init_disabled():
         torch.manual_seed(seed)
         transformer = Krea2Transformer2DModel(
-            in_channels=16,  # 4 latent channels in 2x2 patches
-            num_layers=2,
-            attention_head_dim=8,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=32,
-            timestep_embed_dim=16,
-            text_hidden_dim=16,
-            num_text_layers=len(TEXT_ENCODER_SELECT_LAYERS),
-            text_num_attention_heads=2,
-            text_num_key_value_heads=1,
-            text_intermediate_size=32,
-            num_layerwise_text_blocks=2,
-            num_refiner_text_blocks=2,
-            axes_dims_rope=(4, 2, 2),
+            **shrink(
+                krea2.PUBLISHED_TRANSFORMER,
+                in_channels=16,  # 4 latent channels in 2x2 patches
+                num_layers=2,
+                attention_head_dim=8,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=32,
+                timestep_embed_dim=16,
+                text_hidden_dim=TINY_LLM["hidden_size"],
+                num_text_layers=len(TEXT_ENCODER_SELECT_LAYERS),
+                text_num_attention_heads=2,
+                text_num_key_value_heads=1,
+                text_intermediate_size=32,
+                axes_dims_rope=(4, 2, 2),
+            )
         )
         vae = tiny_qwenimage_vae()
-        config = Qwen3VLConfig(
-            text_config=dict(
-                vocab_size=len(tokenizer),
-                hidden_size=16,
-                intermediate_size=32,
-                num_hidden_layers=36,
-                num_attention_heads=2,
-                num_key_value_heads=1,
-                head_dim=8,
-                max_position_embeddings=2048,
-                rope_scaling={"mrope_interleaved": True, "mrope_section": [2, 1, 1], "rope_type": "default"},
-                rope_theta=5000000,
-                tie_word_embeddings=True,
-                bos_token_id=tid("<|endoftext|>"),
-                eos_token_id=tid("<|im_end|>"),
-            ),
-            vision_config=dict(
-                depth=2,
-                hidden_size=16,
-                intermediate_size=16,
-                num_heads=2,
-                out_hidden_size=16,
-                num_position_embeddings=64,
-                deepstack_visual_indexes=[1],
-            ),
-            **vl_token_ids(tid),
-            tie_word_embeddings=True,
-        )
-        text_encoder = Qwen3VLModel(config).eval()
-    pipe = KREA2.pipeline(
+        text_encoder = Qwen3VLModel(Qwen3VLConfig(**tiny_qwen3_vl_config(QWEN3_VL_4B, tokenizer))).eval()
+    return save_pipeline(
+        KREA2,
+        folder,
         transformer,
         vae,
         {"text_encoder": text_encoder},
         {"text_encoder": tokenizer},
         FlowMatchEulerDiscreteScheduler(**KREA2_SCHEDULER),
     )
-    pipe.save_pretrained(folder, safe_serialization=True)
-    return folder
 
 
 # -------------------------------------------------------------------------------- NucleusMoE-Image
@@ -776,73 +785,43 @@ def save_tiny_nucleusmoe_pipeline(folder: str | os.PathLike, seed: int = 0) -> P
     from diffusers import FlowMatchEulerDiscreteScheduler, NucleusMoEImageTransformer2DModel
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    from ..runtime.zero3 import zero3_init_disabled
-
     folder = Path(folder)
     tokenizer = read_back(write_nucleusmoe_tokenizer, folder)
-    tid = tokenizer.convert_tokens_to_ids
     with zero3_init_disabled():
         torch.manual_seed(seed)
         transformer = NucleusMoEImageTransformer2DModel(
-            patch_size=2,
-            in_channels=16,  # 4 latent channels in 2x2 patches
-            out_channels=4,
-            num_layers=5,
-            attention_head_dim=8,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            joint_attention_dim=16,
-            axes_dims_rope=(4, 2, 2),
-            mlp_ratio=6.0,  # the dense blocks' SwiGLU: int(32 * 6 * 2 / 3) // 128 * 128 = 128 (0 at 4.0)
-            moe_enabled=True,
-            dense_moe_strategy="leave_first_three_blocks_dense",
-            num_experts=4,
-            moe_intermediate_dim=16,
-            capacity_factors=[0.0, 0.0, 0.0, 2.0, 2.0],
+            **shrink(
+                nucleusmoe.PUBLISHED_TRANSFORMER,
+                in_channels=16,  # 4 latent channels in 2x2 patches
+                out_channels=4,
+                num_layers=5,
+                attention_head_dim=8,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                joint_attention_dim=TINY_LLM["hidden_size"],
+                axes_dims_rope=(4, 2, 2),
+                mlp_ratio=6.0,  # the dense blocks' SwiGLU: int(32 * 6 * 2 / 3) // 128 * 128 = 128 (0 at 4.0)
+                num_experts=4,
+                moe_intermediate_dim=16,
+                capacity_factors=[0.0, 0.0, 0.0, 2.0, 2.0],
+            )
         )
         for block in transformer.transformer_blocks:  # the packed experts are torch.empty at __init__
             if block.moe_enabled:
                 for weight in block.img_mlp.experts.parameters():
                     torch.nn.init.normal_(weight, std=0.25)
         vae = tiny_qwenimage_vae()
-        config = Qwen3VLConfig(
-            text_config=dict(
-                vocab_size=len(tokenizer),
-                hidden_size=16,
-                intermediate_size=32,
-                num_hidden_layers=36,
-                num_attention_heads=2,
-                num_key_value_heads=1,
-                head_dim=8,
-                max_position_embeddings=2048,
-                rope_scaling={"mrope_interleaved": True, "mrope_section": [2, 1, 1], "rope_type": "default"},
-                rope_theta=5000000,
-                tie_word_embeddings=False,
-                bos_token_id=tid("<|endoftext|>"),
-                eos_token_id=tid("<|im_end|>"),
-            ),
-            vision_config=dict(
-                depth=2,
-                hidden_size=16,
-                intermediate_size=16,
-                num_heads=2,
-                out_hidden_size=16,
-                num_position_embeddings=64,
-                deepstack_visual_indexes=[1],
-            ),
-            **vl_token_ids(tid),
-            tie_word_embeddings=False,
-        )
+        config = Qwen3VLConfig(**tiny_qwen3_vl_config(QWEN3_VL_8B, tokenizer))
         text_encoder = Qwen3VLForConditionalGeneration(config).eval()
-    pipe = NUCLEUSMOE.pipeline(
+    return save_pipeline(
+        NUCLEUSMOE,
+        folder,
         transformer,
         vae,
         {"text_encoder": text_encoder},
         {"text_encoder": tokenizer},
         FlowMatchEulerDiscreteScheduler(**NUCLEUSMOE_SCHEDULER),
     )
-    pipe.save_pretrained(folder, safe_serialization=True)
-    return folder
 
 
 # -------------------------------------------------------------------------------- HiDream-I1
@@ -896,8 +875,6 @@ def save_tiny_hidream_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path
         LlamaConfig,
         LlamaForCausalLM,
     )
-
-    from ..runtime.zero3 import zero3_init_disabled
 
     folder = Path(folder)
     llama_folder = llama_folder_of(folder)
@@ -954,20 +931,18 @@ def save_tiny_hidream_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path
 # -------------------------------------------------------------------------------- Flux.2
 
 
-FLUX2_TEXT_HIDDEN = 16
-
-
-def _flux2_vae(seed: int):
-    """Two blocks (2x down), 4 latent channels (16 patchified), batch-norm statistics that are
-    not 0 and 1 (so that a missing normalisation shows)."""
+def tiny_flux2_vae(seed: int, block_out_channels: tuple[int, ...] = (8, 16)):
+    """Flux.2's VAE (``AutoencoderKLFlux2``) with one block per ``block_out_channels`` (2x down
+    between them: 2x by default), 4 latent channels (16 patchified), batch-norm statistics that
+    are not 0 and 1 (so that a missing normalisation shows). Seeds ``seed``, then builds it."""
     from diffusers import AutoencoderKLFlux2
 
     torch.manual_seed(seed)
     vae = AutoencoderKLFlux2(
         sample_size=32,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D",) * len(block_out_channels),
+        up_block_types=("UpDecoderBlock2D",) * len(block_out_channels),
+        block_out_channels=block_out_channels,
         layers_per_block=1,
         latent_channels=4,
         norm_num_groups=4,
@@ -982,37 +957,23 @@ def _flux2_vae(seed: int):
     return vae
 
 
-def _flux2_transformer(seed: int, guidance_embeds: bool):
+def _flux2_transformer(seed: int, published: dict):
+    """A published Flux.2 transformer shrunk to 1+1 blocks (its guidance embedding kept), reading
+    three stacked states of a ``TINY_LLM``."""
     from diffusers import Flux2Transformer2DModel
 
     torch.manual_seed(seed)
     return Flux2Transformer2DModel(
-        patch_size=1,
-        in_channels=16,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=3 * FLUX2_TEXT_HIDDEN,
-        timestep_guidance_channels=256,
-        mlp_ratio=3.0,
-        axes_dims_rope=(4, 4, 4, 4),
-        guidance_embeds=guidance_embeds,
-    )
-
-
-def _flux2_text_config(layers: int) -> dict:
-    """Width 16 and enough layers that the default stacked layers are intermediate states
-    before the final norm, as on the published models. No pad_token_id, as published."""
-    return dict(
-        hidden_size=FLUX2_TEXT_HIDDEN,
-        intermediate_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        max_position_embeddings=2048,
-        pad_token_id=None,
+        **shrink(
+            published,
+            in_channels=16,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=3 * TINY_LLM["hidden_size"],
+            axes_dims_rope=(4, 4, 4, 4),
+        )
     )
 
 
@@ -1020,100 +981,79 @@ def save_tiny_flux2_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
     """Save a tiny ``Flux2Pipeline`` folder (fp32 safetensors) and return its path: a 1+1-block
     guidance-embedded transformer, a 31-layer Mistral 3 VLM (a 1-layer Pixtral tower that never
     runs) with a locally written tokenizer saved as a plain tokenizer (a ``PixtralProcessor``
-    needs torchvision), the VAE of ``_flux2_vae`` and FLUX.2's scheduler. Not a collective."""
+    needs torchvision), the VAE of ``tiny_flux2_vae`` and FLUX.2's scheduler. Not a collective."""
     from diffusers import FlowMatchEulerDiscreteScheduler
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
-
-    from ..runtime.zero3 import zero3_init_disabled
 
     folder = Path(folder)
     tokenizer = read_back(write_mistral3_tokenizer, folder)
     tid = tokenizer.convert_tokens_to_ids
+    ids = dict(bos_token_id=tid("<s>"), eos_token_id=tid("</s>"), pad_token_id=None)  # no pad, as published
+    # 31 layers: the default stacked layers (10, 20, 30) are intermediate states before the final norm
+    text = tiny_llm_config(MISTRAL_SMALL_3_24B["text_config"], len(tokenizer), num_hidden_layers=31)
+    vision = shrink(
+        MISTRAL_SMALL_3_24B["vision_config"],
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        head_dim=8,
+        image_size=16,
+        patch_size=8,
+    )
+    config = shrink(MISTRAL_SMALL_3_24B, image_token_index=tid("[IMG]"), spatial_merge_size=1)
     with zero3_init_disabled():
-        transformer = _flux2_transformer(seed, guidance_embeds=True)
-        vae = _flux2_vae(seed)
+        transformer = _flux2_transformer(seed, flux2.PUBLISHED_TRANSFORMER_DEV)
+        vae = tiny_flux2_vae(seed)
         config = Mistral3Config(
-            text_config=dict(
-                _flux2_text_config(31),
-                model_type="mistral",
-                vocab_size=len(tokenizer),
-                rms_norm_eps=1e-5,
-                rope_theta=1000000000.0,
-                sliding_window=None,
-                bos_token_id=tid("<s>"),
-                eos_token_id=tid("</s>"),
-                tie_word_embeddings=False,
-            ),
-            vision_config=dict(
-                model_type="pixtral",
-                hidden_size=8,
-                intermediate_size=8,
-                num_hidden_layers=1,
-                num_attention_heads=1,
-                head_dim=8,
-                image_size=16,
-                patch_size=8,
-                num_channels=3,
-                hidden_act="silu",
-            ),
-            image_token_index=tid("[IMG]"),
-            spatial_merge_size=1,
-            projector_hidden_act="gelu",
-            multimodal_projector_bias=False,
-            vision_feature_layer=-1,
-            tie_word_embeddings=False,
-            bos_token_id=tid("<s>"),
-            eos_token_id=tid("</s>"),
-            pad_token_id=None,
+            **dict(
+                config, text_config=dict(text, **ids), vision_config=dict(vision, hidden_act="silu"), **ids
+            )
         )
         torch.manual_seed(seed)
         text_encoder = Mistral3ForConditionalGeneration(config).eval()
-    pipe = FLUX2.pipeline(
+    return save_pipeline(
+        FLUX2,
+        folder,
         transformer,
         vae,
         {"text_encoder": text_encoder},
         {"text_encoder": tokenizer},
         FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER),
     )
-    pipe.save_pretrained(folder, safe_serialization=True)
-    return folder
 
 
 def save_tiny_flux2_klein_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
     """Save a tiny ``Flux2KleinPipeline`` folder (fp32 safetensors, a base model: not
     ``is_distilled``) and return its path: a 1+1-block transformer without guidance embedding,
     a 28-layer Qwen3 (tied embeddings, as Qwen3-4B) with a locally written tokenizer, the VAE
-    of ``_flux2_vae`` and FLUX.2's scheduler. Not a collective."""
+    of ``tiny_flux2_vae`` and FLUX.2's scheduler. Not a collective."""
     from diffusers import FlowMatchEulerDiscreteScheduler
     from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from ..runtime.zero3 import zero3_init_disabled
 
     folder = Path(folder)
     tokenizer = read_back(write_qwen3_tokenizer, folder)
     with zero3_init_disabled():
-        transformer = _flux2_transformer(seed, guidance_embeds=False)
-        vae = _flux2_vae(seed)
+        transformer = _flux2_transformer(seed, flux2.PUBLISHED_TRANSFORMER_KLEIN_4B)
+        vae = tiny_flux2_vae(seed)
+        # 28 layers: the default stacked layers (9, 18, 27) are intermediate states before the final norm
         config = Qwen3Config(
-            **_flux2_text_config(28),
-            vocab_size=len(tokenizer),
-            rms_norm_eps=1e-6,
-            rope_theta=1000000.0,
-            tie_word_embeddings=True,
+            **tiny_llm_config(QWEN3_4B, len(tokenizer), num_hidden_layers=28),
+            pad_token_id=None,  # as published
             bos_token_id=None,
             eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         )
         torch.manual_seed(seed)
         text_encoder = Qwen3ForCausalLM(config).eval()
-    pipe = FLUX2_KLEIN.pipeline(
+    return save_pipeline(
+        FLUX2_KLEIN,
+        folder,
         transformer,
         vae,
         {"text_encoder": text_encoder},
         {"text_encoder": tokenizer},
         FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER),
     )
-    pipe.save_pretrained(folder, safe_serialization=True)
-    return folder
 
 
 # -------------------------------------------------------------------------------- Wan
@@ -1130,8 +1070,6 @@ def tiny_wan_components(family: Wan, vocab_size: int, seed: int = 0) -> dict:
     that are not 0 and 1, and a 2-layer umT5; two experts for Wan 2.2 A14B (seeds differ)."""
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
-
-    from ..runtime.zero3 import zero3_init_disabled
 
     z_dim = len(WAN_LATENTS_MEAN)
     with zero3_init_disabled():
@@ -1158,13 +1096,8 @@ def tiny_wan_components(family: Wan, vocab_size: int, seed: int = 0) -> dict:
                 cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
             )  # fmt: skip
         torch.manual_seed(seed + 10)
-        text_encoder = UMT5EncoderModel(
-            UMT5Config(
-                vocab_size=vocab_size, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", is_encoder_decoder=False,
-                pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-            )
-        ).eval()  # fmt: skip
+        config = UMT5Config(**tiny_t5_config(32, vocab_size), decoder_start_token_id=0)  # T5 v1.1's structure
+        text_encoder = UMT5EncoderModel(config).eval()
     return {"vae": vae, "text_encoder": text_encoder, **experts}
 
 
@@ -1180,15 +1113,15 @@ def save_tiny_wan_pipeline(family: Wan, folder: str | os.PathLike, seed: int = 0
     scheduler = UniPCMultistepScheduler(
         **dict(WAN_SCHEDULER, flow_shift=5.0 if family.expand_timesteps else 3.0)
     )
-    pipe = family.pipeline(
+    return save_pipeline(
+        family,
+        folder,
         {name: parts[name] for name in family.experts},
         parts["vae"],
         {"text_encoder": parts["text_encoder"]},
         {"text_encoder": tokenizer},
         scheduler,
     )
-    pipe.save_pretrained(folder, safe_serialization=True)
-    return folder
 
 
 # -------------------------------------------------------------------------------- Ideogram 4
@@ -1206,87 +1139,40 @@ def save_tiny_ideogram4_pipeline(folder: str | os.PathLike, seed: int = 0) -> Pa
     1; the default ``FlowMatchEulerDiscreteScheduler``; a locally written tokenizer. No
     ``prompt_enhancer_head`` (optional). Not a collective.
     """
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Ideogram4Transformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, Ideogram4Transformer2DModel
     from transformers import Qwen3VLConfig, Qwen3VLModel
-
-    from ..runtime.zero3 import zero3_init_disabled
 
     folder = Path(folder)
     tokenizer = read_back(write_ideogram4_tokenizer, folder)
-    tid = tokenizer.convert_tokens_to_ids
-    text_hidden = 16
+    transformer_config = shrink(
+        ideogram4.PUBLISHED_TRANSFORMER,
+        in_channels=16,  # 4 latent channels in 2x2 patches
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        intermediate_size=32,
+        adaln_dim=16,
+        llm_features_dim=len(ACTIVATION_LAYERS) * TINY_LLM["hidden_size"],
+        mrope_section=(2, 1, 1),
+    )
     with zero3_init_disabled():
         denoisers = []
         for i in range(2):
             torch.manual_seed(seed + i)
-            denoisers.append(
-                Ideogram4Transformer2DModel(
-                    in_channels=16,  # 4 latent channels in 2x2 patches
-                    num_layers=2,
-                    attention_head_dim=8,
-                    num_attention_heads=4,
-                    intermediate_size=32,
-                    adaln_dim=16,
-                    llm_features_dim=len(ACTIVATION_LAYERS) * text_hidden,
-                    rope_theta=5_000_000,
-                    mrope_section=(2, 1, 1),
-                )
-            )
-        torch.manual_seed(seed)
-        vae = AutoencoderKLFlux2(
-            sample_size=32,
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(8, 8, 8, 8),
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=4,
-        )
-        generator = torch.Generator().manual_seed(seed + 1)  # CPU: the tiny VAE is built there and saved
-        with torch.no_grad():
-            # CPU: as the generator
-            vae.bn.running_mean.copy_(0.1 * torch.randn(vae.bn.num_features, generator=generator))
-            # CPU: as the generator
-            vae.bn.running_var.copy_(0.5 + torch.rand(vae.bn.num_features, generator=generator))
-        config = Qwen3VLConfig(
-            text_config=dict(
-                vocab_size=len(tokenizer),
-                hidden_size=text_hidden,
-                intermediate_size=32,
-                num_hidden_layers=36,
-                num_attention_heads=2,
-                num_key_value_heads=1,
-                head_dim=8,
-                max_position_embeddings=2048,
-                rope_scaling={"mrope_interleaved": True, "mrope_section": [2, 1, 1], "rope_type": "default"},
-                rope_theta=5000000,
-                tie_word_embeddings=False,
-                bos_token_id=tid("<|endoftext|>"),
-                eos_token_id=tid("<|im_end|>"),
-            ),
-            vision_config=dict(
-                depth=2,
-                hidden_size=16,
-                intermediate_size=16,
-                num_heads=2,
-                out_hidden_size=text_hidden,
-                num_position_embeddings=64,
-                deepstack_visual_indexes=[1],
-            ),
-            **vl_token_ids(tid),
-            tie_word_embeddings=False,
-        )
+            denoisers.append(Ideogram4Transformer2DModel(**transformer_config))
+        vae = tiny_flux2_vae(seed, block_out_channels=(8, 8, 8, 8))  # the published 8x downsampling
+        config = Qwen3VLConfig(**tiny_qwen3_vl_config(QWEN3_VL_8B, tokenizer))
         torch.manual_seed(seed)
         text_encoder = Qwen3VLModel(config).eval()
-    pipe = IDEOGRAM4.pipeline(
+    return save_pipeline(
+        IDEOGRAM4,
+        folder,
         {"transformer": denoisers[0], "unconditional_transformer": denoisers[1]},
         vae,
         {"text_encoder": text_encoder},
         {"text_encoder": tokenizer},
         FlowMatchEulerDiscreteScheduler(),
     )
-    pipe.save_pretrained(folder, safe_serialization=True)
-    return folder
 
 
 # -------------------------------------------------------------------------------- HunyuanVideo 1.5
@@ -1309,7 +1195,6 @@ def save_tiny_hunyuanvideo15_pipeline(folder: str | os.PathLike, seed: int = 0) 
     from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
     from ..families.hunyuanvideo15 import HUNYUANVIDEO15
-    from ..runtime.zero3 import zero3_init_disabled
     from .tokenizers import write_byt5_tokenizer, write_hunyuanvideo15_tokenizer
 
     folder = Path(folder)
@@ -1330,26 +1215,22 @@ def save_tiny_hunyuanvideo15_pipeline(folder: str | os.PathLike, seed: int = 0) 
             scaling_factor=0.75,
         )  # fmt: skip
         torch.manual_seed(seed + 2)
-        text_encoder = Qwen2_5_VLTextModel(
-            Qwen2_5_VLTextConfig(
-                vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16, num_hidden_layers=3,
-                num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
-                rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
-                rope_theta=1000000.0, bos_token_id=tid("<|endoftext|>"), eos_token_id=tid("<|im_end|>"),
-                pad_token_id=tid("<|endoftext|>"),
-            )
-        ).eval()  # fmt: skip
+        config = Qwen2_5_VLTextConfig(
+            **tiny_qwen25_vl_text_config(tokenizer, layers=3),
+            pad_token_id=tid("<|endoftext|>"),
+        )
+        text_encoder = Qwen2_5_VLTextModel(config).eval()
         torch.manual_seed(seed + 3)
         text_encoder_2 = tiny_t5_encoder(32, len(tokenizer_2)).eval()
-    pipe = HUNYUANVIDEO15.pipeline(
+    return save_pipeline(
+        HUNYUANVIDEO15,
+        folder,
         transformer,
         vae,
         {"text_encoder": text_encoder, "text_encoder_2": text_encoder_2},
         {"text_encoder": tokenizer, "text_encoder_2": tokenizer_2},
         FlowMatchEulerDiscreteScheduler(shift=5.0),
     )
-    pipe.save_pretrained(folder, safe_serialization=True)
-    return folder
 
 
 # -------------------------------------------------------------------------------- LTX-2
@@ -1375,7 +1256,6 @@ def save_tiny_ltx2_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     from ..families.ltx2 import LTX2
-    from ..runtime.zero3 import zero3_init_disabled
     from .tokenizers import write_gemma3_tokenizer
 
     folder = Path(folder)
@@ -1434,15 +1314,15 @@ def save_tiny_ltx2_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
                 boi_token_index=tid("<start_of_image>"), eoi_token_index=tid("<end_of_image>"),
             )
         ).eval()  # fmt: skip
-    pipe = LTX2.pipeline(
+    return save_pipeline(
+        LTX2,
+        folder,
         transformer,
         vae,
         {"text_encoder": text_encoder, "connectors": connectors, "audio_vae": audio_vae, "vocoder": vocoder},
         {"text_encoder": tokenizer},
         FlowMatchEulerDiscreteScheduler(),
     )
-    pipe.save_pretrained(folder, safe_serialization=True)
-    return folder
 
 
 # -------------------------------------------------------------------------------- by family

@@ -292,32 +292,32 @@ QWEN3_VL_CHAT_TEMPLATE = (
 )
 
 
-def write_nucleusmoe_tokenizer(folder: str | os.PathLike) -> Path:
+def write_qwen3_vl_tokenizer(folder: str | os.PathLike, template: str) -> Path:
     """A small byte-level ``Qwen2Tokenizer`` (Qwen3-VL's class) with Qwen3-VL's special tokens,
-    right padding, merges that make every word of NucleusMoE-Image's system prompt one token (as
-    in the real vocabulary) and Qwen3-VL's chat template for text messages."""
-    from ..families.nucleusmoe import PROMPT_TEMPLATE as NUCLEUSMOE_TEMPLATE
-
+    right padding, Qwen3-VL's chat template for text messages and merges that make every word of
+    ``template`` (what the pipeline renders, ``{}`` for the caption) one token, as in the real
+    vocabulary."""
     return write_qwen2_tokenizer(
         folder,
         QWEN3_VL_SPECIAL_TOKENS,
-        texts=(NUCLEUSMOE_TEMPLATE.replace("{}", " "),),
+        texts=(template.replace("{}", " "),),
         chat_template=QWEN3_VL_CHAT_TEMPLATE,
     )
+
+
+def write_nucleusmoe_tokenizer(folder: str | os.PathLike) -> Path:
+    """``write_qwen3_vl_tokenizer`` on NucleusMoE-Image's system prompt."""
+    from ..families.nucleusmoe import PROMPT_TEMPLATE
+
+    return write_qwen3_vl_tokenizer(folder, PROMPT_TEMPLATE)
 
 
 def write_ideogram4_tokenizer(folder: str | os.PathLike) -> Path:
-    """A small byte-level ``Qwen2Tokenizer`` (Qwen3-VL's class) with Qwen3-VL's special tokens,
-    Qwen3-VL's chat template for text messages and merges that make the template's words one
-    token each (Ideogram 4 renders one user turn and the generation prompt)."""
+    """``write_qwen3_vl_tokenizer`` on Ideogram 4's prompt (one user turn and the generation
+    prompt)."""
     from ..families.ideogram4 import CHAT_PROMPT
 
-    return write_qwen2_tokenizer(
-        folder,
-        QWEN3_VL_SPECIAL_TOKENS,
-        texts=(CHAT_PROMPT.replace("{}", " "),),
-        chat_template=QWEN3_VL_CHAT_TEMPLATE,
-    )
+    return write_qwen3_vl_tokenizer(folder, CHAT_PROMPT)
 
 
 # HunyuanVideo 1.5 (Qwen2.5-VL, and ByT5 for the glyph text)
@@ -356,29 +356,26 @@ def write_byt5_tokenizer(folder: str | os.PathLike) -> Path:
 # Z-Image and Flux.2 [klein] (Qwen3)
 QWEN3_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
 
-# Z-Image's: renders [system?, user...] + generation prompt as Qwen3's chat template does for such
-# conversations (no tools, no assistant turns): ZImagePipeline passes enable_thinking=True,
-# which adds no <think> block, so a caption becomes
-# "<|im_start|>user\n{caption}<|im_end|>\n<|im_start|>assistant\n".
-ZIMAGE_CHAT_TEMPLATE = (
+# Renders [system?, user...] + generation prompt as Qwen3's chat template does for such
+# conversations (no tools, no assistant turns): ZImagePipeline passes enable_thinking=True, which
+# adds no <think> block, so a caption becomes families.common.QWEN3_PROMPT; Flux2KleinPipeline
+# passes enable_thinking=False: families.common.QWEN3_PROMPT_NO_THINKING.
+QWEN3_CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
     "{%- if enable_thinking is defined and enable_thinking is false %}"
-    "{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- endif %}"
-    "{%- endif %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
 )
 
 
 def write_zimage_tokenizer(folder: str | os.PathLike) -> Path:
     """A small byte-level ``Qwen2Tokenizer`` (Qwen3's class) with Qwen3's special tokens, its pad
     (``<|endoftext|>``) and eos (``<|im_end|>``), right padding and a chat template that
-    renders a user message as Qwen3-4B's does."""
+    renders a user message as Qwen3-4B's does (``QWEN3_CHAT_TEMPLATE``)."""
     return write_qwen2_tokenizer(
-        folder, QWEN3_SPECIAL_TOKENS, texts=("user", "assistant"), chat_template=ZIMAGE_CHAT_TEMPLATE
+        folder, QWEN3_SPECIAL_TOKENS, texts=("user", "assistant"), chat_template=QWEN3_CHAT_TEMPLATE
     )
 
 
@@ -482,18 +479,6 @@ def write_mistral3_tokenizer(folder: str | os.PathLike) -> Path:
     folder = Path(folder)
     tokenizer.save_pretrained(folder)
     return folder
-
-
-# Flux.2 [klein]'s, Qwen3-style (the same rendering as ZIMAGE_CHAT_TEMPLATE, written apart): with
-# add_generation_prompt=True, enable_thinking=False renders families.flux2.QWEN3_PROMPT.
-QWEN3_CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}"
-    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
-)
 
 
 def write_qwen3_tokenizer(folder: str | os.PathLike) -> Path:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .base import Family, PublishedConfig, TextEncoderSpec
+from .common import run_args
 from .published import CLIP_L, T5_XXL, VAE_16
 
 
@@ -138,15 +139,8 @@ FLUX_LORA_TARGETS = (  # train_dreambooth_lora_flux.py
 FLUX = Flux(
     name="flux",
     title="Flux.1",
-    default_run_args=(
-        "--text_encoder_placement",
-        "replicate",
-        "--text_encoder_2_placement",
-        "shard",
-        "--vae_placement",
-        "replicate",
-        "--max_sequence_length",
-        "32",
+    default_run_args=run_args(
+        text_encoder="replicate", text_encoder_2="shard", vae="replicate", max_sequence_length=32
     ),
     pipeline_class="FluxPipeline",
     text_encoders=(

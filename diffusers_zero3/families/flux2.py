@@ -34,6 +34,8 @@ from typing import ClassVar
 import torch
 
 from .base import Family, PublishedConfig, TextEncoderSpec, read_vae_tensors
+from .common import SequenceLengthValidation, qwen3_chat_prompt, run_args
+from .published import QWEN3_4B, QWEN3_8B
 
 # diffusers' pipelines/flux2/system_messages.py SYSTEM_MESSAGE (the dev pipeline's default)
 SYSTEM_MESSAGE = (
@@ -43,9 +45,8 @@ SYSTEM_MESSAGE = (
 DEV_LAYERS = (10, 20, 30)  # Flux2Pipeline.encode_prompt's text_encoder_out_layers
 KLEIN_LAYERS = (9, 18, 27)  # Flux2KleinPipeline.encode_prompt's (its training script defaults to 10 20 30)
 DEFAULT_GUIDANCE_SCALE = 3.5  # train_dreambooth_lora_flux2.py --guidance_scale
-# What the published templates render (used where no tokenizer is at hand).
+# What Mistral Small 3.1's template renders (used where no tokenizer is at hand).
 MISTRAL_PROMPT = "<s>[SYSTEM_PROMPT]" + SYSTEM_MESSAGE + "[/SYSTEM_PROMPT][INST]{}[/INST]"
-QWEN3_PROMPT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 REFERENCE_TIME = 10  # _prepare_image_ids' scale: reference image k's time coordinate is 10 + 10 k
 
 
@@ -113,7 +114,11 @@ class BatchNormLatents:
     """Flux.2's latent normalisation: the VAE's latents 2x2 patchified, then
     ``(z - running_mean[c]) / sqrt(running_var[c] + batch_norm_eps)`` with the statistics of
     ``AutoencoderKLFlux2.bn`` (a module no forward calls), in fp32 (fp32 latents out, as the
-    scripts' fp32 statistics promote them)."""
+    scripts' fp32 statistics promote them). A subclass with another patch layout sets
+    ``patchify`` and ``unpatchify`` (Ideogram 4's)."""
+
+    patchify = staticmethod(patchify_latents)
+    unpatchify = staticmethod(unpatchify_latents)
 
     def __init__(self, running_mean: torch.Tensor, running_var: torch.Tensor, eps: float):
         self.mean = running_mean.to(torch.float32)  # CPU: moved per call
@@ -125,7 +130,7 @@ class BatchNormLatents:
         return cls(stats["bn.running_mean"], stats["bn.running_var"], vae_config.get("batch_norm_eps", 1e-4))
 
     def __call__(self, latents: torch.Tensor) -> torch.Tensor:
-        z = patchify_latents(latents).to(torch.float32)
+        z = self.patchify(latents).to(torch.float32)
         mean = self.mean.to(z.device).view(1, -1, 1, 1)
         std = self.std.to(z.device).view(1, -1, 1, 1)
         return (z - mean) / std
@@ -135,7 +140,7 @@ class BatchNormLatents:
         it before ``vae.decode``: ``z * std[c] + mean[c]``, then unpatchified."""
         mean = self.mean.to(latents.device, latents.dtype).view(1, -1, 1, 1)
         std = self.std.to(latents.device, latents.dtype).view(1, -1, 1, 1)
-        return unpatchify_latents(latents * std + mean)
+        return self.unpatchify(latents * std + mean)
 
 
 # -------------------------------------------------------------------------------- families
@@ -360,9 +365,11 @@ class Flux2(Family):
 
 
 @dataclasses.dataclass(frozen=True)
-class Flux2Klein(Flux2):
+class Flux2Klein(SequenceLengthValidation, Flux2):
     """Flux.2 [klein]: Qwen3's stacked states after its chat template (thinking disabled); no
-    guidance embedding (CFG at inference for the base models)."""
+    guidance embedding (CFG at inference for the base models). ``--guidance_scale`` is dev's
+    embedded guidance: klein validates at the pipeline's CFG, as its script
+    (``SequenceLengthValidation``'s ``validation_kwargs`` before ``Flux2``'s)."""
 
     hidden_layers = KLEIN_LAYERS
     # Flux2KleinPipeline's registered value (model_index.json; detect_family reads it): a
@@ -373,15 +380,8 @@ class Flux2Klein(Flux2):
     def prompt_text(self, spec, caption, tokenizer=None):
         """The user turn and generation prompt ``Flux2KleinPipeline`` renders with
         ``enable_thinking=False`` (an empty think block); without a tokenizer, what Qwen3's
-        template renders."""
-        if tokenizer is None:
-            return QWEN3_PROMPT.format(caption)
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": caption}],
-            tokenize=False,
-            add_generation_prompt=True,
-            enable_thinking=False,
-        )
+        template renders (``common.QWEN3_PROMPT_NO_THINKING``)."""
+        return qwen3_chat_prompt(caption, tokenizer, enable_thinking=False)
 
     def add_special_tokens(self, tokenizer, texts):
         return True  # the pipeline's tokenizer(text) call (Qwen adds no BOS either way)
@@ -391,39 +391,32 @@ class Flux2Klein(Flux2):
         ``model_index.json``) runs none, as ``Flux2KleinPipeline``."""
         return guidance_scale > 1 and not model_index.get("is_distilled", self.is_distilled)
 
-    def validation_kwargs(self, max_sequence_length, guidance_scale):
-        # --guidance_scale is dev's embedded guidance: klein validates at the pipeline's CFG, as its script
-        return {"max_sequence_length": max_sequence_length or self.default_max_sequence_length}
-
     def published(self):
         note = (
             "text_encoder is {} as loaded (Qwen3ForCausalLM{}): prompts take layers 9, 18 and 27 of 36, so "
             "the last 9 layers and lm_head (one position) run for nothing"
         )
-        vae = ("diffusers", "AutoencoderKLFlux2", PUBLISHED_VAE)
-        return (
+        return tuple(
             PublishedConfig(
-                "black-forest-labs/FLUX.2-klein-4B",
-                "FLUX.2 [klein] 4B",
+                f"black-forest-labs/FLUX.2-klein-{size}",
+                f"FLUX.2 [klein] {size}",
                 self.pipeline_class,
                 {
-                    "transformer": ("diffusers", "Flux2Transformer2DModel", PUBLISHED_TRANSFORMER_KLEIN_4B),
-                    "text_encoder": ("transformers", "Qwen3ForCausalLM", QWEN3_4B),
-                    "vae": vae,
+                    "transformer": ("diffusers", "Flux2Transformer2DModel", transformer),
+                    "text_encoder": ("transformers", "Qwen3ForCausalLM", text_encoder),
+                    "vae": ("diffusers", "AutoencoderKLFlux2", PUBLISHED_VAE),
                 },
-                note=note.format("Qwen3-4B", ", lm_head tied to the embeddings"),
-            ),
-            PublishedConfig(
-                "black-forest-labs/FLUX.2-klein-9B",
-                "FLUX.2 [klein] 9B",
-                self.pipeline_class,
-                {
-                    "transformer": ("diffusers", "Flux2Transformer2DModel", PUBLISHED_TRANSFORMER_KLEIN_9B),
-                    "text_encoder": ("transformers", "Qwen3ForCausalLM", QWEN3_8B),
-                    "vae": vae,
-                },
-                note=note.format("Qwen3-8B", ""),
-            ),
+                note=note.format(*about),
+            )
+            for size, transformer, text_encoder, about in (
+                (
+                    "4B",
+                    PUBLISHED_TRANSFORMER_KLEIN_4B,
+                    QWEN3_4B,
+                    ("Qwen3-4B", ", lm_head tied to the embeddings"),
+                ),
+                ("9B", PUBLISHED_TRANSFORMER_KLEIN_9B, QWEN3_8B, ("Qwen3-8B", "")),
+            )
         )
 
 
@@ -459,14 +452,7 @@ FLUX2 = Flux2(
     ),
     lora_target_modules=_flux2_lora_targets(48),  # train_dreambooth_lora_flux2.py
     # 64 tokens: the system message alone takes about 40
-    default_run_args=(
-        "--text_encoder_placement",
-        "shard",
-        "--vae_placement",
-        "replicate",
-        "--max_sequence_length",
-        "64",
-    ),  # fmt: skip
+    default_run_args=run_args(text_encoder="shard", vae="replicate", max_sequence_length=64),
     **_COMMON,
 )
 FLUX2_KLEIN = Flux2Klein(
@@ -479,14 +465,7 @@ FLUX2_KLEIN = Flux2Klein(
         ),
     ),
     lora_target_modules=_flux2_lora_targets(24),  # train_dreambooth_lora_flux2_klein.py
-    default_run_args=(
-        "--text_encoder_placement",
-        "shard",
-        "--vae_placement",
-        "replicate",
-        "--max_sequence_length",
-        "32",
-    ),  # fmt: skip
+    default_run_args=run_args(text_encoder="shard", vae="replicate", max_sequence_length=32),
     **_COMMON,
 )
 
@@ -570,19 +549,6 @@ MISTRAL_SMALL_3_24B = dict(  # Mistral-Small-3.2-24B-Instruct-2506 (3.1's shapes
         rope_theta=10000.0,
     ),
 )
-_QWEN3 = dict(
-    vocab_size=151936,
-    num_hidden_layers=36,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=40960,
-    rms_norm_eps=1e-06,
-    rope_theta=1000000,
-    attention_bias=False,
-)
-QWEN3_4B = dict(_QWEN3, hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True)
-QWEN3_8B = dict(_QWEN3, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False)
 
 # FLUX.1-dev's scheduler, which convert_flux2_to_diffusers.py gives FLUX.2 (dynamic shifting:
 # training's sigmas stay linear).

@@ -23,6 +23,7 @@ import inspect
 import torch
 
 from .base import Family, PublishedConfig, TextEncoderSpec
+from .common import run_args
 from .published import CLIP_BIGG, CLIP_L, T5_XXL, VAE_16
 
 CLIP_MAX_TOKENS = 218  # HiDreamImagePipeline._get_clip_prompt_embeds: min(max_sequence_length, 218)
@@ -198,22 +199,15 @@ HIDREAM = HiDream(
     default_max_sequence_length=128,  # the pipeline's and train_dreambooth_lora_hidream.py's
     default_weighting_scheme="none",
     lora_target_modules=("to_k", "to_q", "to_v", "to_out"),  # train_dreambooth_lora_hidream.py
-    default_run_args=(
-        "--text_encoder_placement",
-        "replicate",
-        "--text_encoder_2_placement",
-        "replicate",
-        "--text_encoder_3_placement",
-        "shard",
-        "--text_encoder_4_placement",
-        "shard",
-        "--vae_placement",
-        "replicate",
-        "--max_sequence_length",
-        "32",
-        "--component",
-        "text_encoder_4={pipeline}-llama",
-    ),
+    default_run_args=run_args(
+        text_encoder="replicate",
+        text_encoder_2="replicate",
+        text_encoder_3="shard",
+        text_encoder_4="shard",
+        vae="replicate",
+        max_sequence_length=32,
+    )
+    + ("--component", "text_encoder_4={pipeline}-llama"),
 )
 
 # HiDream-ai/HiDream-I1-Full (Dev and Fast share the shapes): the keys that set parameter shapes.

@@ -32,6 +32,7 @@ import torch
 
 from ..runtime.library_internals import hunyuanvideo15_causal_mask
 from .base import Family, PublishedConfig, ScaleShift, TextEncoderSpec, VideoLatents
+from .common import run_args
 from .qwenimage import PUBLISHED_TEXT_ENCODER as QWEN25_VL_7B
 
 # HunyuanVideo15Pipeline.__init__ (the system message as the pipeline's source writes it, its
@@ -293,17 +294,12 @@ HUNYUANVIDEO15 = HunyuanVideo15(
         "add_v_proj",
         "to_add_out",
     ),  # fmt: skip
-    default_run_args=(
-        "--text_encoder_placement",
-        "shard",
-        "--text_encoder_2_placement",
-        "replicate",
-        "--vae_placement",
-        "replicate",
-        "--max_sequence_length",
-        "32",
-        "--num_frames",
-        "5",
+    default_run_args=run_args(
+        text_encoder="shard",
+        text_encoder_2="replicate",
+        vae="replicate",
+        max_sequence_length=32,
+        num_frames=5,
     ),
 )
 

@@ -31,6 +31,7 @@ import math
 import torch
 
 from .base import DenoiserSchedule, Family, PublishedConfig, TextEncoderSpec
+from .common import run_args
 from .flux2 import PUBLISHED_VAE as FLUX2_VAE
 from .flux2 import BatchNormLatents, pack_latents, unpack_latents
 from .objectives import _per_sample, sample_noise, weighted_sample_means
@@ -77,19 +78,11 @@ def unpatchify_latents(latents: torch.Tensor) -> torch.Tensor:
 
 class PatchBatchNormLatents(BatchNormLatents):
     """Flux.2's batch-norm statistics over Ideogram 4's patch layout: ``(z - mean) / std`` of the
-    patchified latents in fp32 (the script's fp32 statistics promote them)."""
+    patchified latents in fp32 (the script's fp32 statistics promote them); ``inverse``: ``z * std
+    + mean`` in ``latents``' dtype, then unpatchified (the pipeline's decode)."""
 
-    def __call__(self, latents: torch.Tensor) -> torch.Tensor:
-        z = patchify_latents(latents).to(torch.float32)
-        mean = self.mean.to(z.device).view(1, -1, 1, 1)
-        std = self.std.to(z.device).view(1, -1, 1, 1)
-        return (z - mean) / std
-
-    def inverse(self, latents: torch.Tensor) -> torch.Tensor:
-        """``z * std + mean`` in ``latents``' dtype, then unpatchified: the pipeline's decode."""
-        mean = self.mean.to(latents.device, latents.dtype).view(1, -1, 1, 1)
-        std = self.std.to(latents.device, latents.dtype).view(1, -1, 1, 1)
-        return unpatchify_latents(latents * std + mean)
+    patchify = staticmethod(patchify_latents)
+    unpatchify = staticmethod(unpatchify_latents)
 
 
 # -------------------------------------------------------------------------------- the packed sequence
@@ -468,14 +461,7 @@ IDEOGRAM4 = Ideogram4(
     default_weighting_scheme="logit_normal",  # the script's (its sigma density)
     # train_dreambooth_lora_ideogram4.py's default targets
     lora_target_modules=("to_q", "to_k", "to_v", "to_out.0", "w1", "w2", "w3"),
-    default_run_args=(
-        "--text_encoder_placement",
-        "shard",
-        "--vae_placement",
-        "replicate",
-        "--max_sequence_length",
-        "32",
-    ),
+    default_run_args=run_args(text_encoder="shard", vae="replicate", max_sequence_length=32),
 )
 
 # ideogram-ai/ideogram-v4's transformer: Ideogram4Transformer2DModel's defaults (34 blocks at width

@@ -144,17 +144,7 @@ class Kontext(Flux):
 KONTEXT = Kontext(
     name="kontext",
     title="Flux.1 Kontext",
-    default_run_args=(
-        "--text_encoder_placement",
-        "replicate",
-        "--text_encoder_2_placement",
-        "shard",
-        "--vae_placement",
-        "replicate",
-        "--max_sequence_length",
-        "32",
-        *EDIT_VALIDATION_ARGS,
-    ),
+    default_run_args=FLUX.default_run_args + EDIT_VALIDATION_ARGS,  # Flux.1's placements
     pipeline_class="FluxKontextPipeline",
     text_encoders=FLUX.text_encoders,  # CLIP-L (pooled) and T5
     denoiser="transformer",

@@ -27,7 +27,9 @@ from typing import ClassVar
 
 import torch
 
-from .base import ChannelMeanStd, Family, PublishedConfig, TextEncoderSpec
+from .base import ChannelMeanStd, Family, TextEncoderSpec
+from .common import SequenceLengthValidation, run_args
+from .published import QWEN3_VL_4B, published_checkpoints
 from .qwenimage import PROMPT_TEMPLATE
 from .qwenimage import PUBLISHED_VAE as QWEN_IMAGE_VAE
 
@@ -94,9 +96,9 @@ class ScriptLatentNorm(ChannelMeanStd):
 
 
 @dataclass(frozen=True)
-class Krea2(Family):
+class Krea2(SequenceLengthValidation, Family):
     """Krea 2: stacked Qwen3-VL states per token (the pipeline's taps) with their mask; one-frame
-    packed latents."""
+    packed latents. Validation at the pipeline's CFG (``SequenceLengthValidation``)."""
 
     registered_config: ClassVar[tuple[str, ...]] = (
         "text_encoder_select_layers",
@@ -228,16 +230,12 @@ class Krea2(Family):
         )[0]
         return unpack_latents(out[:n], h, w, p)
 
-    def validation_kwargs(self, max_sequence_length, guidance_scale):
-        # --guidance_scale is Flux's distilled guidance: validation runs at the pipeline's CFG
-        return {"max_sequence_length": max_sequence_length or self.default_max_sequence_length}
-
     # ------------------------------------------------------------------ pipelines
 
     def published(self):
         components = {
             "transformer": ("diffusers", "Krea2Transformer2DModel", PUBLISHED_TRANSFORMER),
-            "text_encoder": ("transformers", "Qwen3VLModel", PUBLISHED_TEXT_ENCODER),
+            "text_encoder": ("transformers", "Qwen3VLModel", QWEN3_VL_4B),
             "vae": ("diffusers", "AutoencoderKLQwenImage", QWEN_IMAGE_VAE),
         }
         note = (
@@ -245,9 +243,12 @@ class Krea2(Family):
             "never runs, and prompts take hidden_states up to index 35, so its last decoder layer and final "
             "norm (101 M) run for nothing"
         )
-        return (
-            PublishedConfig("krea/Krea-2-Raw", "Krea 2 Raw", self.pipeline_class, components, note),
-            PublishedConfig("krea/Krea-2-Turbo", "Krea 2 Turbo", self.pipeline_class, components, note),
+        return published_checkpoints(
+            self.pipeline_class,
+            components,
+            note,
+            ("krea/Krea-2-Raw", "Krea 2 Raw"),
+            ("krea/Krea-2-Turbo", "Krea 2 Turbo"),
         )
 
 
@@ -285,14 +286,7 @@ KREA2 = Krea2(
         "time_embed.linear_2",
         "time_mod_proj",
     ),
-    default_run_args=(
-        "--text_encoder_placement",
-        "shard",
-        "--vae_placement",
-        "replicate",
-        "--max_sequence_length",
-        "32",
-    ),
+    default_run_args=run_args(text_encoder="shard", vae="replicate", max_sequence_length=32),
 )
 
 # krea/Krea-2-Raw's and krea/Krea-2-Turbo's transformer (the same shapes): the keys that set them,
@@ -313,36 +307,6 @@ PUBLISHED_TRANSFORMER = dict(
     num_layerwise_text_blocks=2,
     num_refiner_text_blocks=2,
     axes_dims_rope=(32, 48, 48),
-)
-PUBLISHED_TEXT_ENCODER = dict(  # Qwen/Qwen3-VL-4B-Instruct
-    text_config=dict(
-        vocab_size=151936,
-        hidden_size=2560,
-        intermediate_size=9728,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=262144,
-        rope_scaling={"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
-        rope_theta=5000000,
-        tie_word_embeddings=True,
-    ),
-    vision_config=dict(
-        depth=24,
-        hidden_size=1024,
-        intermediate_size=4096,
-        num_heads=16,
-        out_hidden_size=2560,
-        patch_size=16,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        num_position_embeddings=2304,
-        deepstack_visual_indexes=[5, 11, 17],
-        hidden_act="gelu_pytorch_tanh",
-        in_channels=3,
-    ),
-    tie_word_embeddings=True,
 )
 # Krea2Pipeline's scheduler (its docstring): resolution-aware exponential shift at inference;
 # training's sigmas stay linear (dynamic shifting), as the script loads it.

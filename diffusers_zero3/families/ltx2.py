@@ -38,6 +38,7 @@ import torch
 
 from ..runtime.library_internals import ltx2_pack_audio_latents, ltx2_pack_latents, ltx2_unpack_latents
 from .base import Family, PublishedConfig, TextEncoderSpec, VideoLatents, read_vae_tensors
+from .common import run_args
 
 # LTX2Pipeline.__call__'s defaults
 FRAME_RATE = 24.0  # frame_rate (the published clips' playback rate)
@@ -450,22 +451,15 @@ LTX2 = LTX2Family(
     default_max_sequence_length=TOKENIZER_MAX_LENGTH,
     default_weighting_scheme="logit_normal",
     lora_target_modules=("to_k", "to_q", "to_v", "to_out.0"),  # video and audio attention alike
-    default_run_args=(
-        "--text_encoder_placement",
-        "shard",
-        "--connectors_placement",
-        "replicate",
-        "--audio_vae_placement",
-        "replicate",
-        "--vocoder_placement",
-        "replicate",
-        "--vae_placement",
-        "replicate",
-        "--max_sequence_length",
-        "32",
-        "--num_frames",
-        "9",
-    ),  # fmt: skip
+    default_run_args=run_args(
+        text_encoder="shard",
+        connectors="replicate",
+        audio_vae="replicate",
+        vocoder="replicate",
+        vae="replicate",
+        max_sequence_length=32,
+        num_frames=9,
+    ),
 )
 
 # google/gemma-3-12b-it (text: 48 layers of 3840, 16 heads of 256 with 8 KV heads; SigLIP

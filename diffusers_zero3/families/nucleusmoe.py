@@ -29,6 +29,7 @@ import math
 import torch
 
 from .base import PublishedConfig, TextEncoderSpec
+from .common import run_args
 from .flux2 import load_flux2_tokenizer
 from .published import QWEN3_VL_8B
 from .qwenimage import PUBLISHED_VAE as QWEN_IMAGE_VAE
@@ -198,14 +199,8 @@ NUCLEUSMOE = NucleusMoE(
     default_weighting_scheme="none",
     # no diffusers LoRA script: the attention projections of both streams (image queries, text keys/values)
     lora_target_modules=("to_q", "to_k", "to_v", "add_k_proj", "add_v_proj", "to_out.0"),
-    default_run_args=(
-        "--text_encoder_placement",
-        "shard",
-        "--vae_placement",
-        "replicate",
-        "--max_sequence_length",
-        "96",  # the system prompt is about 60 tokens: room for the caption
-    ),
+    # 96 tokens: the system prompt takes about 60, the rest is room for the caption
+    default_run_args=run_args(text_encoder="shard", vae="replicate", max_sequence_length=96),
 )
 
 # NucleusAI/Nucleus-Image's transformer/config.json: the keys that set parameter shapes

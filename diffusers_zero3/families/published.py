@@ -1,8 +1,45 @@
 """Published configs of components that several families share (CLIP-L, OpenCLIP bigG,
-T5-XXL, the SD VAEs, Qwen3-VL-8B), for the planner's carried pipelines: only the keys that set parameter
-shapes (the others keep their library defaults, which equal the published ones for shapes)."""
+T5-XXL, the SD VAEs, Qwen3-4B and -8B, Qwen3-VL-4B and -8B), for the planner's
+carried pipelines: only the keys that set parameter shapes (the others keep their library
+defaults, which equal the published ones for shapes).
+
+``shrink(config, **sizes)`` derives a config from another with the same keys (a smaller model
+of the same structure: Qwen3-VL-4B from -8B here, every tiny pipeline's models in
+``diffusers_zero3.demo``); ``published_checkpoints`` gives the ``PublishedConfig`` of each
+checkpoint of a family that share their components."""
 
 from __future__ import annotations
+
+import copy
+
+from .base import PublishedConfig
+
+
+def shrink(config: dict, **sizes) -> dict:
+    """A copy of ``config`` with ``sizes`` set: a dict given for a key whose value is a dict
+    sets keys of that dict (``text_config=dict(hidden_size=16)`` keeps the other text keys).
+    Every key set must be one ``config`` has (the structure is kept), so a misspelt size fails
+    here rather than falling back to a library default."""
+    unknown = sorted(set(sizes) - set(config))
+    if unknown:
+        raise KeyError(f"shrink sets only the config's own keys: it has no {', '.join(unknown)}")
+    shrunk = copy.deepcopy(config)
+    for key, value in sizes.items():
+        if isinstance(value, dict) and isinstance(config[key], dict):
+            value = shrink(config[key], **value)
+        shrunk[key] = value
+    return shrunk
+
+
+def published_checkpoints(
+    pipeline_class: str, components: dict, note: str, *checkpoints: tuple[str, str]
+) -> tuple[PublishedConfig, ...]:
+    """The ``PublishedConfig`` of each ``(hub_id, title)`` checkpoint of one pipeline class with
+    the same ``components`` shapes and ``note`` (e.g. a base model and its distilled turbo)."""
+    return tuple(
+        PublishedConfig(hub_id, title, pipeline_class, components, note) for hub_id, title in checkpoints
+    )
+
 
 CLIP_L = dict(
     vocab_size=49408,
@@ -15,12 +52,11 @@ CLIP_L = dict(
     hidden_act="quick_gelu",
 )
 CLIP_BIGG = dict(
-    vocab_size=49408,
+    CLIP_L,
     hidden_size=1280,
     intermediate_size=5120,
     num_hidden_layers=32,
     num_attention_heads=20,
-    max_position_embeddings=77,
     projection_dim=1280,
     hidden_act="gelu",
 )
@@ -45,6 +81,20 @@ VAE_SD = dict(
     norm_num_groups=32,
 )
 VAE_16 = dict(VAE_SD, latent_channels=16, use_quant_conv=False, use_post_quant_conv=False)
+_QWEN3 = dict(  # the Qwen3 LLMs' shared keys (36 layers of 32 query heads of 128 for 4B and 8B)
+    vocab_size=151936,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-06,
+    rope_theta=1000000,
+    attention_bias=False,
+)
+# Qwen/Qwen3-4B (Z-Image's and FLUX.2 [klein] 4B's text encoder): tied embeddings
+QWEN3_4B = dict(_QWEN3, hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True)
+QWEN3_8B = dict(_QWEN3, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False)  # klein 9B's
 QWEN3_VL_8B = dict(  # Qwen/Qwen3-VL-8B-Instruct (Ideogram 4 and NucleusMoE-Image's text encoder)
     text_config=dict(
         vocab_size=151936,
@@ -74,4 +124,16 @@ QWEN3_VL_8B = dict(  # Qwen/Qwen3-VL-8B-Instruct (Ideogram 4 and NucleusMoE-Imag
         in_channels=3,
     ),
     tie_word_embeddings=False,
+)
+QWEN3_VL_4B = shrink(  # Qwen/Qwen3-VL-4B-Instruct (Krea 2's text encoder): tied embeddings
+    QWEN3_VL_8B,
+    text_config=dict(hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True),
+    vision_config=dict(
+        depth=24,
+        hidden_size=1024,
+        intermediate_size=4096,
+        out_hidden_size=2560,
+        deepstack_visual_indexes=[5, 11, 17],
+    ),
+    tie_word_embeddings=True,
 )

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 
 from .base import ChannelMeanStd, Family, PublishedConfig, TextEncoderSpec
+from .common import SequenceLengthValidation, run_args
+from .wan import PUBLISHED_VAE_21
 
 PROMPT_TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
@@ -33,7 +35,7 @@ def unpack_latents(packed: torch.Tensor, height: int, width: int) -> torch.Tenso
     return x.reshape(n, d // 4, 1, height, width)
 
 
-class QwenImage(Family):
+class QwenImage(SequenceLengthValidation, Family):
     """Qwen-Image: templated Qwen2.5-VL states with their mask; one-frame packed latents."""
 
     def token_length(self, spec, tokenizer, max_sequence_length=None):
@@ -114,9 +116,6 @@ class QwenImage(Family):
         )[0]
         return unpack_latents(packed, h, w)
 
-    def validation_kwargs(self, max_sequence_length, guidance_scale):
-        return {"max_sequence_length": max_sequence_length or self.default_max_sequence_length}
-
     def published(self):
         return (
             PublishedConfig(
@@ -157,14 +156,7 @@ QWENIMAGE = QwenImage(
     default_max_sequence_length=512,  # the pipeline's and train_dreambooth_lora_qwen_image.py's
     default_weighting_scheme="none",
     lora_target_modules=("to_k", "to_q", "to_v", "to_out.0"),  # train_dreambooth_lora_qwen_image.py
-    default_run_args=(
-        "--text_encoder_placement",
-        "shard",
-        "--vae_placement",
-        "replicate",
-        "--max_sequence_length",
-        "32",
-    ),
+    default_run_args=run_args(text_encoder="shard", vae="replicate", max_sequence_length=32),
 )
 
 # Qwen/Qwen-Image's configs: the keys that set parameter shapes.
@@ -179,15 +171,7 @@ PUBLISHED_TRANSFORMER = dict(
     guidance_embeds=False,
     axes_dims_rope=(16, 56, 56),
 )
-PUBLISHED_VAE = dict(
-    base_dim=96,
-    z_dim=16,
-    dim_mult=[1, 2, 4, 4],
-    num_res_blocks=2,
-    attn_scales=[],
-    temperal_downsample=[False, True, True],
-    dropout=0.0,
-)
+PUBLISHED_VAE = PUBLISHED_VAE_21  # AutoencoderKLQwenImage: Wan 2.1's VAE, its shapes
 PUBLISHED_TEXT_ENCODER = dict(  # Qwen2.5-VL-7B-Instruct
     text_config=dict(
         vocab_size=152064,

@@ -35,9 +35,6 @@ from ..runtime.library_internals import qwenimage_edit_plus_source_area
 from .base import TextEncoderSpec
 from .kontext import EDIT_VALIDATION_ARGS
 from .qwenimage import (
-    PUBLISHED_TEXT_ENCODER,
-    PUBLISHED_TRANSFORMER,
-    PUBLISHED_VAE,
     QWENIMAGE,
     QwenImage,
     pack_latents,
@@ -318,22 +315,13 @@ class QwenImageEdit(QwenImage):
         return _AreaPipeline(pipeline, resolution)
 
     def published(self):
-        from .base import PublishedConfig
-
+        (qwen_image,) = super().published()
         return (
-            PublishedConfig(
+            type(qwen_image)(
                 "Qwen/Qwen-Image-Edit-2509",
                 "Qwen-Image-Edit-2509",
                 self.pipeline_class,
-                {
-                    "transformer": ("diffusers", "QwenImageTransformer2DModel", PUBLISHED_TRANSFORMER),
-                    "text_encoder": (
-                        "transformers",
-                        "Qwen2_5_VLForConditionalGeneration",
-                        PUBLISHED_TEXT_ENCODER,
-                    ),
-                    "vae": ("diffusers", "AutoencoderKLQwenImage", PUBLISHED_VAE),
-                },
+                qwen_image.components,  # Qwen-Image's shapes
                 note="text_encoder's vision tower runs: it reads the source images",
             ),
         )
@@ -363,13 +351,6 @@ QWENIMAGE_EDIT = QwenImageEdit(
     default_max_sequence_length=512,
     default_weighting_scheme="none",
     lora_target_modules=QWENIMAGE.lora_target_modules,
-    default_run_args=(
-        "--text_encoder_placement",
-        "shard",
-        "--vae_placement",
-        "replicate",
-        "--max_sequence_length",
-        "32",
-        *EDIT_VALIDATION_ARGS,  # instructions on the demo's red circle (kontext.py)
-    ),
+    # Qwen-Image's placements, then instructions on the demo's red circle (kontext.py)
+    default_run_args=QWENIMAGE.default_run_args + EDIT_VALIDATION_ARGS,
 )

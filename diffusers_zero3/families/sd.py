@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .base import Family, PublishedConfig, TextEncoderSpec
+from .common import run_args
 from .published import CLIP_L, VAE_SD
 
 
@@ -67,7 +68,7 @@ class StableDiffusion(Family):
 SD = StableDiffusion(
     name="sd",
     title="SD 1.x / 2.x",
-    default_run_args=("--text_encoder_placement", "shard", "--vae_placement", "replicate"),
+    default_run_args=run_args(text_encoder="shard", vae="replicate"),
     pipeline_class="StableDiffusionPipeline",
     text_encoders=(TextEncoderSpec("text_encoder", "CLIPTextModel", "tokenizer", "input_ids"),),
     pipeline_kwargs=(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .base import Family, PublishedConfig, TextEncoderSpec
+from .common import SequenceLengthValidation, run_args
 from .published import CLIP_BIGG, CLIP_L, T5_XXL, VAE_16
 
 
@@ -17,7 +18,7 @@ def clip_hidden_and_pooled(encoder, input_ids: torch.Tensor) -> tuple[torch.Tens
     return out[-1][-2], out[0]
 
 
-class StableDiffusion3(Family):
+class StableDiffusion3(SequenceLengthValidation, Family):
     """SD3: CLIP-L and CLIP-G states padded to T5's width, T5's appended; pooled CLIPs."""
 
     def encode_text(self, name, encoder, input_ids, attention_mask=None):
@@ -44,9 +45,6 @@ class StableDiffusion3(Family):
             pooled_projections=cond["pooled_projections"],
             return_dict=False,
         )[0]
-
-    def validation_kwargs(self, max_sequence_length, guidance_scale):
-        return {"max_sequence_length": max_sequence_length or self.default_max_sequence_length}
 
     def published(self):
         transformer = dict(
@@ -81,17 +79,12 @@ class StableDiffusion3(Family):
 SD3 = StableDiffusion3(
     name="sd3",
     title="SD3",
-    default_run_args=(
-        "--text_encoder_placement",
-        "replicate",
-        "--text_encoder_2_placement",
-        "replicate",
-        "--text_encoder_3_placement",
-        "cache",
-        "--vae_placement",
-        "cache",
-        "--max_sequence_length",
-        "32",
+    default_run_args=run_args(
+        text_encoder="replicate",
+        text_encoder_2="replicate",
+        text_encoder_3="cache",
+        vae="cache",
+        max_sequence_length=32,
     ),
     pipeline_class="StableDiffusion3Pipeline",
     text_encoders=(

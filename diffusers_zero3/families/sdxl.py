@@ -10,6 +10,7 @@ from typing import ClassVar
 import torch
 
 from .base import PublishedConfig, TextEncoderSpec
+from .common import run_args
 from .published import CLIP_BIGG, CLIP_L, VAE_SD
 from .sd import StableDiffusion
 
@@ -96,14 +97,7 @@ class StableDiffusionXL(StableDiffusion):
 SDXL = StableDiffusionXL(
     name="sdxl",
     title="SDXL",
-    default_run_args=(
-        "--text_encoder_placement",
-        "replicate",
-        "--text_encoder_2_placement",
-        "shard",
-        "--vae_placement",
-        "cache",
-    ),
+    default_run_args=run_args(text_encoder="replicate", text_encoder_2="shard", vae="cache"),
     pipeline_class="StableDiffusionXLPipeline",
     text_encoders=(
         TextEncoderSpec("text_encoder", "CLIPTextModel", "tokenizer", "input_ids"),

@@ -18,6 +18,7 @@ import torch
 
 from ..runtime.host_transfer import host_to_device
 from .base import ChannelMeanStd, DenoiserSchedule, Family, PublishedConfig, TextEncoderSpec
+from .common import run_args
 
 HIGH, LOW = "transformer", "transformer_2"  # Wan 2.2's high-noise and low-noise experts
 TRAIN_EXPERTS = {"high": (HIGH,), "low": (LOW,), "both": (HIGH, LOW)}  # --train_experts
@@ -563,16 +564,7 @@ _COMMON = dict(
     # Wan LoRAs' targets (DiffSynth-Studio's q,k,v,o,ffn.0,ffn.2; musubi-tuner's lora_wan) in the
     # names diffusers' WanLoraLoaderMixin converts them to, self- and cross-attention alike
     lora_target_modules=("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"),
-    default_run_args=(
-        "--text_encoder_placement",
-        "shard",
-        "--vae_placement",
-        "replicate",
-        "--max_sequence_length",
-        "32",
-        "--num_frames",
-        "5",
-    ),
+    default_run_args=run_args(text_encoder="shard", vae="replicate", max_sequence_length=32, num_frames=5),
 )
 
 WAN = Wan(name="wan", title="Wan 2.1", **_COMMON)

@@ -14,27 +14,21 @@ from __future__ import annotations
 
 import torch
 
-from .base import Family, PublishedConfig, TextEncoderSpec
-from .published import VAE_16
+from .base import Family, TextEncoderSpec
+from .common import SequenceLengthValidation, qwen3_chat_prompt, run_args
+from .published import QWEN3_4B, VAE_16, published_checkpoints
 
-QWEN3_PROMPT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"  # what the template renders
 
-
-class ZImage(Family):
-    """Z-Image: templated Qwen3 states, trimmed per sample; list-of-latents transformer calls."""
+class ZImage(SequenceLengthValidation, Family):
+    """Z-Image: templated Qwen3 states, trimmed per sample; list-of-latents transformer calls.
+    Validation at the pipeline's CFG, as the script validates (``SequenceLengthValidation``)."""
 
     def prompt_text(self, spec, caption, tokenizer=None):
         """The text Qwen3 reads: ``tokenizer``'s chat template applied as
         ``ZImagePipeline._encode_prompt`` applies it (one user message, the generation prompt,
-        ``enable_thinking=True``); without a tokenizer, what Qwen3-4B's template renders."""
-        if tokenizer is None:
-            return QWEN3_PROMPT.format(caption)
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": caption}],
-            tokenize=False,
-            add_generation_prompt=True,
-            enable_thinking=True,
-        )
+        ``enable_thinking=True``); without a tokenizer, what Qwen3-4B's template renders
+        (``common.QWEN3_PROMPT``)."""
+        return qwen3_chat_prompt(caption, tokenizer, enable_thinking=True)
 
     def encode_text(self, name, encoder, input_ids, attention_mask=None):
         """``hidden_states[-2]`` (the second-to-last decoder layer's output, before the final
@@ -86,25 +80,22 @@ class ZImage(Family):
         out = denoiser(latents, timestep, captions, return_dict=False)[0]
         return -torch.stack(out, dim=0).squeeze(2)[:n]
 
-    def validation_kwargs(self, max_sequence_length, guidance_scale):
-        # --guidance_scale is Flux's distilled guidance: the script validates at the pipeline's CFG
-        return {"max_sequence_length": max_sequence_length or self.default_max_sequence_length}
-
     def published(self):
         components = {
             "transformer": ("diffusers", "ZImageTransformer2DModel", PUBLISHED_TRANSFORMER),
-            "text_encoder": ("transformers", "Qwen3Model", PUBLISHED_TEXT_ENCODER),
+            "text_encoder": ("transformers", "Qwen3Model", QWEN3_4B),
             "vae": ("diffusers", "AutoencoderKL", VAE_16),
         }
         note = (
             "text_encoder is Qwen3-4B's decoder (Qwen3Model, tied embeddings, no lm_head); prompts take its "
             "second-to-last hidden states, so its last layer and final norm (101 M) run for nothing"
         )
-        return (
-            PublishedConfig(
-                "Tongyi-MAI/Z-Image-Turbo", "Z-Image-Turbo", self.pipeline_class, components, note
-            ),
-            PublishedConfig("Tongyi-MAI/Z-Image", "Z-Image", self.pipeline_class, components, note),
+        return published_checkpoints(
+            self.pipeline_class,
+            components,
+            note,
+            ("Tongyi-MAI/Z-Image-Turbo", "Z-Image-Turbo"),
+            ("Tongyi-MAI/Z-Image", "Z-Image"),
         )
 
 
@@ -125,14 +116,7 @@ ZIMAGE = ZImage(
     default_max_sequence_length=512,  # the pipeline's and train_dreambooth_lora_z_image.py's
     default_weighting_scheme="none",
     lora_target_modules=("to_k", "to_q", "to_v", "to_out.0"),  # train_dreambooth_lora_z_image.py
-    default_run_args=(
-        "--text_encoder_placement",
-        "shard",
-        "--vae_placement",
-        "replicate",
-        "--max_sequence_length",
-        "32",
-    ),
+    default_run_args=run_args(text_encoder="shard", vae="replicate", max_sequence_length=32),
 )
 
 # Tongyi-MAI/Z-Image-Turbo's configs (Z-Image base has the same shapes): the keys that set them.
@@ -152,20 +136,6 @@ PUBLISHED_TRANSFORMER = dict(
     t_scale=1000.0,
     axes_dims=[32, 48, 48],
     axes_lens=[1536, 512, 512],
-)
-PUBLISHED_TEXT_ENCODER = dict(  # Qwen3-4B
-    vocab_size=151936,
-    hidden_size=2560,
-    intermediate_size=9728,
-    num_hidden_layers=36,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=40960,
-    rms_norm_eps=1e-06,
-    rope_theta=1000000,
-    attention_bias=False,
-    tie_word_embeddings=True,
 )
 # Tongyi-MAI/Z-Image-Turbo's scheduler (the base model's shift is 6.0).
 ZIMAGE_TURBO_SCHEDULER = dict(num_train_timesteps=1000, use_dynamic_shifting=False, shift=3.0)

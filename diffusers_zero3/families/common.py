@@ -1,0 +1,48 @@
+"""What several families' definitions write alike beyond ``base.Family``: their default run's
+flags (``run_args``), validation at the pipeline's own guidance (``SequenceLengthValidation``)
+and Qwen3's chat prompt (``qwen3_chat_prompt``: Z-Image, Flux.2 [klein])."""
+
+from __future__ import annotations
+
+
+def run_args(*, max_sequence_length: int | None = None, num_frames: int | None = None, **placements: str):
+    """A family's ``default_run_args`` (``make train MODEL=<name>``): ``--<component>_placement
+    <placement>`` for each keyword, in the order given, then ``--max_sequence_length`` and
+    ``--num_frames`` where given: ``run_args(text_encoder="shard", vae="replicate",
+    max_sequence_length=32)``."""
+    args = [arg for component, how in placements.items() for arg in (f"--{component}_placement", how)]
+    if max_sequence_length is not None:
+        args += ["--max_sequence_length", str(max_sequence_length)]
+    if num_frames is not None:
+        args += ["--num_frames", str(num_frames)]
+    return tuple(args)
+
+
+class SequenceLengthValidation:
+    """A mixin of a ``Family`` whose validation images are sampled at its pipeline's own guidance
+    (its CFG default), as its training script validates: the pipeline call is given the
+    training's ``max_sequence_length`` only (``--guidance_scale`` sets the embedded guidance of
+    Flux's distilled models, not these pipelines' CFG)."""
+
+    def validation_kwargs(self, max_sequence_length, guidance_scale):
+        return {"max_sequence_length": max_sequence_length or self.default_max_sequence_length}
+
+
+# What Qwen3's chat template renders for one user turn and the generation prompt (where no
+# tokenizer is at hand): with thinking enabled (its default), and disabled (an empty think block).
+QWEN3_PROMPT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+QWEN3_PROMPT_NO_THINKING = QWEN3_PROMPT + "<think>\n\n</think>\n\n"
+
+
+def qwen3_chat_prompt(caption: str, tokenizer, enable_thinking: bool) -> str:
+    """``caption`` as one user turn and the generation prompt in ``tokenizer``'s chat template
+    with ``enable_thinking`` (as ``ZImagePipeline`` and ``Flux2KleinPipeline`` render it);
+    without a tokenizer, what Qwen3's template renders."""
+    if tokenizer is None:
+        return (QWEN3_PROMPT if enable_thinking else QWEN3_PROMPT_NO_THINKING).format(caption)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": caption}],
+        tokenize=False,
+        add_generation_prompt=True,
+        enable_thinking=enable_thinking,
+    )
