@@ -104,37 +104,49 @@ def run_launcher(argv, timeout: float = DEFAULT_TIMEOUT, env=None, expect_rc: in
     return proc.returncode, out
 
 
-def run_launchers_side_by_side(runs: list[dict], timeout: float = DEFAULT_TIMEOUT) -> list[tuple[int, str]]:
+def run_launchers_side_by_side(
+    runs: list[dict], timeout: float = DEFAULT_TIMEOUT, max_running: int | None = None
+) -> list[tuple[int, str]]:
     """Run independent launcher commands at once, each as ``run_launcher`` would (a dict with
     ``argv`` and optionally ``env`` and ``expect_rc``, 0 unless given; None accepts any). One
     launch keeps about 1.3 of 2 cores busy (its launcher and a 1-rank run use one), so side by
-    side they end sooner than one after another. Every command is killed after ``timeout``
-    seconds. Returns ``[(returncode, output)]`` in order; fails like ``run_launcher``."""
+    side they end sooner than one after another. At most ``max_running`` run at a time (all
+    when None): the next starts as one ends. Every command is killed ``timeout`` seconds after
+    it started. Returns ``[(returncode, output)]`` in order; fails like ``run_launcher``."""
     import subprocess
     import tempfile
     import time
 
-    procs = []
+    procs, started, hung = [], [], []
+    limit = max_running or len(runs)
     try:
-        for run in runs:
-            fh = tempfile.TemporaryFile(mode="w+")
-            proc = subprocess.Popen(
-                run["argv"],
-                cwd=str(REPO_ROOT),
-                env={**os.environ, **_test_env(run.get("env"))},
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-            procs.append((proc, fh))
-        deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
+        while len(procs) < len(runs) or any(p.poll() is None for p, _ in procs):
+            running = [i for i, (p, _) in enumerate(procs) if p.poll() is None]
+            for i in running:
+                if time.monotonic() > started[i] + timeout:
+                    hung.append(i)
+                    kill_process_tree(procs[i][0].pid)  # the launcher's workers too
+                    procs[i][0].wait()
+            if len(procs) < len(runs) and len(running) < limit:
+                run = runs[len(procs)]
+                fh = tempfile.TemporaryFile(mode="w+")
+                proc = subprocess.Popen(
+                    run["argv"],
+                    cwd=str(REPO_ROOT),
+                    env={**os.environ, **_test_env(run.get("env"))},
+                    stdout=fh,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                )
+                procs.append((proc, fh))
+                started.append(time.monotonic())
+                continue
             time.sleep(0.2)
     finally:
-        hung = [i for i, (p, _) in enumerate(procs) if p.poll() is None]
-        for proc, _ in procs:
+        for i, (proc, _) in enumerate(procs):
             if proc.poll() is None:
+                hung.append(i)
                 kill_process_tree(proc.pid)  # the launcher's workers too
                 proc.wait()
     results = []
@@ -173,3 +185,54 @@ def resume_in_fresh_folder(
         [*argv, "--output_dir", str(folder), "--resume_from_checkpoint", "latest"], timeout=timeout
     )
     return log
+
+
+def launches_of_selected_tests(request, launch_for, max_running: int = 4, timeout: float = 400) -> dict:
+    """For a module-scoped fixture: the launches of the tests this session selected in the
+    fixture's module, run side by side (``run_launchers_side_by_side``, ``max_running`` at a
+    time) instead of one test after another. ``launch_for(item)`` gives a test's run (a dict
+    as ``run_launchers_side_by_side`` takes, its ``expect_rc`` None unless given) or None.
+    Returns ``{test name: (returncode, output)}``; each test checks its own return code, so
+    that a failed run fails its test alone (a hang still fails every test that shares the
+    fixture). A test run alone launches only its own."""
+    items = [item for item in request.session.items if getattr(item, "module", None) is request.module]
+    runs = {item.name: launch_for(item) for item in items}
+    runs = {name: {"expect_rc": None, **run} for name, run in runs.items() if run is not None}
+    results = run_launchers_side_by_side(list(runs.values()), timeout=timeout, max_running=max_running)
+    return dict(zip(runs, results))
+
+
+def first_launches_fixture(builders: dict, timeout: float = 400, max_running: int = 4):
+    """A module-scoped fixture (assign it to a module-level name, e.g. ``first_runs``) that
+    runs the first launch of every selected test named in ``builders`` side by side
+    (``launches_of_selected_tests``). ``builders[test function name](request, folder, **params)``
+    gives the launch's argv, writing its output under ``folder`` (a fresh folder of the test's
+    own) with the fixtures it reads through ``request.getfixturevalue`` (module or session
+    scoped) and the test's parameters. The fixture's value is ``{test name: ((returncode,
+    output), folder)}``: a test reads its own with ``first_run``. Later launches of a test
+    (resumes) stay in the test."""
+
+    @pytest.fixture(scope="module")
+    def first_runs(request, tmp_path_factory):
+        folders = {}
+
+        def launch_for(item):
+            build = builders.get(getattr(item, "originalname", item.name))
+            if build is None:
+                return None
+            folders[item.name] = tmp_path_factory.mktemp(item.name.removeprefix("test_")[:30])
+            params = item.callspec.params if hasattr(item, "callspec") else {}
+            return {"argv": build(request, folders[item.name], **params)}
+
+        results = launches_of_selected_tests(request, launch_for, max_running=max_running, timeout=timeout)
+        return {test: (result, folders[test]) for test, result in results.items()}
+
+    return first_runs
+
+
+def first_run(first_runs: dict, request) -> tuple[str, Path]:
+    """This test's first launch (``first_launches_fixture``): its output and the test's folder.
+    Fails with the output when the launch failed."""
+    (code, out), folder = first_runs[request.node.name]
+    assert code == 0, out[-8000:]
+    return out, folder

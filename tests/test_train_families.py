@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed_harness import accelerate_launch, resume_in_fresh_folder, run_launcher, step_values
+from tests.distributed_harness import accelerate_launch, launches_of_selected_tests, step_values
 
 pytestmark = pytest.mark.e2e
 
-LAUNCH = accelerate_launch("scripts/train_text_to_image.py")
+SCRIPT = "scripts/train_text_to_image.py"
 
 # family: (its LLM encoder folders, the other frozen models' placements, extra flags)
 CASES = {
@@ -66,21 +66,88 @@ def _family(name: str, request):
     return family_named(name), pipe, data
 
 
+def _sharded_args(name: str, pipe: str, data: str) -> list[str]:
+    """The sharded run's flags (without --output_dir and validation): its resume repeats them."""
+    llm, others, extra = CASES[name]
+    placements = [a for e in llm for a in (f"--{e}_placement", "shard")] + others
+    return [*_common(pipe, data, 4, [*extra, *SHARDED_EXTRA.get(name, [])]), "--use_ema",
+            "--checkpointing_steps", "2", *placements]  # fmt: skip
+
+
+def _lora_args(name: str, pipe: str, data: str) -> list[str]:
+    llm, others, extra = CASES[name]
+    placements = [a for e in llm for a in (f"--{e}_placement", "cache")] + others
+    return [*_common(pipe, data, 2, extra), *placements, "--rank", "4", "--validation_prompts", "a blue square",
+            "--validation_steps", "2", "--num_validation_inference_steps", "2"]  # fmt: skip
+
+
+VALIDATION = ["--validation_prompts", "a red circle", "--validation_steps", "4",
+              "--num_validation_inference_steps", "2"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def first_runs(request, tmp_path_factory):
+    """Every selected test's first launch (the sharded run, or the cached LoRA run), side by
+    side: ``{test name: ((returncode, output), output folder)}``. They are independent (each
+    its own folder and port); the resumes wait for them (``resumes``)."""
+    folders = {}
+
+    def launch_for(item):
+        name = item.callspec.params["name"]
+        _, pipe, data = _family(name, request)
+        if item.originalname == "test_llm_encoder_sharded_ema_checkpoint_exact_resume_and_output":
+            out = folders[item.name] = tmp_path_factory.mktemp(f"{name}-sharded") / "run"
+            args = [*_sharded_args(name, pipe, data), *VALIDATION]
+        else:
+            out = folders[item.name] = tmp_path_factory.mktemp(f"{name}-lora") / "lora"
+            args = _lora_args(name, pipe, data)
+        return {"argv": [*accelerate_launch(SCRIPT), *args, "--output_dir", str(out)]}
+
+    results = launches_of_selected_tests(request, launch_for)
+    return {test: (result, folders[test]) for test, result in results.items()}
+
+
+@pytest.fixture(scope="module")
+def resumes(request, first_runs, tmp_path_factory):
+    """Each selected sharded run resumed from its checkpoint-2 in a fresh folder (steps 3-4),
+    side by side: ``{test name: ((returncode, output), folder)}``; none where the first run
+    left no checkpoint-2 (its test fails on the first run's checks)."""
+    import shutil
+
+    folders = {}
+
+    def launch_for(item):
+        if item.name not in first_runs or "sharded" not in item.originalname:
+            return None
+        out = first_runs[item.name][1]
+        if not (out / "checkpoint-2").is_dir():
+            return None
+        name = item.callspec.params["name"]
+        _, pipe, data = _family(name, request)
+        folder = folders[item.name] = tmp_path_factory.mktemp(f"{name}-resumed") / "resumed"
+        folder.mkdir()
+        shutil.copytree(out / "checkpoint-2", folder / "checkpoint-2")
+        return {"argv": [*accelerate_launch(SCRIPT), *_sharded_args(name, pipe, data), "--output_dir", str(folder),
+                         "--resume_from_checkpoint", "latest"]}  # fmt: skip
+
+    results = launches_of_selected_tests(request, launch_for)
+    return {test: (result, folders[test]) for test, result in results.items()}
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_llm_encoder_sharded_ema_checkpoint_exact_resume_and_output(name, request, tmp_path):
+def test_llm_encoder_sharded_ema_checkpoint_exact_resume_and_output(
+    name, request, tmp_path, first_runs, resumes
+):
+    """The launches run side by side with the other selected tests' (``first_runs``,
+    ``resumes``); the checks are each test's own."""
     from diffusers import DiffusionPipeline
     from safetensors.torch import load_file
 
     family, pipe, data = _family(name, request)
-    llm, others, extra = CASES[name]
-    placements = [a for e in llm for a in (f"--{e}_placement", "shard")] + others
-    common = [*_common(pipe, data, 4, [*extra, *SHARDED_EXTRA.get(name, [])]), "--use_ema",
-              "--checkpointing_steps", "2", *placements]  # fmt: skip
+    llm = CASES[name][0]
     trained = family.trained_denoisers("both") if name in SHARDED_EXTRA else (family.denoiser,)
-    out = tmp_path / "run"
-    validation = ["--validation_prompts", "a red circle", "--validation_steps", "4",
-                  "--num_validation_inference_steps", "2"]  # fmt: skip
-    _, log = run_launcher([*LAUNCH, *common, *validation, "--output_dir", str(out)], timeout=400)
+    (code, log), out = first_runs[request.node.name]
+    assert code == 0, log[-8000:]
     losses = step_values(log)
     assert sorted(losses) == [1, 2, 3, 4], log[-3000:]
     for encoder in llm:
@@ -123,8 +190,8 @@ def test_llm_encoder_sharded_ema_checkpoint_exact_resume_and_output(name, reques
             assert _files(out / component) == _files(source), component
 
     # Resumed from checkpoint-2 in a fresh folder: steps 3-4 and the final EMA weights repeat.
-    resumed = tmp_path / "resumed"
-    log2 = resume_in_fresh_folder([*LAUNCH, *common], out, resumed)
+    (code, log2), resumed = resumes[request.node.name]
+    assert code == 0, log2[-8000:]
     again = step_values(log2)
     assert sorted(again) == [3, 4], log2[-3000:]
     for step in again:
@@ -136,19 +203,16 @@ def test_llm_encoder_sharded_ema_checkpoint_exact_resume_and_output(name, reques
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_llm_encoder_cached_and_lora_adapters_load_in_the_pipeline(name, request, tmp_path):
+def test_llm_encoder_cached_and_lora_adapters_load_in_the_pipeline(name, request, first_runs):
+    """The launch runs side by side with the other selected tests' (``first_runs``)."""
     from diffusers import DiffusionPipeline
 
     from diffusers_zero3.training.lora import load_lora_into
 
     family, pipe, data = _family(name, request)
-    llm, others, extra = CASES[name]
-    placements = [a for e in llm for a in (f"--{e}_placement", "cache")] + others
-    out = tmp_path / "lora"
-    argv = [*LAUNCH, *_common(pipe, data, 2, extra), *placements, "--rank", "4", "--output_dir", str(out),
-            "--validation_prompts", "a blue square", "--validation_steps", "2",
-            "--num_validation_inference_steps", "2"]  # fmt: skip
-    _, log = run_launcher(argv, timeout=400)
+    llm = CASES[name][0]
+    (code, log), out = first_runs[request.node.name]
+    assert code == 0, log[-8000:]
     assert sorted(step_values(log)) == [1, 2], log[-3000:]
     for encoder in llm:
         assert f"{encoder}: shard" in log and "(to encode the cache as shard)" in log
