@@ -139,15 +139,11 @@ def test_the_summary_names_only_what_exists(tmp_path, caplog):
 
 @pytest.mark.parametrize("video", [False, True])
 def test_the_trainers_summary_says_videos_for_a_video_family(tmp_path, video):
-    from diffusers_zero3.recipes.text_to_image import TextToImageTrainer
+    from diffusers_zero3.training.report import run_outputs
 
     (tmp_path / "validation").mkdir()
     (tmp_path / "logs").mkdir()
-    trainer = types.SimpleNamespace(
-        args=types.SimpleNamespace(output_dir=str(tmp_path), logging_dir="logs", report_to="none"),
-        family=types.SimpleNamespace(video=video),
-    )
-    lines = summary_lines(TextToImageTrainer._run_outputs(trainer))
+    lines = summary_lines(run_outputs(str(tmp_path), "logs", "none", video))
     samples = "validation videos" if video else "validation images"
     assert lines == [f"{samples}: {(tmp_path / 'validation').resolve()}"], (
         lines

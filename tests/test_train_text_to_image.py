@@ -404,7 +404,7 @@ def test_caption_dropout_keeps_the_text_encoders_live():
     """An 'auto' cache of a text encoder becomes live under caption dropout (the cache holds each
     row's own caption); without dropout, and for the VAE, the cache stays (the controls)."""
     from diffusers_zero3.families import family_named
-    from diffusers_zero3.recipes.text_to_image import live_text_for_caption_dropout
+    from diffusers_zero3.placement.plan import live_text_for_caption_dropout
 
     sdxl = family_named("sdxl")
     chosen = {"text_encoder": "cache", "text_encoder_2": "cache", "vae": "cache"}

@@ -357,6 +357,39 @@ class ObjectiveSettings:
     guidance_scale: float | None = None
 
 
+def objective_settings(args, family, noise_scheduler) -> ObjectiveSettings:
+    """The ``ObjectiveSettings`` of a text-to-image settings object (diffusers' flag names) for
+    ``family``: its default weighting scheme unless ``--weighting_scheme``, ``--timestep_bias_*``
+    weights for a DDPM family, DREAM's detail preservation under ``--dream_training`` (epsilon
+    prediction only: ``ArgumentError``). Registers ``--prediction_type`` on ``noise_scheduler``."""
+    from ..errors import ArgumentError
+
+    if args.prediction_type is not None:
+        noise_scheduler.register_to_config(prediction_type=args.prediction_type)
+    if args.dream_training and noise_scheduler.config.prediction_type != "epsilon":
+        raise ArgumentError(
+            "--dream_training supports epsilon prediction only (diffusers has no v-prediction DREAM)"
+        )
+    weights = None
+    if not family.flow_matching:
+        weights = timestep_bias_weights(
+            noise_scheduler.config.num_train_timesteps, args.timestep_bias_strategy, args.timestep_bias_multiplier,
+            args.timestep_bias_begin, args.timestep_bias_end, args.timestep_bias_portion,
+        )  # fmt: skip
+    return ObjectiveSettings(
+        snr_gamma=args.snr_gamma,
+        noise_offset=args.noise_offset,
+        input_perturbation=args.input_perturbation,
+        dream_detail_preservation=args.dream_detail_preservation if args.dream_training else None,
+        timestep_weights=weights,
+        weighting_scheme=args.weighting_scheme or family.default_weighting_scheme,
+        logit_mean=args.logit_mean,
+        logit_std=args.logit_std,
+        mode_scale=args.mode_scale,
+        guidance_scale=args.guidance_scale,
+    )
+
+
 class DDPMObjective:
     """Noise (or velocity) prediction at uniform (or biased) DDPM timesteps."""
 

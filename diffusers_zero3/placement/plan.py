@@ -56,6 +56,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import ArgumentError
+from ..runtime.distributed import log_rank_zero
 from ..runtime.ds_config import resolve_dtype
 from .known_pipelines import KNOWN_PIPELINES
 
@@ -724,7 +726,7 @@ def resolve_auto_placements(
 
     Collective: every rank calls it; rank 0 plans and broadcasts, so all ranks place alike.
     """
-    from ..runtime.distributed import all_gather_object, get_rank, log_rank_zero
+    from ..runtime.distributed import all_gather_object, get_rank
 
     auto = [name for name, value in placements.items() if value == "auto"]
     if not auto:
@@ -950,3 +952,59 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# -------------------------------------------------------------------------------- settling a job's placements
+
+
+def live_text_for_caption_dropout(
+    placements: dict[str, str],
+    requested: dict[str, str],
+    family,
+    empty_prompt_probability: float,
+    live: str = "shard",
+) -> dict[str, str]:
+    """The placements with every text encoder live when captions are emptied at random
+    (``--proportion_empty_prompts`` / ``--caption_dropout``): a cache holds each row's own
+    caption's embedding, so the emptied captions would be ignored without a word. A cache that
+    ``auto`` chose becomes ``live`` (``shard`` under DeepSpeed, else ``replicate``; logged); one
+    the user asked for is one error line."""
+    if not empty_prompt_probability:
+        return placements
+    placements = dict(placements)
+    for spec in family.text_encoders:
+        if placements.get(spec.name) != "cache":
+            continue
+        if requested.get(spec.name, "auto") != "auto":
+            raise ArgumentError(
+                f"--{spec.name}_placement cache holds each row's caption embedding, so --proportion_empty_prompts "
+                "/ --caption_dropout would be ignored: give replicate, shard or offload, or no caption dropout"
+            )
+        placements[spec.name] = live
+        log_rank_zero(f"{spec.name}: {live}, not the cache 'auto' chose (caption dropout needs it live)")
+    return placements
+
+
+def check_pair_placements(
+    placements: dict[str, str], family, reads_pairs: bool, mask_column: str | None
+) -> None:
+    """One error line for a cache placement that would hold what changes every step: the
+    VAE's latents under ``--mask_column`` (each step's crop of the mask) or editing pairs (each
+    step's sources), a text encoder that reads the sources (Qwen-Image-Edit's VL)."""
+    if mask_column is not None and placements.get("vae") == "cache":
+        raise ArgumentError(
+            "--mask_column needs each step's crop and flip of the mask: give --vae_placement replicate or shard, "
+            "not cache"
+        )
+    if reads_pairs and placements.get("vae") == "cache":
+        raise ArgumentError(
+            "editing pairs encode each step's source images with the live VAE: give --vae_placement replicate, "
+            "shard or offload (not cache / --cache_latents)"
+        )
+    if reads_pairs and family.encodes_source_images:
+        for spec in family.text_encoders:
+            if placements.get(spec.name) == "cache":
+                raise ArgumentError(
+                    f"{family.title}'s {spec.name} reads each step's source images: give "
+                    f"--{spec.name}_placement replicate, shard or offload (not cache)"
+                )

@@ -23,7 +23,7 @@ from ..data.images import DataError, transform_image
 from ..errors import ArgumentError
 from ..runtime.distributed import is_main_process, log_rank_zero
 from ..training.data import TrainingData
-from ..training.report import log_outputs
+from ..training.report import log_outputs, log_validation_images
 from .text_to_image import TextToImageTrainer
 from .text_to_image_settings import TextToImageSettings
 
@@ -381,7 +381,7 @@ class ControlNetTrainer(TextToImageTrainer):
             folder.mkdir(parents=True, exist_ok=True)
             path = folder / f"step-{self.global_step:06d}.png"
             image_grid([img for row in rows for img in row], cols=len(rows[0])).save(path)
-            self._log_images([img for row in rows for img in row[1:]])
+            log_validation_images(acc.trackers, [img for row in rows for img in row[1:]], self.global_step)
             log_rank_zero(f"validation images: {path} (each row: the conditioning image, then the samples)")
 
     def save(self) -> None:

@@ -308,7 +308,7 @@ class DPOTrainer(TextToImageTrainer):
         noise = sample_noise(latents[:pairs], args.noise_offset, generators).repeat(2, 1, 1, 1)  # both images
         n_steps = self.noise_scheduler.config.num_train_timesteps
         timesteps = sample_timesteps(
-            pairs, n_steps, latents.device, self.timestep_weights, generators
+            pairs, n_steps, latents.device, self.objective_settings.timestep_weights, generators
         ).repeat(2)
         noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
         target = diffusion_target(self.noise_scheduler, latents, noise, timesteps)

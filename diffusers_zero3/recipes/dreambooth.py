@@ -456,9 +456,8 @@ class DreamBoothTrainer(TextToImageTrainer):
         super()._place_frozen()
 
     def _prepare_extra_parts(self) -> None:
-        from diffusers.optimization import get_scheduler
-
         from ..training.parts import build_optimizer, prepare_extra_part
+        from ..training.schedule import lr_schedule
 
         args, acc = self.args, self.accelerator
         for name, model in self.trained_encoders.items():
@@ -470,11 +469,7 @@ class DreamBoothTrainer(TextToImageTrainer):
             # text encoder too, and steps its schedule once per process per update.
             first = self.denoiser if hasattr(self.denoiser, "save_checkpoint") else None
             per_update = 1 if first is not None else acc.num_processes
-            scheduler = get_scheduler(
-                args.lr_scheduler, optimizer=optimizer, num_warmup_steps=args.lr_warmup_steps * per_update,
-                num_training_steps=args.max_train_steps * per_update, num_cycles=args.lr_num_cycles,
-                power=args.lr_power,
-            )  # fmt: skip
+            scheduler = lr_schedule(args, optimizer, per_update)
             self.extra_parts.append(
                 prepare_extra_part(
                     acc,

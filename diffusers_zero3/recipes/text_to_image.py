@@ -32,11 +32,11 @@ from ..families.base import DenoiserSchedule
 from ..families.objectives import (
     ObjectiveSettings,
     latent_loss_weights,
+    objective_settings,
     sample_generators,
-    timestep_bias_weights,
 )
 from ..placement.frozen_inputs import FrozenInputs, place_frozen_models, resolve_component_sources
-from ..placement.plan import resolve_auto_placements
+from ..placement.plan import check_pair_placements, live_text_for_caption_dropout, resolve_auto_placements
 from ..runtime.context_parallel import (
     SPLIT_FAILURE,
     ContextParallel,
@@ -44,6 +44,7 @@ from ..runtime.context_parallel import (
     context_parallel_of_flags,
     group_loader,
     pad_text_to_multiple,
+    split_failure,
 )
 from ..runtime.distributed import log_rank_zero
 from ..runtime.memory import MemoryLog, model_state_bytes, return_large_frees_to_os
@@ -53,7 +54,7 @@ from ..state.ema import ShardedEMA
 from ..state.pipeline_io import (
     check_output_dir,
     generate_validation_images,
-    image_grid,
+    index_entries,
     model_card,
     pipeline_components,
     save_final_pipeline,
@@ -81,70 +82,25 @@ from ..training.denoisers import (
 from ..training.job import accelerator_from_args, clear_interrupted_writes, finish_trackers
 from ..training.lora import LORA_WEIGHT_NAME, save_lora_zero3
 from ..training.parts import TrainedModel, adamw, backward_parts, prepare_first_part, step_part
-from ..training.report import StepOutput, log_memory_per_rank, log_outputs, step_log_path
+from ..training.report import (
+    StepOutput,
+    log_memory_per_rank,
+    log_outputs,
+    run_outputs,
+    step_log_path,
+    write_validation,
+)
 from ..training.schedule import (
     epoch_batches,
     epochs_for,
     first_last_means,
+    lr_schedule,
     scaled_learning_rate,
     updates_per_epoch,
 )
 from .text_to_image_settings import TextToImageSettings, check_resolution, validate_args, validate_family
 
 logger = logging.getLogger("diffusers_zero3.recipes.text_to_image")
-
-
-def live_text_for_caption_dropout(
-    placements: dict[str, str],
-    requested: dict[str, str],
-    family,
-    empty_prompt_probability: float,
-    live: str = "shard",
-) -> dict[str, str]:
-    """The placements with every text encoder live when captions are emptied at random
-    (``--proportion_empty_prompts`` / ``--caption_dropout``): a cache holds each row's own
-    caption's embedding, so the emptied captions would be ignored without a word. A cache that
-    ``auto`` chose becomes ``live`` (``shard`` under DeepSpeed, else ``replicate``; logged); one
-    the user asked for is one error line."""
-    if not empty_prompt_probability:
-        return placements
-    placements = dict(placements)
-    for spec in family.text_encoders:
-        if placements.get(spec.name) != "cache":
-            continue
-        if requested.get(spec.name, "auto") != "auto":
-            raise ArgumentError(
-                f"--{spec.name}_placement cache holds each row's caption embedding, so --proportion_empty_prompts "
-                "/ --caption_dropout would be ignored: give replicate, shard or offload, or no caption dropout"
-            )
-        placements[spec.name] = live
-        log_rank_zero(f"{spec.name}: {live}, not the cache 'auto' chose (caption dropout needs it live)")
-    return placements
-
-
-def check_pair_placements(
-    placements: dict[str, str], family, reads_pairs: bool, mask_column: str | None
-) -> None:
-    """One error line for a cache placement that would hold what changes every step: the
-    VAE's latents under ``--mask_column`` (each step's crop of the mask) or editing pairs (each
-    step's sources), a text encoder that reads the sources (Qwen-Image-Edit's VL)."""
-    if mask_column is not None and placements.get("vae") == "cache":
-        raise ArgumentError(
-            "--mask_column needs each step's crop and flip of the mask: give --vae_placement replicate or shard, "
-            "not cache"
-        )
-    if reads_pairs and placements.get("vae") == "cache":
-        raise ArgumentError(
-            "editing pairs encode each step's source images with the live VAE: give --vae_placement replicate, "
-            "shard or offload (not cache / --cache_latents)"
-        )
-    if reads_pairs and family.encodes_source_images:
-        for spec in family.text_encoders:
-            if placements.get(spec.name) == "cache":
-                raise ArgumentError(
-                    f"{family.title}'s {spec.name} reads each step's source images: give "
-                    f"--{spec.name}_placement replicate, shard or offload (not cache)"
-                )
 
 
 class TextToImageTrainer:
@@ -176,9 +132,7 @@ class TextToImageTrainer:
     trained_folders: tuple[str, ...]  # the denoisers this job trains, the first one the loop's first
     # -- the objective and the denoisers: _load_models
     noise_scheduler: object
-    weighting_scheme: str
-    timestep_weights: torch.Tensor | None
-    objective_settings: ObjectiveSettings
+    objective_settings: ObjectiveSettings  # the loss's flags: timestep density, weights, SNR, DREAM
     tokenizers: dict
     schedule: DenoiserSchedule  # which trained denoiser each step trains
     trained_folder: str | None  # the first trained model's folder (its part's name)
@@ -363,37 +317,7 @@ class TextToImageTrainer:
     def _load_models(self) -> None:
         args, src = self.args, self.source
         self.noise_scheduler = self.family.load_noise_scheduler(src)
-        self.weighting_scheme = args.weighting_scheme or self.family.default_weighting_scheme
-        if args.prediction_type is not None:
-            self.noise_scheduler.register_to_config(prediction_type=args.prediction_type)
-        if args.dream_training and self.noise_scheduler.config.prediction_type != "epsilon":
-            raise ArgumentError(
-                "--dream_training supports epsilon prediction only (diffusers has no v-prediction DREAM)"
-            )
-        self.timestep_weights = (
-            None
-            if self.family.flow_matching
-            else timestep_bias_weights(
-                self.noise_scheduler.config.num_train_timesteps,
-                args.timestep_bias_strategy,
-                args.timestep_bias_multiplier,
-                args.timestep_bias_begin,
-                args.timestep_bias_end,
-                args.timestep_bias_portion,
-            )
-        )
-        self.objective_settings = ObjectiveSettings(
-            snr_gamma=args.snr_gamma,
-            noise_offset=args.noise_offset,
-            input_perturbation=args.input_perturbation,
-            dream_detail_preservation=args.dream_detail_preservation if args.dream_training else None,
-            timestep_weights=self.timestep_weights,
-            weighting_scheme=self.weighting_scheme,
-            logit_mean=args.logit_mean,
-            logit_std=args.logit_std,
-            mode_scale=args.mode_scale,
-            guidance_scale=args.guidance_scale,
-        )
+        self.objective_settings = objective_settings(args, self.family, self.noise_scheduler)
         self.tokenizers = self.family.load_tokenizers(src, self.component_sources)
         self.schedule = self.family.denoiser_schedule(
             self.trained_folders, src, self.noise_scheduler, self.objective_settings, args.seed or 0
@@ -461,8 +385,6 @@ class TextToImageTrainer:
             data.rows.unreadable_rows = set(self.frozen.cache.skipped_rows)
 
     def _prepare_training(self) -> None:
-        from diffusers.optimization import get_scheduler
-
         args, acc = self.args, self.accelerator
         trained = [m for m in (self.denoiser, self.second_denoiser) if m is not None]
         set_denoiser_kernels(trained, args.attention_backend, self.cp, acc)
@@ -487,14 +409,7 @@ class TextToImageTrainer:
                 math.ceil(len(loader) / self.data_processes), args.gradient_accumulation_steps
             )
             args.max_train_steps = args.num_train_epochs * steps
-        scheduler = get_scheduler(
-            args.lr_scheduler,
-            optimizer=optimizer,
-            num_warmup_steps=args.lr_warmup_steps * acc.num_processes,
-            num_training_steps=args.max_train_steps * acc.num_processes,
-            num_cycles=args.lr_num_cycles,
-            power=args.lr_power,
-        )
+        scheduler = lr_schedule(args, optimizer, acc.num_processes)  # accelerate steps it once per process
         # The denoiser first: accelerate's backward drives the first engine it prepared.
         # Context parallelism: the loader dealt out to the groups, not to every rank.
         # A stream: dealt out per rank too, so that each rank decodes its own rows (accelerate's
@@ -589,19 +504,7 @@ class TextToImageTrainer:
             except AssertionError as e:  # diffusers' sharder, on a length it cannot split
                 if SPLIT_FAILURE not in str(e):
                     raise
-                counts = {
-                    f"this batch's {k} ({tuple(v.shape)})": v.shape[1]
-                    for k, v in cond.items()
-                    if v.dim() == 3
-                }
-                try:
-                    check_token_counts(counts, self.cp.size)
-                except ValueError as err:
-                    raise ArgumentError(str(err)) from None
-                raise ArgumentError(
-                    f"context parallelism cannot split this batch's image tokens (latents {tuple(latents.shape)}) "
-                    f"{self.cp.size} ways: choose a shape (--resolution, --height/--width, buckets) that gives a multiple"
-                ) from None
+                raise ArgumentError(split_failure(cond, latents, self.cp.size)) from None
         return self._family_loss(batch, latents, cond, generators)
 
     def _family_loss(self, batch: dict, latents: torch.Tensor, cond: dict, generators) -> torch.Tensor:
@@ -821,46 +724,8 @@ class TextToImageTrainer:
                 **self.family.validation_kwargs(args.max_sequence_length, args.guidance_scale),
             )
         if acc.is_main_process:
-            folder = Path(args.output_dir) / "validation"
-            folder.mkdir(parents=True, exist_ok=True)
-            path = folder / f"step-{self.global_step:06d}.png"
-            if images and isinstance(images[0], list):  # videos: an mp4 each, and their frames as a grid
-                from ..data.video import write_validation_videos
-
-                videos = write_validation_videos(images, folder, self.global_step)
-                frames = [frame for video in images for frame in video]
-                image_grid(frames, cols=len(images[0])).save(path)
-                self._log_images(frames)
-                log_rank_zero(f"validation videos: {', '.join(str(v) for v in videos)}; frames: {path}")
-            else:  # an editing family's sources above their edits, so the grid shows what changed
-                sources = validation_sources(args, self._reads_pairs)
-                image_grid([*sources, *images] if sources else images, cols=len(images)).save(path)
-                self._log_images(images)
-                log_rank_zero(f"validation images: {path}")
-
-    def _index_entries(self) -> dict[str, list]:
-        """``model_index.json`` entries for components given with ``--component`` that the
-        source's index leaves empty (``[null, null]``), so the output loads on its own."""
-        index = pipeline_components(self.source)
-        entries = {}
-        tokenizer_of = {spec.tokenizer: spec.name for spec in self.family.text_encoders}
-        for name in self.component_sources:
-            if index.get(name, [None])[0] is not None:
-                continue
-            if name in tokenizer_of:
-                tokenizer = self.tokenizers[tokenizer_of[name]]
-                entries[name] = [type(tokenizer).__module__.split(".")[0], type(tokenizer).__name__]
-            else:
-                entries[name] = list(self.family.component_library(name))
-        return entries
-
-    def _log_images(self, images) -> None:
-        import numpy as np
-
-        for tracker in self.accelerator.trackers:
-            if tracker.name == "tensorboard":
-                arr = np.stack([np.asarray(img) for img in images])
-                tracker.writer.add_images("validation", arr, self.global_step, dataformats="NHWC")
+            sources = validation_sources(args, self._reads_pairs)
+            write_validation(images, sources, args.output_dir, self.global_step, acc.trackers)
 
     # ------------------------------------------------------------------ output
 
@@ -912,7 +777,7 @@ class TextToImageTrainer:
             readme=card,
             denoiser_name=self.trained_folder,
             component_sources=self.component_sources,
-            index_entries=self._index_entries(),
+            index_entries=index_entries(self.source, self.component_sources, self.family, self.tokenizers),
             trained={part.name: (part.engine, part.ema) for part in self.extra_parts},
         )
         finish_trackers(self.accelerator)
@@ -920,14 +785,6 @@ class TextToImageTrainer:
         log_outputs([("pipeline", args.output_dir, loader), *self._run_outputs()])
 
     def _run_outputs(self) -> list[tuple[str, str | Path | None]]:
-        """The summary's lines beside the trained weights, for ``log_outputs`` (which leaves out
-        what does not exist: a run without validation has no validation folder): the validation
-        samples (videos for a video family), the step lines (``train.log``) and TensorBoard's logs."""
+        """The summary's lines beside the trained weights (``report.run_outputs``)."""
         args = self.args
-        logs = os.path.join(args.output_dir, args.logging_dir)
-        samples = "validation videos" if self.family.video else "validation images"
-        return [
-            (samples, os.path.join(args.output_dir, "validation")),
-            ("step log", step_log_path(args.output_dir, args.logging_dir)),
-            ("TensorBoard logs", logs if args.report_to in ("tensorboard", "all") else None),
-        ]
+        return run_outputs(args.output_dir, args.logging_dir, args.report_to, self.family.video)

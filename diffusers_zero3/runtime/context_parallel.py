@@ -165,6 +165,21 @@ def set_attention_backend(model: torch.nn.Module, backend: str) -> None:
         set_active_attention_backend(active)
 
 
+def split_failure(cond: dict, latents: torch.Tensor, size: int) -> str:
+    """What a batch's sequence that diffusers' sharder could not split ``size`` ways (its
+    ``SPLIT_FAILURE`` assertion) was: a text stream (``cond``'s 3-D tensors) or the image
+    tokens of ``latents``, as one line that names the shape flags."""
+    counts = {f"this batch's {k} ({tuple(v.shape)})": v.shape[1] for k, v in cond.items() if v.dim() == 3}
+    try:
+        check_token_counts(counts, size)
+    except ValueError as e:
+        return str(e)
+    return (
+        f"context parallelism cannot split this batch's image tokens (latents {tuple(latents.shape)}) {size} ways: "
+        "choose a shape (--resolution, --height/--width, buckets) that gives a multiple"
+    )
+
+
 def context_parallel_of_flags(size: int, mode: str, accelerator) -> ContextParallel | None:
     """``--context_parallel_size`` / ``--context_parallel_mode`` for a trainer: the groups
     (``context_parallel``; None for 1), one ``ArgumentError`` line for what cannot be split or

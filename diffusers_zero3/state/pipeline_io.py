@@ -364,3 +364,22 @@ def _swap_into(staging: Path, out: Path) -> None:
             os.replace(entry, out / entry.name)
     os.replace(staging / "model_index.json", out / "model_index.json")
     fsync_dir(out)
+
+
+def index_entries(
+    source: str | os.PathLike, component_sources: dict, family, tokenizers: dict
+) -> dict[str, list]:
+    """``model_index.json`` entries for components given with ``--component`` that the
+    source's index leaves empty (``[null, null]``), so the output loads on its own."""
+    index = pipeline_components(source)
+    entries = {}
+    tokenizer_of = {spec.tokenizer: spec.name for spec in family.text_encoders}
+    for name in component_sources:
+        if index.get(name, [None])[0] is not None:
+            continue
+        if name in tokenizer_of:
+            tokenizer = tokenizers[tokenizer_of[name]]
+            entries[name] = [type(tokenizer).__module__.split(".")[0], type(tokenizer).__name__]
+        else:
+            entries[name] = list(family.component_library(name))
+    return entries

@@ -23,6 +23,7 @@ from ..state.ema import ShardedEMA
 from .job import load_trainable_denoiser
 from .lora import add_lora_adapters
 from .parts import TrainedModel, adamw, prepare_extra_part
+from .schedule import lr_schedule
 
 
 def load_trained_denoisers(accelerator, family, source, folders, component_sources: dict, args) -> list:
@@ -79,15 +80,10 @@ def prepare_second_denoiser(
     """The second trained denoiser's part: its own optimizer and schedule, its own engine under
     ZeRO-3 (``prepare_extra_part``; ``first_engine`` the first denoiser's), its EMA under
     ``--use_ema``; ``part.extra["denoiser"]`` marks it (it steps on its own steps only)."""
-    from diffusers.optimization import get_scheduler
-
     optimizer = adamw(model, args, learning_rate)
     first = first_engine if hasattr(first_engine, "save_checkpoint") else None
     per_update = 1 if first is not None else accelerator.num_processes
-    scheduler = get_scheduler(
-        args.lr_scheduler, optimizer=optimizer, num_warmup_steps=args.lr_warmup_steps * per_update,
-        num_training_steps=args.max_train_steps * per_update, num_cycles=args.lr_num_cycles, power=args.lr_power,
-    )  # fmt: skip
+    scheduler = lr_schedule(args, optimizer, per_update)
     part = prepare_extra_part(
         accelerator, name, model, optimizer, scheduler, first_engine=first, max_grad_norm=args.max_grad_norm
     )

@@ -208,3 +208,53 @@ def log_memory_per_rank(memory, states: dict[str, int]) -> dict[str, int]:
             " allocated (model states above, plus frozen models and buffers on the device)"
         )
     return states
+
+
+def log_validation_images(trackers, images: list, step: int) -> None:
+    """``images`` (PIL) into TensorBoard's ``validation`` images at ``step`` (other trackers:
+    nothing). Rank 0."""
+    import numpy as np
+
+    for tracker in trackers:
+        if tracker.name == "tensorboard":
+            arr = np.stack([np.asarray(img) for img in images])
+            tracker.writer.add_images("validation", arr, step, dataformats="NHWC")
+
+
+def write_validation(
+    images: list, sources: list | None, output_dir: str | os.PathLike, step: int, trackers
+) -> Path:
+    """Validation's output at ``step`` under ``OUTPUT_DIR/validation``: a grid of the images
+    (an editing family's ``sources`` above their edits, so the grid shows what changed), or for
+    videos (``images`` a list of frame lists) an mp4 each and their frames as a grid; logged to
+    the trackers. Returns the grid's path. Rank 0."""
+    from ..state.pipeline_io import image_grid
+
+    folder = Path(output_dir) / "validation"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"step-{step:06d}.png"
+    if images and isinstance(images[0], list):
+        from ..data.video import write_validation_videos
+
+        videos = write_validation_videos(images, folder, step)
+        frames = [frame for video in images for frame in video]
+        image_grid(frames, cols=len(images[0])).save(path)
+        log_validation_images(trackers, frames, step)
+        log_rank_zero(f"validation videos: {', '.join(str(v) for v in videos)}; frames: {path}")
+    else:
+        image_grid([*sources, *images] if sources else images, cols=len(images)).save(path)
+        log_validation_images(trackers, images, step)
+        log_rank_zero(f"validation images: {path}")
+    return path
+
+
+def run_outputs(output_dir: str, logging_dir: str, report_to: str, video: bool) -> list[tuple[str, Any]]:
+    """The summary's lines beside the trained weights, for ``log_outputs`` (which leaves out
+    what does not exist: a run without validation has no validation folder): the validation
+    samples (videos for a video family), the step lines (``train.log``) and TensorBoard's logs."""
+    logs = os.path.join(output_dir, logging_dir)
+    return [
+        ("validation videos" if video else "validation images", os.path.join(output_dir, "validation")),
+        ("step log", step_log_path(output_dir, logging_dir)),
+        ("TensorBoard logs", logs if report_to in ("tensorboard", "all") else None),
+    ]

@@ -109,3 +109,20 @@ def first_last_means(values: list[float]) -> tuple[int, float, float]:
     the end-of-run summary of a per-step curve (loss, reward, implicit accuracy)."""
     k = max(1, min(10, len(values) // 4))
     return k, sum(values[:k]) / k, sum(values[-k:]) / k
+
+
+def lr_schedule(args, optimizer, per_update: int):
+    """``--lr_scheduler`` over ``optimizer`` for ``--max_train_steps`` updates with
+    ``--lr_warmup_steps`` of warm-up (``--lr_num_cycles``, ``--lr_power``), stepped
+    ``per_update`` times per update: 1 by a part's own DeepSpeed engine, the number of
+    processes by accelerate's prepared scheduler."""
+    from diffusers.optimization import get_scheduler
+
+    return get_scheduler(
+        args.lr_scheduler,
+        optimizer=optimizer,
+        num_warmup_steps=args.lr_warmup_steps * per_update,
+        num_training_steps=args.max_train_steps * per_update,
+        num_cycles=args.lr_num_cycles,
+        power=args.lr_power,
+    )
