@@ -15,7 +15,8 @@ import torch
 from tests.distributed_harness import (
     REPO_ROOT,
     accelerate_launch,
-    run_launcher,
+    first_launches_fixture,
+    first_run,
     run_launchers_side_by_side,
     step_values,
 )
@@ -54,13 +55,14 @@ def _torchrun(extra_env: dict | None = None) -> list[str]:
             "--master_port", str(free_port()), str(REPO_ROOT / SCRIPT)]  # fmt: skip
 
 
-def test_sd_prior_preservation_text_encoder_engine_equals_ddp_and_resumes_exactly(default_data, tmp_path):
-    pipe, data, _ = default_data
-    instance = _instance_folder(data, tmp_path / "instance")
-    classes = tmp_path / "class"
+def _prior_preservation_common(pipe: str, data: str, folder: Path) -> list[str]:
+    instance = folder / "instance"
+    if not instance.is_dir():
+        _instance_folder(data, instance)
+    classes = folder / "class"
     # adam_epsilon 1e-4: Adam's update then varies smoothly with the gradient (with 1e-8, a
     # parameter whose gradient is ~1e-9 flips its update on the order of a floating-point sum)
-    common = ["--pretrained_model_name_or_path", pipe, "--instance_data_dir", instance,
+    return ["--pretrained_model_name_or_path", pipe, "--instance_data_dir", str(instance),
               "--instance_prompt", "a photo of sks shape", "--with_prior_preservation",
               "--class_data_dir", str(classes), "--class_prompt", "a photo of a shape", "--num_class_images", "4",
               "--sample_batch_size", "2", "--num_class_inference_steps", "2", "--train_text_encoder",
@@ -68,11 +70,57 @@ def test_sd_prior_preservation_text_encoder_engine_equals_ddp_and_resumes_exactl
               "--resolution", "32", "--train_batch_size", "1", "--gradient_accumulation_steps", "2",
               "--max_train_steps", "4", "--checkpointing_steps", "2", "--lr_warmup_steps", "0",
               "--seed", "1", "--report_to", "none"]  # fmt: skip
-    zero3 = tmp_path / "zero3"
+
+
+def _prior_preservation_argv(request, folder):
+    pipe, data, _ = request.getfixturevalue("default_data")
     validation = ["--validation_prompt", "a photo of sks shape", "--num_validation_images", "2",
                   "--validation_steps", "4", "--num_validation_inference_steps", "2"]  # fmt: skip
-    _, log = run_launcher(
-        [*accelerate_launch(SCRIPT), *common, *validation, "--output_dir", str(zero3)], timeout=500
+    return [*accelerate_launch(SCRIPT), *_prior_preservation_common(pipe, data, folder), *validation,
+            "--output_dir", str(folder / "zero3")]  # fmt: skip
+
+
+def _lora_argv(request, folder):
+    pipe, data, _ = request.getfixturevalue("default_data")
+    instance = _instance_folder(data, folder / "instance")
+    return [*accelerate_launch(SCRIPT), "--pretrained_model_name_or_path", pipe, "--instance_data_dir", instance,
+            "--instance_prompt", "a photo of sks shape", "--train_text_encoder", "--rank", "4",
+            "--resolution", "32", "--train_batch_size", "2", "--max_train_steps", "2", "--learning_rate", "1e-3",
+            "--lr_warmup_steps", "0", "--seed", "1", "--report_to", "none", "--output_dir", str(folder / "lora")]  # fmt: skip
+
+
+def _clip_encoders_argv(request, folder, family):
+    pipe, data = request.getfixturevalue("tiny_sdxl" if family == "sdxl" else "tiny_flux")
+    instance = _instance_folder(data, folder / "instance")
+    extra = (
+        ["--rank", "4", "--text_encoder_2_placement", "shard", "--max_sequence_length", "16"]
+        if family == "flux"
+        else []
+    )
+    return [*accelerate_launch(SCRIPT), "--pretrained_model_name_or_path", pipe, "--instance_data_dir", instance,
+            "--instance_prompt", "a photo of sks shape", "--train_text_encoder", "--resolution", "32",
+            "--train_batch_size", "1", "--max_train_steps", "2", "--learning_rate", "1e-3", "--text_encoder_lr", "1e-3",
+            "--lr_warmup_steps", "0", "--seed", "1", "--report_to", "none", "--output_dir", str(folder / "out"), *extra]  # fmt: skip
+
+
+# Each test's first launch runs side by side with the other selected tests' (``first_runs``);
+# the launches that read a first run's output run in its test.
+first_runs = first_launches_fixture({
+    "test_sd_prior_preservation_text_encoder_engine_equals_ddp_and_resumes_exactly": _prior_preservation_argv,
+    "test_lora_on_the_unet_and_the_text_encoder_saves_adapters_that_load": _lora_argv,
+    "test_sdxl_and_flux_train_their_clip_text_encoders": _clip_encoders_argv,
+}, timeout=500)  # fmt: skip
+
+
+def test_sd_prior_preservation_text_encoder_engine_equals_ddp_and_resumes_exactly(
+    default_data, first_runs, request
+):
+    pipe, data, _ = default_data
+    log, tmp_path = first_run(first_runs, request)
+    common, classes, zero3 = (
+        _prior_preservation_common(pipe, data, tmp_path),
+        tmp_path / "class",
+        tmp_path / "zero3",
     )
     losses = step_values(log)
     assert sorted(losses) == [1, 2, 3, 4], log[-3000:]
@@ -139,17 +187,12 @@ def test_sd_prior_preservation_text_encoder_engine_equals_ddp_and_resumes_exactl
     assert image.size == (32, 32)
 
 
-def test_lora_on_the_unet_and_the_text_encoder_saves_adapters_that_load(default_data, tmp_path):
+def test_lora_on_the_unet_and_the_text_encoder_saves_adapters_that_load(default_data, first_runs, request):
     from diffusers import DiffusionPipeline
 
-    pipe, data, _ = default_data
-    instance = _instance_folder(data, tmp_path / "instance")
+    pipe = default_data[0]
+    log, tmp_path = first_run(first_runs, request)
     out = tmp_path / "lora"
-    argv = [*accelerate_launch(SCRIPT), "--pretrained_model_name_or_path", pipe, "--instance_data_dir", instance,
-            "--instance_prompt", "a photo of sks shape", "--train_text_encoder", "--rank", "4",
-            "--resolution", "32", "--train_batch_size", "2", "--max_train_steps", "2", "--learning_rate", "1e-3",
-            "--lr_warmup_steps", "0", "--seed", "1", "--report_to", "none", "--output_dir", str(out)]  # fmt: skip
-    _, log = run_launcher(argv, timeout=400)
     assert sorted(step_values(log)) == [1, 2], log[-3000:]
     pipeline = DiffusionPipeline.from_pretrained(pipe)
     pipeline.load_lora_weights(out)
@@ -162,24 +205,14 @@ def test_lora_on_the_unet_and_the_text_encoder_saves_adapters_that_load(default_
 
 
 @pytest.mark.parametrize("family", ["sdxl", "flux"])
-def test_sdxl_and_flux_train_their_clip_text_encoders(family, tiny_sdxl, tiny_flux, tmp_path):
+def test_sdxl_and_flux_train_their_clip_text_encoders(family, tiny_sdxl, tiny_flux, first_runs, request):
     """SDXL trains both CLIPs, Flux its CLIP (T5 stays frozen, here sharded), each as its own
     engine; SDXL fully (the output holds both trained encoders), Flux with LoRA on both."""
     from diffusers import DiffusionPipeline
 
-    pipe, data = tiny_sdxl if family == "sdxl" else tiny_flux
-    instance = _instance_folder(data, tmp_path / "instance")
+    pipe = (tiny_sdxl if family == "sdxl" else tiny_flux)[0]
+    log, tmp_path = first_run(first_runs, request)
     out = tmp_path / "out"
-    extra = (
-        ["--rank", "4", "--text_encoder_2_placement", "shard", "--max_sequence_length", "16"]
-        if family == "flux"
-        else []
-    )
-    argv = [*accelerate_launch(SCRIPT), "--pretrained_model_name_or_path", pipe, "--instance_data_dir", instance,
-            "--instance_prompt", "a photo of sks shape", "--train_text_encoder", "--resolution", "32",
-            "--train_batch_size", "1", "--max_train_steps", "2", "--learning_rate", "1e-3", "--text_encoder_lr", "1e-3",
-            "--lr_warmup_steps", "0", "--seed", "1", "--report_to", "none", "--output_dir", str(out), *extra]  # fmt: skip
-    _, log = run_launcher(argv, timeout=400)
     assert sorted(step_values(log)) == [1, 2], log[-3000:]
     trained = ["text_encoder", "text_encoder_2"] if family == "sdxl" else ["text_encoder"]
     for name in trained:
