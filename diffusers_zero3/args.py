@@ -340,6 +340,11 @@ class CommonSettings(ProcessSettings, CheckpointSettings, TrackingSettings, Opti
     resolution: int = flag(512, "Training image resolution.")
     train_batch_size: int = flag(16, "Batch size per device.")
     max_train_steps: int | None = flag(None, "Total optimisation steps; overrides epochs.")
+    max_nonfinite_steps: int = flag(
+        3,
+        "Updates in a row that may be skipped for a non-finite loss or gradient (every rank skips it: weights, "
+        "optimizer, schedule and EMA unchanged); one more stops the job with an error naming the step and rank.",
+    )
 
 
 # flags of the shared settings groups, by rule
@@ -368,6 +373,8 @@ def validate_common_args(args: CommonSettings) -> None:
     work as given. Checks the flags alone, before anything is built or written (an unknown
     ``--report_to`` would otherwise fail inside accelerate first)."""
     check_positive(args, COMMON_POSITIVE_FLAGS)
+    if args.max_nonfinite_steps < 0:
+        raise ArgumentError(f"--max_nonfinite_steps must not be negative, got {args.max_nonfinite_steps}")
     if args.process_group_timeout <= 0:
         raise ArgumentError(f"--process_group_timeout must be positive, got {args.process_group_timeout}")
     if args.resolution % 8:

@@ -288,7 +288,7 @@ def _part_state(part) -> dict:
     ]
     schedule = getattr(part.lr_scheduler, "scheduler", part.lr_scheduler)
     position = {
-        "last_epoch": schedule.last_epoch,
+        "last_epoch": schedule.last_epoch if schedule is not None else None,  # GRPO: no schedule
         "lr": [g["lr"] for g in optimizer.param_groups],
         "engine_steps": getattr(part.engine, "global_steps", None),
     }

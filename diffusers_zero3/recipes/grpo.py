@@ -120,6 +120,7 @@ from ..state.pipeline_io import (
 )
 from ..state.pretrained import resolve_model_folder
 from ..state.resume import resume_training, save_training_checkpoint
+from ..training.faults import NonFiniteUpdates
 from ..training.job import (
     GRAD_ACC_ENV,
     clear_interrupted_writes,
@@ -712,6 +713,7 @@ class GRPOTrainer:
         }
         self.trained_rounds = 0
         self.optimizer_steps = 0  # optimizer steps taken by this process (not restored on resume)
+        self.nonfinite = NonFiniteUpdates(args.max_nonfinite_steps)
         self.cp: ContextParallel | None = None  # --context_parallel_size > 1
         self.old_policy: ShardedEMA | None = None  # DiffusionNFT's, --nft_decay_type 1 or 2
         # evaluations: the round each ran before (0: before training), the total's mean, each reward's
@@ -1252,6 +1254,7 @@ class GRPOTrainer:
         # sums of each statistic times its kept samples, then the number of kept samples
         sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=acc.device)
         losses = []
+        bad = torch.zeros((), dtype=torch.bool, device=acc.device)  # a non-finite loss in this update
         for epoch in range(args.num_inner_epochs):
             for rows in _chunks(len(batch.pairs), args.train_batch_size):
                 for k in range(args.train_timesteps):
@@ -1260,11 +1263,18 @@ class GRPOTrainer:
                     # the loss is divided by their number
                     with acc.accumulate(self.engine):
                         loss, stats = self._loss(batch, epoch, k, rows)
+                        bad = bad | ~torch.isfinite(loss.detach())  # no host sync
                         acc.backward(self.cp.group_loss(loss) if self.cp is not None else loss)
-                        step_part(self.part, acc, acc.sync_gradients)
+                        applied = step_part(self.part, acc, acc.sync_gradients)
                     if acc.sync_gradients:
-                        self.optimizer_steps += 1
-                        self._update_ema()
+                        flags = (
+                            [] if applied else acc.gather(bad.float().reshape(1)).tolist()
+                        )  # every rank alike
+                        ranks = [rank for rank, flag in enumerate(flags) if flag]
+                        if self.nonfinite.record(applied, self._optimizer_steps(), ranks):
+                            self.optimizer_steps += 1
+                            self._update_ema()
+                        bad = torch.zeros((), dtype=torch.bool, device=acc.device)
                     losses.append(loss.detach().float())
                     if stats:  # none for a micro-batch without a kept sample
                         n_kept = (batch.weight[rows] > 0).sum().double()

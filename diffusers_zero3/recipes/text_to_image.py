@@ -79,6 +79,7 @@ from ..training.denoisers import (
     prepare_second_denoiser,
     set_denoiser_kernels,
 )
+from ..training.faults import NonFiniteUpdates, nonfinite_ranks
 from ..training.job import accelerator_from_args, clear_interrupted_writes, finish_trackers
 from ..training.lora import LORA_WEIGHT_NAME, save_lora_zero3
 from ..training.parts import TrainedModel, adamw, backward_parts, prepare_first_part, step_part
@@ -157,6 +158,7 @@ class TextToImageTrainer:
     batch_metrics: dict[str, torch.Tensor]
     metric_history: list[dict[str, float]]
     memory: MemoryLog
+    nonfinite: NonFiniteUpdates  # the updates skipped for non-finite values (--max_nonfinite_steps)
     model_states: dict[str, int] | None  # bytes by kind, measured at the first step
 
     def __init__(self, args: TextToImageSettings):
@@ -165,6 +167,7 @@ class TextToImageTrainer:
         self.batch_metrics, self.metric_history = {}, []
         self.memory, self.model_states = MemoryLog(), None
         self.extra_parts = []
+        self.nonfinite = NonFiniteUpdates(args.max_nonfinite_steps)
         self.trained_folder, self.second_denoiser, self.cp = None, None, None
         self._cuts: list = []  # per micro-batch: (part, kept outputs, cut outputs) to backward through
 
@@ -520,13 +523,13 @@ class TextToImageTrainer:
             **self.schedule.loss_kwargs(name), **masked,
         )  # fmt: skip
 
-    def _backward(self, loss: torch.Tensor) -> None:
+    def _backward(self, loss: torch.Tensor) -> bool:
         """The micro-batch's backward: the first trained model's through accelerate, then the
         other parts' from the gradients at their cut outputs (``parts.backward_parts``; under
         DDP the one backward reaches them), then their optimizer steps; on a step of the second
         trained denoiser, that one alone (its backward, and its step at the boundary: its own
-        engine under ZeRO-3, accelerate's backward and its own optimizer under DDP). Every rank,
-        every micro-batch."""
+        engine under ZeRO-3, accelerate's backward and its own optimizer under DDP). Returns
+        whether those parts' updates were applied (``step_part``). Every rank, every micro-batch."""
         if self.cp is not None:  # ZeRO-3 averages over every rank: a group's shares make one sample
             loss = self.cp.group_loss(loss)
         part = self._second_part()
@@ -537,11 +540,10 @@ class TextToImageTrainer:
                 part.engine.backward(loss)
             else:  # DDP: only this denoiser's module ran forward, so the one backward reaches it alone
                 self.accelerator.backward(loss)
-            step_part(part, self.accelerator, sync)
-            return
+            return step_part(part, self.accelerator, sync)
         backward_parts(self.accelerator, loss, self.denoiser_part, self._cuts)
         self._cuts = []
-        self._step_extra_parts()
+        return self._step_extra_parts()
 
     def _trains_this_step(self, part: TrainedModel) -> bool:
         """Whether ``part`` trains on this optimizer step: False only for the trained denoiser
@@ -553,13 +555,14 @@ class TextToImageTrainer:
         skips alike (each ZeRO-3 engine stays in lockstep)."""
         return self.schedule.trains(part.name, self.global_step)
 
-    def _step_extra_parts(self) -> None:
+    def _step_extra_parts(self) -> bool:
         """After the micro-batch's backward: each other trained model's optimizer step (its
-        clipping, its schedule). Every rank, every micro-batch."""
-        sync = self.accelerator.sync_gradients
+        clipping, its schedule); whether all were applied. Every rank, every micro-batch."""
+        sync, applied = self.accelerator.sync_gradients, True
         for part in self.extra_parts:
             if not part.extra.get("denoiser"):  # a second denoiser steps on its own steps only (_backward)
-                step_part(part, self.accelerator, sync)
+                applied &= step_part(part, self.accelerator, sync)
+        return applied
 
     def train(self) -> list[float]:
         """The training loop; returns the logged per-step losses (all ranks call it).
@@ -591,7 +594,7 @@ class TextToImageTrainer:
             self.epoch = epoch
             self.data.set_epoch(epoch)
             done_in_epoch = self.data.resume_batches if epoch == self.first_epoch else 0
-            accumulated, metrics = 0.0, {}
+            accumulated, metrics, applied, bad_ranks = 0.0, {}, True, set()
             for batch in epoch_batches(acc, self.loader, epoch, done_in_epoch):
                 first = not self.memory.has("first forward")
                 ddp_parts = [p.engine for p in self.extra_parts if not p.own_engine]
@@ -599,19 +602,26 @@ class TextToImageTrainer:
                     loss = self._loss(batch)
                     if first:
                         self.memory.mark("first forward")
-                    accumulated += acc.gather(loss.detach().repeat(len(batch["index"]))).mean().item()
+                    n = float(len(batch["index"]))  # each rank's loss weighs its samples
+                    sums = acc.gather(
+                        torch.stack(
+                            [loss.detach().float() * n, loss.new_tensor(n, dtype=torch.float32)]
+                        ).reshape(1, 2)
+                    ).tolist()
+                    accumulated += sum(s for s, _ in sums) / sum(c for _, c in sums)
+                    bad_ranks.update(nonfinite_ranks([s for s, _ in sums]))
                     if self.batch_metrics:  # one gather for all of them
                         values = torch.stack([v.detach().float() for v in self.batch_metrics.values()])
                         means = acc.gather(values.unsqueeze(0)).mean(dim=0).tolist()
                         for name, mean in zip(self.batch_metrics, means):
                             metrics[name] = metrics.get(name, 0.0) + mean
                     reached("train_step")
-                    self._backward(loss)
+                    applied &= self._backward(loss)
                     if first:
                         self.memory.mark("first backward")
                     # clipped at --max_grad_norm as diffusers' script (DeepSpeed: its gradient_clipping)
                     if self._trains_this_step(self.denoiser_part):
-                        step_part(
+                        applied &= step_part(
                             self.denoiser_part,
                             acc,
                             acc.sync_gradients,
@@ -622,9 +632,11 @@ class TextToImageTrainer:
                 done_in_epoch += 1
                 if not acc.sync_gradients:
                     continue
-                for part in [self.denoiser_part, *self.extra_parts]:
-                    if part.ema is not None and self._trains_this_step(part):
-                        part.ema.step()
+                if self.nonfinite.record(applied, self.global_step + 1, sorted(bad_ranks)):
+                    for part in [self.denoiser_part, *self.extra_parts]:
+                        if part.ema is not None and self._trains_this_step(part):
+                            part.ema.step()
+                applied, bad_ranks = True, set()
                 self.global_step += 1
                 self.trained_steps += 1
                 step_loss = accumulated / args.gradient_accumulation_steps

@@ -378,7 +378,7 @@ def backward_through(
 
 def step_part(
     part: TrainedModel, accelerator, sync: bool, before_zero_grad: Callable[[], None] | None = None
-) -> None:
+) -> bool:
     """The optimizer step of one part at a micro-batch's end (its own clipping; the update and
     the schedule only at an accumulation boundary). ``before_zero_grad`` runs after the step,
     while a plain optimizer's gradients still exist (the trainer measures model states there).
@@ -395,18 +395,45 @@ def step_part(
     unscales this part's gradients alone (``accelerator.clip_grad_norm_`` unscales every
     optimizer's: a part stepped after another's update would be unscaled a second time, its
     update 2^16 too small at the start of a run).
+
+    Returns whether the update was applied (True between boundaries): False where the reduced
+    gradients were not finite, the same on every rank (``training.faults``). DeepSpeed's ZeRO-3
+    optimizer skips such a step itself in every precision (``engine.was_step_applied``);
+    without DeepSpeed the norm of the reduced gradients decides here, and the optimizer and
+    schedule steps are skipped (under fp16 accelerate's scaler skips it and says so).
     """
+    deepspeed = hasattr(part.engine, "was_step_applied")
     if part.own_engine:
         part.engine.step()
         if before_zero_grad is not None:
             before_zero_grad()
-        return
-    if sync and part.max_grad_norm and accelerator.state.deepspeed_plugin is None:
-        accelerator.unscale_gradients(optimizer=part.optimizer)  # a no-op without fp16's scaler
-        torch.nn.utils.clip_grad_norm_(part.module.parameters(), part.max_grad_norm)
-    part.optimizer.step()
-    if part.lr_scheduler is not None:
-        part.lr_scheduler.step()
+        return part.engine.was_step_applied() if sync else True
+    applied = True
+    if sync and accelerator.state.deepspeed_plugin is None:
+        applied = _finite_gradients(part, accelerator)
+    if applied:
+        part.optimizer.step()
+        if part.lr_scheduler is not None:
+            part.lr_scheduler.step()
     if before_zero_grad is not None:
         before_zero_grad()
     part.optimizer.zero_grad()
+    if sync and deepspeed:  # accelerate's backward stepped the engine at the boundary
+        return part.engine.was_step_applied()
+    if sync and accelerator.scaler is not None:
+        return applied and not accelerator.optimizer_step_was_skipped
+    return applied
+
+
+def _finite_gradients(part: TrainedModel, accelerator) -> bool:
+    """Whether the part's reduced gradients have a finite norm (the same on every rank), after
+    clipping them at ``max_grad_norm``. Under fp16 the scaler's own check decides: True here."""
+    params = [p for p in part.module.parameters() if p.grad is not None]
+    if part.max_grad_norm:
+        accelerator.unscale_gradients(optimizer=part.optimizer)  # a no-op without fp16's scaler
+        norm = torch.nn.utils.clip_grad_norm_(params, part.max_grad_norm)
+    elif accelerator.scaler is None:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    else:
+        return True
+    return accelerator.scaler is not None or bool(torch.isfinite(norm))
