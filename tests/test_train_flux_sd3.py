@@ -8,11 +8,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed_harness import accelerate_launch, resume_in_fresh_folder, run_launcher, step_values
+from tests.distributed_harness import (
+    accelerate_launch,
+    first_launches_fixture,
+    first_run,
+    resume_in_fresh_folder,
+    run_launcher,
+    step_values,
+)
 
 pytestmark = pytest.mark.e2e
 
-LAUNCH = accelerate_launch("scripts/train_text_to_image.py")
+SCRIPT = "scripts/train_text_to_image.py"
+LAUNCH = accelerate_launch(SCRIPT)
 
 
 def _files(folder: Path) -> dict[str, bytes]:
@@ -43,15 +51,57 @@ def _generates(out: Path, pipeline_class: str) -> None:
     assert image.size == (32, 32)
 
 
-def test_flux_t5_sharded_clip_replicated_ema_output_and_exact_resume(tiny_flux, tmp_path):
-    pipe, data = tiny_flux
-    out = tmp_path / "run"
-    common = [*_common(pipe, data, 4), "--use_ema", "--checkpointing_steps", "2",
-              "--text_encoder_placement", "replicate", "--text_encoder_2_placement", "shard",
-              "--weighting_scheme", "logit_normal", "--guidance_scale", "2.5"]  # fmt: skip
+def _flux_sharded_common(pipe: str, data: str) -> list[str]:
+    return [*_common(pipe, data, 4), "--use_ema", "--checkpointing_steps", "2",
+            "--text_encoder_placement", "replicate", "--text_encoder_2_placement", "shard",
+            "--weighting_scheme", "logit_normal", "--guidance_scale", "2.5"]  # fmt: skip
+
+
+def _flux_sharded_argv(request, folder):
     validation = ["--validation_prompts", "a red circle", "--validation_steps", "4",
                   "--num_validation_inference_steps", "2"]  # fmt: skip
-    _, log = run_launcher([*LAUNCH, *common, *validation, "--output_dir", str(out)], timeout=400)
+    common = _flux_sharded_common(*request.getfixturevalue("tiny_flux"))
+    return [*accelerate_launch(SCRIPT), *common, *validation, "--output_dir", str(folder / "run")]
+
+
+def _flux_cached_argv(request, folder):
+    from diffusers_zero3.demo import write_masked_shapes_dataset
+
+    pipe, _ = request.getfixturevalue("tiny_flux")
+    data = write_masked_shapes_dataset(folder / "masked", num_images=8)
+    common = [arg if arg != "--train_data_dir" else "--dataset_name" for arg in _common(pipe, str(data), 2)]
+    return [*accelerate_launch(SCRIPT), *common, "--output_dir", str(folder / "run"), "--text_encoder_placement",
+            "cache", "--text_encoder_2_placement", "cache", "--gradient_checkpointing",
+            "--use_aspect_ratio_buckets", "--aspect_ratio_buckets", "32,32;32,48;48,32", "--mask_column", "mask",
+            "--validation_prompts", "a blue square", "--validation_steps", "2",
+            "--num_validation_inference_steps", "2"]  # fmt: skip
+
+
+def _sd3_common(pipe: str, data: str) -> list[str]:
+    return [*_common(pipe, data, 3), "--text_encoder_3_placement", "shard", "--vae_placement", "cache",
+            "--text_encoder_2_placement", "replicate"]  # fmt: skip
+
+
+def _sd3_plain_argv(request, folder):
+    common = _sd3_common(*request.getfixturevalue("tiny_sd3"))
+    return [*accelerate_launch(SCRIPT), *common, "--output_dir", str(folder / "plain"), "--frozen_cache_dir",
+            str(folder / "cache"), "--validation_prompts", "a red circle", "--validation_steps", "3",
+            "--num_validation_inference_steps", "2"]  # fmt: skip
+
+
+# Each test's first launch runs side by side with the other selected tests' (``first_runs``);
+# a later launch (a resume, the run with gradient checkpointing) runs in its test.
+first_runs = first_launches_fixture({
+    "test_flux_t5_sharded_clip_replicated_ema_output_and_exact_resume": _flux_sharded_argv,
+    "test_flux_t5_cached_aspect_ratio_buckets_and_masked_loss": _flux_cached_argv,
+    "test_sd3_end_to_end_and_gradient_checkpointing_changes_nothing": _sd3_plain_argv,
+})  # fmt: skip
+
+
+def test_flux_t5_sharded_clip_replicated_ema_output_and_exact_resume(tiny_flux, first_runs, request):
+    pipe, data = tiny_flux
+    log, tmp_path = first_run(first_runs, request)
+    out, common = tmp_path / "run", _flux_sharded_common(pipe, data)
     losses = step_values(log)
     assert sorted(losses) == [1, 2, 3, 4], log[-3000:]
     assert "text_encoder_2: shard, 0.05 MiB of 0.10 MiB on this rank" in log  # T5 held 1/N per rank
@@ -81,21 +131,11 @@ def test_flux_t5_sharded_clip_replicated_ema_output_and_exact_resume(tiny_flux, 
         torch.testing.assert_close(final[k], after[k], rtol=0, atol=1e-6, msg=k)
 
 
-def test_flux_t5_cached_aspect_ratio_buckets_and_masked_loss(tiny_flux, tmp_path):
+def test_flux_t5_cached_aspect_ratio_buckets_and_masked_loss(first_runs, request):
     """T5 and CLIP cached (encoded with T5 sharded, then freed), gradient checkpointing on, on a
     parquet dataset of landscape and portrait images in two buckets, with loss masks."""
-    from diffusers_zero3.demo import write_masked_shapes_dataset
-
-    pipe, _ = tiny_flux
-    data = write_masked_shapes_dataset(tmp_path / "masked", num_images=8)
+    log, tmp_path = first_run(first_runs, request)
     out = tmp_path / "run"
-    common = [arg if arg != "--train_data_dir" else "--dataset_name" for arg in _common(pipe, str(data), 2)]
-    argv = [*LAUNCH, *common, "--output_dir", str(out), "--text_encoder_placement", "cache",
-            "--text_encoder_2_placement", "cache", "--gradient_checkpointing",
-            "--use_aspect_ratio_buckets", "--aspect_ratio_buckets", "32,32;32,48;48,32", "--mask_column", "mask",
-            "--validation_prompts", "a blue square", "--validation_steps", "2",
-            "--num_validation_inference_steps", "2"]  # fmt: skip
-    _, log = run_launcher(argv, timeout=400)
     assert sorted(step_values(log)) == [1, 2], log[-3000:]
     assert "text_encoder_2: shard, 0.05 MiB of 0.10 MiB on this rank (to encode the cache as shard)" in log
     assert "encoding 8 rows with the frozen models" in log
@@ -106,18 +146,14 @@ def test_flux_t5_cached_aspect_ratio_buckets_and_masked_loss(tiny_flux, tmp_path
     _generates(out, "FluxPipeline")
 
 
-def test_sd3_end_to_end_and_gradient_checkpointing_changes_nothing(tiny_sd3, tmp_path):
+def test_sd3_end_to_end_and_gradient_checkpointing_changes_nothing(tiny_sd3, first_runs, request):
     """SD3 with its T5 (text_encoder_3) sharded and the VAE cached; the same run with
-    gradient checkpointing of the transformer gives the same losses and weights."""
+    gradient checkpointing of the transformer gives the same losses and weights (after the
+    first run: it reads the cache that run wrote)."""
     pipe, data = tiny_sd3
-    common = [*_common(pipe, data, 3), "--text_encoder_3_placement", "shard", "--vae_placement", "cache",
-              "--text_encoder_2_placement", "replicate"]  # fmt: skip
+    log, tmp_path = first_run(first_runs, request)
+    common = _sd3_common(pipe, data)
     plain, checkpointed = tmp_path / "plain", tmp_path / "gc"
-    _, log = run_launcher(
-        [*LAUNCH, *common, "--output_dir", str(plain), "--frozen_cache_dir", str(tmp_path / "cache"),
-         "--validation_prompts", "a red circle", "--validation_steps", "3", "--num_validation_inference_steps", "2"],
-        timeout=400,
-    )  # fmt: skip
     losses = step_values(log)
     assert sorted(losses) == [1, 2, 3], log[-3000:]
     assert "text_encoder_3: shard" in log and "StableDiffusion3Pipeline.from_pretrained" in log
