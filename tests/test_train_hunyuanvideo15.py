@@ -11,11 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed_harness import accelerate_launch, resume_in_fresh_folder, run_launcher, step_values
+from tests.distributed_harness import (
+    accelerate_launch,
+    first_launches_fixture,
+    first_run,
+    resume_in_fresh_folder,
+    step_values,
+)
 
 pytestmark = pytest.mark.e2e
 
-LAUNCH = accelerate_launch("scripts/train_text_to_image.py")
+SCRIPT = "scripts/train_text_to_image.py"
+LAUNCH = accelerate_launch(SCRIPT)
 ENCODERS = ("text_encoder", "text_encoder_2")
 
 
@@ -41,15 +48,36 @@ def _generate(pipeline, **kwargs):
                     **{**HUNYUANVIDEO15.validation_kwargs(16, None), **kwargs}).frames  # fmt: skip
 
 
-def test_encoders_sharded_ema_checkpoint_exact_resume_and_output(tiny_hunyuanvideo15, tmp_path):
+def _sharded_common(pipe: str, data: str) -> list[str]:
+    return [*_common(pipe, data, 4, "shard"), "--random_flip", "--use_ema", "--checkpointing_steps", "2"]
+
+
+def _sharded_argv(request, folder):
+    validation = ["--validation_prompts", 'a sign that reads "OPEN"', "--validation_steps", "4",
+                  "--num_validation_inference_steps", "2"]  # fmt: skip
+    common = _sharded_common(*request.getfixturevalue("tiny_hunyuanvideo15"))
+    return [*accelerate_launch(SCRIPT), *common, *validation, "--output_dir", str(folder / "run")]
+
+
+def _lora_argv(request, folder):
+    pipe, data = request.getfixturevalue("tiny_hunyuanvideo15")
+    return [*accelerate_launch(SCRIPT), *_common(pipe, data, 2, "cache"), "--rank", "4", "--output_dir",
+            str(folder / "lora")]  # fmt: skip
+
+
+# The two tests' first launches run side by side (``first_runs``); the resume runs in its test.
+first_runs = first_launches_fixture({
+    "test_encoders_sharded_ema_checkpoint_exact_resume_and_output": _sharded_argv,
+    "test_encoders_cached_and_lora_loads_in_the_transformer": _lora_argv,
+})  # fmt: skip
+
+
+def test_encoders_sharded_ema_checkpoint_exact_resume_and_output(tiny_hunyuanvideo15, first_runs, request):
     from diffusers import DiffusionPipeline
 
     pipe, data = tiny_hunyuanvideo15
-    out = tmp_path / "run"
-    common = [*_common(pipe, data, 4, "shard"), "--random_flip", "--use_ema", "--checkpointing_steps", "2"]
-    validation = ["--validation_prompts", 'a sign that reads "OPEN"', "--validation_steps", "4",
-                  "--num_validation_inference_steps", "2"]  # fmt: skip
-    _, log = run_launcher([*LAUNCH, *common, *validation, "--output_dir", str(out)], timeout=400)
+    log, tmp_path = first_run(first_runs, request)
+    out, common = tmp_path / "run", _sharded_common(pipe, data)
     losses = step_values(log)
     assert sorted(losses) == [1, 2, 3, 4], log[-3000:]
     assert "text_encoder: shard" in log and "text_encoder_2: shard" in log, log[-3000:]
@@ -76,16 +104,15 @@ def test_encoders_sharded_ema_checkpoint_exact_resume_and_output(tiny_hunyuanvid
         torch.testing.assert_close(final[k], after[k], rtol=0, atol=1e-6, msg=k)
 
 
-def test_encoders_cached_and_lora_loads_in_the_transformer(tiny_hunyuanvideo15, tmp_path):
+def test_encoders_cached_and_lora_loads_in_the_transformer(tiny_hunyuanvideo15, first_runs, request):
     from diffusers import DiffusionPipeline
 
     from diffusers_zero3.families import HUNYUANVIDEO15
     from diffusers_zero3.training.lora import load_lora_into
 
-    pipe, data = tiny_hunyuanvideo15
+    pipe = tiny_hunyuanvideo15[0]
+    log, tmp_path = first_run(first_runs, request)
     out = tmp_path / "lora"
-    argv = [*LAUNCH, *_common(pipe, data, 2, "cache"), "--rank", "4", "--output_dir", str(out)]
-    _, log = run_launcher(argv, timeout=400)
     assert sorted(step_values(log)) == [1, 2], log[-3000:]
     assert "frozen-model cache:" in log and "(to encode the cache as shard)" in log, log[-3000:]
     pipeline = DiffusionPipeline.from_pretrained(pipe)
