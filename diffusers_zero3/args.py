@@ -340,6 +340,11 @@ class CommonSettings(ProcessSettings, CheckpointSettings, TrackingSettings, Opti
     resolution: int = flag(512, "Training image resolution.")
     train_batch_size: int = flag(16, "Batch size per device.")
     max_train_steps: int | None = flag(None, "Total optimisation steps; overrides epochs.")
+    save_on_signal: str = flag(
+        "SIGTERM,SIGUSR1",
+        "Signals that preempt the job (SLURM, Kubernetes): every rank finishes its step, that step's checkpoint is "
+        "published and the job exits with status 75; 'none' leaves the signals' default action.",
+    )
     max_nonfinite_steps: int = flag(
         3,
         "Updates in a row that may be skipped for a non-finite loss or gradient (every rank skips it: weights, "
@@ -373,8 +378,15 @@ def validate_common_args(args: CommonSettings) -> None:
     work as given. Checks the flags alone, before anything is built or written (an unknown
     ``--report_to`` would otherwise fail inside accelerate first)."""
     check_positive(args, COMMON_POSITIVE_FLAGS)
-    if args.max_nonfinite_steps < 0:
-        raise ArgumentError(f"--max_nonfinite_steps must not be negative, got {args.max_nonfinite_steps}")
+    if isinstance(args, CommonSettings):  # the fault flags (the reward script's loop has none yet)
+        from .training.faults import parse_signals
+
+        try:
+            parse_signals(args.save_on_signal)
+        except ValueError as e:
+            raise ArgumentError(str(e)) from e
+        if args.max_nonfinite_steps < 0:
+            raise ArgumentError(f"--max_nonfinite_steps must not be negative, got {args.max_nonfinite_steps}")
     if args.process_group_timeout <= 0:
         raise ArgumentError(f"--process_group_timeout must be positive, got {args.process_group_timeout}")
     if args.resolution % 8:

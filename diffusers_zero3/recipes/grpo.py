@@ -120,7 +120,7 @@ from ..state.pipeline_io import (
 )
 from ..state.pretrained import resolve_model_folder
 from ..state.resume import resume_training, save_training_checkpoint
-from ..training.faults import NonFiniteUpdates
+from ..training.faults import NonFiniteUpdates, Preempted, StopSignals, parse_signals
 from ..training.job import (
     GRAD_ACC_ENV,
     clear_interrupted_writes,
@@ -714,6 +714,7 @@ class GRPOTrainer:
         self.trained_rounds = 0
         self.optimizer_steps = 0  # optimizer steps taken by this process (not restored on resume)
         self.nonfinite = NonFiniteUpdates(args.max_nonfinite_steps)
+        self.stop_signals = StopSignals(parse_signals(args.save_on_signal))
         self.cp: ContextParallel | None = None  # --context_parallel_size > 1
         self.old_policy: ShardedEMA | None = None  # DiffusionNFT's, --nft_decay_type 1 or 2
         # evaluations: the round each ran before (0: before training), the total's mean, each reward's
@@ -1305,16 +1306,20 @@ class GRPOTrainer:
         ``OUTPUT_DIR/<logging_dir>/train.log`` beside a progress bar of rounds, elsewhere
         printed as well (``training.report.StepOutput``)."""
         args, acc = self.args, self.accelerator
-        with StepOutput(
-            args.max_train_steps,
-            initial=self.global_step,
-            log_file=step_log_path(args.output_dir, args.logging_dir),
-            bar=acc.is_local_main_process,
-            unit="round",
-        ) as steps:
+        with (
+            StepOutput(
+                args.max_train_steps,
+                initial=self.global_step,
+                log_file=step_log_path(args.output_dir, args.logging_dir),
+                bar=acc.is_local_main_process,
+                unit="round",
+            ) as steps,
+            self.stop_signals,
+        ):
             while self.global_step < args.max_train_steps:
                 self._evaluate_when_due()
                 self._round(steps)
+                self._stop_when_signalled()
             self._evaluate_when_due()
 
     def _round(self, steps: StepOutput) -> None:
@@ -1349,12 +1354,35 @@ class GRPOTrainer:
             loss=f"{loss:.4f}",
         )
         if self.global_step % args.checkpointing_steps == 0:
-            save_training_checkpoint(
-                acc, args.output_dir, self.global_step,
-                {"epoch": 0, "batches_in_epoch": 0, "rewards": self.rewards, "rewards_by_spec": self.rewards_by_spec,
-                 "seconds": self.seconds, "stats": self.stats, "evaluations": self.evaluations},
-                ema=self.ema, total_limit=args.checkpoints_total_limit, averages=self._averages(),
-            )  # fmt: skip
+            self._checkpoint()
+
+    def _checkpoint(self) -> None:
+        """The round's checkpoint (its rewards, times, statistics and evaluations with it). Collective."""
+        args, acc = self.args, self.accelerator
+        save_training_checkpoint(
+            acc, args.output_dir, self.global_step,
+            {"epoch": 0, "batches_in_epoch": 0, "rewards": self.rewards, "rewards_by_spec": self.rewards_by_spec,
+             "seconds": self.seconds, "stats": self.stats, "evaluations": self.evaluations},
+            ema=self.ema, total_limit=args.checkpoints_total_limit, averages=self._averages(),
+        )  # fmt: skip
+
+    def _stop_when_signalled(self) -> None:
+        """After a round: when any rank got a ``--save_on_signal`` signal, publish the round's
+        checkpoint (unless the schedule just did) and stop every rank (``Preempted``). One
+        collective (a flag per rank)."""
+        received = float(self.stop_signals.received is not None)
+        flags = self.accelerator.gather(torch.tensor([received], device=self.accelerator.device)).tolist()
+        if not any(flags):
+            return
+        if self.global_step % self.args.checkpointing_steps:
+            self._checkpoint()
+        cause = self.stop_signals.received or "a signal on another rank"
+        message = (
+            f"preempted after round {self.global_step} ({cause}): checkpoint-{self.global_step} is published; "
+            "--resume_from_checkpoint latest continues the run"
+        )
+        log_rank_zero(message)
+        raise Preempted(message)
 
     def _evaluate_when_due(self) -> None:
         """Evaluate before round ``global_step`` when ``--eval_steps`` divides it and it has not been

@@ -79,7 +79,7 @@ from ..training.denoisers import (
     prepare_second_denoiser,
     set_denoiser_kernels,
 )
-from ..training.faults import NonFiniteUpdates, nonfinite_ranks
+from ..training.faults import NonFiniteUpdates, Preempted, StopSignals, nonfinite_ranks, parse_signals
 from ..training.job import accelerator_from_args, clear_interrupted_writes, finish_trackers
 from ..training.lora import LORA_WEIGHT_NAME, save_lora_zero3
 from ..training.parts import TrainedModel, adamw, backward_parts, prepare_first_part, step_part
@@ -159,6 +159,7 @@ class TextToImageTrainer:
     metric_history: list[dict[str, float]]
     memory: MemoryLog
     nonfinite: NonFiniteUpdates  # the updates skipped for non-finite values (--max_nonfinite_steps)
+    stop_signals: StopSignals  # --save_on_signal: noted while train() runs
     model_states: dict[str, int] | None  # bytes by kind, measured at the first step
 
     def __init__(self, args: TextToImageSettings):
@@ -168,6 +169,7 @@ class TextToImageTrainer:
         self.memory, self.model_states = MemoryLog(), None
         self.extra_parts = []
         self.nonfinite = NonFiniteUpdates(args.max_nonfinite_steps)
+        self.stop_signals = StopSignals(parse_signals(args.save_on_signal))
         self.trained_folder, self.second_denoiser, self.cp = None, None, None
         self._cuts: list = []  # per micro-batch: (part, kept outputs, cut outputs) to backward through
 
@@ -571,12 +573,15 @@ class TextToImageTrainer:
         into ``OUTPUT_DIR/<logging_dir>/train.log`` beside a progress bar, elsewhere printed as
         well (``training.report.StepOutput``)."""
         args, acc = self.args, self.accelerator
-        with StepOutput(
-            args.max_train_steps,
-            initial=self.global_step,
-            log_file=step_log_path(args.output_dir, args.logging_dir),
-            bar=acc.is_local_main_process,
-        ) as steps:
+        with (
+            StepOutput(
+                args.max_train_steps,
+                initial=self.global_step,
+                log_file=step_log_path(args.output_dir, args.logging_dir),
+                bar=acc.is_local_main_process,
+            ) as steps,
+            self.stop_signals,
+        ):
             return self._train_epochs(steps)
 
     def _train_epochs(self, steps: StepOutput) -> list[float]:
@@ -594,7 +599,7 @@ class TextToImageTrainer:
             self.epoch = epoch
             self.data.set_epoch(epoch)
             done_in_epoch = self.data.resume_batches if epoch == self.first_epoch else 0
-            accumulated, metrics, applied, bad_ranks = 0.0, {}, True, set()
+            accumulated, metrics, applied, bad_ranks, stop = 0.0, {}, True, set(), False
             for batch in epoch_batches(acc, self.loader, epoch, done_in_epoch):
                 first = not self.memory.has("first forward")
                 ddp_parts = [p.engine for p in self.extra_parts if not p.own_engine]
@@ -602,14 +607,15 @@ class TextToImageTrainer:
                     loss = self._loss(batch)
                     if first:
                         self.memory.mark("first forward")
-                    n = float(len(batch["index"]))  # each rank's loss weighs its samples
+                    # per rank: its loss times its samples, their number, whether it got a stop signal
+                    n, signalled = float(len(batch["index"])), float(self.stop_signals.received is not None)
+                    local = loss.new_tensor([n, signalled], dtype=torch.float32)
                     sums = acc.gather(
-                        torch.stack(
-                            [loss.detach().float() * n, loss.new_tensor(n, dtype=torch.float32)]
-                        ).reshape(1, 2)
+                        torch.cat([(loss.detach().float() * n).reshape(1), local]).reshape(1, 3)
                     ).tolist()
-                    accumulated += sum(s for s, _ in sums) / sum(c for _, c in sums)
-                    bad_ranks.update(nonfinite_ranks([s for s, _ in sums]))
+                    accumulated += sum(s for s, _, _ in sums) / sum(c for _, c, _ in sums)
+                    bad_ranks.update(nonfinite_ranks([s for s, _, _ in sums]))
+                    stop = stop or any(f for _, _, f in sums)
                     if self.batch_metrics:  # one gather for all of them
                         values = torch.stack([v.detach().float() for v in self.batch_metrics.values()])
                         means = acc.gather(values.unsqueeze(0)).mean(dim=0).tolist()
@@ -653,6 +659,8 @@ class TextToImageTrainer:
                     self._checkpoint(epoch, done_in_epoch)
                 if args.validation_steps and self.global_step % args.validation_steps == 0:
                     self.validate()
+                if stop:  # every rank: the step is done, its checkpoint published, then the job stops
+                    self._preempt(epoch, done_in_epoch)
                 if self.global_step >= args.max_train_steps:
                     break
             if not (resumed_at and epoch == self.first_epoch):  # a stream too short
@@ -676,6 +684,19 @@ class TextToImageTrainer:
             )
         self.data.log_end(acc)
         return losses
+
+    def _preempt(self, epoch: int, done_in_epoch: int) -> None:
+        """A rank got a ``--save_on_signal`` signal during this step: publish the step's
+        checkpoint (unless the schedule just did) and stop every rank (``Preempted``)."""
+        if self.global_step % self.args.checkpointing_steps:
+            self._checkpoint(epoch, done_in_epoch)
+        cause = self.stop_signals.received or "a signal on another rank"
+        message = (
+            f"preempted at step {self.global_step} ({cause}): checkpoint-{self.global_step} is published; "
+            "--resume_from_checkpoint latest continues the run"
+        )
+        log_rank_zero(message)
+        raise Preempted(message)
 
     def _first_step_measures(self) -> None:
         """After the first optimizer step, before zero_grad (a plain optimizer's gradients still

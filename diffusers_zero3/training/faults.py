@@ -1,4 +1,5 @@
-"""What a training loop does when an update comes out non-finite.
+"""What a training loop does when an update comes out non-finite, and when the scheduler is
+about to take the job away.
 
 A non-finite loss (on any rank) gives non-finite gradients on every rank once they are
 reduced, and so does an overflow in the backward. The update is then skipped on every rank
@@ -14,11 +15,17 @@ update left them.
 and stops the job (one ``error:`` line naming the step and the ranks) after more than
 ``--max_nonfinite_steps`` skips in a row: the weights are then those of the last applied
 update, and the latest checkpoint holds no non-finite value.
+
+``StopSignals`` notes a preemption signal (``--save_on_signal``); the loop then finishes the
+step it is in on every rank, publishes that step's checkpoint by the scheduled path and stops
+(``Preempted``; each rank exits with ``PREEMPTED_EXIT``).
 """
 
 from __future__ import annotations
 
 import math
+import signal
+import threading
 from collections.abc import Sequence
 
 from ..errors import UserError
@@ -76,3 +83,60 @@ class NonFiniteUpdates:
             "weights, optimizer, schedule and EMA unchanged)"
         )
         return False
+
+
+# -------------------------------------------------------------------------------- preemption
+
+# The exit status of a rank that stopped on a signal after publishing its checkpoint: sysexits'
+# EX_TEMPFAIL ("try again later"), so that a requeue script tells "preempted" from "failed" (1)
+# and from a usage error (2). A launcher that reports its workers' failures as its own status
+# (torchrun, ``accelerate launch``: 1) hides it; the package's console commands pass it on.
+PREEMPTED_EXIT = 75
+DEFAULT_STOP_SIGNALS = "SIGTERM,SIGUSR1"
+
+
+class Preempted(Exception):
+    """Training stopped on a signal (``--save_on_signal``) after the checkpoint of the step it
+    was in was published; ``--resume_from_checkpoint latest`` continues it exactly."""
+
+
+def parse_signals(spec: str) -> tuple[signal.Signals, ...]:
+    """``--save_on_signal``'s signals: a comma-separated list of names (``SIGTERM,SIGUSR1``; the
+    ``SIG`` prefix may be left out), or ``none``; ``ValueError`` naming an unknown one."""
+    if spec.strip().lower() == "none":
+        return ()
+    found = []
+    for name in (part.strip().upper() for part in spec.split(",") if part.strip()):
+        name = name if name.startswith("SIG") else f"SIG{name}"
+        if not hasattr(signal.Signals, name) or name in ("SIGKILL", "SIGSTOP"):
+            raise ValueError(f"--save_on_signal: {name} is not a signal a process can catch")
+        found.append(signal.Signals[name])
+    return tuple(found)
+
+
+class StopSignals:
+    """While entered, the signals a scheduler sends before it kills a job (SLURM's and
+    Kubernetes' SIGTERM, SLURM's ``--signal=USR1@...``) are only noted: ``received`` names the
+    first. The loop asks every rank at each micro-batch (inside a gather it does anyway), and at
+    the step's end every rank checkpoints and stops together (``Preempted``): a signal that
+    arrives during a checkpoint lets that save finish. Not a collective."""
+
+    def __init__(self, signals: tuple[signal.Signals, ...]):
+        self.signals = signals
+        self.received: str | None = None
+        self._previous: dict[signal.Signals, object] = {}
+
+    def _note(self, signum: int, frame) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():  # handlers live in the main thread
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()

@@ -24,6 +24,7 @@ from ..runtime.launch import warn_about_locks_older_than_launch
 from ..runtime.user_errors import USER_ERROR_EXIT, print_user_error
 from ..runtime.zero3 import is_zero3_enabled, set_moe_leaf_modules, zero3_init_disabled
 from ..state.pretrained import load_pretrained_zero3
+from .faults import PREEMPTED_EXIT, Preempted
 
 GRAD_ACC_ENV = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
 USER_ERRORS = (UserError,)
@@ -159,6 +160,8 @@ def run_script(body: Callable[[], None]) -> int:
     * A usage problem (``ArgumentError``, ``DataError``, ``CheckpointError``) prints one line
       ``error: <what is wrong>``, from the first local rank that raised it (the others stay
       silent: ``runtime.user_errors``), and exits with code 2 on every rank that raised it.
+    * A preemption (``training.faults.Preempted``: a signal, the step's checkpoint published)
+      exits with code 75 (``PREEMPTED_EXIT``) on every rank.
     * Any other exception prints its traceback and exits with code 1.
     * Under ``torch.distributed`` a failing rank leaves with ``os._exit`` at once: tearing
       down a process group whose peers are gone or stuck can hang or abort, and the peers
@@ -173,6 +176,8 @@ def run_script(body: Callable[[], None]) -> int:
     except USER_ERRORS as e:
         print_user_error(str(e))
         code = USER_ERROR_EXIT
+    except Preempted:
+        code = PREEMPTED_EXIT  # every rank, its checkpoint published (the loop logged it)
     except BaseException:
         if not torch.distributed.is_initialized():
             raise
