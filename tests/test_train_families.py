@@ -183,7 +183,7 @@ def test_llm_encoder_sharded_ema_checkpoint_exact_resume_and_output(
         )
         assert before.keys() == after[denoiser].keys()
         assert any(not torch.equal(before[k], after[denoiser][k]) for k in before), denoiser
-    untrained = [d for d in getattr(family, "pipeline_denoisers", ()) if d not in trained]  # Ideogram 4's
+    untrained = [d for d in family.pipeline_denoisers if d not in trained]  # Ideogram 4's
     for component in (*family.frozen_components, *family.tokenizer_folders, *untrained):
         source = Path(pipe) / component
         if source.is_dir():

@@ -231,6 +231,9 @@ class Family:
     registered_config: ClassVar[tuple[str, ...]] = ()
     # The least side of a source image its pipelines take (Flux.2's check_image_input: 64)
     least_source_side: ClassVar[int] = 0
+    # The diffusers pipeline that runs a ControlNet beside this family's denoiser (None: the
+    # ControlNet trainer refuses the family)
+    controlnet_pipeline_class: ClassVar[str | None] = None
     # One timestep per latent token (Wan 2.2 TI2V-5B's registered flag; the others: one per sample)
     expand_timesteps: ClassVar[bool] = False
 

@@ -3,6 +3,8 @@ a UNet trained with DDPM noise prediction; latents scaled by the VAE's ``scaling
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from .base import Family, PublishedConfig, TextEncoderSpec
@@ -12,6 +14,8 @@ from .published import CLIP_L, VAE_SD
 
 class StableDiffusion(Family):
     """SD 1.x / 2.x: one CLIP text encoder, its last hidden state."""
+
+    controlnet_pipeline_class: ClassVar[str | None] = "StableDiffusionControlNetPipeline"
 
     def encode_text(self, name, encoder, input_ids, attention_mask=None):
         # The pipeline passes no mask unless the encoder's config asks for one (SD 1.x/2.x do not).

@@ -39,6 +39,8 @@ class StableDiffusionXL(StableDiffusion):
     """SDXL: the penultimate hidden states of CLIP-L and OpenCLIP-bigG, concatenated; the
     second encoder's pooled (projected) output as ``text_embeds``; ``time_ids`` per image."""
 
+    controlnet_pipeline_class: ClassVar[str | None] = "StableDiffusionXLControlNetPipeline"
+
     # StableDiffusionXLPipeline's registered value (model_index.json; detect_family reads it):
     # zeros, or the empty prompt's states, as CFG's negative conditioning in validation's pipeline
     registered_config: ClassVar[tuple[str, ...]] = ("force_zeros_for_empty_prompt",)

@@ -27,10 +27,6 @@ from ..training.report import log_outputs, log_validation_images
 from .text_to_image import TextToImageTrainer
 from .text_to_image_settings import TextToImageSettings
 
-CONTROLNET_PIPELINES = {
-    "sd": "StableDiffusionControlNetPipeline",
-    "sdxl": "StableDiffusionXLControlNetPipeline",
-}
 # the UNet's modules a new ControlNet copies (ControlNetModel.from_unet)
 FROM_UNET = (
     "conv_in.",
@@ -218,7 +214,7 @@ class ControlNetTrainer(TextToImageTrainer):
         from ..state.pretrained import load_pretrained_zero3, resolve_model_folder
 
         args = self.args
-        if self.family.name not in CONTROLNET_PIPELINES:
+        if self.family.controlnet_pipeline_class is None:
             raise ArgumentError(f"train_controlnet.py trains ControlNets of SD and SDXL pipelines, not of a "
                                 f"{self.family.pipeline_class}")  # fmt: skip
         if self._fixed_crop() is not None and not self.family.uses_time_ids:
@@ -338,7 +334,7 @@ class ControlNetTrainer(TextToImageTrainer):
         for spec in self.family.text_encoders:
             kwargs[spec.name] = modules[spec.name]
             kwargs[spec.tokenizer] = self.tokenizers[spec.name]
-        return getattr(diffusers, CONTROLNET_PIPELINES[self.family.name])(**kwargs)
+        return getattr(diffusers, self.family.controlnet_pipeline_class)(**kwargs)
 
     def validate(self) -> None:
         """For each validation prompt: its conditioning image beside the samples the ControlNet
@@ -403,5 +399,7 @@ class ControlNetTrainer(TextToImageTrainer):
             else:
                 save_pretrained_zero3(self.denoiser, staging)
         finish_trackers(self.accelerator)
-        note = f"ControlNetModel.from_pretrained; {CONTROLNET_PIPELINES[self.family.name]} with the base pipeline"
+        note = (
+            f"ControlNetModel.from_pretrained; {self.family.controlnet_pipeline_class} with the base pipeline"
+        )
         log_outputs([("ControlNet", final, note), *self._run_outputs()])
