@@ -10,13 +10,15 @@ import torch
 from diffusers_zero3.training.lora import LORA_WEIGHT_NAME
 from tests.distributed_harness import (
     accelerate_launch,
+    first_launches_fixture,
+    first_run,
     resume_in_fresh_folder,
-    run_launcher,
     run_on_ranks,
     step_values,
 )
 
-LAUNCH = accelerate_launch("scripts/train_text_to_image.py")
+SCRIPT = "scripts/train_text_to_image.py"
+LAUNCH = accelerate_launch(SCRIPT)
 
 
 def _fresh_adapters(unet, seed: int | None) -> dict[str, torch.Tensor]:
@@ -128,17 +130,42 @@ def _lora_image(base: str, lora_dir: str | None, **kwargs):
                 generator=torch.Generator().manual_seed(0), **kwargs).images  # fmt: skip
 
 
+def _sd_common(pipe: str, data: str) -> list[str]:
+    return ["--pretrained_model_name_or_path", pipe, "--train_data_dir", data, "--resolution", "32",
+            "--center_crop", "--train_batch_size", "2", "--max_train_steps", "4", "--learning_rate", "1e-2",
+            "--lr_warmup_steps", "0", "--seed", "4", "--report_to", "none", "--rank", "4", "--use_ema",
+            "--checkpointing_steps", "2", "--text_encoder_placement", "shard"]  # fmt: skip
+
+
+def _sd_argv(request, folder):
+    pipe, data, _ = request.getfixturevalue("default_data")
+    return [*accelerate_launch(SCRIPT), *_sd_common(pipe, data), "--output_dir", str(folder / "run")]
+
+
+def _flux_argv(request, folder):
+    pipe, data = request.getfixturevalue("tiny_flux")
+    return [*accelerate_launch(SCRIPT), "--pretrained_model_name_or_path", pipe, "--train_data_dir", data,
+            "--resolution", "32", "--center_crop", "--train_batch_size", "2", "--max_train_steps", "3",
+            "--learning_rate", "1e-2", "--lr_warmup_steps", "0", "--seed", "4", "--report_to", "none", "--rank", "4",
+            "--text_encoder_2_placement", "shard", "--max_sequence_length", "16", "--output_dir", str(folder / "run"),
+            "--validation_prompts", "a red circle", "--validation_steps", "3",
+            "--num_validation_inference_steps", "2"]  # fmt: skip
+
+
+# The two script tests' first launches run side by side (``first_runs``); the resume runs in its test.
+first_runs = first_launches_fixture({
+    "test_sd_lora_script_ema_exact_resume_and_output_that_loads": _sd_argv,
+    "test_flux_lora_script_with_t5_sharded": _flux_argv,
+})  # fmt: skip
+
+
 @pytest.mark.e2e
-def test_sd_lora_script_ema_exact_resume_and_output_that_loads(default_data, tmp_path):
+def test_sd_lora_script_ema_exact_resume_and_output_that_loads(default_data, first_runs, request):
     from safetensors.torch import load_file
 
     pipe, data, _ = default_data
-    out = tmp_path / "run"
-    common = ["--pretrained_model_name_or_path", pipe, "--train_data_dir", data, "--resolution", "32",
-              "--center_crop", "--train_batch_size", "2", "--max_train_steps", "4", "--learning_rate", "1e-2",
-              "--lr_warmup_steps", "0", "--seed", "4", "--report_to", "none", "--rank", "4", "--use_ema",
-              "--checkpointing_steps", "2", "--text_encoder_placement", "shard"]  # fmt: skip
-    _, log = run_launcher([*LAUNCH, *common, "--output_dir", str(out)], timeout=400)
+    log, tmp_path = first_run(first_runs, request)
+    out, common = tmp_path / "run", _sd_common(pipe, data)
     losses = step_values(log)
     assert sorted(losses) == [1, 2, 3, 4], log[-3000:]
     assert "LoRA rank 4 on to_k, to_q, to_v, to_out.0" in log
@@ -165,16 +192,10 @@ def test_sd_lora_script_ema_exact_resume_and_output_that_loads(default_data, tmp
 
 
 @pytest.mark.e2e
-def test_flux_lora_script_with_t5_sharded(tiny_flux, tmp_path):
-    pipe, data = tiny_flux
+def test_flux_lora_script_with_t5_sharded(tiny_flux, first_runs, request):
+    pipe = tiny_flux[0]
+    log, tmp_path = first_run(first_runs, request)
     out = tmp_path / "run"
-    argv = [*LAUNCH, "--pretrained_model_name_or_path", pipe, "--train_data_dir", data, "--resolution", "32",
-            "--center_crop", "--train_batch_size", "2", "--max_train_steps", "3", "--learning_rate", "1e-2",
-            "--lr_warmup_steps", "0", "--seed", "4", "--report_to", "none", "--rank", "4",
-            "--text_encoder_2_placement", "shard", "--max_sequence_length", "16", "--output_dir", str(out),
-            "--validation_prompts", "a red circle", "--validation_steps", "3",
-            "--num_validation_inference_steps", "2"]  # fmt: skip
-    _, log = run_launcher(argv, timeout=400)
     assert sorted(step_values(log)) == [1, 2, 3], log[-3000:]
     assert "ff_context.net.2" in log  # the Flux LoRA script's targets
     assert (out / "validation" / "step-000003.png").exists()
