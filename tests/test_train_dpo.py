@@ -10,9 +10,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.distributed_harness import accelerate_launch, resume_in_fresh_folder, run_launcher, step_values
+from tests.distributed_harness import (
+    accelerate_launch,
+    first_launches_fixture,
+    first_run,
+    resume_in_fresh_folder,
+    step_values,
+)
 
-LAUNCH = accelerate_launch("scripts/train_dpo.py")
+SCRIPT = "scripts/train_dpo.py"
+LAUNCH = accelerate_launch(SCRIPT)
 
 
 @pytest.mark.unit
@@ -82,16 +89,39 @@ def _common(pipe: str, data: str, steps: int) -> list[str]:
             "--learning_rate", "1e-3", "--lr_warmup_steps", "0", "--seed", "2", "--report_to", "none"]  # fmt: skip
 
 
+def _full_common(pipe: str, preferences: str) -> list[str]:
+    return [*_common(pipe, preferences, 4), "--rank", "0", "--reference_placement", "shard",
+            "--checkpointing_steps", "2", "--use_ema"]  # fmt: skip
+
+
+def _full_argv(request, folder):
+    pipe, preferences = request.getfixturevalue("default_data")[0], request.getfixturevalue("preferences")
+    return [*accelerate_launch(SCRIPT), *_full_common(pipe, preferences), "--output_dir", str(folder / "run")]
+
+
+def _lora_argv(request, folder):
+    pipe, preferences = request.getfixturevalue("default_data")[0], request.getfixturevalue("preferences")
+    return [*accelerate_launch(SCRIPT), *_common(pipe, preferences, 3), "--output_dir", str(folder / "run"),
+            "--text_encoder_placement", "shard"]  # fmt: skip
+
+
+# The two e2e tests' first launches run side by side (``first_runs``); the resume runs in its test.
+first_runs = first_launches_fixture({
+    "test_dpo_full_fine_tune_with_a_sharded_reference_and_exact_resume": _full_argv,
+    "test_dpo_lora_default_rank_reference_is_the_base_without_adapters": _lora_argv,
+})  # fmt: skip
+
+
 @pytest.mark.e2e
-def test_dpo_full_fine_tune_with_a_sharded_reference_and_exact_resume(default_data, preferences, tmp_path):
+def test_dpo_full_fine_tune_with_a_sharded_reference_and_exact_resume(
+    default_data, preferences, first_runs, request
+):
     from diffusers import StableDiffusionPipeline
     from safetensors.torch import load_file
 
     pipe, _, _ = default_data
-    out = tmp_path / "run"
-    common = [*_common(pipe, preferences, 4), "--rank", "0", "--reference_placement", "shard",
-              "--checkpointing_steps", "2", "--use_ema"]  # fmt: skip
-    _, log = run_launcher([*LAUNCH, *common, "--output_dir", str(out)], timeout=400)
+    log, tmp_path = first_run(first_runs, request)
+    out, common = tmp_path / "run", _full_common(pipe, preferences)
     losses, acc = step_values(log), step_values(log, "implicit_acc")
     assert sorted(losses) == [1, 2, 3, 4] and sorted(acc) == [1, 2, 3, 4], log[-3000:]
     assert "12 preference pairs (2 ties dropped)" in log
@@ -120,11 +150,9 @@ def test_dpo_full_fine_tune_with_a_sharded_reference_and_exact_resume(default_da
 
 
 @pytest.mark.e2e
-def test_dpo_lora_default_rank_reference_is_the_base_without_adapters(default_data, preferences, tmp_path):
-    pipe, _, _ = default_data
+def test_dpo_lora_default_rank_reference_is_the_base_without_adapters(first_runs, request):
+    log, tmp_path = first_run(first_runs, request)
     out = tmp_path / "run"
-    _, log = run_launcher([*LAUNCH, *_common(pipe, preferences, 3), "--output_dir", str(out),
-                           "--text_encoder_placement", "shard"], timeout=400)  # fmt: skip
     assert sorted(step_values(log)) == [1, 2, 3], log[-3000:]
     assert "LoRA rank 4" in log and "reference: the base denoiser with the LoRA adapters disabled" in log
     # Step 1: the adapters start at zero (lora_B = 0), so the trained and reference errors
