@@ -120,7 +120,7 @@ from ..state.pipeline_io import (
 )
 from ..state.pretrained import resolve_model_folder
 from ..state.resume import resume_training, save_training_checkpoint
-from ..training.faults import NonFiniteUpdates, Preempted, StopSignals, parse_signals
+from ..training.faults import NonFiniteUpdates, StopSignals, parse_signals
 from ..training.job import (
     GRAD_ACC_ENV,
     clear_interrupted_writes,
@@ -1376,13 +1376,7 @@ class GRPOTrainer:
             return
         if self.global_step % self.args.checkpointing_steps:
             self._checkpoint()
-        cause = self.stop_signals.received or "a signal on another rank"
-        message = (
-            f"preempted after round {self.global_step} ({cause}): checkpoint-{self.global_step} is published; "
-            "--resume_from_checkpoint latest continues the run"
-        )
-        log_rank_zero(message)
-        raise Preempted(message)
+        self.stop_signals.stop("after round", self.global_step)
 
     def _evaluate_when_due(self) -> None:
         """Evaluate before round ``global_step`` when ``--eval_steps`` divides it and it has not been

@@ -79,7 +79,7 @@ from ..training.denoisers import (
     prepare_second_denoiser,
     set_denoiser_kernels,
 )
-from ..training.faults import NonFiniteUpdates, Preempted, StopSignals, nonfinite_ranks, parse_signals
+from ..training.faults import NonFiniteUpdates, StopSignals, nonfinite_ranks, parse_signals
 from ..training.job import accelerator_from_args, clear_interrupted_writes, finish_trackers
 from ..training.lora import LORA_WEIGHT_NAME, save_lora_zero3
 from ..training.parts import TrainedModel, adamw, backward_parts, prepare_first_part, step_part
@@ -690,13 +690,7 @@ class TextToImageTrainer:
         checkpoint (unless the schedule just did) and stop every rank (``Preempted``)."""
         if self.global_step % self.args.checkpointing_steps:
             self._checkpoint(epoch, done_in_epoch)
-        cause = self.stop_signals.received or "a signal on another rank"
-        message = (
-            f"preempted at step {self.global_step} ({cause}): checkpoint-{self.global_step} is published; "
-            "--resume_from_checkpoint latest continues the run"
-        )
-        log_rank_zero(message)
-        raise Preempted(message)
+        self.stop_signals.stop("at step", self.global_step)
 
     def _first_step_measures(self) -> None:
         """After the first optimizer step, before zero_grad (a plain optimizer's gradients still

@@ -27,6 +27,7 @@ import math
 import signal
 import threading
 from collections.abc import Sequence
+from typing import NoReturn
 
 from ..errors import UserError
 from ..runtime.distributed import log_rank_zero
@@ -140,3 +141,14 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+    def stop(self, where: str, step: int) -> NoReturn:
+        """Log that the job stops on the signal ``where`` (``"at step"``, ``"after round"``)
+        ``step``, whose checkpoint the caller published, and raise ``Preempted`` (every rank)."""
+        cause = self.received or "a signal on another rank"
+        message = (
+            f"preempted {where} {step} ({cause}): checkpoint-{step} is published; "
+            "--resume_from_checkpoint latest continues the run"
+        )
+        log_rank_zero(message)
+        raise Preempted(message)
