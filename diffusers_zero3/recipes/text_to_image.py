@@ -383,7 +383,7 @@ class TextToImageTrainer:
             max_sequence_length=args.max_sequence_length,
             clips=data.rows if self.family.video else None,
             buckets=data.buckets,
-            row_buckets=data.rows.row_buckets if data.buckets is not None else None,
+            row_buckets=data.row_buckets,
             interpolation=args.image_interpolation_mode,
         )
         if self.frozen.cache is not None:
@@ -718,14 +718,17 @@ class TextToImageTrainer:
         if not args.validation_prompts:
             return
         reached("validation")
+        sources = validation_sources(args, self._reads_pairs)  # an editing family's, read once
         with contextlib.ExitStack() as stack:
             modules = stack.enter_context(self.frozen.validation_modules(acc))
             for ema in [self.ema, *(p.ema for p in self.extra_parts)]:
                 if ema is not None:
                     stack.enter_context(ema.averaged_weights())
-            modules.update({part.name: part.module for part in self.extra_parts})  # trained encoders, experts
-            trained = {self.trained_folder: getattr(self.denoiser, "module", self.denoiser)}
-            trained.update({part.name: part.module for part in self.extra_parts})
+            extra = {
+                part.name: part.module for part in self.extra_parts
+            }  # trained encoders, a second denoiser
+            modules.update(extra)
+            trained = {self.trained_folder: getattr(self.denoiser, "module", self.denoiser), **extra}
             denoiser = stack.enter_context(
                 pipeline_denoisers(acc, self.family, self.source, self.component_sources, trained, args,
                                    self.frozen.dtype)
@@ -747,11 +750,10 @@ class TextToImageTrainer:
                 dtype=self.frozen.dtype,
                 height=args.height,
                 width=args.width,
-                sources=validation_sources(args, self._reads_pairs),
+                sources=sources,
                 **self.family.validation_kwargs(args.max_sequence_length, args.guidance_scale),
             )
         if acc.is_main_process:
-            sources = validation_sources(args, self._reads_pairs)
             write_validation(images, sources, args.output_dir, self.global_step, acc.trackers)
 
     # ------------------------------------------------------------------ output
