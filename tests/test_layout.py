@@ -81,3 +81,40 @@ def test_no_module_imports_itself_back_at_import_time():
     assert cycles_of({"a": {"b"}, "b": {"c"}, "c": {"a"}}), "the control: a circle is found"
     cycles = cycles_of(_imports(module_level_only=True))
     assert not cycles, "\n".join(cycles)
+
+
+# Functions of the library with more than MAX_PARAMETERS named parameters (self and cls not
+# counted, nor *args and **kwargs); issue 52 asks for none. A ratchet: lower it as they go.
+MAX_PARAMETERS = 8
+MOST_LONG_SIGNATURES = 22
+
+
+def long_signatures(package=PACKAGE, limit: int = MAX_PARAMETERS) -> list[str]:
+    """``path:line name (n)`` of each function under ``package`` with more than ``limit``
+    named parameters, longest first."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+                if names[:1] in (["self"], ["cls"]):
+                    names = names[1:]
+                if len(names) > limit:
+                    found.append(
+                        (len(names), f"{path.relative_to(package.parent)}:{node.lineno} {node.name}")
+                    )
+    return [f"{where} ({n})" for n, where in sorted(found, key=lambda f: (-f[0], f[1]))]
+
+
+def test_long_signatures_only_go_down(tmp_path):
+    control = tmp_path / "control.py"
+    control.write_text(
+        "def f(a, b, c, d, e, f, g, h, i): ...\nclass C:\n    def m(self, a, b, c, d, e, f, g, h): ...\n"
+    )
+    assert [s.split()[1] for s in long_signatures(tmp_path)] == ["f"], "the control: 9 counted, self not"
+    found = long_signatures()
+    assert len(found) <= MOST_LONG_SIGNATURES, (
+        f"{len(found)} functions take more than {MAX_PARAMETERS} parameters (at most {MOST_LONG_SIGNATURES}): "
+        "group the ones that travel together into a small dataclass\n" + "\n".join(found)
+    )
