@@ -137,3 +137,99 @@ QWEN3_VL_4B = shrink(  # Qwen/Qwen3-VL-4B-Instruct (Krea 2's text encoder): tied
     ),
     tie_word_embeddings=True,
 )
+
+# The reward models the planner sizes by name (``placement.rl_plan``: ``--reward pickscore``,
+# ``--reward vlm:qwen2-vl-7b``): their published configs, the keys that set parameter shapes.
+# laion/CLIP-ViT-H-14-laion2B-s32B-b79K's config.json, which yuvalkirstain/PickScore_v1 shares and
+# open_clip's ViT-H-14 (HPSv2's) gives (``rewards.hps.vit_h14_config``): 986 M parameters.
+CLIP_VIT_H14 = dict(
+    text_config=dict(
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_attention_heads=16,
+        num_hidden_layers=24,
+        max_position_embeddings=77,
+        vocab_size=49408,
+        hidden_act="gelu",
+        layer_norm_eps=1e-5,
+        projection_dim=1024,
+        bos_token_id=49406,
+        eos_token_id=49407,
+        pad_token_id=49407,
+    ),
+    vision_config=dict(
+        hidden_size=1280,
+        intermediate_size=5120,
+        num_attention_heads=16,
+        num_hidden_layers=32,
+        image_size=224,
+        patch_size=14,
+        hidden_act="gelu",
+        layer_norm_eps=1e-5,
+        projection_dim=1024,
+    ),
+    projection_dim=1024,
+)
+CLIP_VIT_L14 = dict(  # openai/clip-vit-large-patch14 (CLIP-L's text tower is SD's text encoder): 428 M
+    text_config=CLIP_L,
+    vision_config=dict(
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_attention_heads=16,
+        num_hidden_layers=24,
+        image_size=224,
+        patch_size=14,
+        hidden_act="quick_gelu",
+        projection_dim=768,
+    ),
+    projection_dim=768,
+)
+# THUDM/ImageReward: BLIP's ViT-L/16 at 224 px (``BLIP_Pretrain(vit="large")``) and the text
+# encoder of its med_config.json (BERT-base with a cross-attention to the image tokens in every
+# layer, 30524 tokens: bert-base-uncased's and BLIP's [DEC] and [ENC])
+BLIP_VIT_L16 = dict(
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    image_size=224,
+    patch_size=16,
+    hidden_act="gelu",
+    layer_norm_eps=1e-6,
+)
+IMAGEREWARD_TEXT = dict(  # as rewards.imagereward.text_config builds it from med_config.json
+    vocab_size=30524,
+    hidden_size=768,
+    encoder_hidden_size=1024,  # the ViT's width (BLIP_Pretrain sets encoder_width to it)
+    intermediate_size=3072,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    max_position_embeddings=512,
+    is_decoder=True,  # builds the cross-attention layers
+)
+REWARD_HEAD = (768, 1024, 128, 64, 16, 1)  # the MLP of ImageReward and of LAION's aesthetic predictor
+QWEN2_VL_7B = dict(  # Qwen/Qwen2-VL-7B-Instruct (HPSv3's base): 8.29 B
+    text_config=dict(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+    ),
+    vision_config=dict(
+        depth=32,
+        embed_dim=1280,
+        mlp_ratio=4,
+        num_heads=16,
+        hidden_size=3584,  # the merger's output: the language model's width
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        in_channels=3,
+        hidden_act="quick_gelu",
+    ),
+    tie_word_embeddings=False,
+)

@@ -4,6 +4,7 @@ the fastest set of placements that fits the device memory.
     python -m diffusers_zero3.placement.plan PIPELINE [--num_processes N] [--device_memory 80GiB]
         [--mixed_precision bf16] [--use_ema] [--rank R] [--offload frozen|optimizer|all]
         [--fixed_data] [--reference] [--reward_model NAME=FOLDER ...] [--json]
+        [--rl grpo|nft --reward NAME ... --group_size G --prompts_per_round P ...]
 
 ``PIPELINE`` is a local pipeline folder, a hub id (only its ``*.json`` configs are fetched), or
 one of the carried configs (``known_pipelines``: SD 1.5, SDXL, SD3 medium, FLUX.1 [dev]).
@@ -32,6 +33,10 @@ of the training dtype, the trained model's persistence threshold and bucket size
   reference is the base with the adapters off and costs nothing) and reward models
   (``--reward_model NAME=FOLDER``, a folder or hub id with the model's ``config.json``): frozen
   models as above, never cached (they see fresh samples every step).
+* ``--rl grpo|nft`` (``placement.rl_plan``): an online RL job: built-in rewards by name
+  (``--reward pickscore --reward vlm``) at their published sizes, the round's sampled latents,
+  log-probabilities, conditioning and images per rank, DiffusionNFT's old policy, and every
+  placement of the reference and the rewards with whether it fits.
 
 Activations are not counted in the recommendation: it keeps ``--margin`` (default 25 %) of the
 device memory free for them. For a Wan transformer (video) the plan adds ``activations``: the
@@ -895,20 +900,27 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--margin", type=float, default=0.25, help="share of the device memory kept free")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    from .rl_plan import add_rl_arguments  # the RL mode (--rl): its own module, which imports this one
+
+    add_rl_arguments(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """Print the plan (a table, or JSON with ``--json``); a bad input is one ``error:`` line
     on stderr and exit code 2."""
+    from .rl_plan import format_rl_table, make_rl_plan, rl_options_from_args
+
     args = parser().parse_args(argv)
     try:
         options = options_from_args(args)
-        plan = make_plan(args.pipeline, options)
+        rl = rl_options_from_args(args)
+        plan = make_plan(args.pipeline, options) if rl is None else make_rl_plan(args.pipeline, options, rl)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(plan, indent=1) if args.json else format_table(plan))
+    table = format_table if rl is None else format_rl_table
+    print(json.dumps(plan, indent=1) if args.json else table(plan))
     return 0
 
 

@@ -27,6 +27,7 @@ the highest id, which both towers pool at (open_clip by ``argmax`` of the ids).
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..families.published import CLIP_VIT_H14
 from .builtin import ClipTextImageReward
 from .images import CLIP_MEAN, CLIP_STD, ClipImageConfig, check_images
 
@@ -51,21 +53,11 @@ def vit_h14_config() -> Any:
     """The ``CLIPConfig`` of open_clip's ``ViT-H-14`` (``model_configs/ViT-H-14.json``: embed
     1024; vision 32 layers of width 1280, head width 80, patch 14 at 224; text 24 layers of
     width 1024, 16 heads, 77 positions, 49408 tokens; MLP ratio 4, exact GELU, LayerNorm eps
-    1e-5), as ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``'s ``config.json`` gives it."""
+    1e-5), as ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``'s ``config.json`` gives it: the planner's
+    ``families.published.CLIP_VIT_H14``."""
     from transformers import CLIPConfig
 
-    return CLIPConfig(
-        text_config=dict(
-            hidden_size=1024, intermediate_size=4096, num_attention_heads=16, num_hidden_layers=24,
-            max_position_embeddings=77, vocab_size=49408, hidden_act="gelu", layer_norm_eps=1e-5,
-            projection_dim=1024, bos_token_id=49406, eos_token_id=49407, pad_token_id=49407,
-        ),
-        vision_config=dict(
-            hidden_size=1280, intermediate_size=5120, num_attention_heads=16, num_hidden_layers=32,
-            image_size=224, patch_size=14, hidden_act="gelu", layer_norm_eps=1e-5, projection_dim=1024,
-        ),
-        projection_dim=1024,
-    )  # fmt: skip
+    return CLIPConfig(**copy.deepcopy(CLIP_VIT_H14))
 
 
 # ------------------------------------------------------------------ open_clip -> CLIPModel
