@@ -180,6 +180,8 @@ def test_the_combinations_say_which_placements_fit(tiny_pipeline):
     )
     assert crowded["rl"]["round"]["bytes_per_rank"] > 3 * GIB and not crowded["fits"]
     assert not any(c["fits"] for c in crowded["rl"]["combinations"])
+    # more ranks spread the round's samples too: the advice is checked by planning again
+    assert any(a.startswith("it would fit on ") for a in crowded["advice"]), crowded["advice"]
     allowed = make_rl_plan(tiny_pipeline, replace(options, offload="frozen"), rl)
     assert {c["placements"]["reward:pickscore"] for c in allowed["rl"]["combinations"]} == {
         "replicate",

@@ -152,13 +152,14 @@ PUBLISHED_REWARDS: dict[str, PublishedReward] = {
 
 
 def reward_placements(
-    reward: PublishedReward, world_size: int, mixed_precision: str
+    reward: PublishedReward, world_size: int, mixed_precision: str, module: torch.nn.Module | None = None
 ) -> dict[str, dict[str, int]]:
     """Bytes per rank of a built-in reward model by placement, in the dtype the recipe runs it
     in: ``replicate`` the whole model, ``shard`` DeepSpeed's partition (plus the parameters under
     its persistence threshold, whole), ``offload`` nothing on the device (the shard in host
-    memory). No ``cache``: it scores fresh samples every round."""
-    module = reward.meta_module()
+    memory). No ``cache``: it scores fresh samples every round. ``module``: its
+    ``meta_module()`` already built."""
+    module = reward.meta_module() if module is None else module
     dtype = reward.dtype(mixed_precision)
     shard = placement_bytes_per_rank(module, "shard", world_size, dtype)
     replicate = placement_bytes_per_rank(module, "replicate", world_size, dtype)
@@ -255,7 +256,13 @@ def latent_shape(components: dict, family, options: PlanOptions) -> tuple[int, .
     the latent frames of ``options.num_frames``)."""
     vae_config = components["vae"].config
     height, width = options.height or options.resolution, options.width or options.resolution
-    shape = list(family.denoiser_latent_shape(vae_config, height, width))
+    if family.video and "z_dim" in vae_config:  # Wan's VAE config has no block_out_channels
+        from ..families.wan import vae_compression
+
+        spatial = vae_compression(vae_config)[1]
+        shape = [vae_config["z_dim"], 1, height // spatial, width // spatial]
+    else:
+        shape = list(family.denoiser_latent_shape(vae_config, height, width))
     if family.video:
         shape[-3] = family.latent_frames(options.num_frames, vae_config)
     return tuple(shape)
@@ -317,23 +324,8 @@ def make_rl_plan(pipeline: str, options: PlanOptions, rl: RLOptions) -> dict:
     check_rl_options(rl, options)
     options = replace(options, fixed_data=False)  # nothing is cached: every round's samples are new
     family, components = job_components(pipeline, options)
-    rows = _plan(components, family, options)["components"]
-    for row in rows.values():  # the recipe places its frozen models live (replicate, shard, offload)
-        row["placements"].pop("cache", None)
-    for name in rl.rewards:
-        reward = PUBLISHED_REWARDS[name]
-        rows[f"reward:{name}"] = {
-            "class": reward.class_name,
-            "parameters": sum(p.numel() for p in reward.meta_module().parameters()),
-            "trainable": False,
-            "placements": reward_placements(reward, options.num_processes, options.mixed_precision),
-            "cacheable": False,
-            "dtype": str(reward.dtype(options.mixed_precision)).removeprefix("torch."),
-            "hub_id": reward.hub_id,
-        }
-    policy = rows[family.denoiser]
-    round_ = round_bytes(components, family, options, rl)
-    old = old_policy_bytes(policy["placements"]["shard"], options, rl)
+    modules = {name: PUBLISHED_REWARDS[name].meta_module() for name in rl.rewards}
+    rows, round_, old = _rl_rows(components, family, options, rl, modules)
     fixed = round_["bytes_per_rank"] + old
     chosen = _recommend_with(rows, options, fixed, options.fixed_placements)
     rl_models = [n for n in rows if n == "reference" or n.startswith("reward:")]
@@ -363,7 +355,62 @@ def make_rl_plan(pipeline: str, options: PlanOptions, rl: RLOptions) -> dict:
             "combinations": combinations,
         },
     }
+    if not plan["fits"]:
+        plan["advice"] = _rl_advice(components, family, options, rl, modules)
     return plan
+
+
+def _rl_rows(components: dict, family, options: PlanOptions, rl: RLOptions, modules: dict) -> tuple:
+    """``(rows, round, old policy bytes)``: the plan's component rows (no cache rows: the recipe
+    places its frozen models live) with each reward's, the round's bytes by field and the old
+    policy's bytes per rank. ``modules``: each reward's meta module."""
+    rows = _plan(components, family, options)["components"]
+    for row in rows.values():
+        row["placements"].pop("cache", None)
+    for name in rl.rewards:
+        reward = PUBLISHED_REWARDS[name]
+        rows[f"reward:{name}"] = {
+            "class": reward.class_name,
+            "parameters": sum(p.numel() for p in modules[name].parameters()),
+            "trainable": False,
+            "placements": reward_placements(
+                reward, options.num_processes, options.mixed_precision, modules[name]
+            ),
+            "cacheable": False,
+            "dtype": str(reward.dtype(options.mixed_precision)).removeprefix("torch."),
+            "hub_id": reward.hub_id,
+        }
+    round_ = round_bytes(components, family, options, rl)
+    old = old_policy_bytes(rows[family.denoiser]["placements"]["shard"], options, rl)
+    return rows, round_, old
+
+
+def _rl_advice(components: dict, family, options: PlanOptions, rl: RLOptions, modules: dict) -> list[str]:
+    """Sentences naming changes that would make the RL job fit, each checked by planning again:
+    more processes (the round's samples spread too), LoRA, ``--offload all``."""
+    advice = []
+    n = options.num_processes
+    while n < 1024:
+        n *= 2
+        if _rl_fits(components, family, replace(options, num_processes=n), rl, modules):
+            advice.append(f"it would fit on {n} processes (--num_processes {n})")
+            break
+    else:
+        advice.append("it does not fit on up to 1024 processes")
+    for text, change in (
+        ("with --offload all (frozen shards and the optimizer in host memory)", {"offload": "all"}),
+        ("with LoRA (--rank 64)", {"rank": 64}),
+    ):
+        if any(getattr(options, k) == v for k, v in change.items()) or ("rank" in change and options.rank):
+            continue
+        if _rl_fits(components, family, replace(options, **change), rl, modules):
+            advice.append(f"it would fit at --num_processes {options.num_processes} {text}")
+    return advice
+
+
+def _rl_fits(components: dict, family, options: PlanOptions, rl: RLOptions, modules: dict) -> bool:
+    rows, round_, old = _rl_rows(components, family, options, rl, modules)
+    return _recommend_with(rows, options, round_["bytes_per_rank"] + old, options.fixed_placements)["fits"]
 
 
 def _recommend_with(rows: dict, options: PlanOptions, fixed: int, fixed_placements: dict[str, str]) -> dict:
