@@ -48,8 +48,9 @@ def case_encode(
         peak_rss_since_reset_bytes,
         reset_peak_rss,
     )
+    from diffusers_zero3.data.pixels import RowsToPixels
     from diffusers_zero3.demo.pipelines import tiny_vae_config
-    from diffusers_zero3.placement.cache import precompute_frozen_outputs
+    from diffusers_zero3.placement.cache import FrozenEncoders, precompute_frozen_outputs
 
     torch.distributed.init_process_group("gloo")
     rank = torch.distributed.get_rank()
@@ -60,8 +61,10 @@ def case_encode(
     before = current_rss_bytes()
     reset_peak_rss()
     start = time.perf_counter()
-    cache = precompute_frozen_outputs(ds, cache_dir, vae=vae, resolution=resolution, center_crop=True,
-                                      random_flip=random_flip, batch_size=8, shard_rows=shard_rows)  # fmt: skip
+    pixels = RowsToPixels(resolution=resolution, center_crop=True, random_flip=random_flip)
+    cache = precompute_frozen_outputs(
+        ds, cache_dir, FrozenEncoders(vae=vae), pixels, batch_size=8, shard_rows=shard_rows
+    )
     encode_s = time.perf_counter() - start
     encode_peak = peak_rss_since_reset_bytes()
     files = sorted(Path(cache.folder).glob(f"part-{rank:05d}-*.safetensors"))

@@ -207,8 +207,9 @@ def data_variants(work: Path, pipe: Path, small: Path, varied: Path) -> list[tup
 
     from diffusers_zero3.data.buckets import BucketBatchSampler, bucket_rows, default_buckets
     from diffusers_zero3.data.images import ImageCaptionDataset
+    from diffusers_zero3.data.pixels import RowsToPixels
     from diffusers_zero3.families import family_named
-    from diffusers_zero3.placement.cache import precompute_frozen_outputs
+    from diffusers_zero3.placement.cache import FrozenEncoders, precompute_frozen_outputs
 
     family = family_named("sd")
     tokenize = functools.partial(family.tokenize, family.load_tokenizers(pipe))
@@ -227,8 +228,8 @@ def data_variants(work: Path, pipe: Path, small: Path, varied: Path) -> list[tup
         512: (local[512].select(range(CACHED_ROWS)), sd_vae_shape()),
     }
     caches = {
-        res: (rows, precompute_frozen_outputs(rows, work / f"cache-{res}", vae=vae, family=family,
-                                              resolution=res, batch_size=BATCH, **options))
+        res: (rows, precompute_frozen_outputs(rows, work / f"cache-{res}", FrozenEncoders(vae=vae, family=family),
+                                              RowsToPixels(resolution=res, **options), batch_size=BATCH))
         for res, (rows, vae) in encoders.items()
     }  # fmt: skip
 

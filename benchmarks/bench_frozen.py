@@ -39,16 +39,18 @@ def case_placement(placement: str, tmp: str):
         import datasets
         from transformers import CLIPTokenizer
 
+        from diffusers_zero3.data.pixels import RowsToPixels
         from diffusers_zero3.demo import shape_image, write_clip_tokenizer
-        from diffusers_zero3.placement.cache import precompute_frozen_outputs
+        from diffusers_zero3.placement.cache import FrozenEncoders, precompute_frozen_outputs
 
         tok = CLIPTokenizer.from_pretrained(write_clip_tokenizer(tmp + "/tok"))
         ds = datasets.Dataset.from_dict(
             {"image": [shape_image("red", "circle", 64) for _ in range(8)], "text": ["a red circle"] * 8}
         )
         te, vae = prepare_frozen(te, "replicate"), prepare_frozen(vae, "replicate")
+        models = FrozenEncoders({"text_encoder": te}, {"text_encoder": tok}, vae=vae)
         cache = precompute_frozen_outputs(
-            ds, tmp + "/cache", tokenizer=tok, text_encoder=te, vae=vae, resolution=64, center_crop=True
+            ds, tmp + "/cache", models, RowsToPixels(resolution=64, center_crop=True)
         )
         te.release(), vae.release()
         held = 0

@@ -27,9 +27,10 @@ def case_encoders(placements: tuple[str, str], tmp: str):
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
     from diffusers_zero3 import build_accelerator, prepare_frozen, zero3_init_disabled
+    from diffusers_zero3.data.pixels import RowsToPixels
     from diffusers_zero3.demo import tiny_component_configs, write_clip_tokenizer
     from diffusers_zero3.families import SDXL
-    from diffusers_zero3.placement.cache import precompute_frozen_outputs
+    from diffusers_zero3.placement.cache import FrozenEncoders, precompute_frozen_outputs
 
     cfg = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 2, "zero_optimization": {"stage": 3}}
     accelerator = build_accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))
@@ -51,8 +52,8 @@ def case_encoders(placements: tuple[str, str], tmp: str):
 
         placed = {n: prepare_frozen(m, "replicate", name=n) for n, m in models.items()}
         cache = precompute_frozen_outputs(
-            datasets.Dataset.from_dict({"text": prompts}), tmp + "/cache", text_encoders=placed,
-            tokenizers=tokenizers, family=SDXL, image_column="text", batch_size=PROMPTS,
+            datasets.Dataset.from_dict({"text": prompts}), tmp + "/cache", FrozenEncoders(placed, tokenizers, family=SDXL),
+            RowsToPixels(image_column="text"), batch_size=PROMPTS,
         )  # fmt: skip
         for m in placed.values():
             m.release()

@@ -329,17 +329,11 @@ def component_overrides(args: Settings) -> dict[str, str]:
 
 
 @dataclasses.dataclass
-class CommonSettings(ProcessSettings, CheckpointSettings, TrackingSettings, OptimizerSettings):
-    """What every training recipe has: the model, the output folder, the seed, the resolution,
-    the batch and the number of steps, with the shared groups (optimizer, tracking,
-    checkpoints, process). ``validate_common_args`` checks them."""
+class FaultSettings(Settings):
+    """Preemption and non-finite updates (``training.faults``): every training loop has them
+    (``CommonSettings`` and the reward recipe's settings); ``validate_common_args`` checks them."""
 
-    pretrained_model_name_or_path: str | None = flag(None, "Pipeline folder or hub id.", required=True)
-    output_dir: str = flag("sd-model-finetuned", "Where checkpoints and the pipeline go.")
-    seed: int | None = flag(None, "A seed for reproducible training.")
-    resolution: int = flag(512, "Training image resolution.")
-    train_batch_size: int = flag(16, "Batch size per device.")
-    max_train_steps: int | None = flag(None, "Total optimisation steps; overrides epochs.")
+    GROUP: ClassVar[str | None] = "preemption and non-finite updates"
     save_on_signal: str = flag(
         "SIGTERM,SIGUSR1",
         "Signals that preempt the job (SLURM, Kubernetes): every rank finishes its step, that step's checkpoint is "
@@ -350,6 +344,20 @@ class CommonSettings(ProcessSettings, CheckpointSettings, TrackingSettings, Opti
         "Updates in a row that may be skipped for a non-finite loss or gradient (every rank skips it: weights, "
         "optimizer, schedule and EMA unchanged); one more stops the job with an error naming the step and rank.",
     )
+
+
+@dataclasses.dataclass
+class CommonSettings(FaultSettings, ProcessSettings, CheckpointSettings, TrackingSettings, OptimizerSettings):
+    """What every training recipe has: the model, the output folder, the seed, the resolution,
+    the batch and the number of steps, with the shared groups (optimizer, tracking,
+    checkpoints, process, faults). ``validate_common_args`` checks them."""
+
+    pretrained_model_name_or_path: str | None = flag(None, "Pipeline folder or hub id.", required=True)
+    output_dir: str = flag("sd-model-finetuned", "Where checkpoints and the pipeline go.")
+    seed: int | None = flag(None, "A seed for reproducible training.")
+    resolution: int = flag(512, "Training image resolution.")
+    train_batch_size: int = flag(16, "Batch size per device.")
+    max_train_steps: int | None = flag(None, "Total optimisation steps; overrides epochs.")
 
 
 # flags of the shared settings groups, by rule
@@ -374,17 +382,14 @@ def check_positive(args: Settings, flags: tuple[str, ...]) -> None:
 
 def validate_common_args(args: CommonSettings) -> None:
     """Raise ``ArgumentError`` naming the first flag of the groups every script shares (its
-    batch, steps, resolution, optimizer, tracking, checkpoint and placement flags) that cannot
+    batch, steps, resolution, optimizer, tracking, checkpoint, placement and fault flags) that cannot
     work as given. Checks the flags alone, before anything is built or written (an unknown
     ``--report_to`` would otherwise fail inside accelerate first)."""
     check_positive(args, COMMON_POSITIVE_FLAGS)
-    if isinstance(args, CommonSettings):  # the fault flags (the reward script's loop has none yet)
+    if isinstance(args, FaultSettings):  # --save_on_signal, --max_nonfinite_steps: every recipe's settings
         from .training.faults import parse_signals
 
-        try:
-            parse_signals(args.save_on_signal)
-        except ValueError as e:
-            raise ArgumentError(str(e)) from e
+        parse_signals(args.save_on_signal)  # ArgumentError naming a signal it cannot catch
         if args.max_nonfinite_steps < 0:
             raise ArgumentError(f"--max_nonfinite_steps must not be negative, got {args.max_nonfinite_steps}")
     if args.process_group_timeout <= 0:

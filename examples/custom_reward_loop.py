@@ -31,7 +31,7 @@ def main(source: str, reward_dir: str, steps: int = 3) -> None:
     if accelerator.state.deepspeed_plugin is not None:  # no dataloader to read the micro batch from
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 2
     unet, optimizer = accelerator.prepare(unet, torch.optim.AdamW(unet.parameters(), lr=1e-4))
-    frozen = place_frozen_models(accelerator, SD, source, {"text_encoder": "shard"}, tokenizers=tokenizers)
+    frozen = place_frozen_models(accelerator, SD, source, {"text_encoder": "shard"})
     text_encoder, vae = frozen.models["text_encoder"], frozen.models["vae"]
     with zero3_init_disabled():  # loaded whole, then sharded as a ZeRO-3 inference engine
         reward_model = RednessRewardModel.from_pretrained(reward_dir)

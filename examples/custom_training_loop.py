@@ -41,9 +41,7 @@ def main(source: str, data_dir: str, output_dir: str, steps: int = 4) -> None:
     optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
     unet, optimizer, loader = accelerator.prepare(unet, optimizer, loader)
     # 2. the frozen models, each its own placement (here a ZeRO-3 inference engine),
-    frozen = place_frozen_models(
-        accelerator, family, source, {"text_encoder": "shard"}, tokenizers=tokenizers
-    )
+    frozen = place_frozen_models(accelerator, family, source, {"text_encoder": "shard"})
     # 3. the EMA, of the prepared engine (its step() takes no argument).
     ema = ShardedEMA(unet, decay=0.99)
 

@@ -58,3 +58,25 @@ def run_card_snippet(folder, workdir, source_image=None) -> dict:
     finally:
         os.chdir(here)
     return scope
+
+
+PIXEL_FIELDS = ("resolution", "center_crop", "random_flip", "interpolation", "seed", "image_column", "caption_column",
+                "buckets", "row_buckets")  # fmt: skip
+MODEL_FIELDS = ("text_encoders", "tokenizers", "vae", "family", "max_sequence_length")
+
+
+def precompute(dataset, cache_dir, **kw):
+    """``precompute_frozen_outputs`` with its arguments given flat, as the cache tests vary them
+    one at a time: the models' into a ``FrozenEncoders`` (``text_encoder=``/``tokenizer=``:
+    SD 1.x's one encoder), the pixel settings into a ``RowsToPixels``, the rest as they are."""
+    from diffusers_zero3.data.pixels import RowsToPixels
+    from diffusers_zero3.placement.cache import FrozenEncoders, precompute_frozen_outputs
+
+    text_encoder, tokenizer = kw.pop("text_encoder", None), kw.pop("tokenizer", None)
+    models = {name: kw.pop(name) for name in MODEL_FIELDS if name in kw}
+    if text_encoder is not None:
+        models["text_encoders"] = {**models.get("text_encoders", {}), "text_encoder": text_encoder}
+        if tokenizer is not None:
+            models["tokenizers"] = {**models.get("tokenizers", {}), "text_encoder": tokenizer}
+    pixels = RowsToPixels(**{name: kw.pop(name) for name in PIXEL_FIELDS if name in kw})
+    return precompute_frozen_outputs(dataset, cache_dir, FrozenEncoders(**models), pixels, **kw)

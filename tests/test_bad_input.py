@@ -107,6 +107,8 @@ COMMON_CASES = [
     (["--output_dir", "{pipe}/inside"], "is the source pipeline folder"),
     (["--resume_from_checkpoint", "checkpoint-77"], "--resume_from_checkpoint 'checkpoint-77': no complete"),
     (["--process_group_timeout", "0"], "--process_group_timeout must be positive"),
+    (["--save_on_signal", "SIGKILL"], "--save_on_signal: SIGKILL is not a signal a process can catch"),
+    (["--max_nonfinite_steps", "-1"], "--max_nonfinite_steps must not be negative, got -1"),
     (["--report_to", "nonsense"], "--report_to must be one of tensorboard, wandb, all, none, got 'nonsense'"),
 ]
 T2I_CASES = COMMON_CASES + [

@@ -250,7 +250,7 @@ def test_a_bucketed_cache_holds_each_image_at_its_buckets_shape_as_live_training
     from diffusers_zero3.data.images import ImageCaptionDataset
     from diffusers_zero3.demo.pipelines import tiny_vae_config
     from diffusers_zero3.families import SDXL
-    from diffusers_zero3.placement.cache import precompute_frozen_outputs
+    from tests.common import precompute
 
     torch.manual_seed(0)
     vae = AutoencoderKL(**tiny_vae_config()).eval()
@@ -259,7 +259,7 @@ def test_a_bucketed_cache_holds_each_image_at_its_buckets_shape_as_live_training
     row_buckets = assign_buckets(image_sizes(ds, "image"), buckets)
     assert row_buckets == [0, 1, 0, NO_BUCKET, 1]
     kw = dict(vae=vae, family=SDXL, resolution=16, random_flip=True, seed=3, batch_size=4, shard_rows=8)
-    cache = precompute_frozen_outputs(ds, tmp_path, buckets=buckets, row_buckets=row_buckets, **kw)
+    cache = precompute(ds, tmp_path, buckets=buckets, row_buckets=row_buckets, **kw)
     assert cache.skipped_rows == [3] and len(list(cache.folder.glob("part-*"))) == 2  # one shard per shape
     live = ImageCaptionDataset(
         ds, None, "image", "text", 16, random_flip=False, seed=3, buckets=buckets, row_buckets=row_buckets,
@@ -274,7 +274,7 @@ def test_a_bucketed_cache_holds_each_image_at_its_buckets_shape_as_live_training
         torch.testing.assert_close(got["latents"], expected, rtol=1e-5, atol=1e-5)
         assert got["target_size"].tolist() == [list(buckets[row_buckets[rows[0]]])] * 2
         assert got["crop_top_left"].tolist() == [it["crop_top_left"].tolist() for it in items]
-    other = precompute_frozen_outputs(
+    other = precompute(
         ds, tmp_path, buckets=buckets[::-1], row_buckets=[1 - b if b >= 0 else b for b in row_buckets], **kw
     )
     assert not other.reused and other.folder != cache.folder

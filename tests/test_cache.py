@@ -20,8 +20,7 @@ def worker_cache(pipe_dir: str, data_dir: str, cache_dir: str):
     from diffusers_zero3 import prepare_frozen
     from diffusers_zero3.data.images import ImageCaptionDataset, collate
     from diffusers_zero3.families.objectives import diffusion_loss
-    from diffusers_zero3.placement.cache import precompute_frozen_outputs
-    from tests.common import accelerator_with_zero3
+    from tests.common import accelerator_with_zero3, precompute
     from tests.test_frozen import _load_whole
 
     accelerator = accelerator_with_zero3(zero3_init_flag=False)
@@ -33,20 +32,20 @@ def worker_cache(pipe_dir: str, data_dir: str, cache_dir: str):
     vae = prepare_frozen(vae, "replicate", accelerator=accelerator, name="vae")
     kw = dict(tokenizer=tokenizer, text_encoder=te, vae=vae, resolution=32, center_crop=True, batch_size=2)
 
-    cache = precompute_frozen_outputs(ds, cache_dir, **kw)
+    cache = precompute(ds, cache_dir, **kw)
     assert not cache.reused and len(cache) == 5
-    again = precompute_frozen_outputs(ds, cache_dir, **kw)
+    again = precompute(ds, cache_dir, **kw)
     assert again.reused and again.folder == cache.folder
     changed = ds.map(lambda r: {"text": r["text"] + " on grey"}, keep_in_memory=True)
-    other = precompute_frozen_outputs(changed, cache_dir, **kw)
+    other = precompute(changed, cache_dir, **kw)
     assert not other.reused and other.folder != cache.folder
-    other_res = precompute_frozen_outputs(ds, cache_dir, **{**kw, "text_encoder": None, "resolution": 16})
+    other_res = precompute(ds, cache_dir, **{**kw, "text_encoder": None, "resolution": 16})
     assert other_res.folder not in (cache.folder, other.folder)
 
     # Shards of 1 row: several files per rank (rank 0's chunks of 2 rows split; rank 1 writes its
     # last shard after its padding call), the same key, and the same rows as one part per rank.
     shards_dir = Path(cache_dir).parent / "shards"
-    sharded = precompute_frozen_outputs(ds, shards_dir, **kw, shard_rows=1)
+    sharded = precompute(ds, shards_dir, **kw, shard_rows=1)
     assert sharded.folder.name == cache.folder.name and not sharded.reused
     assert sorted(p.name for p in sharded.folder.glob("part-*")) == [
         f"part-{r:05d}-{s:05d}.safetensors" for r, shards in ((0, 3), (1, 2)) for s in range(shards)
@@ -99,7 +98,7 @@ def worker_cache(pipe_dir: str, data_dir: str, cache_dir: str):
         (theirs / "their-part").write_text("in progress")
         shutil.rmtree(cache.folder)
     barrier()
-    mine = precompute_frozen_outputs(ds, cache_dir, **kw)
+    mine = precompute(ds, cache_dir, **kw)
     assert not mine.reused and (theirs / "their-part").read_text() == "in progress"
 
     # A damaged published cache (a part file lost) is an error, not silently missing rows.
@@ -108,7 +107,7 @@ def worker_cache(pipe_dir: str, data_dir: str, cache_dir: str):
         next(mine.folder.glob("part-00001-*.safetensors")).unlink()
     barrier()
     with pytest.raises(DataError, match="damaged; delete that folder"):
-        precompute_frozen_outputs(ds, cache_dir, **kw)
+        precompute(ds, cache_dir, **kw)
 
     # A corrupt image is skipped while caching (on whichever rank holds it), and training
     # from the cache skips the same row.
@@ -121,7 +120,7 @@ def worker_cache(pipe_dir: str, data_dir: str, cache_dir: str):
         )
         .cast_column("image", datasets.Image())
     )
-    skipped = precompute_frozen_outputs(corrupt, cache_dir, **{**kw, "text_encoder": None})
+    skipped = precompute(corrupt, cache_dir, **{**kw, "text_encoder": None})
     assert skipped.skipped_rows == [3] and len(skipped) == 4
     rows = ImageCaptionDataset(corrupt, tokenizer, "image", "text", 32, True, with_images=False,
                                unreadable_rows=skipped.skipped_rows)  # fmt: skip
@@ -135,7 +134,7 @@ def test_cache_precompute_reuse_invalidate_and_loss(tiny_pipeline, tmp_path):
     from transformers import CLIPTokenizer
 
     from diffusers_zero3.demo import write_shapes_dataset
-    from diffusers_zero3.placement.cache import precompute_frozen_outputs
+    from tests.common import precompute
     from tests.test_frozen import _load_whole
 
     data_dir = write_shapes_dataset(tmp_path / "data", num_images=5)
@@ -151,7 +150,7 @@ def test_cache_precompute_reuse_invalidate_and_loss(tiny_pipeline, tmp_path):
     te, vae = _load_whole(tiny_pipeline)
     tokenizer = CLIPTokenizer.from_pretrained(tiny_pipeline, subfolder="tokenizer")
     ds = datasets.load_dataset("imagefolder", data_dir=str(data_dir))["train"]
-    alone = precompute_frozen_outputs(ds, tmp_path / "shards", tokenizer=tokenizer, text_encoder=te, vae=vae,
+    alone = precompute(ds, tmp_path / "shards", tokenizer=tokenizer, text_encoder=te, vae=vae,
                                       resolution=32, center_crop=True, batch_size=2)  # fmt: skip
     assert alone.reused and len(alone) == 5 and len(list(alone.folder.glob("part-*"))) == 5
 
@@ -201,19 +200,20 @@ def test_the_weights_dtype_is_in_the_key_and_any_shard_layout_reads_alike(tmp_pa
     from diffusers import AutoencoderKL
 
     from diffusers_zero3.demo.pipelines import tiny_vae_config
-    from diffusers_zero3.placement.cache import CachedOutputs, precompute_frozen_outputs
+    from diffusers_zero3.placement.cache import CachedOutputs
+    from tests.common import precompute
 
     torch.manual_seed(0)
     vae = AutoencoderKL(**tiny_vae_config()).eval()
     ds = _shapes(5)
     kw = dict(vae=vae, resolution=16, center_crop=True, batch_size=2)
-    sharded = precompute_frozen_outputs(ds, tmp_path / "a", shard_rows=3, **kw)
+    sharded = precompute(ds, tmp_path / "a", shard_rows=3, **kw)
     assert sorted(p.name for p in sharded.folder.glob("part-*")) == [
         "part-00000-00000.safetensors",
         "part-00000-00001.safetensors",
     ]
     assert sharded.meta["dtypes"] == {"vae": "torch.float32"}
-    whole = precompute_frozen_outputs(ds, tmp_path / "b", shard_rows=None, **kw)
+    whole = precompute(ds, tmp_path / "b", shard_rows=None, **kw)
     assert whole.folder.name == sharded.folder.name and len(list(whole.folder.glob("part-*"))) == 1
     rows = torch.arange(5)
     assert torch.equal(whole._rows("latent_params", rows), sharded._rows("latent_params", rows))
@@ -222,12 +222,10 @@ def test_the_weights_dtype_is_in_the_key_and_any_shard_layout_reads_alike(tmp_pa
     assert torch.equal(old._rows("latent_params", rows), sharded._rows("latent_params", rows))
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        autocast = precompute_frozen_outputs(ds, tmp_path / "a", **kw)
+        autocast = precompute(ds, tmp_path / "a", **kw)
     assert not autocast.reused and autocast.folder != sharded.folder
     assert autocast.meta["dtypes"]["vae"].startswith("autocast torch.bfloat16")
-    bf16 = precompute_frozen_outputs(
-        ds, tmp_path / "a", **{**kw, "vae": copy.deepcopy(vae).to(torch.bfloat16)}
-    )
+    bf16 = precompute(ds, tmp_path / "a", **{**kw, "vae": copy.deepcopy(vae).to(torch.bfloat16)})
     assert not bf16.reused and bf16.folder not in (sharded.folder, autocast.folder)
     assert bf16.meta["dtypes"] == {"vae": "torch.bfloat16"}
-    assert precompute_frozen_outputs(ds, tmp_path / "a", **kw).reused  # fp32 again, autocast off
+    assert precompute(ds, tmp_path / "a", **kw).reused  # fp32 again, autocast off

@@ -33,6 +33,7 @@ def key_inputs(monkeypatch, dataset, **kw) -> dict:
     """The inputs ``precompute_frozen_outputs`` keys its cache on for these arguments, taken at
     its call of ``cache_key`` (so the test sees exactly what the function hashes)."""
     from diffusers_zero3.placement import cache
+    from tests.common import precompute
 
     taken: dict = {}
 
@@ -43,7 +44,7 @@ def key_inputs(monkeypatch, dataset, **kw) -> dict:
     with monkeypatch.context() as m:
         m.setattr(cache, "cache_key", take)
         with pytest.raises(_KeyTaken):
-            cache.precompute_frozen_outputs(dataset, "never-written", **kw)
+            precompute(dataset, "never-written", **kw)
     return json.loads(json.dumps(taken, default=str))  # as cache_key hashes them
 
 
@@ -311,17 +312,17 @@ def test_a_rewritten_image_is_encoded_again(tmp_path):
     from diffusers import AutoencoderKL
 
     from diffusers_zero3.demo.pipelines import tiny_vae_config
-    from diffusers_zero3.placement.cache import precompute_frozen_outputs
+    from tests.common import precompute
 
     torch.manual_seed(0)
     vae = AutoencoderKL(**tiny_vae_config()).eval()
     folder = tmp_path / "data"
     ds = _path_column_dataset(folder)
     kw = dict(vae=vae, resolution=16, center_crop=True, batch_size=3)
-    first = precompute_frozen_outputs(ds, tmp_path / "cache", **kw)
-    assert precompute_frozen_outputs(ds, tmp_path / "cache", **kw).reused  # positive control
+    first = precompute(ds, tmp_path / "cache", **kw)
+    assert precompute(ds, tmp_path / "cache", **kw).reused  # positive control
     _rewrite_one_image(Setup(ds, kw, folder, None))
-    again = precompute_frozen_outputs(ds, tmp_path / "cache", **kw)
+    again = precompute(ds, tmp_path / "cache", **kw)
     assert not again.reused and again.folder != first.folder
     rows = torch.arange(3)
     old, new = first.get(rows, sample=False)["latents"], again.get(rows, sample=False)["latents"]
@@ -341,7 +342,7 @@ def test_the_cached_random_crop_is_the_live_crop_with_several_captions(tmp_path)
     from diffusers_zero3.data.images import ImageCaptionDataset
     from diffusers_zero3.demo.pipelines import tiny_vae_config
     from diffusers_zero3.families import SDXL
-    from diffusers_zero3.placement.cache import precompute_frozen_outputs
+    from tests.common import precompute
 
     torch.manual_seed(0)
     vae = AutoencoderKL(**tiny_vae_config()).eval()
@@ -357,7 +358,7 @@ def test_the_cached_random_crop_is_the_live_crop_with_several_captions(tmp_path)
     ]
     captions = [[f"row {i} caption {k}" for k in range(rng.randint(2, 4))] for i in range(len(sizes))]
     ds = datasets.Dataset.from_dict({"image": images, "text": captions})
-    cache = precompute_frozen_outputs(ds, tmp_path / "cache", vae=vae, family=SDXL, resolution=16, seed=5,
+    cache = precompute(ds, tmp_path / "cache", vae=vae, family=SDXL, resolution=16, seed=5,
                                       batch_size=3)  # fmt: skip
     live = ImageCaptionDataset(ds, None, "image", "text", 16, seed=5, tokenize=_tokenize)
     live.set_epoch(0)

@@ -330,15 +330,16 @@ def _sdxl_cache_vs_live(pipe_dir: str, data_dir: str, cache_dir: str):
     import datasets
 
     from diffusers_zero3.data.images import ImageCaptionDataset, collate, transform_image_with_crop
+    from diffusers_zero3.data.pixels import RowsToPixels
     from diffusers_zero3.families import SDXL, time_ids
-    from diffusers_zero3.placement.frozen_inputs import place_frozen_models
+    from diffusers_zero3.placement.frozen_inputs import CacheRequest, place_frozen_models
     from tests.common import accelerator_with_zero3
 
     accelerator = accelerator_with_zero3(zero3_init_flag=True)
     ds = datasets.load_dataset("imagefolder", data_dir=data_dir)["train"]
     tokenizers = SDXL.load_tokenizers(pipe_dir)
-    common = dict(dataset=ds, tokenizers=tokenizers, cache_dir=cache_dir, resolution=32, random_flip=True,
-                  seed=7, batch_size=2)  # fmt: skip
+    common = dict(pixels=RowsToPixels(resolution=32, random_flip=True, seed=7),
+                  cache=CacheRequest(ds, cache_dir, tokenizers, batch_size=2))  # fmt: skip
     live = place_frozen_models(accelerator, SDXL, pipe_dir, {"text_encoder_2": "shard"}, **common)
     cached = place_frozen_models(
         accelerator,

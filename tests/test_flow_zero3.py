@@ -15,9 +15,10 @@ def worker_t5_partitioned(pipe_dir: str, data_dir: str, cache_dir: str):
 
     from diffusers_zero3 import load_pretrained_zero3, placement_bytes_per_rank, zero3_init_disabled
     from diffusers_zero3.data.images import ImageCaptionDataset, collate
+    from diffusers_zero3.data.pixels import RowsToPixels
     from diffusers_zero3.families import FLUX
     from diffusers_zero3.placement.frozen import prepare_frozen
-    from diffusers_zero3.placement.frozen_inputs import place_frozen_models
+    from diffusers_zero3.placement.frozen_inputs import CacheRequest, place_frozen_models
     from diffusers_zero3.runtime.ds_config import (
         fill_auto_bucket_sizes,
         frozen_engine_config,
@@ -61,8 +62,8 @@ def worker_t5_partitioned(pipe_dir: str, data_dir: str, cache_dir: str):
     # replica's conditioning.
     ds = datasets.load_dataset("imagefolder", data_dir=data_dir)["train"]
     tokenizers = FLUX.load_tokenizers(pipe_dir)
-    common = dict(dataset=ds, tokenizers=tokenizers, cache_dir=cache_dir, resolution=32, batch_size=3,
-                  max_sequence_length=16)  # fmt: skip
+    common = dict(pixels=RowsToPixels(resolution=32),
+                  cache=CacheRequest(ds, cache_dir, tokenizers, max_sequence_length=16, batch_size=3))  # fmt: skip
     cached = place_frozen_models(accelerator, FLUX, pipe_dir, {"text_encoder_2": "cache"}, **common)
     assert cached.models["text_encoder_2"] is None and cached.cache.has_text
     live = place_frozen_models(accelerator, FLUX, pipe_dir, {}, **common)

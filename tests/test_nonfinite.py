@@ -2,7 +2,7 @@
 every rank (weights, optimizer moments, schedule and EMA bit for bit as before it), is counted,
 and more than ``--max_nonfinite_steps`` skips in a row stop the job with one error naming the
 step and the rank. The real text-to-image trainer on 2 ranks, under ZeRO-3 (fp32, bf16) and
-DDP; the loss of rank 1 is made NaN at chosen steps."""
+DDP, the GRPO and reward trainers under ZeRO-3; the loss of rank 1 is made NaN at chosen steps."""
 
 from __future__ import annotations
 
@@ -12,6 +12,21 @@ from tests.distributed_harness import run_on_ranks
 from tests.test_parts_numerics import DDP_ENV, ZERO3_ENV, _diff, _part_state, _same
 
 pytestmark = pytest.mark.multirank
+
+
+def _wrong_moves(states: list[dict], poisoned: list[int]) -> list[str]:
+    """What moved over a poisoned (0-based) step or stayed over a clean one, from the part's
+    states at each step's start and at the end (``_part_state``; a schedule when there is one)."""
+    moved = []
+    for step, (before, after) in enumerate(zip(states, states[1:])):
+        for kind in ("weights", "moments", "ema"):
+            if _same(before[kind], after[kind]) == (step not in poisoned):
+                moved.append(f"step {step + 1}: {kind} {'stayed' if step not in poisoned else 'moved'}: "
+                             f"{_diff(before[kind], after[kind])}")  # fmt: skip
+        lr = (before["position"]["last_epoch"], after["position"]["last_epoch"])
+        if lr[0] is not None and (lr[0] == lr[1]) != (step in poisoned):
+            moved.append(f"step {step + 1}: schedule {lr}")
+    return moved
 
 
 def _poisoned_run(pipe: str, data: str, out: str, mixed_precision: str, poisoned: list[int], limit: int):
@@ -50,15 +65,7 @@ def _poisoned_run(pipe: str, data: str, out: str, mixed_precision: str, poisoned
         print(f"STOPPED {e}")
         return
     states.append(_part_state(part))
-    moved = []
-    for step, (before, after) in enumerate(zip(states, states[1:])):
-        for kind in ("weights", "moments", "ema"):
-            if _same(before[kind], after[kind]) == (step not in poisoned):
-                moved.append(f"step {step + 1}: {kind} {'stayed' if step not in poisoned else 'moved'}: "
-                             f"{_diff(before[kind], after[kind])}")  # fmt: skip
-        lr = (before["position"]["last_epoch"], after["position"]["last_epoch"])
-        if (lr[0] == lr[1]) != (step in poisoned):
-            moved.append(f"step {step + 1}: schedule {lr}")
+    moved = _wrong_moves(states, poisoned)
     assert not moved, "\n".join(moved)
     assert len(states) == 5 and trainer.nonfinite.skipped == len(poisoned), (
         len(states),
@@ -144,3 +151,57 @@ def test_grpo_skips_a_round_update_with_a_nan_loss_on_one_rank(tiny_sd3, tmp_pat
     outputs = run_on_ranks(_poisoned_grpo_rounds, pipe_dir=tiny_sd3[0], out=str(tmp_path / "out"),
                            env={**ZERO3_ENV, "ACCELERATE_MIXED_PRECISION": "no"}, timeout=300)  # fmt: skip
     assert all("GRPO skipped 1" in o for o in outputs), outputs
+
+
+def _poisoned_reward_steps(pipe: str, reward: str, out: str) -> None:
+    """The reward trainer, 5 steps, ``--max_nonfinite_steps 1``, rank 1's loss NaN at steps 2,
+    4 and 5: step 2 is skipped on every rank (state bit for bit; the step after it applies and
+    resets the count), the skips of steps 4 and 5 are two in a row: every rank stops at step 5."""
+    import torch
+
+    from diffusers_zero3.recipes.reward import RewardSettings, RewardTrainer
+    from diffusers_zero3.runtime.distributed import get_rank
+    from diffusers_zero3.training.faults import NonFiniteError
+
+    poisoned = [1, 3, 4]  # 0-based
+    argv = ["--pretrained_model_name_or_path", pipe, "--reward_model_name_or_path", reward,
+            "--prompts", "a red circle", "a blue square", "--resolution", "32", "--train_batch_size", "1",
+            "--num_inference_steps", "2", "--max_train_steps", "5", "--learning_rate", "1e-3",
+            "--adam_weight_decay", "0.1", "--use_ema", "--checkpointing_steps", "100", "--report_to", "none",
+            "--max_nonfinite_steps", "1", "--output_dir", out]  # fmt: skip
+    trainer = RewardTrainer(RewardSettings.parse(argv))
+    trainer.setup()
+    states: list[dict] = []
+    loss = trainer._loss
+
+    def poisoned_loss(prompts):
+        states.append(_part_state(trainer.part))  # one call per step, at its start
+        value, *rest = loss(prompts)
+        if get_rank() == 1 and trainer.global_step in poisoned:
+            value = value * float("nan")
+        return (value, *rest)
+
+    trainer._loss = poisoned_loss
+    try:
+        trainer.train()
+    except NonFiniteError as e:
+        print(f"STOPPED {e}")
+    states.append(_part_state(trainer.part))
+    moved = _wrong_moves(states, poisoned)
+    assert not moved, "\n".join(moved)
+    assert len(states) == 6 and trainer.nonfinite.skipped == 3, (len(states), trainer.nonfinite.skipped)
+    weights = states[-1]["weights"] + states[-1]["ema"]["shadow"]
+    assert all(torch.isfinite(w).all() for w in weights), "a non-finite value reached the weights or the EMA"
+
+
+def test_the_reward_trainer_skips_a_nan_update_on_every_rank_and_stops_past_the_limit(default_data, tmp_path):
+    pipe, _, reward = default_data
+    outputs = run_on_ranks(_poisoned_reward_steps, pipe=pipe, reward=reward, out=str(tmp_path / "out"),
+                           env=ZERO3_ENV, timeout=300)  # fmt: skip
+    assert "step 2: update skipped for a non-finite loss on rank 1 (1 in a row, 1 in all;" in outputs[0], (
+        outputs
+    )
+    for output in outputs:  # step 4's skip is tolerated, the second in a row (step 5) stops every rank
+        assert (
+            "STOPPED step 5: 2 updates in a row skipped" in output and "a non-finite loss on rank 1" in output
+        ), output

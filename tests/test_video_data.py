@@ -305,7 +305,7 @@ def test_a_cached_video_vae_holds_the_clips_training_reads(tiny_wan, tmp_path, c
 
     from diffusers_zero3.data.video import VideoCaptionDataset, load_video_caption_dataset
     from diffusers_zero3.families import WAN
-    from diffusers_zero3.placement.cache import precompute_frozen_outputs
+    from tests.common import precompute
 
     pipe, data = tiny_wan
     vae = AutoencoderKLWan.from_pretrained(pipe, subfolder="vae").eval()
@@ -314,7 +314,7 @@ def test_a_cached_video_vae_holds_the_clips_training_reads(tiny_wan, tmp_path, c
     try:
         clips = VideoCaptionDataset(rows, _tokenize, num_frames=5, resolution=SIZE, random_flip=True, seed=3)
         with caplog.at_level(logging.INFO, logger="diffusers_zero3"):
-            cache = precompute_frozen_outputs(
+            cache = precompute(
                 rows, tmp_path / "cache", vae=vae, family=WAN, random_flip=True, seed=3, clips=clips,
                 batch_size=4,
             )  # fmt: skip
@@ -335,7 +335,7 @@ def test_a_cached_video_vae_holds_the_clips_training_reads(tiny_wan, tmp_path, c
         assert (other - live).abs().max() > 1e-3  # the other orientation is another clip
     # another --num_frames is another cache
     fewer = VideoCaptionDataset(rows, _tokenize, num_frames=1, resolution=SIZE, random_flip=True, seed=3)
-    again = precompute_frozen_outputs(
+    again = precompute(
         rows, tmp_path / "cache", vae=vae, family=WAN, random_flip=True, seed=3, clips=fewer, batch_size=4
     )
     assert (

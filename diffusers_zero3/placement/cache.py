@@ -34,6 +34,7 @@ import os
 import random
 import stat
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ import torch
 
 from ..data.buckets import NO_BUCKET
 from ..data.images import DataError, is_readable_image, pick_caption, transform_image_with_crop
+from ..data.pixels import RowsToPixels
 from ..runtime.distributed import (
     all_gather_object,
     get_rank,
@@ -256,48 +258,51 @@ def _tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode()).hexdigest()[:16]
 
 
+@dataclass(frozen=True)
+class FrozenEncoders:
+    """The frozen models a cache runs: text encoders (``{"text_encoder_2": model, ...}``, each
+    a module or a ``FrozenModel``) with ``tokenizers`` of the same names, the ``vae``, or
+    both; the pipeline's ``family`` (``diffusers_zero3.families``; None: SD 1.x), which says
+    what each encoder outputs (SDXL: penultimate hidden states and the pooled embedding); and
+    ``max_sequence_length``, the T5 tokens per caption (None: the family's).
+
+    Example:
+        >>> FrozenEncoders({"text_encoder": te}, {"text_encoder": tokenizer}, vae=vae)  # SD 1.x
+    """
+
+    text_encoders: dict[str, Any] = field(default_factory=dict)
+    tokenizers: dict[str, Any] = field(default_factory=dict)
+    vae: Any = None
+    family: Any = None
+    max_sequence_length: int | None = None
+
+
 def precompute_frozen_outputs(
     dataset,
     cache_dir: str | os.PathLike,
+    models: FrozenEncoders,
+    pixels: RowsToPixels | None = None,
     *,
-    tokenizer=None,
-    text_encoder=None,
-    vae=None,
-    text_encoders: dict | None = None,
-    tokenizers: dict | None = None,
-    family=None,
-    image_column: str = "image",
-    caption_column: str = "text",
-    resolution: int = 512,
-    center_crop: bool = False,
-    random_flip: bool = False,
-    seed: int = 0,
     batch_size: int = 8,
-    max_sequence_length: int | None = None,
     clips=None,
     shard_rows: int | None = DEFAULT_SHARD_ROWS,
-    buckets: list[tuple[int, int]] | None = None,
-    row_buckets: list[int] | None = None,
-    interpolation: str = "bilinear",
 ) -> CachedOutputs:
     """Encode a dataset once with the frozen models and publish the outputs; call on every rank.
 
     Collective: every rank encodes its contiguous share of ``dataset`` (a ``datasets``
-    dataset), calling sharded models in lockstep. Pass text encoders, ``vae``, or both;
-    each may be a module or a ``FrozenModel``. Text encoders are given as
-    ``text_encoders={"text_encoder_2": model, ...}`` with ``tokenizers`` of the same names
-    and the pipeline's ``family`` (``diffusers_zero3.families``), which says what each
-    encoder outputs (SDXL: penultimate hidden states and the pooled embedding); any subset
-    of a family's encoders may be cached. ``text_encoder=``/``tokenizer=`` are the SD 1.x
-    shorthand. With a VAE and a family that conditions on crops (SDXL's ``time_ids``), each
-    image's ``original_size`` and ``crop_top_left`` (also for the flipped copy) are stored too.
-    ``max_sequence_length`` is the T5 tokens per caption (default: the family's).
+    dataset), calling sharded models in lockstep, ``batch_size`` rows a call. ``models``
+    (``FrozenEncoders``) holds text encoders, a VAE, or both; any subset of a family's
+    encoders may be cached. ``pixels`` (``data.pixels.RowsToPixels``; None: its defaults) says how a
+    row becomes the VAE's pixels, exactly as training reads it: the columns, the resolution, the crop,
+    the flip, the seed of the random crop, the resize filter (``interpolation``). With a VAE
+    and a family that conditions on crops (SDXL's ``time_ids``), each image's
+    ``original_size`` and ``crop_top_left`` (also for the flipped copy) are stored too.
 
-    With aspect-ratio buckets (``buckets``, and each row's index into them: ``row_buckets``,
-    ``data.buckets.NO_BUCKET`` for an unreadable image) each image is cropped to its bucket
-    instead of ``resolution`` squared, a rank encodes its rows bucket by bucket (a shard holds
-    one shape), and each crop's ``target_size`` is stored for SDXL's ``time_ids``.
-    ``interpolation`` is the resize filter (``--image_interpolation_mode``).
+    With aspect-ratio buckets (``pixels.buckets``, and each row's index into them:
+    ``pixels.row_buckets``, ``data.buckets.NO_BUCKET`` for an unreadable image) each image is
+    cropped to its bucket instead of ``resolution`` squared, a rank encodes its rows bucket by
+    bucket (a shard holds one shape), and each crop's ``target_size`` is stored for SDXL's
+    ``time_ids``.
 
     ``shard_rows``: each rank writes its share as it encodes, in files of at most this many
     rows (a shard also ends where an output's shape changes), so that it holds one shard's
@@ -312,23 +317,24 @@ def precompute_frozen_outputs(
     number of ranks.
 
     ``clips`` (a ``video.VideoCaptionDataset``) gives a video family's pixels: each row's clip
-    as training reads it at epoch 0 (its frames and crop; with ``random_flip`` the mirrored
-    clip is cached too), ``(3, F, H, W)``; a clip that does not decode is skipped and recorded
-    like a corrupt image.
+    as training reads it at epoch 0 (its frames and crop; with ``pixels.random_flip`` the
+    mirrored clip is cached too), ``(3, F, H, W)``; a clip that does not decode is skipped and
+    recorded like a corrupt image.
 
     Returns the cache (reused as is when a cache with the same key exists in ``cache_dir``;
     rank 0 decides, and a published folder is checked before use). Afterwards the models can
     be released (``FrozenModel.release()`` or ``del``): training needs none of their weights.
+
+    Example:
+        >>> pixels = RowsToPixels(resolution=512, center_crop=True)
+        >>> cache = precompute_frozen_outputs(ds, "cache", FrozenEncoders(vae=vae, family=SDXL), pixels)
+        >>> cache.get(torch.tensor([0, 1]))["latents"].shape                    # every rank
     """
     from ..families import SD
 
-    text_encoders = dict(text_encoders or {})
-    tokenizers = dict(tokenizers or {})
-    if text_encoder is not None:
-        text_encoders["text_encoder"] = text_encoder
-        if tokenizer is not None:
-            tokenizers["text_encoder"] = tokenizer
-    family = family or SD
+    family = models.family or SD
+    models, pixels = replace(models, family=family), pixels or RowsToPixels()
+    text_encoders, tokenizers, vae = models.text_encoders, models.tokenizers, models.vae
     if not text_encoders and vae is None:
         raise ValueError("precompute_frozen_outputs needs a text encoder, a vae, or both")
     # every text encoder needs its tokenizer (a model after them, LTX-2's connectors, has none)
@@ -348,7 +354,7 @@ def precompute_frozen_outputs(
             n: _tokenizer_fingerprint(tokenizers[n]) for n in sorted(text_encoders) if n in tokenizers
         },
         "sequence_lengths": {
-            spec.name: family.sequence_length(spec, tokenizers[spec.name], max_sequence_length)
+            spec.name: family.sequence_length(spec, tokenizers[spec.name], models.max_sequence_length)
             for spec in family.text_encoders
             if spec.name in text_encoders
         },
@@ -357,18 +363,22 @@ def precompute_frozen_outputs(
             n: compute_dtype(m)
             for n, m in sorted({**text_encoders, **({"vae": vae} if vae is not None else {})}.items())
         },
-        "data": _dataset_fingerprint(dataset, caption_column) if main else None,
-        "files": _files_fingerprint(dataset, image_column, clips) if main and vae is not None else None,
-        "columns": [image_column, caption_column],
-        "resolution": resolution if vae is not None else None,
-        "center_crop": center_crop if vae is not None else None,
-        "random_flip": random_flip if vae is not None else None,
+        "data": _dataset_fingerprint(dataset, pixels.caption_column) if main else None,
+        "files": _files_fingerprint(dataset, pixels.image_column, clips)
+        if main and vae is not None
+        else None,
+        "columns": [pixels.image_column, pixels.caption_column],
+        "resolution": pixels.resolution if vae is not None else None,
+        "center_crop": pixels.center_crop if vae is not None else None,
+        "random_flip": pixels.random_flip if vae is not None else None,
         # Kept with center_crop too, where an image's crop draws nothing: at worst an encoding
         # more, and each setting stays a field of its own.
-        "seed": seed if vae is not None else None,
+        "seed": pixels.seed if vae is not None else None,
         "clips": clips.cache_key() if clips is not None and vae is not None else None,
-        "buckets": [list(b) for b in buckets] if buckets is not None and vae is not None else None,
-        "interpolation": interpolation if vae is not None and clips is None else None,
+        "buckets": [list(b) for b in pixels.buckets]
+        if pixels.buckets is not None and vae is not None
+        else None,
+        "interpolation": pixels.interpolation if vae is not None and clips is None else None,
     }
     # Rank 0's view decides: an in-memory dataset has a random fingerprint in each process,
     # and another job may publish the same cache while this one starts.
@@ -384,9 +394,7 @@ def precompute_frozen_outputs(
     # collective_publish gives the temporary folder a name of its own: two jobs sharing
     # cache_dir never write into one.
     with collective_publish(final, commit=_publish_unless_present) as tmp:
-        _encode_share(tmp, dataset, inputs, text_encoders, tokenizers, family, vae, image_column,
-                      caption_column, resolution, center_crop, random_flip, seed, batch_size, max_sequence_length,
-                      clips, shard_rows, buckets, row_buckets, interpolation)  # fmt: skip
+        _encode_share(tmp, dataset, inputs, models, pixels, batch_size, clips, shard_rows)
     return CachedOutputs(final)
 
 
@@ -397,26 +405,32 @@ def _publish_unless_present(tmp: Path, final: Path) -> None:
 
 
 def _encode_share(
-    tmp: Path, dataset, inputs: dict, text_encoders: dict, tokenizers: dict, family, vae,
-    image_column: str, caption_column: str, resolution: int, center_crop: bool, random_flip: bool,
-    seed: int, batch_size: int, max_sequence_length: int | None, clips=None, shard_rows: int | None = None,
-    buckets: list[tuple[int, int]] | None = None, row_buckets: list[int] | None = None,
-    interpolation: str = "bilinear",
-) -> None:  # fmt: skip
+    tmp: Path,
+    dataset,
+    inputs: dict,
+    models: FrozenEncoders,
+    pixels: RowsToPixels,
+    batch_size: int,
+    clips=None,
+    shard_rows: int | None = None,
+) -> None:
     """This rank's share of the cache, written into ``tmp`` shard by shard as it is encoded (in
     lockstep with the others)."""
+    text_encoders, tokenizers = models.text_encoders, models.tokenizers
+    family, vae = models.family, models.vae
+    image_column, caption_column, row_buckets = pixels.image_column, pixels.caption_column, pixels.row_buckets
     rank, world = get_rank(), get_world_size()
     per_rank = -(-len(dataset) // world)
     mine = list(range(rank * per_rank, min(len(dataset), (rank + 1) * per_rank)))
     skipped, clip_pixels = [], {}
     if vae is not None and clips is not None:  # clips that do not decode are skipped and recorded
         for i in mine:
-            pixels = clips.clip_pixels(i)
-            if pixels is None:
+            clip = clips.clip_pixels(i)
+            if clip is None:
                 logger.warning("skipping row %d: the clip does not decode or is too short", i)
                 skipped.append(i)
             else:
-                clip_pixels[i] = pixels
+                clip_pixels[i] = clip
         mine = [i for i in mine if i not in set(skipped)]
     elif vae is not None:  # corrupt images are skipped, as in live training; the rows are recorded
         for i in mine:
@@ -432,14 +446,11 @@ def _encode_share(
         groups = [mine]
     chunks = [g[i : i + batch_size] for g in groups for i in range(0, len(g), batch_size)]
 
-    def crop_size(i: int) -> int | tuple[int, int]:
-        return buckets[row_buckets[i]] if row_buckets is not None else resolution
-
     def crop_rng(i: int, row: dict) -> random.Random:
         """Row ``i``'s generator at epoch 0 as live training crops with it
         (``ImageCaptionDataset.example``: ``SeededRows._rng``, the caption of several drawn
         first); the caption drawn is not used (the cache holds the first)."""
-        rng = random.Random(f"{seed}-0-{i}")
+        rng = random.Random(f"{pixels.seed}-0-{i}")
         pick_caption(row[caption_column], rng)
         return rng
 
@@ -450,27 +461,27 @@ def _encode_share(
             if text_encoders:
                 captions = [pick_caption(r[caption_column], None) for r in rows]
                 outputs = family.encode_texts(
-                    text_encoders, family.tokenize(tokenizers, captions, max_sequence_length)
+                    text_encoders, family.tokenize(tokenizers, captions, models.max_sequence_length)
                 )
                 out.update({k: v.cpu() for k, v in outputs.items()})
             if vae is not None:
                 if clips is not None:  # clips as training reads them at epoch 0 (no flip: both are cached)
                     crops = []
-                    pixels = torch.stack([clip_pixels[i] for i in indices]).to(vae.device, vae.dtype)
+                    images = torch.stack([clip_pixels[i] for i in indices]).to(vae.device, vae.dtype)
                 else:
                     crops = [
                         transform_image_with_crop(
                             r[image_column],
-                            crop_size(i),
-                            center_crop,
+                            pixels.crop_size(i),
+                            pixels.center_crop,
                             False,
                             crop_rng(i, r),
-                            interpolation,
+                            pixels.interpolation,
                         )
                         for i, r in zip(indices, rows)
                     ]
-                    pixels = torch.stack([p for p, _ in crops]).to(vae.device, vae.dtype)
-                out["latent_params"] = family.latent_distribution(vae, pixels).parameters.cpu()
+                    images = torch.stack([p for p, _ in crops]).to(vae.device, vae.dtype)
+                out["latent_params"] = family.latent_distribution(vae, images).parameters.cpu()
                 if family.uses_time_ids:
                     # CPU: written to the cache file beside the other outputs, all moved to the CPU
                     out["original_size"] = torch.tensor([c.original_size for _, c in crops])
@@ -479,10 +490,10 @@ def _encode_share(
                     out["target_size"] = torch.tensor(
                         [c.target_size for _, c in crops]
                     )  # CPU: as original_size
-                if random_flip:
-                    flipped = family.latent_distribution(vae, pixels.flip(-1)).parameters
+                if pixels.random_flip:
+                    flipped = family.latent_distribution(vae, images.flip(-1)).parameters
                     out["latent_params_flipped"] = flipped.cpu()
-                if random_flip and family.uses_time_ids:
+                if pixels.random_flip and family.uses_time_ids:
                     # the same crop seen in the flipped image, as live training records it
                     # CPU: written to the cache file, as original_size
                     out["crop_top_left_flipped"] = torch.tensor(

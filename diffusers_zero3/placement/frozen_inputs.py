@@ -13,11 +13,13 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..data.pixels import RowsToPixels
 from ..families import Family
 from ..families.sdxl import time_ids
 from ..placement.frozen import load_frozen_component
@@ -26,7 +28,7 @@ from ..runtime.ds_config import weight_dtype
 from ..runtime.host_transfer import host_to_device
 from ..runtime.phases import reached
 from ..state.pretrained import CheckpointError
-from .cache import CachedOutputs, precompute_frozen_outputs
+from .cache import CachedOutputs, FrozenEncoders, precompute_frozen_outputs
 
 
 class FrozenInputs:
@@ -44,8 +46,7 @@ class FrozenInputs:
         *,
         normalize_latents,
         dtype: torch.dtype,
-        resolution: int,
-        random_flip: bool,
+        pixels: RowsToPixels,
         sources: dict[str, tuple[Path, str]],
         variant: str | None = None,
         trained: frozenset[str] = frozenset(),
@@ -56,8 +57,7 @@ class FrozenInputs:
         self.cache = cache
         self.normalize_latents = normalize_latents  # the family's, built from the VAE
         self.dtype = dtype
-        self.resolution = resolution
-        self.random_flip = random_flip
+        self.pixels = pixels  # the cache's flips; the size of a crop that does not say its own
         self.sources = sources  # name -> (folder, subfolder), to reload cached models
         self.variant = variant
 
@@ -80,10 +80,10 @@ class FrozenInputs:
         cached: dict[str, torch.Tensor] = {}
         if self.cache is not None:
             flip = None
-            if self.random_flip and generators is not None:
+            if self.pixels.random_flip and generators is not None:
                 # CPU: each sample's generator is a CPU one, and the cache is read there
                 flip = torch.stack([torch.rand((), generator=g) for g in generators]) < 0.5
-            elif self.random_flip:
+            elif self.pixels.random_flip:
                 # CPU: the flip picks rows of the cache, which is read on the CPU
                 flip = torch.rand(len(batch["index"])) < 0.5
             cached = self.cache.get(
@@ -122,7 +122,7 @@ class FrozenInputs:
         cond.update(self.family.other_latents(self.models, batch, device, self.dtype))
         ids = None
         if self.family.uses_time_ids:
-            target = targets if targets is not None else self.resolution  # buckets: each crop's shape
+            target = targets if targets is not None else self.pixels.resolution  # buckets: each crop's shape
             ids = time_ids(sizes.to(device), crops.to(device), target).to(self.dtype)
             cond["time_ids"] = ids
         return latents, cond, ids
@@ -192,51 +192,62 @@ def conditioning_on(
     }
 
 
+@dataclass(frozen=True)
+class CacheRequest:
+    """What ``place_frozen_models``' ``cache`` placements encode, and where: the rows of
+    ``dataset`` (a ``datasets`` dataset; a video family's clips read through ``clips``, the
+    training's ``video.VideoCaptionDataset``), ``batch_size`` rows a call, into ``folder``, the
+    captions tokenized with ``tokenizers`` (``family.load_tokenizers``) at
+    ``max_sequence_length`` T5 tokens (None: the family's)."""
+
+    dataset: Any
+    folder: str | os.PathLike
+    tokenizers: dict = field(default_factory=dict)
+    max_sequence_length: int | None = None
+    batch_size: int = 8
+    clips: Any = None
+
+
 def place_frozen_models(
     accelerator,
     family: Family,
     source: str | os.PathLike,
     placements: dict[str, str],
     *,
-    dataset=None,
-    tokenizers: dict | None = None,
-    cache_dir: str | os.PathLike | None = None,
-    image_column: str = "image",
-    caption_column: str = "text",
-    resolution: int = 512,
-    center_crop: bool = False,
-    random_flip: bool = False,
-    seed: int = 0,
-    batch_size: int = 8,
+    pixels: RowsToPixels | None = None,
+    cache: CacheRequest | None = None,
     variant: str | None = None,
     component_sources: dict[str, str | os.PathLike] | None = None,
-    max_sequence_length: int | None = None,
-    clips=None,
-    buckets: list[tuple[int, int]] | None = None,
-    row_buckets: list[int] | None = None,
-    interpolation: str = "bilinear",
 ) -> FrozenInputs:
     """Load and place a family's frozen models, one placement each. Collective: every rank.
 
     ``placements`` maps each of ``family.frozen_components`` to ``replicate``, ``shard``,
     ``offload`` or ``cache`` (missing ones are replicated), or ``trained`` for a text encoder
-    the job trains (not loaded here: ``FrozenInputs`` takes its outputs). Sharded models are read straight
-    into partitions. The ``cache`` ones encode ``dataset`` once (``precompute_frozen_outputs``,
-    with ``tokenizers`` and ``max_sequence_length`` T5 tokens, into ``cache_dir``) and are then
-    freed; under ZeRO-3 they are loaded partitioned and run sharded for this (a T5-XXL is never
-    whole on every rank), otherwise as replicas. The VAE runs in fp32 where the family says
-    so; a video family's cached VAE reads each row's clip through ``clips`` (the training's
-    ``video.VideoCaptionDataset``); with aspect-ratio buckets (``buckets``, ``row_buckets``:
-    ``data.buckets``) each image is cached at its bucket's shape, resized with
-    ``interpolation``. ``component_sources`` maps a component to a folder that holds it instead of
+    the job trains (not loaded here: ``FrozenInputs`` takes its outputs). Sharded models are
+    read straight into partitions. The ``cache`` ones encode ``cache.dataset`` once
+    (``precompute_frozen_outputs``, into ``cache.folder``: a ``CacheRequest``) and are then
+    freed; under ZeRO-3 they are loaded partitioned and run sharded for this (a T5-XXL is
+    never whole on every rank), otherwise as replicas. The VAE runs in fp32 where the family
+    says so. ``pixels`` (``data.pixels.RowsToPixels``, the training's; None: its defaults)
+    says how a row becomes the cached VAE's pixels (its crop, flip, resize filter; with
+    aspect-ratio buckets each image cached at its bucket's shape) and which flips and sizes
+    the cached latents take. ``variant`` is the weights' variant (``fp16``);
+    ``component_sources`` maps a component to a folder that holds it instead of
     ``source/<name>`` (``--component NAME=PATH``, e.g. a separately supplied text encoder).
 
     Example:
         >>> family = detect_family(source)
+        >>> cache = CacheRequest(ds, "cache", family.load_tokenizers(source))
         >>> inputs = place_frozen_models(accelerator, family, source, {"text_encoder_2": "shard", "vae": "cache"},
-        ...                              dataset=ds, tokenizers=family.load_tokenizers(source), cache_dir="cache")
+        ...                              pixels=RowsToPixels(resolution=1024), cache=cache)
         >>> latents, cond, time_ids = inputs(batch, accelerator.device)     # every rank, every micro-batch
     """
+    cached = [n for n in family.frozen_components if placements.get(n) == "cache"]
+    if cached and cache is None:
+        raise ValueError(
+            f"the cache placement of {', '.join(cached)} needs cache=CacheRequest(dataset, folder, ...)"
+        )
+    pixels = pixels or RowsToPixels()
     source = Path(source)
     dtype = weight_dtype(accelerator)
     sources = {name: (source, name) for name in family.frozen_components}
@@ -266,29 +277,18 @@ def place_frozen_models(
     normalize_latents = family.latent_normalizer(
         family.component_class("vae").load_config(vae_folder / vae_sub), vae_folder / vae_sub
     )
-    cached = [n for n in family.frozen_components if placements.get(n) == "cache"]
-    cache = None
+    outputs = None
     if cached:
         encoders = {n: live[n] for n in cached if n != "vae"}
-        cache = precompute_frozen_outputs(
-            dataset,
-            cache_dir,
-            text_encoders=encoders,
-            tokenizers={n: tokenizers[n] for n in encoders if n in tokenizers},  # not LTX-2's connectors
-            family=family,
+        models = FrozenEncoders(
+            encoders,
+            {n: cache.tokenizers[n] for n in encoders if n in cache.tokenizers},  # not LTX-2's connectors
             vae=live["vae"] if "vae" in cached else None,
-            image_column=image_column,
-            caption_column=caption_column,
-            resolution=resolution,
-            center_crop=center_crop,
-            random_flip=random_flip,
-            seed=seed,
-            batch_size=batch_size,
-            max_sequence_length=max_sequence_length,
-            clips=clips,
-            buckets=buckets,
-            row_buckets=row_buckets,
-            interpolation=interpolation,
+            family=family,
+            max_sequence_length=cache.max_sequence_length,
+        )
+        outputs = precompute_frozen_outputs(
+            cache.dataset, cache.folder, models, pixels, batch_size=cache.batch_size, clips=cache.clips
         )
         for name in cached:  # training holds none of their weights
             live[name].release()
@@ -296,12 +296,11 @@ def place_frozen_models(
     return FrozenInputs(
         family,
         live,
-        cache,
+        outputs,
         normalize_latents=normalize_latents,
         trained=frozenset(n for n in family.frozen_components if placements.get(n) == "trained"),
         dtype=dtype,
-        resolution=resolution,
-        random_flip=random_flip,
+        pixels=pixels,
         sources=sources,
         variant=variant,
     )

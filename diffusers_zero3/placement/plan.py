@@ -56,7 +56,7 @@ import math
 import os
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -710,24 +710,19 @@ def _num_machines() -> int:
 
 
 def resolve_auto_placements(
-    placements: dict[str, str],
-    source: str | os.PathLike,
-    accelerator,
-    *,
-    fixed_data: bool,
-    use_ema: bool = False,
-    rank: int | None = None,
-    resolution: int = 512,
-    max_sequence_length: int | None = None,
-    height: int | None = None,
-    width: int | None = None,
-    num_frames: int = 1,
+    placements: dict[str, str], source: str | os.PathLike, accelerator, job: PlanOptions
 ) -> tuple[dict[str, str], dict | None]:
     """``(placements, plan)``: ``placements`` (``{component: placement}``) with every ``auto``
-    replaced by the planner's choice for this job (processes, device memory, mixed precision,
-    EMA, LoRA ``rank``; the placements given stay as given), and the plan (None when nothing is
-    ``auto``). Logs the table and the choice; raises ``ValueError`` for an ``auto`` the
-    planner has no component for.
+    replaced by the planner's choice for this job, and the plan (None when nothing is
+    ``auto``). ``job`` says what the job trains (``PlanOptions``: ``fixed_data``, ``use_ema``,
+    LoRA ``rank``, the image or clip size, ``max_sequence_length``); the machine's fields
+    (processes, machines, device memory, mixed precision, which offloads, ZeRO-3) come from
+    ``accelerator`` and the placements given stay as given. Logs the table and the choice;
+    raises ``ValueError`` for an ``auto`` the planner has no component for.
+
+    Example:
+        >>> job = PlanOptions(fixed_data=True, use_ema=True, resolution=1024)
+        >>> placements, plan = resolve_auto_placements({"vae": "auto", "text_encoder": "shard"}, source, acc, job)
 
     Collective: every rank calls it; rank 0 plans and broadcasts, so all ranks place alike.
     """
@@ -738,22 +733,16 @@ def resolve_auto_placements(
         return dict(placements), None
     plan = None
     if get_rank() == 0:
-        options = PlanOptions(
+        options = replace(
+            job,
             num_processes=accelerator.num_processes,
             num_machines=_num_machines(),
             device_memory=device_memory_per_rank(accelerator),
             mixed_precision=accelerator.mixed_precision
             if accelerator.mixed_precision in MIXED_PRECISIONS
             else "no",
-            use_ema=use_ema,
-            rank=rank or None,
+            rank=job.rank or None,
             offload="frozen" if accelerator.device.type == "cuda" else "none",
-            fixed_data=fixed_data,
-            resolution=resolution,
-            height=height,
-            width=width,
-            num_frames=num_frames,
-            max_sequence_length=max_sequence_length,
             zero3=accelerator.state.deepspeed_plugin is not None,
             fixed_placements={k: v for k, v in placements.items() if v not in ("auto",) and k != "reference"},
         )

@@ -1370,13 +1370,12 @@ class GRPOTrainer:
         """After a round: when any rank got a ``--save_on_signal`` signal, publish the round's
         checkpoint (unless the schedule just did) and stop every rank (``Preempted``). One
         collective (a flag per rank)."""
-        received = float(self.stop_signals.received is not None)
+        received = self.stop_signals.flag()
         flags = self.accelerator.gather(torch.tensor([received], device=self.accelerator.device)).tolist()
-        if not any(flags):
-            return
-        if self.global_step % self.args.checkpointing_steps:
-            self._checkpoint()
-        self.stop_signals.stop("after round", self.global_step)
+        if any(flags):
+            self.stop_signals.checkpoint_and_stop(
+                "after round", self.global_step, self.args.checkpointing_steps, self._checkpoint
+            )
 
     def _evaluate_when_due(self) -> None:
         """Evaluate before round ``global_step`` when ``--eval_steps`` divides it and it has not been

@@ -22,6 +22,7 @@ from ..args import (
     PLACEMENTS_GROUP,
     ArgumentError,
     CheckpointSettings,
+    FaultSettings,
     OptimizerSettings,
     ProcessSettings,
     TrackingSettings,
@@ -48,6 +49,7 @@ from ..state.pipeline_io import (
 )
 from ..state.pretrained import resolve_model_folder
 from ..state.resume import resume_training, save_training_checkpoint
+from ..training.faults import NonFiniteUpdates, StopSignals, nonfinite_ranks, parse_signals
 from ..training.job import (
     accelerator_from_args,
     clear_interrupted_writes,
@@ -60,7 +62,7 @@ from ..training.schedule import first_last_means
 
 
 @dataclasses.dataclass
-class RewardSettings(ProcessSettings, CheckpointSettings, TrackingSettings, OptimizerSettings):
+class RewardSettings(FaultSettings, ProcessSettings, CheckpointSettings, TrackingSettings, OptimizerSettings):
     """The settings of ``scripts/train_reward.py`` (AlignProp / DRaFT-K)."""
 
     DESCRIPTION: ClassVar[str] = (
@@ -155,6 +157,8 @@ class RewardTrainer:
         self.rewards: list[float] = []
         self.rewards_per_rank: list[list[float]] = []
         self.trained_steps = 0
+        self.nonfinite = NonFiniteUpdates(args.max_nonfinite_steps)  # the updates skipped as non-finite
+        self.stop_signals = StopSignals(parse_signals(args.save_on_signal))  # noted while train() runs
 
     def setup(self) -> None:
         from accelerate.utils import set_seed
@@ -253,50 +257,86 @@ class RewardTrainer:
         decoded = self.vae.decode((latents / self.vae.config.scaling_factor).to(self.dtype)).sample.float()
         return (decoded / 2 + 0.5).clamp(0, 1)
 
+    def _loss(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """This rank's loss ``-mean(reward)`` of samples of ``prompts``, with the rewards (the
+        weighted total per sample, and each ``--reward``'s). Collective (the reward models)."""
+        rewards, by_spec = self.reward(self._sample_images(prompts), prompts)
+        return -rewards.mean(), rewards, by_spec
+
     def train(self) -> None:
         """Steps until ``--max_train_steps``: sample, score, step, log, checkpoint. Collective.
         A ``step N reward X`` line per step: on a terminal only into
-        ``OUTPUT_DIR/<logging_dir>/train.log`` beside a progress bar, elsewhere printed as well."""
+        ``OUTPUT_DIR/<logging_dir>/train.log`` beside a progress bar, elsewhere printed as well.
+
+        A step whose loss is not finite on some rank is skipped on every rank (weights,
+        optimizer and EMA unchanged; ``--max_nonfinite_steps``); a ``--save_on_signal`` signal
+        on any rank ends the job after its step, with that step's checkpoint (``Preempted``)."""
         args, acc = self.args, self.accelerator
         log_file = step_log_path(args.output_dir, args.logging_dir)
-        with StepOutput(
-            args.max_train_steps, initial=self.global_step, log_file=log_file, bar=acc.is_local_main_process
-        ) as steps:
+        with (
+            StepOutput(
+                args.max_train_steps,
+                initial=self.global_step,
+                log_file=log_file,
+                bar=acc.is_local_main_process,
+            ) as steps,
+            self.stop_signals,
+        ):
             while self.global_step < args.max_train_steps:
-                pick = torch.randint(0, len(args.prompts), (args.train_batch_size,))  # CPU: indexes a list
-                prompts = [args.prompts[i] for i in pick]
-                images = self._sample_images(prompts)
-                rewards, by_spec = self.reward(images, prompts)
-                loss = -rewards.mean()
-                acc.backward(loss)
-                step_part(self.part, acc, sync=True)
-                if self.ema is not None:
-                    self.ema.step()
-                self.global_step += 1
-                self.trained_steps += 1
-                per_rank = acc.gather(rewards.detach()).view(acc.num_processes, -1).mean(dim=1)
-                mean_reward = per_rank.mean().item()
-                self.rewards.append(mean_reward)
-                self.rewards_per_rank.append(per_rank.tolist())
-                for name in self.reward_names:  # every rank, in the same order: gathers
-                    self.rewards_by_spec[name].append(acc.gather(by_spec[name].detach()).mean().item())
-                acc.log({"reward": mean_reward, "loss": loss.item()}, step=self.global_step)
-                steps.step(f"step {self.global_step} reward {mean_reward:.6f}", reward=f"{mean_reward:.4f}")
-                if self.global_step % args.checkpointing_steps == 0:
-                    save_training_checkpoint(
-                        acc,
-                        args.output_dir,
-                        self.global_step,
-                        {
-                            "epoch": 0,
-                            "batches_in_epoch": 0,
-                            "rewards": self.rewards,
-                            "rewards_per_rank": self.rewards_per_rank,
-                            "rewards_by_spec": self.rewards_by_spec,
-                        },
-                        ema=self.ema,
-                        total_limit=args.checkpoints_total_limit,
-                    )
+                self._step(steps)
+
+    def _step(self, steps: StepOutput) -> None:
+        """One step: sample and score this rank's prompts, backward, the optimizer and EMA steps
+        (skipped on every rank when a rank's loss is not finite), log, checkpoint; then stop
+        when a rank got a signal. Collective."""
+        args, acc = self.args, self.accelerator
+        pick = torch.randint(0, len(args.prompts), (args.train_batch_size,))  # CPU: indexes a list
+        prompts = [args.prompts[i] for i in pick]
+        loss, rewards, by_spec = self._loss(prompts)
+        acc.backward(loss)
+        applied = step_part(self.part, acc, sync=True)
+        # one gather per step: each rank's loss, whether it got a stop signal, and its rewards
+        signalled = loss.new_tensor([self.stop_signals.flag()], dtype=torch.float32)
+        row = torch.cat([loss.detach().float().reshape(1), signalled, rewards.detach().float()])
+        rows = acc.gather(row.reshape(1, -1))  # (ranks, 2 + samples per rank)
+        if self.nonfinite.record(applied, self.global_step + 1, nonfinite_ranks(rows[:, 0].tolist())):
+            if self.ema is not None:
+                self.ema.step()
+        stop = bool(rows[:, 1].any())
+        self.global_step += 1
+        self.trained_steps += 1
+        per_rank = rows[:, 2:].mean(dim=1)
+        mean_reward = per_rank.mean().item()
+        self.rewards.append(mean_reward)
+        self.rewards_per_rank.append(per_rank.tolist())
+        for name in self.reward_names:  # every rank, in the same order: gathers
+            self.rewards_by_spec[name].append(acc.gather(by_spec[name].detach()).mean().item())
+        acc.log({"reward": mean_reward, "loss": loss.item()}, step=self.global_step)
+        steps.step(f"step {self.global_step} reward {mean_reward:.6f}", reward=f"{mean_reward:.4f}")
+        if self.global_step % args.checkpointing_steps == 0:
+            self._checkpoint()
+        if stop:  # every rank: the step is done, then its checkpoint is published and the job stops
+            self.stop_signals.checkpoint_and_stop(
+                "at step", self.global_step, args.checkpointing_steps, self._checkpoint
+            )
+
+    def _checkpoint(self) -> None:
+        """The step's checkpoint, its rewards with it. Collective."""
+        args = self.args
+        save_training_checkpoint(
+            self.accelerator,
+            args.output_dir,
+            self.global_step,
+            {
+                "epoch": 0,
+                "batches_in_epoch": 0,
+                "rewards": self.rewards,
+                "rewards_per_rank": self.rewards_per_rank,
+                "rewards_by_spec": self.rewards_by_spec,
+            },
+            ema=self.ema,
+            total_limit=args.checkpoints_total_limit,
+        )
 
     def save(self) -> None:
         """The final pipeline, rewards.json and the reward curve (every rank); kept as is when

@@ -608,7 +608,7 @@ class TextToImageTrainer:
                     if first:
                         self.memory.mark("first forward")
                     # per rank: its loss times its samples, their number, whether it got a stop signal
-                    n, signalled = float(len(batch["index"])), float(self.stop_signals.received is not None)
+                    n, signalled = float(len(batch["index"])), self.stop_signals.flag()
                     local = loss.new_tensor([n, signalled], dtype=torch.float32)
                     sums = acc.gather(
                         torch.cat([(loss.detach().float() * n).reshape(1), local]).reshape(1, 3)
@@ -688,9 +688,10 @@ class TextToImageTrainer:
     def _preempt(self, epoch: int, done_in_epoch: int) -> None:
         """A rank got a ``--save_on_signal`` signal during this step: publish the step's
         checkpoint (unless the schedule just did) and stop every rank (``Preempted``)."""
-        if self.global_step % self.args.checkpointing_steps:
-            self._checkpoint(epoch, done_in_epoch)
-        self.stop_signals.stop("at step", self.global_step)
+        step, every = self.global_step, self.args.checkpointing_steps
+        self.stop_signals.checkpoint_and_stop(
+            "at step", step, every, lambda: self._checkpoint(epoch, done_in_epoch)
+        )
 
     def _first_step_measures(self) -> None:
         """After the first optimizer step, before zero_grad (a plain optimizer's gradients still

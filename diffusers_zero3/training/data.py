@@ -33,7 +33,6 @@ from ..data.buckets import (
     parse_buckets,
 )
 from ..data.images import (
-    ImageCaptionDataset,
     check_enough_rows,
     collate,
     load_image_caption_dataset,
@@ -41,7 +40,8 @@ from ..data.images import (
     resolve_columns,
 )
 from ..data.loading import LoaderSettings
-from ..data.pairs import SOURCE_COLUMN, PairedImageDataset, check_source_column, load_edit_dataset
+from ..data.pairs import SOURCE_COLUMN, check_source_column, load_edit_dataset
+from ..data.pixels import RowsToPixels
 from ..data.streaming import (
     StreamedExamples,
     StreamedRows,
@@ -226,51 +226,6 @@ def data_state(state: dict) -> dict:
 # -------------------------------------------------------------------------------- building it
 
 
-@dataclass(frozen=True)
-class RowsToPixels:
-    """How a row becomes training pixels and token ids, built once from the settings and
-    handed to the datasets: the size, crop, flip and resampling, the caption dropout, the
-    columns, the loss-mask column, and the tokenizer call. ``live_pixels`` False: the VAE's
-    latents are cached, so the rows decode no image."""
-
-    resolution: int
-    center_crop: bool
-    random_flip: bool
-    interpolation: str
-    empty_prompt_probability: float
-    seed: int
-    tokenize: Callable[[list[str]], dict]
-    live_pixels: bool = True
-    mask_column: str | None = None
-
-    @classmethod
-    def from_settings(
-        cls, args, tokenize: Callable[[list[str]], dict], live_pixels: bool = True
-    ) -> RowsToPixels:
-        """From a ``TextToImageSettings`` (or a subclass's)."""
-        return cls(
-            resolution=args.resolution,
-            center_crop=args.center_crop,
-            random_flip=args.random_flip,
-            interpolation=args.image_interpolation_mode,
-            empty_prompt_probability=args.proportion_empty_prompts,
-            seed=args.seed or 0,
-            tokenize=tokenize,
-            live_pixels=live_pixels,
-            mask_column=args.mask_column,
-        )
-
-    def image_dataset(self, dataset, image_column: str, caption_column: str, **kwargs) -> ImageCaptionDataset:
-        """An ``ImageCaptionDataset`` (``PairedImageDataset`` given ``source_column``) of these pixels."""
-        dataset_class = PairedImageDataset if "source_column" in kwargs else ImageCaptionDataset
-        return dataset_class(
-            dataset, None, image_column, caption_column, self.resolution, self.center_crop, self.random_flip,
-            seed=self.seed, with_images=self.live_pixels, tokenize=self.tokenize,
-            empty_prompt_probability=self.empty_prompt_probability, interpolation=self.interpolation,
-            mask_column=self.mask_column, **kwargs,
-        )  # fmt: skip
-
-
 def select_rows(dataset, args, data_processes: int):
     """``--max_train_samples`` rows of ``dataset`` (shuffled by the seed), checked to give every
     process a batch."""
@@ -349,8 +304,8 @@ def load_image_rows(
         data.bucket_sampler = bucket_sampler(
             data.row_buckets, data.buckets, args, data_processes, video=False
         )
-    data.rows = pixels.image_dataset(
-        ds, image_column, caption_column, buckets=data.buckets, row_buckets=data.row_buckets, **pairs
+    data.rows = pixels.with_rows(image_column, caption_column, data.buckets, data.row_buckets).image_dataset(
+        ds, **pairs
     )
     if data.row_buckets is not None:
         data.rows.skipped_rows.update(i for i, b in enumerate(data.row_buckets) if b == NO_BUCKET)
@@ -375,7 +330,7 @@ def load_streamed_rows(args, pixels: RowsToPixels, data_processes: int, threads:
         source, image_column, global_batch=args.train_batch_size * data_processes,
         seed=args.seed or 0, shuffle_buffer_size=args.shuffle_buffer_size,
     )  # fmt: skip
-    examples = pixels.image_dataset([], image_column, caption_column)
+    examples = pixels.with_rows(image_column, caption_column).image_dataset([])
     decode = StreamedExamples(examples, image_column, threads=threads, skipped_rows=rows.skipped_rows)
     log_rank_zero(
         f"streaming {where} ({source.n_shards} shard(s)), shuffle buffer {args.shuffle_buffer_size} rows"

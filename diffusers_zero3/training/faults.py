@@ -26,10 +26,10 @@ from __future__ import annotations
 import math
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from ..errors import UserError
+from ..errors import ArgumentError, UserError
 from ..runtime.distributed import log_rank_zero
 
 
@@ -103,14 +103,15 @@ class Preempted(Exception):
 
 def parse_signals(spec: str) -> tuple[signal.Signals, ...]:
     """``--save_on_signal``'s signals: a comma-separated list of names (``SIGTERM,SIGUSR1``; the
-    ``SIG`` prefix may be left out), or ``none``; ``ValueError`` naming an unknown one."""
+    ``SIG`` prefix may be left out), or ``none``; ``ArgumentError`` (a ``ValueError``) naming an
+    unknown one: a trainer parses it when it is built, before ``validate_common_args`` runs."""
     if spec.strip().lower() == "none":
         return ()
     found = []
     for name in (part.strip().upper() for part in spec.split(",") if part.strip()):
         name = name if name.startswith("SIG") else f"SIG{name}"
         if not hasattr(signal.Signals, name) or name in ("SIGKILL", "SIGSTOP"):
-            raise ValueError(f"--save_on_signal: {name} is not a signal a process can catch")
+            raise ArgumentError(f"--save_on_signal: {name} is not a signal a process can catch")
         found.append(signal.Signals[name])
     return tuple(found)
 
@@ -141,6 +142,26 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+    def flag(self) -> float:
+        """1.0 once a signal was noted on this rank, else 0.0: the value a loop puts into a
+        gather it makes anyway, so that every rank learns of a signal that reached one."""
+        return float(self.received is not None)
+
+    def checkpoint_and_stop(
+        self, where: str, step: int, checkpointing_steps: int, checkpoint: Callable[[], object]
+    ) -> NoReturn:
+        """Publish the checkpoint of ``step`` with ``checkpoint()`` (the loop's scheduled save)
+        unless the schedule (every ``checkpointing_steps``) just did, then ``stop``. Collective:
+        call on every rank, once every rank knows of the signal.
+
+        Example (at the end of a step, ``stop`` being whether any rank's flag was set):
+            >>> if stop:
+            ...     signals.checkpoint_and_stop("at step", step, args.checkpointing_steps, save)
+        """
+        if step % checkpointing_steps:
+            checkpoint()
+        self.stop(where, step)
 
     def stop(self, where: str, step: int) -> NoReturn:
         """Log that the job stops on the signal ``where`` (``"at step"``, ``"after round"``)
