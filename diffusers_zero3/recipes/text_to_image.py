@@ -17,6 +17,7 @@ validation, the final save).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -27,6 +28,7 @@ import torch
 from ..args import ArgumentError, component_overrides, component_placements, validate_launch
 from ..data.loading import LoaderSettings, cpus_per_local_process, loader_settings
 from ..data.pairs import gives_edit_pairs
+from ..data.pixels import RowsToPixels
 from ..families import detect_family
 from ..families.base import DenoiserSchedule
 from ..families.objectives import (
@@ -35,8 +37,18 @@ from ..families.objectives import (
     objective_settings,
     sample_generators,
 )
-from ..placement.frozen_inputs import FrozenInputs, place_frozen_models, resolve_component_sources
-from ..placement.plan import check_pair_placements, live_text_for_caption_dropout, resolve_auto_placements
+from ..placement.frozen_inputs import (
+    CacheRequest,
+    FrozenInputs,
+    place_frozen_models,
+    resolve_component_sources,
+)
+from ..placement.plan import (
+    PlanOptions,
+    check_pair_placements,
+    live_text_for_caption_dropout,
+    resolve_auto_placements,
+)
 from ..runtime.context_parallel import (
     SPLIT_FAILURE,
     ContextParallel,
@@ -62,7 +74,6 @@ from ..state.pipeline_io import (
 from ..state.pretrained import resolve_model_folder
 from ..state.resume import resume_training, save_training_checkpoint
 from ..training.data import (
-    RowsToPixels,
     TrainingData,
     audio_of_clips,
     check_data_flags,
@@ -238,10 +249,7 @@ class TextToImageTrainer:
         the family and the data; one error line for a combination that cannot train."""
         args, acc = self.args, self.accelerator
         try:
-            placements, plan = resolve_auto_placements(
-                component_placements(args),
-                self.source,
-                acc,
+            job = PlanOptions(
                 # editing pairs: the VAE encodes each step's sources, and a text encoder that reads
                 # them too (Qwen-Image-Edit): "auto" never chooses the cache for them
                 fixed_data=self.cacheable_data and not args.streaming and not self.family.edits,
@@ -253,6 +261,7 @@ class TextToImageTrainer:
                 width=args.width,
                 num_frames=args.num_frames or 1,
             )
+            placements, plan = resolve_auto_placements(component_placements(args), self.source, acc, job)
         except ValueError as e:
             raise ArgumentError(str(e)) from e
         cached = sorted(name for name, placement in placements.items() if placement == "cache")
@@ -346,13 +355,18 @@ class TextToImageTrainer:
         if described:
             log_rank_zero(described)
 
+    @functools.cached_property
+    def pixels(self) -> RowsToPixels:
+        """How a row becomes pixels and token ids (``data.pixels.RowsToPixels``), from the
+        settings, built once: the datasets read with it, and the cache with its columns and
+        buckets (``_place_frozen``). Needs the tokenizers and the VAE's placement."""
+        live_pixels = self.placements.get("vae") != "cache"
+        return RowsToPixels.from_settings(self.args, self._tokenize, live_pixels=live_pixels)
+
     def _load_data(self) -> TrainingData:
         """The rows to train on: an image family's (or its editing pairs), a stream, or a video
         family's clips. Collective (buckets read each rank's share of image headers)."""
-        args, family = self.args, self.family
-        pixels = RowsToPixels.from_settings(
-            args, self._tokenize, live_pixels=self.placements.get("vae") != "cache"
-        )
+        args, family, pixels = self.args, self.family, self.pixels
         if family.video:
             audio = audio_of_clips(family, self.source, self.component_sources)
             return load_clip_rows(args, family, pixels, self.data_processes, self._vae_config(), audio)
@@ -363,28 +377,25 @@ class TextToImageTrainer:
     def _place_frozen(self) -> None:
         """Frozen models by placement; 'cache' ones are run once over the data, then freed."""
         args, data = self.args, self.data
+        cache = CacheRequest(
+            data.dataset,
+            args.frozen_cache_dir or os.path.join(args.output_dir, "frozen_cache"),
+            self.tokenizers,
+            max_sequence_length=args.max_sequence_length,
+            batch_size=args.train_batch_size,
+            clips=data.rows if self.family.video else None,
+        )
         self.frozen = place_frozen_models(
             self.accelerator,
             self.family,
             self.source,
             {name: self.placements.get(name) for name in self.family.frozen_components},
-            dataset=data.dataset,
-            tokenizers=self.tokenizers,
-            cache_dir=args.frozen_cache_dir or os.path.join(args.output_dir, "frozen_cache"),
-            image_column=data.image_column,
-            caption_column=data.caption_column,
-            resolution=args.resolution,
-            center_crop=args.center_crop,
-            random_flip=args.random_flip,
-            seed=args.seed or 0,
-            batch_size=args.train_batch_size,
+            pixels=self.pixels.with_rows(
+                data.image_column, data.caption_column, data.buckets, data.row_buckets
+            ),
+            cache=cache,
             variant=args.variant,
             component_sources=self.component_sources,
-            max_sequence_length=args.max_sequence_length,
-            clips=data.rows if self.family.video else None,
-            buckets=data.buckets,
-            row_buckets=data.row_buckets,
-            interpolation=args.image_interpolation_mode,
         )
         if self.frozen.cache is not None:
             data.rows.unreadable_rows = set(self.frozen.cache.skipped_rows)
