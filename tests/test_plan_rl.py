@@ -174,6 +174,8 @@ def test_the_combinations_say_which_placements_fit(tiny_pipeline):
         assert combo["fits"] == (combo["total_bytes_per_rank"] <= 3 * GIB)
     assert not combos["replicate"]["fits"] and combos["shard"]["fits"]
     assert plan["recommended"]["reward:pickscore"] == "shard" and plan["fits"]
+    assert "--reward_placement pickscore=shard" in plan["rl"]["recipe_flags"]
+    assert "--vae_placement replicate" in plan["rl"]["recipe_flags"]
     # the round counts against the budget: enough samples and even the sharded one does not fit
     crowded = make_rl_plan(
         tiny_pipeline, replace(options, resolution=256), replace(rl, prompts_per_round=8192)
@@ -196,9 +198,12 @@ def test_command_line_rl_mode_and_bad_input(capsys, tiny_pipeline):
     assert main([*argv, "--prompts_per_round", "2", "--num_inference_steps", "2", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["rl"]["round"]["samples_per_rank"] == 2 and printed["rl"]["objective"] == "grpo"
-    assert main([*argv, "--prompts_per_round", "2", "--reward", "pickscore", "--device_memory", "8GiB"]) == 0
+    assert (
+        main([*argv, "--prompts_per_round", "2", "--reward", "pickscore=1.0", "--device_memory", "8GiB"]) == 0
+    )
     out = capsys.readouterr().out
     assert "grpo round: 2 prompts x 2 images" in out and "reward:pickscore" in out and "fits" in out
+    assert "train_grpo.py placements: " in out and "--reward_placement pickscore=" in out
     for bad, words in [
         ([*argv, "--reward", "pickscor"], "not a built-in the planner sizes"),
         ([tiny_pipeline, "--reward", "pickscore"], "give --rl grpo or --rl nft"),

@@ -353,6 +353,7 @@ def make_rl_plan(pipeline: str, options: PlanOptions, rl: RLOptions) -> dict:
             "old_policy_bytes_per_rank": old,
             "fixed_bytes_per_rank": fixed,
             "combinations": combinations,
+            "recipe_flags": recipe_flags(chosen["recommended"], family.denoiser),
         },
     }
     if not plan["fits"]:
@@ -435,6 +436,23 @@ def _recommend_with(rows: dict, options: PlanOptions, fixed: int, fixed_placemen
     return out
 
 
+def recipe_flags(recommended: dict[str, str], denoiser: str) -> list[str]:
+    """``train_grpo.py``'s placement flags of the frozen models of ``recommended`` (the trained
+    denoiser's offload is DeepSpeed's config, not a flag), e.g. ``["--vae_placement replicate",
+    "--reward_placement vlm=shard"]``."""
+    flags = []
+    for name, placement in recommended.items():
+        if name == denoiser:
+            continue
+        if name.startswith("reward:"):
+            reward = name.removeprefix("reward:")
+            builtin = PUBLISHED_REWARDS[reward].builtin if reward in PUBLISHED_REWARDS else reward
+            flags.append(f"--reward_placement {builtin}={placement}")
+        else:
+            flags.append(f"--{name}_placement {placement}")
+    return flags
+
+
 def _reference_words(rows: dict, options: PlanOptions) -> str:
     if not options.reference:
         return "none (--reference not given: no KL to a reference)"
@@ -455,7 +473,8 @@ def add_rl_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME",
-        help="a built-in reward sized from its published config; repeatable: " + ", ".join(PUBLISHED_REWARDS),
+        help="a built-in reward sized from its published config (NAME=WEIGHT as the recipe takes it too); "
+        "repeatable: " + ", ".join(PUBLISHED_REWARDS),
     )
     g.add_argument(
         "--group_size", type=int, default=RLOptions.group_size, help="images per prompt in a round"
@@ -481,7 +500,7 @@ def rl_options_from_args(args: argparse.Namespace) -> RLOptions | None:
         return None
     return RLOptions(
         objective=args.rl,
-        rewards=list(args.reward),
+        rewards=[spec.partition("=")[0] for spec in args.reward],  # the recipe's NAME=WEIGHT too
         group_size=args.group_size,
         prompts_per_round=args.prompts_per_round,
         num_inference_steps=args.num_inference_steps,
@@ -512,6 +531,8 @@ def format_rl_table(plan: dict) -> str:
             f"nft old policy (fp32 average + swapped partition): {rl['old_policy_bytes_per_rank'] / GIB:.2f} GiB"
         )
     lines.append(f"policy: {rl['policy']}; reference: {rl['reference']}")
+    if plan["fits"] and rl["recipe_flags"]:
+        lines.append("train_grpo.py placements: " + " ".join(rl["recipe_flags"]))
     combos = rl["combinations"]
     if combos and combos[0]["placements"]:
         names = list(combos[0]["placements"])
