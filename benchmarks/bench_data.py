@@ -23,7 +23,7 @@ Measured in one run on this machine, side by side:
       512 px: a VAE of SD's shape (three 2x downsamplings, 4 latent channels: latents 4x64x64,
       as SD 1.5 at 512 px) but 4 channels wide, so that encoding stays cheap here; the read
       cost depends on the latents' size only. It caches the first ``CACHED_ROWS`` JPEGs. The
-      loader of ``ImageCaptionDataset(with_images=False)`` still decodes every image (datasets
+      loader of ``ImageCaptionDataset`` with ``RowsToPixels(live_pixels=False)`` still decodes every image (datasets
       decodes an ``Image`` column on access and ``load()``s it); a second 512 px row casts the
       column to ``Image(decode=False)`` to show what the cached path costs without that;
     * streamed: ``datasets.load_dataset("parquet", data_files=..., streaming=True)`` over the
@@ -235,7 +235,7 @@ def data_variants(work: Path, pipe: Path, small: Path, varied: Path) -> list[tup
 
     def dataset(res, rows=None, **extra):
         ds = rows if rows is not None else local[res]
-        return ImageCaptionDataset(ds, None, "image", "text", res, tokenize=tokenize, **options, **extra)
+        return ImageCaptionDataset(ds, RowsToPixels(resolution=res, tokenize=tokenize, **options, **extra))
 
     def live(res):
         return lambda w: (make_loader(dataset(res), w), None)
@@ -254,12 +254,13 @@ def data_variants(work: Path, pipe: Path, small: Path, varied: Path) -> list[tup
         rows, cache = caches[res]
         if not decode:  # datasets decodes an Image column on every access, with_images or not
             rows = rows.cast_column("image", datasets.Image(decode=False))
-        return lambda w: (make_loader(dataset(res, rows, with_images=False), w), cache_reader(cache))
+        return lambda w: (make_loader(dataset(res, rows, live_pixels=False), w), cache_reader(cache))
 
     def stream(res):
         """--streaming as the trainer reads it: StreamedRows in the main process, the rows decoded
         by StreamedExamples in ``w`` threads (worker processes would reorder a stream)."""
         from diffusers_zero3.data.images import ImageCaptionDataset
+        from diffusers_zero3.data.pixels import RowsToPixels
         from diffusers_zero3.data.streaming import StreamedExamples, StreamedRows, streamed_loader
 
         # datasets sleeps 5 s at the end of every stream read with threads (its workaround for an
@@ -270,7 +271,9 @@ def data_variants(work: Path, pipe: Path, small: Path, varied: Path) -> list[tup
         def make(w):
             source = datasets.load_dataset("parquet", data_files=streamed[res], split="train", streaming=True)
             rows = StreamedRows(source, "image", global_batch=BATCH, seed=0, shuffle_buffer_size=64)
-            examples = ImageCaptionDataset([], None, "image", "text", res, True, True, tokenize=tokenize)
+            examples = ImageCaptionDataset(
+                [], RowsToPixels(resolution=res, center_crop=True, random_flip=True, tokenize=tokenize)
+            )
             return streamed_loader(rows, StreamedExamples(examples, "image", threads=w), BATCH), None
 
         return make

@@ -125,6 +125,7 @@ def measure_draws() -> list[dict]:
 def measure_loader(work: Path) -> list[dict]:
     from benchmarks.bench_data import load_local, write_photo_dataset
     from diffusers_zero3.data.images import ImageCaptionDataset, collate
+    from diffusers_zero3.data.pixels import RowsToPixels
 
     folder = write_photo_dataset(work / "photos")
     rows = load_local(folder)
@@ -132,8 +133,9 @@ def measure_loader(work: Path) -> list[dict]:
     def tokenize(captions):
         return {"input_ids": torch.zeros(len(captions), 77, dtype=torch.long)}
 
-    dataset = ImageCaptionDataset(rows, None, "image", "text", 512, center_crop=True, random_flip=True,
-                                  seed=0, tokenize=tokenize)  # fmt: skip
+    dataset = ImageCaptionDataset(
+        rows, RowsToPixels(resolution=512, center_crop=True, random_flip=True, seed=0, tokenize=tokenize)
+    )
     decode = median_seconds(lambda: collate([dataset[i] for i in range(BATCH)]), repeats=3)
     results = []
     for workers in LOADER_WORKERS:

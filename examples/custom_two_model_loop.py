@@ -17,6 +17,7 @@ import torch
 
 from diffusers_zero3 import build_accelerator, log_rank_zero
 from diffusers_zero3.data.images import ImageCaptionDataset, collate, load_image_caption_dataset
+from diffusers_zero3.data.pixels import RowsToPixels
 from diffusers_zero3.families import detect_family
 from diffusers_zero3.families.objectives import ObjectiveSettings
 from diffusers_zero3.placement.frozen_inputs import place_frozen_models
@@ -45,8 +46,12 @@ def main(source: str, data_dir: str, output_dir: str, steps: int = 4) -> None:
     text_encoder.train().requires_grad_(True)
 
     dataset = load_image_caption_dataset(train_data_dir=data_dir)
-    data = ImageCaptionDataset(dataset, None, "image", "text", resolution=32, center_crop=True,
-                               tokenize=lambda captions: family.tokenize(tokenizers, captions))  # fmt: skip
+    data = ImageCaptionDataset(
+        dataset,
+        RowsToPixels(
+            resolution=32, center_crop=True, tokenize=lambda captions: family.tokenize(tokenizers, captions)
+        ),
+    )
     loader = torch.utils.data.DataLoader(data, batch_size=2, shuffle=True, collate_fn=collate)
 
     # 1. The first trained model through accelerate: its backward is accelerate's.

@@ -216,6 +216,7 @@ def test_bucketed_crops_through_the_dataset(tmp_path):
     from PIL import Image
 
     from diffusers_zero3.data.images import ImageCaptionDataset, collate, transform_image_with_crop
+    from diffusers_zero3.data.pixels import RowsToPixels
 
     image = Image.new("RGB", (200, 100))
     pixels, crop = transform_image_with_crop(image, (48, 80), False, True, random.Random(0), "lanczos")
@@ -230,9 +231,14 @@ def test_bucketed_crops_through_the_dataset(tmp_path):
     buckets = [(32, 64), (64, 32)]
     row_buckets = [0, 0, 1, 0]  # the corrupt row 1 is in bucket 0: its stand-in must be too
     dataset = ImageCaptionDataset(
-        ds, None, "image", "text", 32, tokenize=lambda c: {"input_ids": torch.zeros(len(c), 4, dtype=torch.long)},
-        buckets=buckets, row_buckets=row_buckets,
-    )  # fmt: skip
+        ds,
+        RowsToPixels(
+            resolution=32,
+            tokenize=lambda c: {"input_ids": torch.zeros(len(c), 4, dtype=torch.long)},
+            buckets=buckets,
+            row_buckets=row_buckets,
+        ),
+    )
     items = [dataset[i] for i in range(4)]
     assert [tuple(it["pixel_values"].shape[1:]) for it in items] == [(32, 64), (32, 64), (64, 32), (32, 64)]
     assert items[1]["index"] == 3  # the next readable row of the same bucket, not row 2 (another shape)
@@ -248,6 +254,7 @@ def test_a_bucketed_cache_holds_each_image_at_its_buckets_shape_as_live_training
     from diffusers import AutoencoderKL
 
     from diffusers_zero3.data.images import ImageCaptionDataset
+    from diffusers_zero3.data.pixels import RowsToPixels
     from diffusers_zero3.demo.pipelines import tiny_vae_config
     from diffusers_zero3.families import SDXL
     from tests.common import precompute
@@ -262,9 +269,16 @@ def test_a_bucketed_cache_holds_each_image_at_its_buckets_shape_as_live_training
     cache = precompute(ds, tmp_path, buckets=buckets, row_buckets=row_buckets, **kw)
     assert cache.skipped_rows == [3] and len(list(cache.folder.glob("part-*"))) == 2  # one shard per shape
     live = ImageCaptionDataset(
-        ds, None, "image", "text", 16, random_flip=False, seed=3, buckets=buckets, row_buckets=row_buckets,
-        tokenize=lambda c: {"input_ids": torch.zeros(len(c), 2, dtype=torch.long)},
-    )  # fmt: skip
+        ds,
+        RowsToPixels(
+            resolution=16,
+            random_flip=False,
+            seed=3,
+            tokenize=lambda c: {"input_ids": torch.zeros(len(c), 2, dtype=torch.long)},
+            buckets=buckets,
+            row_buckets=row_buckets,
+        ),
+    )
     for rows in ([0, 2], [1, 4]):
         got = cache.get(torch.tensor(rows), sample=False)
         items = [live[i] for i in rows]
@@ -307,6 +321,7 @@ def test_an_exif_rotated_image_is_bucketed_as_it_is_decoded(tmp_path):
 
     from diffusers_zero3.data.buckets import bucket_rows, image_size
     from diffusers_zero3.data.images import ImageCaptionDataset
+    from diffusers_zero3.data.pixels import RowsToPixels
 
     buckets = [(32, 64), (64, 32)]  # landscape, portrait
     cases = [("six", 6), ("eight", 8), ("one", 1)]
@@ -334,10 +349,15 @@ def test_an_exif_rotated_image_is_bucketed_as_it_is_decoded(tmp_path):
         assert image_size(opened) == (80, 40)
     # and the crop is the bucket's shape with no stretching: the image is the upright one, resized
     dataset = ImageCaptionDataset(
-        by_path.add_column("text", ["c"] * 6), None, "image", "text", 32, center_crop=True,
-        tokenize=lambda c: {"input_ids": torch.zeros(len(c), 1, dtype=torch.long)},
-        buckets=buckets, row_buckets=bucket_rows(by_path, "image", buckets),
-    )  # fmt: skip
+        by_path.add_column("text", ["c"] * 6),
+        RowsToPixels(
+            resolution=32,
+            center_crop=True,
+            tokenize=lambda c: {"input_ids": torch.zeros(len(c), 1, dtype=torch.long)},
+            buckets=buckets,
+            row_buckets=bucket_rows(by_path, "image", buckets),
+        ),
+    )
     for i in range(3):
         item, twin = dataset[i], dataset[i + 3]
         assert tuple(item["pixel_values"].shape[1:]) == buckets[expected[i]]

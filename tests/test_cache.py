@@ -19,6 +19,7 @@ def worker_cache(pipe_dir: str, data_dir: str, cache_dir: str):
 
     from diffusers_zero3 import prepare_frozen
     from diffusers_zero3.data.images import ImageCaptionDataset, collate
+    from diffusers_zero3.data.pixels import RowsToPixels
     from diffusers_zero3.families.objectives import diffusion_loss
     from tests.common import accelerator_with_zero3, precompute
     from tests.test_frozen import _load_whole
@@ -59,7 +60,7 @@ def worker_cache(pipe_dir: str, data_dir: str, cache_dir: str):
         assert torch.equal(sharded._rows(name, everything), cache._rows(name, everything)), name
 
     # Same loss from the cache as from the live frozen models, for the same noise and timesteps.
-    data = ImageCaptionDataset(ds, tokenizer, "image", "text", resolution=32, center_crop=True)
+    data = ImageCaptionDataset(ds, RowsToPixels(resolution=32, center_crop=True), tokenizer=tokenizer)
     batch = collate([data[i] for i in range(5)])
     scheduler = DDPMScheduler.from_pretrained(pipe_dir, subfolder="scheduler")
     unet = UNet2DConditionModel.from_pretrained(pipe_dir, subfolder="unet")
@@ -122,8 +123,12 @@ def worker_cache(pipe_dir: str, data_dir: str, cache_dir: str):
     )
     skipped = precompute(corrupt, cache_dir, **{**kw, "text_encoder": None})
     assert skipped.skipped_rows == [3] and len(skipped) == 4
-    rows = ImageCaptionDataset(corrupt, tokenizer, "image", "text", 32, True, with_images=False,
-                               unreadable_rows=skipped.skipped_rows)  # fmt: skip
+    rows = ImageCaptionDataset(
+        corrupt,
+        RowsToPixels(resolution=32, center_crop=True, live_pixels=False),
+        tokenizer=tokenizer,
+        unreadable_rows=skipped.skipped_rows,
+    )
     assert rows[3]["index"] == 4 and skipped.get(torch.tensor([rows[3]["index"]]))["latents"].shape[0] == 1
     print("OK cache", live.item())
 

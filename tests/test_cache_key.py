@@ -340,6 +340,7 @@ def test_the_cached_random_crop_is_the_live_crop_with_several_captions(tmp_path)
     from PIL import Image
 
     from diffusers_zero3.data.images import ImageCaptionDataset
+    from diffusers_zero3.data.pixels import RowsToPixels
     from diffusers_zero3.demo.pipelines import tiny_vae_config
     from diffusers_zero3.families import SDXL
     from tests.common import precompute
@@ -360,7 +361,7 @@ def test_the_cached_random_crop_is_the_live_crop_with_several_captions(tmp_path)
     ds = datasets.Dataset.from_dict({"image": images, "text": captions})
     cache = precompute(ds, tmp_path / "cache", vae=vae, family=SDXL, resolution=16, seed=5,
                                       batch_size=3)  # fmt: skip
-    live = ImageCaptionDataset(ds, None, "image", "text", 16, seed=5, tokenize=_tokenize)
+    live = ImageCaptionDataset(ds, RowsToPixels(resolution=16, seed=5, tokenize=_tokenize))
     live.set_epoch(0)
     corners = []
     for i in range(len(ds)):

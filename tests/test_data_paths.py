@@ -44,6 +44,7 @@ def test_relative_image_paths_in_a_parquet_folder_load_and_decode(tmp_path, monk
         load_image_caption_dataset,
         prepare_image_column,
     )
+    from diffusers_zero3.data.pixels import RowsToPixels
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -60,7 +61,7 @@ def test_relative_image_paths_in_a_parquet_folder_load_and_decode(tmp_path, monk
         COLOURS["blue"],
         COLOURS["green"],  # an absolute path is kept
     ]
-    items = ImageCaptionDataset(ds, None, "image", "text", 8, tokenize=_tokenize)
+    items = ImageCaptionDataset(ds, RowsToPixels(resolution=8, tokenize=_tokenize))
     item = items[1]
     assert item["pixel_values"].shape == (3, 8, 8) and item["index"] == 1 and not items.skipped_rows
     blue = torch.tensor(COLOURS["blue"], dtype=torch.float32) / 127.5 - 1
@@ -76,11 +77,12 @@ def test_a_missing_image_file_is_skipped_and_counted(tmp_path, caplog):
         load_image_caption_dataset,
         prepare_image_column,
     )
+    from diffusers_zero3.data.pixels import RowsToPixels
 
     folder = _parquet_folder(tmp_path / "data", ["red", "missing", "blue"])
     ds = prepare_image_column(load_image_caption_dataset(str(folder)), "image", str(folder))
     assert [is_readable_image(ds, i, "image") for i in range(3)] == [True, False, True]  # the cache's check
-    items = ImageCaptionDataset(ds, None, "image", "text", 8, tokenize=_tokenize)
+    items = ImageCaptionDataset(ds, RowsToPixels(resolution=8, tokenize=_tokenize))
     with caplog.at_level(logging.WARNING, logger="diffusers_zero3"):
         assert [items[i]["index"] for i in range(3)] == [0, 2, 2]  # the skipped row: the next readable one
     assert items.skipped_rows == {1}

@@ -349,8 +349,16 @@ def _sdxl_cache_vs_live(pipe_dir: str, data_dir: str, cache_dir: str):
         **common,
     )
     assert cached.cache is not None and all(m is None for m in cached.models.values())
-    data = ImageCaptionDataset(ds, None, "image", "text", 32, False, True, seed=7,
-                               tokenize=lambda c: SDXL.tokenize(tokenizers, c))  # fmt: skip
+    data = ImageCaptionDataset(
+        ds,
+        RowsToPixels(
+            resolution=32,
+            center_crop=False,
+            random_flip=True,
+            seed=7,
+            tokenize=lambda c: SDXL.tokenize(tokenizers, c),
+        ),
+    )
     rows = list(range(len(ds)))
     batch = collate([data[i] for i in rows])
     flips = torch.tensor(

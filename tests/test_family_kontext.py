@@ -328,6 +328,7 @@ def test_pair_folder_layout_and_its_errors(tmp_path, tiny_kontext):
         load_edit_dataset,
         read_pair_folder,
     )
+    from diffusers_zero3.data.pixels import RowsToPixels
     from diffusers_zero3.errors import DataError
 
     data = tiny_kontext[1]
@@ -349,7 +350,7 @@ def test_pair_folder_layout_and_its_errors(tmp_path, tiny_kontext):
     rows = prepare_image_column(load_edit_dataset(None, None, str(two), None), "image")
     assert check_source_column(rows, "source_image") == 2
     item = PairedImageDataset(
-        rows, None, "image", "text", 32, tokenize=lambda c: {"input_ids": torch.zeros(1, 4)}
+        rows, RowsToPixels(resolution=32, tokenize=lambda c: {"input_ids": torch.zeros(1, 4)})
     )[0]
     assert item["source_pixel_values"].shape == (2, 3, 32, 32)
     assert not torch.equal(item["source_pixel_values"][0], item["source_pixel_values"][1])
@@ -377,6 +378,7 @@ def test_a_pair_is_cropped_and_flipped_as_one(tiny_kontext):
 
     from diffusers_zero3.data.images import prepare_image_column, transform_image_with_crop
     from diffusers_zero3.data.pairs import PairedImageDataset, load_edit_dataset, transform_like
+    from diffusers_zero3.data.pixels import RowsToPixels
 
     image = Image.fromarray((torch.rand(5, 7, 3, generator=torch.Generator().manual_seed(0)) * 255)
                             .to(torch.uint8).numpy()).resize((56, 40), Image.BICUBIC)  # smooth  # fmt: skip
@@ -393,9 +395,17 @@ def test_a_pair_is_cropped_and_flipped_as_one(tiny_kontext):
     ds = load_edit_dataset(None, None, tiny_kontext[1], None)
     ds = prepare_image_column(ds, "image")
     paired = PairedImageDataset(
-        ds, None, "image", "text", 32, False, True, seed=0, tokenize=lambda c: {"input_ids": torch.zeros(len(c), 4)},
-        buckets=[(32, 32), (16, 32)], row_buckets=[1] * 8,
-    )  # fmt: skip
+        ds,
+        RowsToPixels(
+            resolution=32,
+            center_crop=False,
+            random_flip=True,
+            seed=0,
+            tokenize=lambda c: {"input_ids": torch.zeros(len(c), 4)},
+            buckets=[(32, 32), (16, 32)],
+            row_buckets=[1] * 8,
+        ),
+    )
     for epoch in range(2):
         paired.set_epoch(epoch)
         item = paired[3]
@@ -418,6 +428,7 @@ def test_a_source_column_holds_an_image_or_a_list_of_images():
     import datasets
 
     from diffusers_zero3.data.pairs import PairedImageDataset, check_source_column
+    from diffusers_zero3.data.pixels import RowsToPixels
     from diffusers_zero3.demo import png_value, shape_image
     from diffusers_zero3.errors import DataError
 
@@ -442,9 +453,9 @@ def test_a_source_column_holds_an_image_or_a_list_of_images():
         check_source_column(uneven, "src")
     tokenize = lambda c: {"input_ids": torch.zeros(len(c), 4)}  # noqa: E731
     for ds, k in ((one, 1), (many, 2)):
-        item = PairedImageDataset(ds, None, "image", "text", 32, source_column="src", tokenize=tokenize)[1]
+        item = PairedImageDataset(ds, RowsToPixels(resolution=32, tokenize=tokenize), source_column="src")[1]
         assert item["source_pixel_values"].shape == (k, 3, 32, 32)
-    item = PairedImageDataset(many, None, "image", "text", 32, source_column="src", tokenize=tokenize)[0]
+    item = PairedImageDataset(many, RowsToPixels(resolution=32, tokenize=tokenize), source_column="src")[0]
     assert (
         item["source_pixel_values"][0, 2].mean() > item["source_pixel_values"][1, 2].mean()
     )  # blue, then green

@@ -67,8 +67,15 @@ def worker_t5_partitioned(pipe_dir: str, data_dir: str, cache_dir: str):
     cached = place_frozen_models(accelerator, FLUX, pipe_dir, {"text_encoder_2": "cache"}, **common)
     assert cached.models["text_encoder_2"] is None and cached.cache.has_text
     live = place_frozen_models(accelerator, FLUX, pipe_dir, {}, **common)
-    data = ImageCaptionDataset(ds, None, "image", "text", 32, True, False,
-                               tokenize=lambda c: FLUX.tokenize(tokenizers, c, 16))  # fmt: skip
+    data = ImageCaptionDataset(
+        ds,
+        RowsToPixels(
+            resolution=32,
+            center_crop=True,
+            random_flip=False,
+            tokenize=lambda c: FLUX.tokenize(tokenizers, c, 16),
+        ),
+    )
     batch = collate([data[i] for i in range(len(ds))])
     _, from_cache, _ = cached(batch, torch.device("cpu"))
     _, from_live, _ = live(batch, torch.device("cpu"))

@@ -19,6 +19,7 @@ from diffusers_zero3.data.images import (
     load_image_caption_dataset,
     prepare_image_column,
 )
+from diffusers_zero3.data.pixels import RowsToPixels
 from diffusers_zero3.data.streaming import (
     StreamedExamples,
     StreamedRows,
@@ -93,9 +94,15 @@ LAYOUTS = ["image", "struct", "struct_paths", "bytes", "paths"]
 
 def _examples(column: str, dataset=()) -> ImageCaptionDataset:
     return ImageCaptionDataset(
-        dataset, None, column, "text", SIDE, center_crop=True, seed=0,
-        tokenize=lambda c: {"input_ids": torch.zeros(len(c), 1, dtype=torch.long)},
-    )  # fmt: skip
+        dataset,
+        RowsToPixels(
+            image_column=column,
+            resolution=SIDE,
+            center_crop=True,
+            seed=0,
+            tokenize=lambda c: {"input_ids": torch.zeros(len(c), 1, dtype=torch.long)},
+        ),
+    )
 
 
 def _expected_pixels(sources) -> torch.Tensor:

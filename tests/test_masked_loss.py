@@ -124,11 +124,18 @@ def test_the_dataset_gives_each_row_its_mask():
         {"image": [png(ramp.convert("RGB"))], "mask": [png(ramp)], "text": ["a ramp"]}, features=features
     )
     from diffusers_zero3.data.images import ImageCaptionDataset
+    from diffusers_zero3.data.pixels import RowsToPixels
 
     dataset = ImageCaptionDataset(
-        ds, None, "image", "text", 16, random_flip=True, seed=4, mask_column="mask",
-        tokenize=lambda c: {"input_ids": torch.zeros(len(c), 2, dtype=torch.long)},
-    )  # fmt: skip
+        ds,
+        RowsToPixels(
+            resolution=16,
+            random_flip=True,
+            seed=4,
+            tokenize=lambda c: {"input_ids": torch.zeros(len(c), 2, dtype=torch.long)},
+            mask_column="mask",
+        ),
+    )
     item = dataset[0]
     assert item["loss_mask"].shape == (1, 16, 16)
     torch.testing.assert_close(

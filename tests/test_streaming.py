@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from diffusers_zero3.data.images import ImageCaptionDataset
+from diffusers_zero3.data.pixels import RowsToPixels
 from diffusers_zero3.data.streaming import (
     StreamedExamples,
     StreamedRows,
@@ -113,9 +114,14 @@ def test_each_rank_decodes_its_rows_and_an_unreadable_one_is_replaced(tmp_path, 
     items = _shard_of(rows, 1, 4, 0)
     assert isinstance(items[0]["row"]["image"], dict)  # undecoded bytes until the collate
     examples = ImageCaptionDataset(
-        [], None, "image", "text", 16, random_flip=True, seed=0,
-        tokenize=lambda c: {"input_ids": torch.zeros(len(c), 2, dtype=torch.long)},
-    )  # fmt: skip
+        [],
+        RowsToPixels(
+            resolution=16,
+            random_flip=True,
+            seed=0,
+            tokenize=lambda c: {"input_ids": torch.zeros(len(c), 2, dtype=torch.long)},
+        ),
+    )
     collate = StreamedExamples(examples, "image", threads=2)
     batch = collate(items[4:8])  # rows 4..7, row 5 corrupt
     assert batch["pixel_values"].shape == (4, 3, 16, 16)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -19,6 +19,9 @@ import torch
 from ..errors import DataError
 from ..runtime.distributed import logger
 from ..runtime.notices import local_dataset_progress_off
+
+if TYPE_CHECKING:
+    from .pixels import RowsToPixels
 
 
 def load_image_caption_dataset(
@@ -468,48 +471,40 @@ class SeededRows(torch.utils.data.Dataset):
 
 class ImageCaptionDataset(SeededRows):
     """Rows of a ``datasets`` dataset as ``{"pixel_values", "input_ids", "index"}``, plus
-    ``"original_size"`` and ``"crop_top_left"`` (SDXL's micro-conditioning) with the images.
+    ``"original_size"`` and ``"crop_top_left"`` (SDXL's micro-conditioning) with the images,
+    read as ``pixels`` (a ``data.pixels.RowsToPixels``) says: its columns, size, crop, flip,
+    seed, resize filter, buckets, loss-mask column, caption dropout and tokenizer call.
 
-    ``tokenize`` maps captions to a dict of token-id tensors (a family's ``tokenize``, for
-    several text encoders: ``input_ids``, ``input_ids_2``); by default ``tokenizer`` gives
-    ``input_ids``. ``empty_prompt_probability`` replaces a caption by ``""`` that often
+    ``pixels.tokenize`` maps captions to a dict of token-id tensors (a family's ``tokenize``,
+    for several text encoders: ``input_ids``, ``input_ids_2``); without it ``tokenizer`` gives
+    ``input_ids``. ``pixels.empty_prompt_probability`` replaces a caption by ``""`` that often
     (``--proportion_empty_prompts``), drawn per row and epoch like the other randomness.
 
     ``set_epoch(e)`` changes the random crops/flips/captions deterministically. With
-    ``with_images=False`` images are not decoded (training from a latent cache); then
+    ``pixels.live_pixels`` False images are not decoded (training from a latent cache); then
     ``unreadable_rows`` (the rows a cache skipped) are skipped as if they failed to decode.
 
-    With aspect-ratio buckets (``buckets``: ``(height, width)`` shapes, ``row_buckets``: each
-    row's bucket index, ``buckets.NO_BUCKET`` for an unreadable one) a row is cropped to its
-    bucket, and a row that fails to decode is replaced by the next readable row of the same
-    bucket (a batch keeps one shape). Items then carry ``target_size``, the crop's shape.
-    ``interpolation`` is the resize filter (``--image_interpolation_mode``). ``mask_column``
-    names a column of loss masks (``transform_mask``: cropped and flipped as the image), given
-    as ``loss_mask`` ``(1, H, W)``.
+    With aspect-ratio buckets (``pixels.buckets``: ``(height, width)`` shapes,
+    ``pixels.row_buckets``: each row's bucket index, ``buckets.NO_BUCKET`` for an unreadable
+    one) a row is cropped to its bucket, and a row that fails to decode is replaced by the next
+    readable row of the same bucket (a batch keeps one shape). Items then carry
+    ``target_size``, the crop's shape. ``pixels.interpolation`` is the resize filter
+    (``--image_interpolation_mode``). ``pixels.mask_column`` names a column of loss masks
+    (``transform_mask``: cropped and flipped as the image), given as ``loss_mask`` ``(1, H, W)``.
+
+    Example:
+        >>> rows = ImageCaptionDataset(ds, RowsToPixels(resolution=512, center_crop=True, tokenize=tokenize))
+        >>> rows[0]["pixel_values"].shape
+        torch.Size([3, 512, 512])
     """
 
-    def __init__(
-        self,
-        dataset,
-        tokenizer,
-        image_column: str,
-        caption_column: str,
-        resolution: int,
-        center_crop: bool = False,
-        random_flip: bool = False,
-        seed: int = 0,
-        with_images: bool = True,
-        unreadable_rows: Sequence[int] = (),
-        tokenize: Callable[[list[str]], dict[str, torch.Tensor]] | None = None,
-        empty_prompt_probability: float = 0.0,
-        buckets: Sequence[tuple[int, int]] | None = None,
-        row_buckets: Sequence[int] | None = None,
-        interpolation: str = "bilinear",
-        mask_column: str | None = None,
-    ):
+    def __init__(self, dataset, pixels: RowsToPixels, *, tokenizer=None, unreadable_rows: Sequence[int] = ()):
+        image_column, caption_column, buckets, row_buckets = (
+            pixels.image_column, pixels.caption_column, pixels.buckets, pixels.row_buckets,
+        )  # fmt: skip
         if (buckets is None) != (row_buckets is None):
             raise ValueError("give buckets and row_buckets together")
-        if not with_images and image_column in getattr(dataset, "features", {}):
+        if not pixels.live_pixels and image_column in getattr(dataset, "features", {}):
             import datasets
 
             # training from a latent cache reads captions alone: the images are not decoded
@@ -517,17 +512,21 @@ class ImageCaptionDataset(SeededRows):
         self.dataset = dataset
         self.buckets = list(buckets) if buckets is not None else None
         self.row_buckets = list(row_buckets) if row_buckets is not None else None
-        self.interpolation = interpolation
-        self.mask_column = mask_column
+        self.interpolation = pixels.interpolation
+        self.mask_column = pixels.mask_column
         self.tokenizer = tokenizer
         self.image_column, self.caption_column = image_column, caption_column
-        self.resolution, self.center_crop, self.random_flip = resolution, center_crop, random_flip
-        self.seed, self.epoch = seed, 0
-        self.with_images = with_images
+        self.resolution, self.center_crop, self.random_flip = (
+            pixels.resolution,
+            pixels.center_crop,
+            pixels.random_flip,
+        )
+        self.seed, self.epoch = pixels.seed, 0
+        self.with_images = pixels.live_pixels
         self.skipped_rows: set[int] = set()
         self.unreadable_rows = set(unreadable_rows)
-        self._tokenize = tokenize
-        self.empty_prompt_probability = empty_prompt_probability
+        self._tokenize = pixels.tokenize
+        self.empty_prompt_probability = pixels.empty_prompt_probability
 
     def tokenize(self, captions: Sequence[str]) -> torch.Tensor:
         """Token ids padded to the tokenizer's max length, as upstream."""

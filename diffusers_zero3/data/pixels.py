@@ -97,9 +97,4 @@ class RowsToPixels:
         """An ``ImageCaptionDataset`` of ``dataset`` read with these settings (a
         ``PairedImageDataset`` given ``source_column=`` and ``source_root=``: ``pairs``)."""
         dataset_class = PairedImageDataset if "source_column" in pairs else ImageCaptionDataset
-        return dataset_class(
-            dataset, None, self.image_column, self.caption_column, self.resolution, self.center_crop,
-            self.random_flip, seed=self.seed, with_images=self.live_pixels, tokenize=self.tokenize,
-            empty_prompt_probability=self.empty_prompt_probability, buckets=self.buckets,
-            row_buckets=self.row_buckets, interpolation=self.interpolation, mask_column=self.mask_column, **pairs,
-        )  # fmt: skip
+        return dataset_class(dataset, self, **pairs)

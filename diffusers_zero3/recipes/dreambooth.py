@@ -374,14 +374,22 @@ class DreamBoothTrainer(TextToImageTrainer):
             )
         log_rank_zero(f"{n_instance} instance images" + (f", {n_class} class images" if n_class else ""))
         from ..data.images import ImageCaptionDataset, check_enough_rows
+        from ..data.pixels import RowsToPixels
 
         check_enough_rows(
             max(n_instance * args.repeats, n_class), self.accelerator.num_processes, args.train_batch_size
         )
         images = ImageCaptionDataset(
-            ds, None, "image", "text", args.resolution, args.center_crop, args.random_flip, seed=args.seed or 0,
-            with_images=self.placements.get("vae") != "cache", tokenize=self._tokenize,
-        )  # fmt: skip
+            ds,
+            RowsToPixels(
+                resolution=args.resolution,
+                center_crop=args.center_crop,
+                random_flip=args.random_flip,
+                seed=args.seed or 0,
+                live_pixels=self.placements.get("vae") != "cache",
+                tokenize=self._tokenize,
+            ),
+        )
         pairs = DreamBoothPairs(images, n_instance, n_class, repeats=args.repeats)
         return TrainingData(
             pairs, ds, "image", "text", args.train_batch_size, self.data_processes, seed=args.seed or 0,
