@@ -12,6 +12,7 @@ import time
 
 SUITES = [
     "plan",
+    "plan_rl",
     "end_to_end",
     "collectives",
     "rss_baseline",

@@ -213,3 +213,17 @@ def test_command_line_rl_mode_and_bad_input(capsys, tiny_pipeline):
         assert main(bad) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error:") and words in err[0], err
+
+
+@pytest.mark.unit
+def test_the_documented_rl_plans_are_the_benchmark_jobs():
+    """docs/rl.md's RL plans are generated (``python -m benchmarks.bench_plan_rl --rl-md``; its
+    ``--check`` replans them all): the commands printed are the jobs', one table row each."""
+    from benchmarks.bench_plan_rl import RL_JOBS, RL_MD, commands_block, documented_section
+
+    documented = documented_section(RL_MD.read_text())
+    assert documented.startswith(commands_block() + "\n")
+    rows = [line for line in documented.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 1 + len(RL_JOBS)  # the header and a row per job
+    with pytest.raises(ValueError, match="no RL plans"):
+        documented_section("# no markers\n")
