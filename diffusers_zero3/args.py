@@ -262,6 +262,11 @@ class ProcessSettings(Settings):
 
     GROUP: ClassVar[str | None] = PLACEMENTS_GROUP
     process_group_timeout: float = flag(1800, "Seconds before a collective gives up.")
+    dead_rank_timeout: float = flag(
+        60,
+        "Seconds without a heartbeat from a rank (dead, frozen, its host lost) before every rank stops with "
+        "one error line naming it and exit status 69, instead of waiting out --process_group_timeout; 0: off.",
+    )
     return_freed_memory: bool = flag(
         False,
         "Have glibc hand freed blocks of 1 MiB or more back to the OS (memory.return_large_frees_to_os): "
@@ -394,6 +399,10 @@ def validate_common_args(args: CommonSettings) -> None:
             raise ArgumentError(f"--max_nonfinite_steps must not be negative, got {args.max_nonfinite_steps}")
     if args.process_group_timeout <= 0:
         raise ArgumentError(f"--process_group_timeout must be positive, got {args.process_group_timeout}")
+    if args.dead_rank_timeout < 0:
+        raise ArgumentError(
+            f"--dead_rank_timeout must not be negative (0: off), got {args.dead_rank_timeout}"
+        )
     if args.resolution % 8:
         raise ArgumentError(
             f"--resolution must be divisible by 8 (the VAE's downsampling and the pipelines need it), "

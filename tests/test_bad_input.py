@@ -107,6 +107,7 @@ COMMON_CASES = [
     (["--output_dir", "{pipe}/inside"], "is the source pipeline folder"),
     (["--resume_from_checkpoint", "checkpoint-77"], "--resume_from_checkpoint 'checkpoint-77': no complete"),
     (["--process_group_timeout", "0"], "--process_group_timeout must be positive"),
+    (["--dead_rank_timeout", "-1"], "--dead_rank_timeout must not be negative (0: off), got -1.0"),
     (["--save_on_signal", "SIGKILL"], "--save_on_signal: SIGKILL is not a signal a process can catch"),
     (["--max_nonfinite_steps", "-1"], "--max_nonfinite_steps must not be negative, got -1"),
     (["--report_to", "nonsense"], "--report_to must be one of tensorboard, wandb, all, none, got 'nonsense'"),

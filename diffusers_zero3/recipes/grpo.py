@@ -748,7 +748,7 @@ class GRPOTrainer:
         self.accelerator = acc = setup_accelerator(
             args.output_dir, mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.accumulation_steps,
             report_to=args.report_to, logging_dir=args.logging_dir, max_grad_norm=args.max_grad_norm,
-            process_group_timeout=args.process_group_timeout,
+            process_group_timeout=args.process_group_timeout, dead_rank_timeout=args.dead_rank_timeout,
         )  # fmt: skip
         checked = {**placements, **({"reference": args.reference_placement} if args.rank is None else {})}
         validate_launch(

@@ -126,6 +126,9 @@ def exit_after_teardown(code: int = 0) -> None:
     sys.stdout.flush()  # is past it and leaves, the others' collective threads see its
     sys.stderr.flush()  # sockets close, and a rank still tearing down can abort on that
     if is_distributed():
+        from .rank_watch import finish_rank_watch
+
+        finish_rank_watch()  # every rank finished, each still watched until then
         dist.barrier()  # every rank's work is done
     os._exit(code)
 

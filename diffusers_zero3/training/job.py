@@ -21,6 +21,7 @@ from ..runtime.accelerator import build_accelerator
 from ..runtime.distributed import exit_after_teardown, log_rank_zero
 from ..runtime.ds_config import fill_auto_bucket_sizes
 from ..runtime.launch import warn_about_locks_older_than_launch
+from ..runtime.rank_watch import leave_rank_watch, start_rank_watch
 from ..runtime.user_errors import USER_ERROR_EXIT, print_user_error
 from ..runtime.zero3 import is_zero3_enabled, set_moe_leaf_modules, zero3_init_disabled
 from ..state.pretrained import load_pretrained_zero3
@@ -39,8 +40,15 @@ def setup_accelerator(
     logging_dir: str = "logs",
     max_grad_norm: float | None = None,
     process_group_timeout: float = 1800,
+    dead_rank_timeout: float = 0,
 ):
     """An accelerator for a training script, CPU-only hosts included; logging on rank 0 only.
+
+    ``dead_rank_timeout`` > 0 starts the rank watch (``runtime.rank_watch.start_rank_watch``):
+    a rank silent for that many seconds (dead, frozen) ends the job on every rank with one
+    ``error:`` line naming it, instead of the others waiting out ``process_group_timeout``.
+    End the run with ``run_script`` (or ``runtime.distributed.exit_after_teardown``) on every
+    rank, which stops it.
 
     ``gradient_accumulation_steps`` takes effect whatever the accelerate config file says:
     ``accelerate launch`` exports the file's ``gradient_accumulation_steps`` (1 in the
@@ -69,6 +77,7 @@ def setup_accelerator(
             use_seedable_sampler=True, non_blocking=torch.cuda.is_available()
         ),
     )
+    start_rank_watch(dead_rank_timeout, finish_limit_s=process_group_timeout)
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None and max_grad_norm is not None:
         plugin.deepspeed_config["gradient_clipping"] = max_grad_norm
@@ -88,7 +97,7 @@ def setup_accelerator(
 def accelerator_from_args(args):
     """``setup_accelerator`` from a script's parsed flags (``output_dir``, ``mixed_precision``,
     ``report_to``, ``logging_dir``, ``max_grad_norm``, ``process_group_timeout``,
-    ``gradient_accumulation_steps``)."""
+    ``dead_rank_timeout``, ``gradient_accumulation_steps``)."""
     return setup_accelerator(
         args.output_dir,
         mixed_precision=args.mixed_precision,
@@ -97,6 +106,7 @@ def accelerator_from_args(args):
         logging_dir=args.logging_dir,
         max_grad_norm=args.max_grad_norm,
         process_group_timeout=args.process_group_timeout,
+        dead_rank_timeout=args.dead_rank_timeout,
     )
 
 
@@ -163,6 +173,9 @@ def run_script(body: Callable[[], None]) -> int:
     * A preemption (``training.faults.Preempted``: a signal, the step's checkpoint published)
       exits with code 75 (``PREEMPTED_EXIT``) on every rank.
     * Any other exception prints its traceback and exits with code 1.
+    * A failing rank tells the others through its rank watch (``runtime.rank_watch``, started
+      by ``setup_accelerator``), which leave a few seconds later if their own collectives have
+      not failed by then.
     * Under ``torch.distributed`` a failing rank leaves with ``os._exit`` at once: tearing
       down a process group whose peers are gone or stuck can hang or abort, and the peers
       then fail at their next collective (within the collective timeout) instead of waiting.
@@ -174,11 +187,14 @@ def run_script(body: Callable[[], None]) -> int:
     try:
         body()
     except USER_ERRORS as e:
+        leave_rank_watch(failed=True)
         print_user_error(str(e))
         code = USER_ERROR_EXIT
     except Preempted:
+        leave_rank_watch(failed=False)  # every rank leaves together
         code = PREEMPTED_EXIT  # every rank, its checkpoint published (the loop logged it)
     except BaseException:
+        leave_rank_watch(failed=True)
         if not torch.distributed.is_initialized():
             raise
         traceback.print_exc()
