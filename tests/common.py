@@ -80,3 +80,17 @@ def precompute(dataset, cache_dir, **kw):
             models["tokenizers"] = {**models.get("tokenizers", {}), "text_encoder": tokenizer}
     pixels = RowsToPixels(**{name: kw.pop(name) for name in PIXEL_FIELDS if name in kw})
     return precompute_frozen_outputs(dataset, cache_dir, FrozenEncoders(**models), pixels, **kw)
+
+
+CLIP_FIELDS = ("num_frames", "height", "width", "frame_stride", "fps", "random_start", "video_column")
+
+
+def clip_dataset(rows, tokenize, **kw):
+    """A ``VideoCaptionDataset`` of ``rows`` with its settings given flat, as the cache-key tests
+    vary them one at a time: the frames' into a ``ClipSampling``, the rest into a
+    ``RowsToPixels``."""
+    from diffusers_zero3.data.pixels import RowsToPixels
+    from diffusers_zero3.data.video import ClipSampling, VideoCaptionDataset
+
+    clip = ClipSampling(**{name: kw.pop(name) for name in CLIP_FIELDS if name in kw})
+    return VideoCaptionDataset(rows, RowsToPixels(tokenize=tokenize, **kw), clip)

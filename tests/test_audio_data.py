@@ -19,7 +19,9 @@ from diffusers_zero3.data.audio import (
     write_tone_video,
     write_video_with_audio,
 )
+from diffusers_zero3.data.pixels import RowsToPixels
 from diffusers_zero3.data.video import (
+    ClipSampling,
     VideoCaptionDataset,
     load_video_caption_dataset,
     write_shapes_videos,
@@ -205,7 +207,9 @@ def test_dataset_rows_carry_the_clips_sound(tmp_path):
     def tokenize(captions):
         return {"input_ids": torch.zeros(len(captions), 4, dtype=torch.long)}
 
-    data = VideoCaptionDataset(rows, tokenize, num_frames=9, resolution=32, audio=spec)
+    data = VideoCaptionDataset(
+        rows, RowsToPixels(resolution=32, tokenize=tokenize), ClipSampling(9), audio=spec
+    )
     items = [data[i] for i in range(3)]
     latents = audio_latent_frames(9, 8, VAE_CONFIG)
     for item in items:
@@ -229,7 +233,10 @@ def test_dataset_rows_carry_the_clips_sound(tmp_path):
         assert vae.encode(batch["audio_mel"]).latent_dist.mode().shape[2] == latents
     # every other frame from a random start: 4 fps, the track from the first taken frame's time
     strided = VideoCaptionDataset(
-        rows, tokenize, num_frames=5, resolution=32, frame_stride=2, random_start=True, audio=spec
+        rows,
+        RowsToPixels(resolution=32, tokenize=tokenize),
+        ClipSampling(5, frame_stride=2, random_start=True),
+        audio=spec,
     )
     starts = []
     for i in range(2):

@@ -210,19 +210,16 @@ def _tokenize(captions):
 
 
 def _video_setup(tmp_path: Path, monkeypatch, **clip_kw) -> Setup:
-    from diffusers_zero3.data.video import (
-        VideoCaptionDataset,
-        load_video_caption_dataset,
-        write_shapes_videos,
-    )
+    from diffusers_zero3.data.video import load_video_caption_dataset, write_shapes_videos
     from diffusers_zero3.families import WAN
+    from tests.common import clip_dataset
 
     folder = write_shapes_videos(tmp_path / "clips", num_clips=2, frames=3, size=16, seed=0)
     for clip in folder.glob("*.mp4"):
         os.utime(clip, ns=(PAST_NS, PAST_NS))
     rows = load_video_caption_dataset(folder)
     clip_kw = {"num_frames": 3, "resolution": 16, "seed": 0, **clip_kw}
-    clips = VideoCaptionDataset(rows, _tokenize, **clip_kw)
+    clips = clip_dataset(rows, _tokenize, **clip_kw)
     kw = dict(vae=_module(1), family=WAN, resolution=16, seed=0, clips=clips)
     return Setup(rows, kw, folder, monkeypatch, extra={"clip_kw": clip_kw})
 
@@ -230,18 +227,15 @@ def _video_setup(tmp_path: Path, monkeypatch, **clip_kw) -> Setup:
 def _other_clips_same_captions(s: Setup) -> None:
     """Another folder of clips (other shapes) under the first folder's metadata: the same file
     names and captions, so the rows are equal column by column."""
-    from diffusers_zero3.data.video import (
-        VideoCaptionDataset,
-        load_video_caption_dataset,
-        write_shapes_videos,
-    )
+    from diffusers_zero3.data.video import load_video_caption_dataset, write_shapes_videos
+    from tests.common import clip_dataset
 
     other = write_shapes_videos(s.folder.parent / "other", num_clips=2, frames=3, size=16, seed=1)
     shutil.copy(s.folder / "metadata.jsonl", other / "metadata.jsonl")
     rows = load_video_caption_dataset(other)
     assert [dict(r) for r in rows] == [dict(r) for r in s.dataset]  # the same rows, other clips
     s.dataset = rows
-    s.kw["clips"] = VideoCaptionDataset(rows, _tokenize, **s.extra["clip_kw"])
+    s.kw["clips"] = clip_dataset(rows, _tokenize, **s.extra["clip_kw"])
 
 
 def _rewrite_one_clip(s: Setup) -> None:
@@ -253,9 +247,9 @@ def _rewrite_one_clip(s: Setup) -> None:
 
 def _clips(**changes) -> Callable[[Setup], None]:
     def change(s: Setup) -> None:
-        from diffusers_zero3.data.video import VideoCaptionDataset
+        from tests.common import clip_dataset
 
-        s.kw["clips"] = VideoCaptionDataset(s.dataset, _tokenize, **{**s.extra["clip_kw"], **changes})
+        s.kw["clips"] = clip_dataset(s.dataset, _tokenize, **{**s.extra["clip_kw"], **changes})
 
     return change
 

@@ -160,7 +160,9 @@ def test_a_clip_mask_goes_to_the_latents_as_a_causal_video_vae_compresses_time()
 def test_a_video_rows_mask_clip_takes_its_clips_frames_crop_and_flip(tmp_path):
     import json
 
+    from diffusers_zero3.data.pixels import RowsToPixels
     from diffusers_zero3.data.video import (
+        ClipSampling,
         VideoCaptionDataset,
         load_video_caption_dataset,
         write_shapes_videos,
@@ -172,9 +174,16 @@ def test_a_video_rows_mask_clip_takes_its_clips_frames_crop_and_flip(tmp_path):
         "".join(json.dumps({**r, "mask": r["file_name"]}) + "\n" for r in rows)
     )
     clips = VideoCaptionDataset(
-        load_video_caption_dataset(folder), lambda c: {"input_ids": torch.zeros(len(c), 2, dtype=torch.long)},
-        5, 24, random_start=True, random_flip=True, seed=1, mask_column="mask",
-    )  # fmt: skip
+        load_video_caption_dataset(folder),
+        RowsToPixels(
+            resolution=24,
+            random_flip=True,
+            seed=1,
+            mask_column="mask",
+            tokenize=lambda c: {"input_ids": torch.zeros(len(c), 2, dtype=torch.long)},
+        ),
+        ClipSampling(5, random_start=True),
+    )
     for i in range(2):
         item = clips[i]
         rgb = (item["pixel_values"] + 1) * 127.5  # (3, F, H, W) back to 0-255

@@ -44,7 +44,9 @@ def test_shapes_videos_load_as_a_videofolder_and_as_frame_folders(tmp_path):
     import datasets
 
     from diffusers_zero3.data.images import collate
+    from diffusers_zero3.data.pixels import RowsToPixels
     from diffusers_zero3.data.video import (
+        ClipSampling,
         VideoCaptionDataset,
         load_video_caption_dataset,
         write_shapes_videos,
@@ -64,23 +66,29 @@ def test_shapes_videos_load_as_a_videofolder_and_as_frame_folders(tmp_path):
     frame_rows = load_video_caption_dataset(frames)
     assert [r["text"] for r in frame_rows] == [r["text"] for r in rows]  # same seed, same clips
     for data in (rows, frame_rows):
-        ds = VideoCaptionDataset(data, _tokenize, num_frames=9, resolution=SIZE, center_crop=True)
+        ds = VideoCaptionDataset(
+            data, RowsToPixels(resolution=SIZE, center_crop=True, tokenize=_tokenize), ClipSampling(9)
+        )
         batch = collate([ds[0], ds[1]])
         assert batch["pixel_values"].shape == (2, 3, 9, SIZE, SIZE) and batch["index"].tolist() == [0, 1]
         pixels = batch["pixel_values"]
         assert -1.0 <= float(pixels.min()) and float(pixels.max()) <= 1.0
         assert (pixels[:, :, 0] - pixels[:, :, -1]).abs().max() > 0.5  # the shape moves
     # mp4 (x264 at quantiser 0, yuv420p) decodes close to the PNG frames of the same clip
-    a = VideoCaptionDataset(rows, _tokenize, num_frames=9, resolution=SIZE, center_crop=True)[2][
-        "pixel_values"
-    ]
-    b = VideoCaptionDataset(frame_rows, _tokenize, num_frames=9, resolution=SIZE, center_crop=True)[2]
+    a = VideoCaptionDataset(
+        rows, RowsToPixels(resolution=SIZE, center_crop=True, tokenize=_tokenize), ClipSampling(9)
+    )[2]["pixel_values"]
+    b = VideoCaptionDataset(
+        frame_rows, RowsToPixels(resolution=SIZE, center_crop=True, tokenize=_tokenize), ClipSampling(9)
+    )[2]
     assert (a - b["pixel_values"]).abs().mean() < 0.05
 
 
 @pytest.mark.parametrize("layout", ["video", "frames"])
 def test_frames_are_taken_at_the_stride_or_the_fps(tmp_path, layout):
+    from diffusers_zero3.data.pixels import RowsToPixels
     from diffusers_zero3.data.video import (
+        ClipSampling,
         VideoCaptionDataset,
         load_video_caption_dataset,
         write_frame_folder,
@@ -96,7 +104,8 @@ def test_frames_are_taken_at_the_stride_or_the_fps(tmp_path, layout):
     tol = 2.5 if layout == "video" else 1e-3
 
     def levels(**kw):
-        item = VideoCaptionDataset(rows, _tokenize, resolution=SIZE, center_crop=True, **kw)[0]
+        pixels = RowsToPixels(resolution=SIZE, center_crop=True, tokenize=_tokenize)
+        item = VideoCaptionDataset(rows, pixels, ClipSampling(**kw))[0]
         return _grey_levels(item["pixel_values"])
 
     np.testing.assert_allclose(levels(num_frames=5), [_levels(k) for k in range(5)], atol=tol)
@@ -109,7 +118,9 @@ def test_frames_are_taken_at_the_stride_or_the_fps(tmp_path, layout):
     np.testing.assert_allclose(levels(num_frames=3, fps=4), [_levels(k) for k in (0, 2, 4)], atol=tol)
     # a random start: consecutive strided frames, the same for a (seed, epoch), moving between epochs
     ds = VideoCaptionDataset(
-        rows, _tokenize, num_frames=3, resolution=SIZE, frame_stride=2, random_start=True
+        rows,
+        RowsToPixels(resolution=SIZE, tokenize=_tokenize),
+        ClipSampling(3, frame_stride=2, random_start=True),
     )
     starts = []
     for epoch in range(12):
@@ -126,7 +137,13 @@ def test_one_crop_and_one_flip_per_clip(tmp_path):
     """Every frame of a clip is one noise image plus its frame's brightness: the frames of an item
     differ by a constant only if they were cropped and flipped alike. Across seeds the crops move
     and both orientations come."""
-    from diffusers_zero3.data.video import VideoCaptionDataset, load_video_caption_dataset, write_frame_folder
+    from diffusers_zero3.data.pixels import RowsToPixels
+    from diffusers_zero3.data.video import (
+        ClipSampling,
+        VideoCaptionDataset,
+        load_video_caption_dataset,
+        write_frame_folder,
+    )
 
     rng = np.random.default_rng(0)
     base = rng.integers(40, 200, size=(40, 56, 3)).astype(np.int16)
@@ -136,7 +153,9 @@ def test_one_crop_and_one_flip_per_clip(tmp_path):
     firsts = []
     for seed in range(16):
         ds = VideoCaptionDataset(
-            rows, _tokenize, num_frames=5, height=SIZE, width=SIZE, random_flip=True, seed=seed
+            rows,
+            RowsToPixels(random_flip=True, seed=seed, tokenize=_tokenize),
+            ClipSampling(5, height=SIZE, width=SIZE),
         )
         pixels = ds[0]["pixel_values"]
         for k in range(1, 5):
@@ -146,11 +165,15 @@ def test_one_crop_and_one_flip_per_clip(tmp_path):
     distinct = {tuple(p.flatten()[:64].tolist()) for p in firsts}
     assert len(distinct) > 4  # crops (and flips) vary with the seed
     # with a centre crop, each item is the clip or its mirror image, and both come
-    unflipped = VideoCaptionDataset(rows, _tokenize, num_frames=5, resolution=SIZE, center_crop=True)[0]
+    unflipped = VideoCaptionDataset(
+        rows, RowsToPixels(resolution=SIZE, center_crop=True, tokenize=_tokenize), ClipSampling(5)
+    )[0]
     mirrored = unflipped["pixel_values"].flip(-1)
     centre = [
         VideoCaptionDataset(
-            rows, _tokenize, num_frames=5, resolution=SIZE, center_crop=True, random_flip=True, seed=s
+            rows,
+            RowsToPixels(resolution=SIZE, center_crop=True, random_flip=True, seed=s, tokenize=_tokenize),
+            ClipSampling(5),
         )[0]["pixel_values"]
         for s in range(12)
     ]
@@ -158,13 +181,21 @@ def test_one_crop_and_one_flip_per_clip(tmp_path):
     n_plain = sum(torch.equal(p, unflipped["pixel_values"]) for p in centre)
     assert n_flipped + n_plain == 12 and n_flipped > 0 and n_plain > 0
     # the resize covers height x width: 40x56 becomes 34x48, cropped to 32x48
-    wide = VideoCaptionDataset(rows, _tokenize, num_frames=5, height=32, width=48, center_crop=True)[0]
+    wide = VideoCaptionDataset(
+        rows, RowsToPixels(center_crop=True, tokenize=_tokenize), ClipSampling(5, height=32, width=48)
+    )[0]
     assert wide["pixel_values"].shape == (3, 5, 32, 48)
 
 
 def test_corrupt_short_and_missing_clips_are_skipped_and_counted(tmp_path, caplog):
     from diffusers_zero3.data.images import DataError
-    from diffusers_zero3.data.video import VideoCaptionDataset, load_video_caption_dataset, write_video
+    from diffusers_zero3.data.pixels import RowsToPixels
+    from diffusers_zero3.data.video import (
+        ClipSampling,
+        VideoCaptionDataset,
+        load_video_caption_dataset,
+        write_video,
+    )
 
     write_video(tmp_path / "good.mp4", _counting_clip(9))
     (tmp_path / "corrupt.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 8)
@@ -172,7 +203,7 @@ def test_corrupt_short_and_missing_clips_are_skipped_and_counted(tmp_path, caplo
     write_video(tmp_path / "good2.mp4", _counting_clip(9))
     names = ["good.mp4", "corrupt.mp4", "short.mp4", "missing.mp4", "good2.mp4"]
     rows = load_video_caption_dataset(_write(tmp_path, [{"file_name": n, "text": n} for n in names]))
-    ds = VideoCaptionDataset(rows, _tokenize, num_frames=5, resolution=SIZE)
+    ds = VideoCaptionDataset(rows, RowsToPixels(resolution=SIZE, tokenize=_tokenize), ClipSampling(5))
     with caplog.at_level(logging.WARNING, logger="diffusers_zero3"):
         items = [ds[i] for i in range(len(ds))]
     assert [item["index"] for item in items] == [0, 4, 4, 4, 4]  # each skipped row: the next readable one
@@ -184,10 +215,15 @@ def test_corrupt_short_and_missing_clips_are_skipped_and_counted(tmp_path, caplo
     assert sum("skipping row" in r.getMessage() for r in caplog.records) == 3  # once per row
     # with --frame_stride 3 the good clips are too short too: nothing readable
     with pytest.raises(DataError, match="no readable clip"):
-        VideoCaptionDataset(rows, _tokenize, num_frames=5, resolution=SIZE, frame_stride=3)[0]
+        VideoCaptionDataset(
+            rows, RowsToPixels(resolution=SIZE, tokenize=_tokenize), ClipSampling(5, frame_stride=3)
+        )[0]
     # a cache that skipped row 0: skipped here as well, without decoding
     cached = VideoCaptionDataset(
-        rows, _tokenize, num_frames=5, resolution=SIZE, with_videos=False, unreadable_rows=[0]
+        rows,
+        RowsToPixels(resolution=SIZE, live_pixels=False, tokenize=_tokenize),
+        ClipSampling(5),
+        unreadable_rows=[0],
     )
     item = cached[0]
     assert item["index"] == 1 and "pixel_values" not in item
@@ -218,7 +254,13 @@ def test_video_shapes_must_fit_the_vae():
 
 def test_bad_folders_and_flags_are_data_errors(tmp_path):
     from diffusers_zero3.data.images import DataError
-    from diffusers_zero3.data.video import VideoCaptionDataset, load_video_caption_dataset, write_frame_folder
+    from diffusers_zero3.data.pixels import RowsToPixels
+    from diffusers_zero3.data.video import (
+        ClipSampling,
+        VideoCaptionDataset,
+        load_video_caption_dataset,
+        write_frame_folder,
+    )
 
     with pytest.raises(DataError, match="is not a directory"):
         load_video_caption_dataset(tmp_path / "nowhere")
@@ -234,19 +276,32 @@ def test_bad_folders_and_flags_are_data_errors(tmp_path):
     rows = load_video_caption_dataset(tmp_path / "csv")
     assert rows[0]["text"] == "a clip"
     assert (
-        VideoCaptionDataset(rows, _tokenize, num_frames=4, resolution=SIZE)[0]["pixel_values"].shape[1] == 4
+        VideoCaptionDataset(rows, RowsToPixels(resolution=SIZE, tokenize=_tokenize), ClipSampling(4))[0][
+            "pixel_values"
+        ].shape[1]
+        == 4
     )
     with pytest.raises(DataError, match="no readable clip"):
-        VideoCaptionDataset(rows, _tokenize, num_frames=2, resolution=SIZE, fps=4)[0]
+        VideoCaptionDataset(rows, RowsToPixels(resolution=SIZE, tokenize=_tokenize), ClipSampling(2, fps=4))[
+            0
+        ]
     with pytest.raises(ValueError, match="--frame_stride or --fps, not both"):
-        VideoCaptionDataset(rows, _tokenize, num_frames=2, resolution=SIZE, fps=4, frame_stride=2)
+        VideoCaptionDataset(
+            rows, RowsToPixels(resolution=SIZE, tokenize=_tokenize), ClipSampling(2, frame_stride=2, fps=4)
+        )
 
 
 def test_foreign_metadata_with_its_own_video_and_frames_columns(tmp_path):
     """A folder written by another tool: clips in a subfolder, named by a relative ``file_name``
     beside the user's own ``video``, ``frames`` and ``text`` columns. The clip is the file the
     folder names (the columns stay as written), and any column, ``video`` too, can be the captions."""
-    from diffusers_zero3.data.video import VideoCaptionDataset, load_video_caption_dataset, write_video
+    from diffusers_zero3.data.pixels import RowsToPixels
+    from diffusers_zero3.data.video import (
+        ClipSampling,
+        VideoCaptionDataset,
+        load_video_caption_dataset,
+        write_video,
+    )
 
     records = []
     for i in range(2):
@@ -255,7 +310,7 @@ def test_foreign_metadata_with_its_own_video_and_frames_columns(tmp_path):
         records.append({"file_name": name, "video": name, "frames": 9, "text": f"clip {i}"})
     folder = _write(tmp_path, records)
     rows = load_video_caption_dataset(folder)
-    ds = VideoCaptionDataset(rows, _tokenize, num_frames=5, resolution=SIZE)
+    ds = VideoCaptionDataset(rows, RowsToPixels(resolution=SIZE, tokenize=_tokenize), ClipSampling(5))
     assert [ds[i]["index"] for i in range(2)] == [0, 1] and not ds.skipped_rows
     assert ds[0]["pixel_values"].shape == (3, 5, SIZE, SIZE)
     assert rows[1].clip == folder.absolute() / "videos/clip_01.mp4"  # resolved against the folder
@@ -265,13 +320,15 @@ def test_foreign_metadata_with_its_own_video_and_frames_columns(tmp_path):
     by_video = load_video_caption_dataset(folder, caption_column="video")
     assert by_video["video"] == ["videos/clip_00.mp4", "videos/clip_01.mp4"]
     captioned = VideoCaptionDataset(
-        by_video, _tokenize, num_frames=5, resolution=SIZE, caption_column="video"
+        by_video, RowsToPixels(resolution=SIZE, caption_column="video", tokenize=_tokenize), ClipSampling(5)
     )
     assert captioned[1]["input_ids"].tolist() == [len("videos/clip_01.mp4")] and not captioned.skipped_rows
 
 
 def test_items_carry_the_familys_tokens(tmp_path):
+    from diffusers_zero3.data.pixels import RowsToPixels
     from diffusers_zero3.data.video import (
+        ClipSampling,
         VideoCaptionDataset,
         load_video_caption_dataset,
         write_shapes_videos,
@@ -285,10 +342,10 @@ def test_items_carry_the_familys_tokens(tmp_path):
     )
     ds = VideoCaptionDataset(
         rows,
-        lambda c: WAN.tokenize(tokenizers, c, 16),
-        num_frames=5,
-        resolution=SIZE,
-        empty_prompt_probability=1.0,
+        RowsToPixels(
+            resolution=SIZE, empty_prompt_probability=1.0, tokenize=lambda c: WAN.tokenize(tokenizers, c, 16)
+        ),
+        ClipSampling(5),
     )
     item = ds[1]
     assert set(item) == {"input_ids", "attention_mask", "index", "pixel_values"}
@@ -303,7 +360,8 @@ def test_a_cached_video_vae_holds_the_clips_training_reads(tiny_wan, tmp_path, c
     frames, its random crop, and both orientations. A row that does not decode is recorded."""
     from diffusers import AutoencoderKLWan
 
-    from diffusers_zero3.data.video import VideoCaptionDataset, load_video_caption_dataset
+    from diffusers_zero3.data.pixels import RowsToPixels
+    from diffusers_zero3.data.video import ClipSampling, VideoCaptionDataset, load_video_caption_dataset
     from diffusers_zero3.families import WAN
     from tests.common import precompute
 
@@ -312,7 +370,9 @@ def test_a_cached_video_vae_holds_the_clips_training_reads(tiny_wan, tmp_path, c
     rows = load_video_caption_dataset(data)
     rows[3].clip.rename(Path(tmp_path) / "moved.mp4")  # row 3 no longer decodes
     try:
-        clips = VideoCaptionDataset(rows, _tokenize, num_frames=5, resolution=SIZE, random_flip=True, seed=3)
+        clips = VideoCaptionDataset(
+            rows, RowsToPixels(resolution=SIZE, random_flip=True, seed=3, tokenize=_tokenize), ClipSampling(5)
+        )
         with caplog.at_level(logging.INFO, logger="diffusers_zero3"):
             cache = precompute(
                 rows, tmp_path / "cache", vae=vae, family=WAN, random_flip=True, seed=3, clips=clips,
@@ -334,7 +394,9 @@ def test_a_cached_video_vae_holds_the_clips_training_reads(tiny_wan, tmp_path, c
         other = cache.get(torch.tensor([i]), flip=torch.tensor([not flipped]), sample=False)["latents"]
         assert (other - live).abs().max() > 1e-3  # the other orientation is another clip
     # another --num_frames is another cache
-    fewer = VideoCaptionDataset(rows, _tokenize, num_frames=1, resolution=SIZE, random_flip=True, seed=3)
+    fewer = VideoCaptionDataset(
+        rows, RowsToPixels(resolution=SIZE, random_flip=True, seed=3, tokenize=_tokenize), ClipSampling(1)
+    )
     again = precompute(
         rows, tmp_path / "cache", vae=vae, family=WAN, random_flip=True, seed=3, clips=fewer, batch_size=4
     )
@@ -347,7 +409,9 @@ def test_video_buckets_take_each_clip_at_the_longest_bucket_it_holds_and_its_rat
     """(frames, height, width) buckets: a clip goes to the longest bucket it holds, at its
     nearest ratio; one shorter than every bucket is in none; items take their bucket's shape."""
     from diffusers_zero3.data.buckets import NO_BUCKET
+    from diffusers_zero3.data.pixels import RowsToPixels
     from diffusers_zero3.data.video import (
+        ClipSampling,
         VideoCaptionDataset,
         bucket_clips,
         load_video_caption_dataset,
@@ -370,7 +434,13 @@ def test_video_buckets_take_each_clip_at_the_longest_bucket_it_holds_and_its_rat
     ds = load_video_caption_dataset(folder)
     buckets = parse_video_buckets("9,32,48;9,48,32;5,32,48;5,48,32;32,32", num_frames=9)
     assert buckets[-1] == (9, 32, 32)  # "h,w" at --num_frames
-    clips = VideoCaptionDataset(ds, lambda c: {"input_ids": torch.zeros(len(c), 2, dtype=torch.long)}, 9, 32)
+    clips = VideoCaptionDataset(
+        ds,
+        RowsToPixels(
+            resolution=32, tokenize=lambda c: {"input_ids": torch.zeros(len(c), 2, dtype=torch.long)}
+        ),
+        ClipSampling(9),
+    )
     row_buckets = bucket_clips(clips, buckets)
     assert row_buckets == [0, 3, NO_BUCKET, 4]
     clips.set_buckets(buckets, row_buckets)

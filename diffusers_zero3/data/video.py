@@ -23,9 +23,10 @@ import csv
 import json
 import os
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,6 +34,9 @@ import torch
 from ..runtime.distributed import logger
 from .buckets import NO_BUCKET, nearest_bucket
 from .images import DataError, SeededRows, pick_caption
+
+if TYPE_CHECKING:
+    from .pixels import RowsToPixels
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v", ".gif")
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -318,19 +322,49 @@ def check_video_shape(num_frames: int, height: int, width: int, family, vae_conf
 # -------------------------------------------------------------------------------- the dataset
 
 
+@dataclass(frozen=True)
+class ClipSampling:
+    """How a clip's frames are taken (``VideoCaptionDataset``): ``num_frames`` frames
+    ``frame_stride`` source frames apart, or at ``fps`` frames per second; from frame 0, or
+    from a random start (``random_start``); resized to cover ``height`` x ``width`` (default:
+    the pixels' ``resolution`` square). ``video_column`` names a column of clip paths (default:
+    each row's ``clip``, as ``load_video_caption_dataset`` gives it).
+
+    Example:
+        >>> ClipSampling(num_frames=81, height=480, width=832, fps=16)
+    """
+
+    num_frames: int
+    height: int | None = None
+    width: int | None = None
+    frame_stride: int = 1
+    fps: float | None = None
+    random_start: bool = False
+    video_column: str | None = None
+
+    @classmethod
+    def from_settings(cls, args) -> ClipSampling:
+        """From a ``TextToImageSettings``: ``--num_frames``, ``--height``, ``--width``,
+        ``--frame_stride`` and ``--fps``."""
+        return cls(args.num_frames, args.height, args.width, frame_stride=args.frame_stride, fps=args.fps)
+
+
 class VideoCaptionDataset(SeededRows):
     """Rows of a video folder (``load_video_caption_dataset``) as ``{"pixel_values": (3, F, H, W)
     in [-1, 1], <token ids and masks>, "index"}``.
 
-    ``tokenize`` maps captions to a dict of token-id tensors (a family's ``tokenize`` with its
-    tokenizers). Each clip gives ``num_frames`` frames ``frame_stride`` source frames apart, or
-    at ``fps`` frames per second; from frame 0, or from a random start (``random_start``);
-    resized to cover ``height`` x ``width`` (default ``resolution`` square), cropped (centre, or
-    random) and maybe flipped, once per clip. ``set_epoch(e)`` changes the draws
-    deterministically. Clips that fail to decode or are too short are skipped
-    (``skipped_rows``); with ``with_videos=False`` nothing is decoded (training from a latent
-    cache) and ``unreadable_rows`` are skipped as if they failed. Each row's clip is its ``clip``
-    (the rows of ``load_video_caption_dataset``), or the path in ``video_column`` when given.
+    ``pixels`` (a ``data.pixels.RowsToPixels``) says how a row is read: ``pixels.tokenize`` maps
+    captions to a dict of token-id tensors (a family's ``tokenize`` with its tokenizers), and
+    its crop, flip, seed, caption column, caption dropout and loss-mask column apply to each
+    clip. ``clip`` (a ``ClipSampling``) says which frames: each clip gives ``num_frames`` frames
+    ``frame_stride`` source frames apart, or at ``fps`` frames per second; from frame 0, or from
+    a random start (``random_start``); resized to cover ``height`` x ``width`` (default
+    ``pixels.resolution`` square), cropped (centre, or random) and maybe flipped, once per clip.
+    ``set_epoch(e)`` changes the draws deterministically. Clips that fail to decode or are too
+    short are skipped (``skipped_rows``); with ``pixels.live_pixels`` False nothing is decoded
+    (training from a latent cache) and ``unreadable_rows`` are skipped as if they failed. Each
+    row's clip is its ``clip`` (the rows of ``load_video_caption_dataset``), or the path in
+    ``clip.video_column`` when given.
 
     With buckets (``set_buckets``: ``(frames, height, width)`` shapes and each row's index into
     them, from ``bucket_clips``) a row's clip takes its bucket's frames and size, and a row that
@@ -348,26 +382,13 @@ class VideoCaptionDataset(SeededRows):
     def __init__(
         self,
         dataset,
-        tokenize: Callable[[list[str]], dict[str, torch.Tensor]],
-        num_frames: int,
-        resolution: int | None = None,
+        pixels: RowsToPixels,
+        clip: ClipSampling,
         *,
-        height: int | None = None,
-        width: int | None = None,
-        frame_stride: int = 1,
-        fps: float | None = None,
-        random_start: bool = False,
-        center_crop: bool = False,
-        random_flip: bool = False,
-        seed: int = 0,
-        video_column: str | None = None,
-        caption_column: str = "text",
-        with_videos: bool = True,
         unreadable_rows: Sequence[int] = (),
-        empty_prompt_probability: float = 0.0,
-        mask_column: str | None = None,
         audio=None,
     ):
+        num_frames, frame_stride, fps = clip.num_frames, clip.frame_stride, clip.fps
         if frame_stride < 1:
             raise ValueError(f"--frame_stride must be at least 1, got {frame_stride}")
         if fps is not None and fps <= 0:
@@ -375,23 +396,23 @@ class VideoCaptionDataset(SeededRows):
         if fps is not None and frame_stride != 1:
             raise ValueError("give --frame_stride or --fps, not both")
         self.dataset = dataset
-        self._tokenize = tokenize
+        self._tokenize = pixels.tokenize
         self.num_frames = num_frames
-        self.height = height or resolution
-        self.width = width or resolution
+        self.height = clip.height or pixels.resolution
+        self.width = clip.width or pixels.resolution
         if not self.height or not self.width:
             raise ValueError("give a resolution, or a height and a width")
-        self.frame_stride, self.fps, self.random_start = frame_stride, fps, random_start
-        self.center_crop, self.random_flip = center_crop, random_flip
-        self.seed, self.epoch = seed, 0
-        self.video_column, self.caption_column = video_column, caption_column
-        self.with_videos = with_videos
+        self.frame_stride, self.fps, self.random_start = frame_stride, fps, clip.random_start
+        self.center_crop, self.random_flip = pixels.center_crop, pixels.random_flip
+        self.seed, self.epoch = pixels.seed, 0
+        self.video_column, self.caption_column = clip.video_column, pixels.caption_column
+        self.with_videos = pixels.live_pixels
         self.unreadable_rows = set(unreadable_rows)
-        self.empty_prompt_probability = empty_prompt_probability
+        self.empty_prompt_probability = pixels.empty_prompt_probability
         self.skipped_rows: set[int] = set()
         self.buckets: list[tuple[int, int, int]] | None = None
         self.row_buckets: list[int] | None = None
-        self.mask_column = mask_column
+        self.mask_column = pixels.mask_column
         self.audio = audio
 
     def mask_source(self, row: dict) -> ClipSource:

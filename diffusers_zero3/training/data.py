@@ -359,7 +359,7 @@ def load_clip_rows(
     """A video family's clips (a folder with ``metadata.jsonl``), ``--mask_column`` clips, and
     ``--use_aspect_ratio_buckets`` as ``(frames, height, width)`` buckets (``bucket_clips``);
     ``audio`` is ``audio_of_clips``'. Collective (buckets probe each rank's share of headers)."""
-    from ..data.video import VideoCaptionDataset, load_video_caption_dataset
+    from ..data.video import ClipSampling, VideoCaptionDataset, load_video_caption_dataset
 
     ds = load_video_caption_dataset(args.train_data_dir, args.caption_column)
     if args.max_train_samples is not None:
@@ -368,13 +368,8 @@ def load_clip_rows(
         )
     check_enough_rows(len(ds), data_processes, args.train_batch_size)
     try:
-        clips = VideoCaptionDataset(
-            ds, pixels.tokenize, args.num_frames, args.resolution, height=args.height, width=args.width,
-            frame_stride=args.frame_stride, fps=args.fps, center_crop=args.center_crop,
-            random_flip=args.random_flip, seed=args.seed or 0, caption_column=args.caption_column,
-            empty_prompt_probability=args.proportion_empty_prompts,
-            with_videos=pixels.live_pixels, mask_column=args.mask_column, **audio,
-        )  # fmt: skip
+        pixels = pixels.with_rows("video", args.caption_column)
+        clips = VideoCaptionDataset(ds, pixels, ClipSampling.from_settings(args), **audio)
     except ValueError as e:
         raise ArgumentError(str(e)) from e
     if args.mask_column is not None:
