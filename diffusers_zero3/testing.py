@@ -405,7 +405,7 @@ def fault_point(name: str) -> None:
     if not wanted or name in _fired or wanted != f"{name}:{get_rank()}":
         return
     _fired.add(name)
-    print(f"fault: stopping rank {get_rank()} at {name}", file=sys.stderr, flush=True)
+    print(f"fault: stopping rank {get_rank()} at {name} (pid {os.getpid()})", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGSTOP)
 
 

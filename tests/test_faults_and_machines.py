@@ -4,10 +4,12 @@ that waits on a collective, and one job across two (simulated) machines."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -122,7 +124,7 @@ STOP_TIMEOUT_S = 15  # --process_group_timeout of the run without the rank watch
 WATCH_S = 5  # --dead_rank_timeout of the others (their --process_group_timeout: 600 s)
 UNWATCHED = "train_step"  # the phase run with the watch off: the collective timeout ends it
 # accelerate's launcher (torch elastic) sends the stopped rank SIGTERM when rank 0 fails, which a
-# stopped process does not act on, and SIGKILLs it 30 s later: then the launcher exits.
+# stopped process does not act on, and SIGKILLs it 30 s later: the test kills it at once instead.
 LAUNCHER_GRACE_S = 30
 
 
@@ -133,8 +135,9 @@ def test_a_stopped_rank_is_named_and_ends_the_job_in_every_phase(default_data, t
     naming rank 1 and exits with 69 about 5 s after the stop (seen as the launcher's SIGTERM to
     the stopped rank); nothing of the interrupted checkpoint is published. With the watch off
     (``--dead_rank_timeout 0``, one phase), rank 0 fails on the collective timeout instead (gloo's
-    "Timed out waiting 15000ms" with --process_group_timeout 15). The launcher exits non-zero
-    about 30 s later (its grace before SIGKILL). The five runs go side by side."""
+    "Timed out waiting 15000ms" with --process_group_timeout 15). The test then kills the frozen
+    rank (the launcher would after its 30 s grace) and the launcher exits non-zero. The five
+    runs go side by side."""
     pipe, data, _ = default_data
     runs = {}
     for phase, extra in PHASES.items():
@@ -164,6 +167,12 @@ def test_a_stopped_rank_is_named_and_ends_the_job_in_every_phase(default_data, t
                     stopped_at[phase] = time.monotonic()
                 if phase not in failed_at and "closing signal SIGTERM" in text:
                     failed_at[phase] = time.monotonic()
+                    # the launcher now waits its grace (30 s) for the frozen rank to act on the
+                    # SIGTERM, then SIGKILLs it: spare the test that wait
+                    frozen = re.search(rf"stopping rank 1 at {phase} \(pid (\d+)\)", text)
+                    if frozen:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(int(frozen.group(1)), signal.SIGKILL)
                 if phase not in ended_at and proc.poll() is not None:
                     ended_at[phase] = time.monotonic()
             time.sleep(0.5)
