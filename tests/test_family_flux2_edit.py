@@ -49,12 +49,12 @@ def load(variant, folder, dtype=torch.float32):
 
 def frozen_inputs(family, pipe, folder, dtype):
     from diffusers_zero3.data.pixels import RowsToPixels
-    from diffusers_zero3.placement.frozen_inputs import FrozenInputs
+    from diffusers_zero3.placement.frozen_inputs import ComponentFolders, FrozenInputs
 
     return FrozenInputs(
         family, {"vae": pipe.vae, "text_encoder": pipe.text_encoder}, None,
         normalize_latents=family.latent_normalizer(pipe.vae.config, folder / "vae"), dtype=dtype,
-        pixels=RowsToPixels(resolution=32), sources={},
+        pixels=RowsToPixels(resolution=32), sources=ComponentFolders(),
     )  # fmt: skip
 
 

@@ -173,13 +173,13 @@ def test_frozen_inputs_encode_each_source_as_the_pipeline(folder):
     C, h, w)``: each the VAE's mode, normalised, as ``FluxKontextPipeline._encode_vae_image``."""
     from diffusers_zero3.data.pixels import RowsToPixels
     from diffusers_zero3.families import KONTEXT
-    from diffusers_zero3.placement.frozen_inputs import FrozenInputs
+    from diffusers_zero3.placement.frozen_inputs import ComponentFolders, FrozenInputs
 
     pipe = load(folder)
     inputs = FrozenInputs(
         KONTEXT, {"vae": pipe.vae, "text_encoder": pipe.text_encoder, "text_encoder_2": pipe.text_encoder_2}, None,
         normalize_latents=KONTEXT.latent_normalizer(dict(pipe.vae.config)), dtype=torch.float32,
-        pixels=RowsToPixels(resolution=32), sources={},
+        pixels=RowsToPixels(resolution=32), sources=ComponentFolders(),
     )  # fmt: skip
     ids = KONTEXT.tokenize(KONTEXT.load_tokenizers(folder), PROMPTS, 16)
     sources = torch.rand(2, 2, 3, 32, 32, generator=torch.Generator().manual_seed(3)) * 2 - 1

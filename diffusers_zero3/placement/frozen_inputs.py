@@ -31,6 +31,32 @@ from ..state.pretrained import CheckpointError
 from .cache import CachedOutputs, FrozenEncoders, precompute_frozen_outputs
 
 
+@dataclass(frozen=True)
+class ComponentFolders:
+    """Where each frozen component of a family loads from: ``folders`` maps a component to
+    ``(folder, subfolder)`` (``source/<name>``, or a folder given with ``--component
+    NAME=PATH``), in the weights' ``variant`` (``fp16``; None: the default files)."""
+
+    folders: dict[str, tuple[Path, str]] = field(default_factory=dict)
+    variant: str | None = None
+
+    def load(self, accelerator, family: Family, name: str, placement: str, dtype: torch.dtype):
+        """Component ``name`` loaded with ``placement`` (``frozen.load_frozen_component``), in
+        the dtype the family runs it in for a training dtype ``dtype``. Collective when
+        sharded."""
+        folder, sub = self.folders[name]
+        return load_frozen_component(
+            accelerator,
+            folder,
+            sub,
+            placement,
+            family.component_class(name),
+            self.variant,
+            dtype=family.component_dtype(name, dtype),
+            label=name,
+        )
+
+
 class FrozenInputs:
     """Latents and conditioning of training batches from live frozen models or a cache.
 
@@ -47,8 +73,7 @@ class FrozenInputs:
         normalize_latents,
         dtype: torch.dtype,
         pixels: RowsToPixels,
-        sources: dict[str, tuple[Path, str]],
-        variant: str | None = None,
+        sources: ComponentFolders,
         trained: frozenset[str] = frozenset(),
     ):
         self.family = family
@@ -58,8 +83,7 @@ class FrozenInputs:
         self.normalize_latents = normalize_latents  # the family's, built from the VAE
         self.dtype = dtype
         self.pixels = pixels  # the cache's flips; the size of a crop that does not say its own
-        self.sources = sources  # name -> (folder, subfolder), to reload cached models
-        self.variant = variant
+        self.sources = sources  # where cached models reload from
 
     @torch.no_grad()
     def __call__(
@@ -154,17 +178,7 @@ class FrozenInputs:
             if name in self.trained:
                 continue  # the trainer gives the pipeline the trained module
             if frozen is None:
-                folder, sub = self.sources[name]
-                frozen = load_frozen_component(
-                    accelerator,
-                    folder,
-                    sub,
-                    "cache",
-                    self.family.component_class(name),
-                    self.variant,
-                    dtype=self.family.component_dtype(name, self.dtype),
-                    label=name,
-                )
+                frozen = self.sources.load(accelerator, self.family, name, "cache", self.dtype)
                 reloaded.append(frozen)
             modules[name] = frozen.module
         try:
@@ -250,30 +264,21 @@ def place_frozen_models(
     pixels = pixels or RowsToPixels()
     source = Path(source)
     dtype = weight_dtype(accelerator)
-    sources = {name: (source, name) for name in family.frozen_components}
+    folders = {name: (source, name) for name in family.frozen_components}
     for name, folder in (component_sources or {}).items():
-        if name in sources:
-            sources[name] = (Path(folder).parent, Path(folder).name)
+        if name in folders:
+            folders[name] = (Path(folder).parent, Path(folder).name)
+    sources = ComponentFolders(folders, variant)
     live = {}
     for name in family.frozen_components:
         placement = placements.get(name) or "replicate"
         if placement == "trained":  # trained in the job (a part of its own), not placed here
             live[name] = None
             continue
-        folder, sub = sources[name]
-        live[name] = load_frozen_component(
-            accelerator,
-            folder,
-            sub,
-            placement,
-            family.component_class(name),
-            variant,
-            dtype=family.component_dtype(name, dtype),
-            label=name,
-        )
+        live[name] = sources.load(accelerator, family, name, placement, dtype)
         note = f" (to encode the cache as {live[name].placement})" if placement == "cache" else ""
         log_rank_zero(live[name].describe() + note)
-    vae_folder, vae_sub = sources["vae"]
+    vae_folder, vae_sub = sources.folders["vae"]
     normalize_latents = family.latent_normalizer(
         family.component_class("vae").load_config(vae_folder / vae_sub), vae_folder / vae_sub
     )
@@ -302,7 +307,6 @@ def place_frozen_models(
         dtype=dtype,
         pixels=pixels,
         sources=sources,
-        variant=variant,
     )
 
 
