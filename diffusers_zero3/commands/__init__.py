@@ -166,9 +166,31 @@ def command_main(module: str, argv: Sequence[str] | None = None) -> int:
     return run_command(module, make_trainer, parse, argv)
 
 
+def command(module: str) -> Callable[[Sequence[str] | None], int]:
+    """The console entry point ``main(argv=None) -> int`` of the command module ``module`` (its
+    full name: ``__spec__.name``): ``command_main(module, argv)``. A command module is its
+    docstring, ``main = command(__spec__.name)`` and ``run_if_main(__name__, main)``."""
+
+    def main(argv: Sequence[str] | None = None) -> int:
+        return command_main(module, argv)
+
+    console = "diffusers-zero3-" + module.rpartition(".")[2].replace("_", "-")
+    main.__doc__ = f"``{console}``: launch this host's ranks, or run as one rank under a launcher."
+    return main
+
+
+def run_if_main(name: str, main: Callable[[], int]) -> None:
+    """``sys.exit(main())`` when the calling module runs as ``__main__`` (``python -m``,
+    ``accelerate launch -m``): pass it the module's ``__name__``."""
+    if name == "__main__":
+        sys.exit(main())
+
+
 __all__ = [
     "TRAINERS",
+    "command",
     "command_main",
+    "run_if_main",
     "settings_class",
     "launch_ranks",
     "run_command",

@@ -1,24 +1,8 @@
-"""Diffusion-DPO on preference pairs against a frozen reference: ``scripts/train_dpo.py``'s flags.
+"""Diffusion-DPO on preference pairs against a frozen reference: ``scripts/train_dpo.py``'s flags; run as
+every command (``commands``); nothing is imported before ``main`` runs (a rank puts its
+host tensors on huge pages first)."""
 
-    diffusers-zero3-train-dpo FLAGS                         # launches this host's ranks (see ``commands``)
-    python -m diffusers_zero3.commands.train_dpo FLAGS
-    accelerate launch --config_file CONFIG -m diffusers_zero3.commands.train_dpo FLAGS
+from . import command, run_if_main
 
-Nothing is imported before ``main`` runs: a rank puts its host tensors on huge pages first.
-"""
-
-from __future__ import annotations
-
-import sys
-from collections.abc import Sequence
-
-from . import command_main
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``diffusers-zero3-train-dpo``: launch this host's ranks, or run as one rank under a launcher."""
-    return command_main(__spec__.name, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = command(__spec__.name)
+run_if_main(__name__, main)

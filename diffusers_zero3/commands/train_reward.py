@@ -1,24 +1,8 @@
-"""Reward fine-tuning through a (sharded) reward model: ``scripts/train_reward.py``'s flags.
+"""Reward fine-tuning through a (sharded) reward model: ``scripts/train_reward.py``'s flags; run as
+every command (``commands``); nothing is imported before ``main`` runs (a rank puts its
+host tensors on huge pages first)."""
 
-    diffusers-zero3-train-reward FLAGS                         # launches this host's ranks (see ``commands``)
-    python -m diffusers_zero3.commands.train_reward FLAGS
-    accelerate launch --config_file CONFIG -m diffusers_zero3.commands.train_reward FLAGS
+from . import command, run_if_main
 
-Nothing is imported before ``main`` runs: a rank puts its host tensors on huge pages first.
-"""
-
-from __future__ import annotations
-
-import sys
-from collections.abc import Sequence
-
-from . import command_main
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``diffusers-zero3-train-reward``: launch this host's ranks, or run as one rank under a launcher."""
-    return command_main(__spec__.name, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+main = command(__spec__.name)
+run_if_main(__name__, main)
