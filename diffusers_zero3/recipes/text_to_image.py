@@ -756,12 +756,10 @@ class TextToImageTrainer:
             images = generate_validation_images(
                 pipeline,
                 args.validation_prompts,
-                resolution=args.resolution,
+                size=(args.height or args.resolution, args.width or args.resolution),
                 num_inference_steps=args.num_validation_inference_steps,
                 seed=args.seed or 0,
                 dtype=self.frozen.dtype,
-                height=args.height,
-                width=args.width,
                 sources=sources,
                 **self.family.validation_kwargs(args.max_sequence_length, args.guidance_scale),
             )

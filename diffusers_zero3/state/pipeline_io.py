@@ -34,12 +34,10 @@ def generate_validation_images(
     pipeline,
     prompts: list[str],
     *,
-    resolution: int,
+    size: tuple[int, int],
     num_inference_steps: int = 20,
     seed: int = 0,
     dtype: torch.dtype | None = None,
-    height: int | None = None,
-    width: int | None = None,
     sources: list | None = None,
     **pipeline_kwargs,
 ) -> list:
@@ -52,8 +50,9 @@ def generate_validation_images(
     same number of times on every rank; all ranks get the same images, and one of them writes.
     ``pipeline_kwargs`` go to the pipeline call (a family's ``validation_kwargs``, e.g.
     Flux's ``max_sequence_length`` and ``guidance_scale``). A video pipeline gives each prompt's
-    frames (a list of PIL images) instead of an image. ``sources`` (one per prompt) are an editing
-    pipeline's source images (its ``image`` argument).
+    frames (a list of PIL images) instead of an image, each ``size`` ``(height, width)``.
+    ``sources`` (one per prompt) are an editing pipeline's source images (its ``image``
+    argument).
 
     ``dtype`` is the training's weight dtype: bf16 or fp16 run the pipeline under
     ``torch.autocast``, as diffusers' own training scripts validate. Without it the models'
@@ -77,8 +76,8 @@ def generate_validation_images(
                 prompt=prompt,  # by name: Flux.2's first positional argument is an image
                 num_inference_steps=num_inference_steps,
                 generator=generator,
-                height=height or resolution,
-                width=width or resolution,
+                height=size[0],
+                width=size[1],
                 **pipeline_kwargs,
             )
             # an image, or a video pipeline's list of PIL frames (with its sound: LTX-2)
