@@ -100,7 +100,7 @@ def test_flow_matching_sampling_meets_the_latents_device(weighting_scheme):
     CPU tables; the timesteps and sigmas must then move to the latents' device."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from diffusers_zero3.families.objectives import flow_matching_loss
+    from diffusers_zero3.families.objectives import ObjectiveSettings, flow_matching_loss
 
     latents = torch.empty(2, 4, 8, 8, device=META)
     seen = []
@@ -114,7 +114,7 @@ def test_flow_matching_sampling_meets_the_latents_device(weighting_scheme):
         FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000),
         latents,
         torch.empty_like(latents),
-        weighting_scheme=weighting_scheme,
+        settings=ObjectiveSettings(weighting_scheme=weighting_scheme),
     )
     _on_meta(loss, *seen)
 

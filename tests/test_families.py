@@ -118,7 +118,7 @@ def test_flow_matching_loss_is_diffusers_rectified_flow(tiny_flux, scheme):
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.training_utils import compute_loss_weighting_for_sd3
 
-    from diffusers_zero3.families.objectives import flow_matching_loss
+    from diffusers_zero3.families.objectives import ObjectiveSettings, flow_matching_loss
 
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_flux[0], subfolder="scheduler")
     torch.manual_seed(1)
@@ -132,21 +132,27 @@ def test_flow_matching_loss_is_diffusers_rectified_flow(tiny_flux, scheme):
         seen["sigmas"] = sigmas
         return n - x
 
-    assert flow_matching_loss(exact, scheduler, x, n, weighting_scheme=scheme).item() == pytest.approx(
-        0, abs=1e-6
-    )
+    assert flow_matching_loss(
+        exact, scheduler, x, n, settings=ObjectiveSettings(weighting_scheme=scheme)
+    ).item() == pytest.approx(0, abs=1e-6)
     torch.manual_seed(2)
-    loss = flow_matching_loss(exact, scheduler, x, n, weighting_scheme=scheme)  # draws the sigmas
+    loss = flow_matching_loss(
+        exact, scheduler, x, n, settings=ObjectiveSettings(weighting_scheme=scheme)
+    )  # draws the sigmas
     torch.manual_seed(2)
     zero = flow_matching_loss(
-        lambda noisy, t: torch.zeros_like(noisy), scheduler, x, n, weighting_scheme=scheme
+        lambda noisy, t: torch.zeros_like(noisy),
+        scheduler,
+        x,
+        n,
+        settings=ObjectiveSettings(weighting_scheme=scheme),
     )
     weights = compute_loss_weighting_for_sd3(scheme, seen["sigmas"])
     expected = (weights * (n - x) ** 2).reshape(4, -1).mean(dim=1).mean()
     assert loss.item() == pytest.approx(0, abs=1e-6)
     torch.testing.assert_close(zero, expected)
     with pytest.raises(ValueError, match="weighting scheme must be one of"):
-        flow_matching_loss(exact, scheduler, x, n, weighting_scheme="uniform")
+        flow_matching_loss(exact, scheduler, x, n, settings=ObjectiveSettings(weighting_scheme="uniform"))
 
 
 @pytest.mark.unit

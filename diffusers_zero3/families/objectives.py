@@ -291,10 +291,7 @@ def flow_matching_loss(
     latents: torch.Tensor,
     noise: torch.Tensor,
     *,
-    weighting_scheme: str = "none",
-    logit_mean: float = 0.0,
-    logit_std: float = 1.0,
-    mode_scale: float = 1.29,
+    settings: ObjectiveSettings | None = None,
     generators: list[torch.Generator] | None = None,
     reduction: str = "mean",
     loss_weights: torch.Tensor | None = None,
@@ -302,9 +299,11 @@ def flow_matching_loss(
     """The rectified-flow loss of diffusers' SD3 and Flux training scripts (mean over the batch;
     ``reduction="none"``: one value per sample; ``loss_weights`` as in ``diffusion_loss``).
 
-    Timesteps are drawn with ``compute_density_for_timestep_sampling`` (``logit_normal``,
-    ``mode``, else uniform) as indices into the ``FlowMatchEulerDiscreteScheduler``'s
-    ``timesteps`` and ``sigmas`` (a scheduler that ``set_timesteps`` never touched); the input
+    Timesteps are drawn with ``compute_density_for_timestep_sampling`` (``settings``'
+    ``weighting_scheme``: ``logit_normal`` with ``logit_mean`` and ``logit_std``, ``mode`` with
+    ``mode_scale``, else uniform; ``ObjectiveSettings``, None: its defaults) as indices into
+    the ``FlowMatchEulerDiscreteScheduler``'s ``timesteps`` and ``sigmas`` (a scheduler that
+    ``set_timesteps`` never touched); the input
     is ``(1 - sigma) * latents + sigma * noise``, the target ``noise - latents``, and each
     sample's squared error is weighted by ``compute_loss_weighting_for_sd3`` (``sigma_sqrt``,
     ``cosmap``, else 1). ``predict(noisy_latents, timesteps)`` calls the denoiser (a family's
@@ -313,11 +312,16 @@ def flow_matching_loss(
     """
     from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
+    s = settings or ObjectiveSettings()
+    weighting_scheme = s.weighting_scheme
     if weighting_scheme not in WEIGHTING_SCHEMES:
         raise ValueError(f"weighting scheme must be one of {WEIGHTING_SCHEMES}, got {weighting_scheme!r}")
     n = latents.shape[0]
     density = dict(
-        weighting_scheme=weighting_scheme, logit_mean=logit_mean, logit_std=logit_std, mode_scale=mode_scale
+        weighting_scheme=weighting_scheme,
+        logit_mean=s.logit_mean,
+        logit_std=s.logit_std,
+        mode_scale=s.mode_scale,
     )
     if generators is not None:
         u = _per_sample(lambda g: compute_density_for_timestep_sampling(batch_size=1, generator=g, **density)[0],
@@ -453,10 +457,7 @@ class FlowMatchingObjective:
             self.noise_scheduler,
             latents,
             sample_noise(latents, 0.0, generators) if generators else torch.randn_like(latents),
-            weighting_scheme=s.weighting_scheme,
-            logit_mean=s.logit_mean,
-            logit_std=s.logit_std,
-            mode_scale=s.mode_scale,
+            settings=s,
             generators=generators,
             reduction=reduction,
             loss_weights=loss_weights,

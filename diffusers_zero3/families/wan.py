@@ -181,9 +181,8 @@ class ExpertFlowMatchingObjective:
         noise = sample_noise(latents, 0.0, generators) if generators else torch.randn_like(latents)
         if self.allowed is None:
             return flow_matching_loss(
-                predict, self.noise_scheduler, latents, noise, weighting_scheme=s.weighting_scheme,
-                logit_mean=s.logit_mean, logit_std=s.logit_std, mode_scale=s.mode_scale,
-                generators=generators, reduction=reduction, loss_weights=loss_weights,
+                predict, self.noise_scheduler, latents, noise, settings=s, generators=generators,
+                reduction=reduction, loss_weights=loss_weights,
             )  # fmt: skip
         if s.weighting_scheme not in WEIGHTING_SCHEMES:
             raise ValueError(
