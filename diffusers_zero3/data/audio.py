@@ -95,22 +95,22 @@ def mel_filterbank(
     return fb
 
 
-def mel_spectrogram(
-    waveform: torch.Tensor,
-    sample_rate: int = 16000,
-    n_fft: int = 1024,
-    hop_length: int = 160,
-    n_mels: int = 64,
-    f_min: float = 0.0,
-    f_max: float | None = None,
-    mel_scale: str = "slaney",
-    norm: str | None = "slaney",
-) -> torch.Tensor:
+def mel_spectrogram(waveform: torch.Tensor, spec: AudioSpec | None = None) -> torch.Tensor:
     """LTX-2's log-mel spectrogram (see the module doc) of ``waveform`` ``(channels, samples)``
-    at ``sample_rate``: ``(channels, 1 + samples // hop_length, n_mels)`` float32, on the
-    waveform's device. Magnitude (power 1) STFT with a periodic Hann window of ``n_fft``,
+    at ``spec.sample_rate`` (an ``AudioSpec``; None: its defaults, LTX-2's 16 kHz, 1024-point
+    FFT, hop 160, 64 mel bins): ``(channels, 1 + samples // hop_length, n_mels)`` float32, on
+    the waveform's device. Magnitude (power 1) STFT with a periodic Hann window of ``n_fft``,
     centred with reflect padding (``samples`` must exceed ``n_fft // 2``), Slaney mel filters
-    from ``f_min`` to ``f_max`` (default ``sample_rate / 2``), then ``log(max(mel, 1e-5))``."""
+    (``mel_scale``, ``norm``) from ``f_min`` to ``f_max`` (default ``sample_rate / 2``), then
+    ``log(max(mel, 1e-5))``.
+
+    Example:
+        >>> mel_spectrogram(torch.zeros(2, 16000), AudioSpec(n_mels=80)).shape
+        torch.Size([2, 101, 80])
+    """
+    s = spec or AudioSpec()
+    sample_rate, n_fft, hop_length, n_mels = s.sample_rate, s.n_fft, s.hop_length, s.n_mels
+    f_min, f_max, mel_scale, norm = s.f_min, s.f_max, s.mel_scale, s.norm
     if waveform.ndim != 2:
         raise ValueError(f"waveform must be (channels, samples), got shape {tuple(waveform.shape)}")
     if waveform.shape[-1] <= n_fft // 2:
@@ -146,7 +146,7 @@ def audio_latent_frames(num_frames: int, frame_rate: float, audio_vae_config: di
 @dataclass(frozen=True)
 class AudioSpec:
     """How a clip's sound is read for an audio VAE: resampled to ``sample_rate`` with
-    ``channels`` channels, LTX-2's log-mel spectrogram (``mel_spectrogram``'s parameters), and the
+    ``channels`` channels, LTX-2's log-mel spectrogram (``mel_spectrogram`` reads these fields), and the
     VAE's ``temporal_compression`` (4) and causality (``causal``: time-causal encoder)."""
 
     sample_rate: int = 16000
@@ -194,10 +194,7 @@ class AudioSpec:
 
     def mel(self, waveform: torch.Tensor) -> torch.Tensor:
         """``mel_spectrogram`` of ``waveform`` ``(channels, samples)`` at this spec."""
-        return mel_spectrogram(
-            waveform, self.sample_rate, self.n_fft, self.hop_length, self.n_mels,
-            self.f_min, self.f_max, self.mel_scale, self.norm,
-        )  # fmt: skip
+        return mel_spectrogram(waveform, self)
 
     def clip_mel(
         self, path: str | os.PathLike | None, start_s: float, num_frames: int, frame_rate: float
