@@ -33,7 +33,7 @@ from ..placement.cache import model_fingerprint
 from ..placement.frozen import load_frozen_component
 from ..runtime.distributed import log_rank_zero
 from ..runtime.ds_config import weight_dtype
-from ..state.pipeline_io import plot_curve
+from ..state.pipeline_io import CurveAxes, plot_curve
 from ..training.data import TrainingData, select_rows
 from ..training.schedule import first_last_means
 from .text_to_image import TextToImageTrainer
@@ -335,11 +335,9 @@ class DPOTrainer(TextToImageTrainer):
                     accuracy,
                     Path(self.args.output_dir) / "implicit_accuracy.png",
                     f"Diffusion-DPO implicit accuracy per step ({self.args.loss_type}, beta {self.args.beta_dpo:g})",
-                    y_range=(0.0, 1.0),
-                    reference=0.5,
+                    axes=CurveAxes(ylabel="implicit accuracy (share of pairs)", y_range=(0.0, 1.0)),
+                    reference=(0.5, "chance (0.5)"),
                     smooth=10,
-                    ylabel="implicit accuracy (share of pairs)",
-                    reference_label="chance (0.5)",
                 )
                 log_rank_zero(f"implicit accuracy curve: {path}")
         if self.reference is not None:

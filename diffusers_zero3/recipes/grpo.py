@@ -111,6 +111,7 @@ from ..runtime.memory import return_large_frees_to_os
 from ..runtime.notices import quiet_library_notices
 from ..state.ema import ShardedEMA
 from ..state.pipeline_io import (
+    CurveAxes,
     check_output_dir,
     image_grid,
     model_card,
@@ -1512,7 +1513,8 @@ class GRPOTrainer:
             every = rounds[1] - rounds[0] if len(rounds) > 1 else 1
             plot_curve(self.evaluations["mean"], out / "eval.png",
                        f"evaluation (total reward) before rounds {rounds[0] + 1}, {rounds[0] + 1 + every}, ...",
-                       ylabel="total reward (mean over the evaluation prompts)", xlabel=f"evaluation (every {every} rounds)")  # fmt: skip
+                       axes=CurveAxes(f"evaluation (every {every} rounds)",
+                                      "total reward (mean over the evaluation prompts)"))  # fmt: skip
         curves = [("total reward", "mean", self.rewards, out / "rewards.png")]
         for name, values in self.rewards_by_spec.items():
             taken = {file.name for *_, file in curves}
@@ -1522,7 +1524,7 @@ class GRPOTrainer:
             if not values:
                 continue
             title = f"{name} per round: {values[0]:.3f} -> {values[-1]:.3f}"
-            plot_curve(values, file, title, ylabel=f"{name} (mean of the round's samples)", xlabel="round",
+            plot_curve(values, file, title, axes=CurveAxes("round", f"{name} (mean of the round's samples)"),
                        smooth=min(10, max(1, len(values) // 5)))  # fmt: skip
             written[label] = file
         k, first, last = first_last_means(self.rewards)

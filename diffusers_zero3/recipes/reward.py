@@ -41,6 +41,7 @@ from ..runtime.ds_config import weight_dtype
 from ..runtime.memory import return_large_frees_to_os
 from ..runtime.notices import quiet_library_notices
 from ..state.pipeline_io import (
+    CurveAxes,
     check_output_dir,
     model_card,
     pipeline_components,
@@ -361,7 +362,7 @@ class RewardTrainer:
             title = "mean reward per step"
             if self.rewards:
                 title += f": {self.rewards[0]:.3f} -> {self.rewards[-1]:.3f} (max {max(self.rewards):.3f})"
-            plot_curve(self.rewards, out / "rewards.png", title, ylabel="mean reward of the step's samples",
+            plot_curve(self.rewards, out / "rewards.png", title, axes=CurveAxes(ylabel="mean reward of the step's samples"),
                        smooth=min(10, max(1, len(self.rewards) // 5)))  # fmt: skip
             k, first, last = first_last_means(self.rewards)
             log_rank_zero(f"mean reward: first {k} steps {first:.4f} -> last {k} steps {last:.4f}")

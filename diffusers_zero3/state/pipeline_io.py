@@ -7,6 +7,7 @@ import json
 import math
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -104,26 +105,39 @@ def image_grid(images: list, cols: int | None = None):
     return grid
 
 
+@dataclass(frozen=True)
+class CurveAxes:
+    """A curve's axes (``plot_curve``): the x label (its last word names the unit: the
+    optimizer step, or a round), the y label, and the y range (None: the values' own)."""
+
+    xlabel: str = "optimizer step"
+    ylabel: str = "value"
+    y_range: tuple[float, float] | None = None
+
+
 def plot_curve(
     values: list[float],
     path: str | os.PathLike,
     title: str,
     *,
-    y_range: tuple[float, float] | None = None,
-    reference: float | None = None,
+    axes: CurveAxes | None = None,
+    reference: tuple[float, str] | None = None,
     smooth: int | None = None,
-    ylabel: str = "value",
-    reference_label: str = "reference",
     size: tuple[int, int] = (640, 360),
-    xlabel: str = "optimizer step",
 ):
     """A per-step line chart of ``values`` as a PNG at ``path`` (matplotlib); returns ``path``.
 
-    The x axis counts from 1 (``xlabel``: the optimizer step, or a round), the y axis ``ylabel``, within ``y_range``
-    (default: the values' own range); ``reference`` draws a dashed horizontal line labelled
-    ``reference_label`` (e.g. chance level); ``smooth`` adds a moving average over that many
-    steps. ``size`` is in pixels. Call on one process (it writes a file).
+    The x axis counts from 1, labelled ``axes.xlabel``; the y axis ``axes.ylabel``, within
+    ``axes.y_range`` (``CurveAxes``; None: its defaults); ``reference`` ``(value, label)`` draws
+    a dashed horizontal line with that label (e.g. ``(0.5, "chance")``); ``smooth`` adds a
+    moving average over that many steps. ``size`` is in pixels. Call on one process (it writes
+    a file).
+
+    Example:
+        >>> plot_curve(losses, "loss.png", "loss per step", axes=CurveAxes(ylabel="loss"), smooth=10)
     """
+    axes = axes or CurveAxes()
+    xlabel, ylabel, y_range = axes.xlabel, axes.ylabel, axes.y_range
     import matplotlib
 
     matplotlib.use("Agg")
@@ -141,7 +155,7 @@ def plot_curve(
         ax.plot(steps, [sum(v) / len(v) for v in window], color="tab:blue", linewidth=2.2,
                 label=f"mean of the last {smooth} {unit}s")  # fmt: skip
     if reference is not None:
-        ax.axhline(reference, color="grey", linestyle="--", linewidth=1, label=reference_label)
+        ax.axhline(reference[0], color="grey", linestyle="--", linewidth=1, label=reference[1])
     if y_range is not None:
         ax.set_ylim(*y_range)
     ax.set_xlabel(xlabel)
