@@ -200,7 +200,9 @@ class Family:
     name: str  # the short name: make train MODEL=<name>
     pipeline_class: str
     text_encoders: tuple[TextEncoderSpec, ...]
-    denoiser: str = "unet"
+    # denoiser, flow_matching and supports_dream default to the flow-matching transformers' values
+    # (every family but SD's and SDXL's, which declare their UNet's); denoiser_class to SD's UNet
+    denoiser: str = "transformer"
     denoiser_class: str = "UNet2DConditionModel"
     vae_class: str = "AutoencoderKL"
     vae_in_fp32: bool = False  # SDXL's VAE overflows in fp16
@@ -213,8 +215,8 @@ class Family:
     # the text encoder reads the source images too (Qwen-Image-Edit's VL): it runs live, never cached
     encodes_source_images: bool = False
     uses_time_ids: bool = False
-    supports_dream: bool = True
-    flow_matching: bool = False  # flow matching with FlowMatchEulerDiscreteScheduler's sigmas
+    supports_dream: bool = False  # DREAM (--dream_training), as diffusers' SD text-to-image script
+    flow_matching: bool = True  # flow matching with FlowMatchEulerDiscreteScheduler's sigmas
     default_max_sequence_length: int = 77  # tokens of --max_sequence_length encoders, as diffusers' scripts
     default_weighting_scheme: str = "none"  # flow matching's timestep density and loss weighting
     # LoRA targets of diffusers' LoRA scripts for this family (--lora_layers overrides them)
@@ -680,3 +682,35 @@ class Family:
     def published(self) -> tuple[PublishedConfig, ...]:
         """The published pipelines of this family that the planner carries."""
         return ()
+
+    def published_parts(
+        self, denoiser: dict, *text_encoders: dict, vae: dict, **more: tuple[str, str, dict]
+    ) -> dict[str, tuple[str, str, dict]]:
+        """``PublishedConfig.components`` of the family's own classes with these published config
+        keys: the denoiser (``denoiser_class``), each text encoder (``text_encoders`` in the order
+        of the family's ``TextEncoderSpec``s, their classes), then ``more`` as they are
+        (``name=(library, class, config)``), then the VAE (``vae_class``).
+
+        Example: ``FLUX.published_parts(transformer, CLIP_L, T5_XXL, vae=VAE_16)`` is
+        ``{"transformer": ("diffusers", "FluxTransformer2DModel", transformer), "text_encoder":
+        ("transformers", "CLIPTextModel", CLIP_L), ..., "vae": ("diffusers", "AutoencoderKL", VAE_16)}``.
+        """
+        if len(text_encoders) != len(self.text_encoders):
+            raise ValueError(
+                f"{self.name}: {len(self.text_encoders)} text encoder configs, got {len(text_encoders)}"
+            )
+        parts = {self.denoiser: ("diffusers", self.denoiser_class, denoiser)}
+        for spec, config in zip(self.text_encoders, text_encoders):
+            parts[spec.name] = (spec.library, spec.model_class, config)
+        return {**parts, **more, "vae": ("diffusers", self.vae_class, vae)}
+
+    def published_as(
+        self, components: dict, *checkpoints: tuple[str, str], note: str = ""
+    ) -> tuple[PublishedConfig, ...]:
+        """The ``PublishedConfig`` of each ``(hub_id, title)`` checkpoint of this family's pipeline
+        class with the same ``components`` shapes and ``note`` (e.g. a base model and its
+        distilled turbo)."""
+        return tuple(
+            PublishedConfig(hub_id, title, self.pipeline_class, components, note)
+            for hub_id, title in checkpoints
+        )

@@ -1,8 +1,11 @@
 """What several families' definitions write alike beyond ``base.Family``: their default run's
-flags (``run_args``), validation at the pipeline's own guidance (``SequenceLengthValidation``)
-and Qwen3's chat prompt (``qwen3_chat_prompt``: Z-Image, Flux.2 [klein])."""
+flags (``run_args``), their one LLM prompt encoder (``llm_text_encoder``), validation at the
+pipeline's own guidance (``SequenceLengthValidation``) and Qwen3's chat prompt
+(``qwen3_chat_prompt``: Z-Image, Flux.2 [klein])."""
 
 from __future__ import annotations
+
+from .base import TextEncoderSpec
 
 
 def run_args(*, max_sequence_length: int | None = None, num_frames: int | None = None, **placements: str):
@@ -16,6 +19,14 @@ def run_args(*, max_sequence_length: int | None = None, num_frames: int | None =
     if num_frames is not None:
         args += ["--num_frames", str(num_frames)]
     return tuple(args)
+
+
+def llm_text_encoder(model_class: str, tokenizer: str = "tokenizer") -> TextEncoderSpec:
+    """The ``text_encoder`` of a family prompted through one LLM or VLM (Qwen-Image, Z-Image,
+    Flux.2, Krea 2, ...): ``model_class`` read through the ``tokenizer`` folder (``"processor"``
+    where the pipeline holds a VLM's processor), its ids under ``input_ids``, prompts of
+    ``--max_sequence_length`` tokens."""
+    return TextEncoderSpec("text_encoder", model_class, tokenizer, "input_ids", uses_max_sequence_length=True)
 
 
 class SequenceLengthValidation:

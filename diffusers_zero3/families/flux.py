@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Family, PublishedConfig, TextEncoderSpec
+from .base import Family, TextEncoderSpec
 from .common import run_args
 from .published import CLIP_L, T5_XXL, VAE_16
 
@@ -107,19 +107,8 @@ class Flux(Family):
             guidance_embeds=True,
             axes_dims_rope=[16, 56, 56],
         )
-        return (
-            PublishedConfig(
-                "black-forest-labs/FLUX.1-dev",
-                "FLUX.1 [dev]",
-                self.pipeline_class,
-                {
-                    "transformer": ("diffusers", "FluxTransformer2DModel", transformer),
-                    "text_encoder": ("transformers", "CLIPTextModel", CLIP_L),
-                    "text_encoder_2": ("transformers", "T5EncoderModel", T5_XXL),
-                    "vae": ("diffusers", "AutoencoderKL", VAE_16),
-                },
-            ),
-        )
+        components = self.published_parts(transformer, CLIP_L, T5_XXL, vae=VAE_16)
+        return self.published_as(components, ("black-forest-labs/FLUX.1-dev", "FLUX.1 [dev]"))
 
 
 FLUX_LORA_TARGETS = (  # train_dreambooth_lora_flux.py
@@ -149,11 +138,7 @@ FLUX = Flux(
             "text_encoder_2", "T5EncoderModel", "tokenizer_2", "input_ids_2", uses_max_sequence_length=True
         ),
     ),
-    denoiser="transformer",
     denoiser_class="FluxTransformer2DModel",
-    supports_dream=False,
-    flow_matching=True,
     default_max_sequence_length=512,  # diffusers' train_dreambooth_flux.py
-    default_weighting_scheme="none",
     lora_target_modules=FLUX_LORA_TARGETS,
 )

@@ -33,8 +33,8 @@ from typing import ClassVar
 
 import torch
 
-from .base import Family, PublishedConfig, TextEncoderSpec, read_vae_tensors
-from .common import SequenceLengthValidation, qwen3_chat_prompt, run_args
+from .base import Family, PublishedConfig, read_vae_tensors
+from .common import SequenceLengthValidation, llm_text_encoder, qwen3_chat_prompt, run_args
 from .published import QWEN3_4B, QWEN3_8B
 
 # diffusers' pipelines/flux2/system_messages.py SYSTEM_MESSAGE (the dev pipeline's default)
@@ -347,20 +347,13 @@ class Flux2(Family):
     # ------------------------------------------------------------------ pipelines
 
     def published(self):
-        return (
-            PublishedConfig(
-                "black-forest-labs/FLUX.2-dev",
-                "FLUX.2 [dev]",
-                self.pipeline_class,
-                {
-                    "transformer": ("diffusers", "Flux2Transformer2DModel", PUBLISHED_TRANSFORMER_DEV),
-                    "text_encoder": ("transformers", "Mistral3ForConditionalGeneration", MISTRAL_SMALL_3_24B),
-                    "vae": ("diffusers", "AutoencoderKLFlux2", PUBLISHED_VAE),
-                },
-                note="text_encoder is the whole Mistral Small 3 24B VLM as loaded, counted whole while only its "
-                "text path runs: its Pixtral vision tower and projector (439 M) never run, and as prompts take "
-                "layers 10, 20 and 30 of 40, its last 10 layers run for nothing and lm_head (671 M) for one position",
-            ),
+        components = self.published_parts(PUBLISHED_TRANSFORMER_DEV, MISTRAL_SMALL_3_24B, vae=PUBLISHED_VAE)
+        return self.published_as(
+            components,
+            ("black-forest-labs/FLUX.2-dev", "FLUX.2 [dev]"),
+            note="text_encoder is the whole Mistral Small 3 24B VLM as loaded, counted whole while only its "
+            "text path runs: its Pixtral vision tower and projector (439 M) never run, and as prompts take "
+            "layers 10, 20 and 30 of 40, its last 10 layers run for nothing and lm_head (671 M) for one position",
         )
 
 
@@ -401,11 +394,7 @@ class Flux2Klein(SequenceLengthValidation, Flux2):
                 f"black-forest-labs/FLUX.2-klein-{size}",
                 f"FLUX.2 [klein] {size}",
                 self.pipeline_class,
-                {
-                    "transformer": ("diffusers", "Flux2Transformer2DModel", transformer),
-                    "text_encoder": ("transformers", "Qwen3ForCausalLM", text_encoder),
-                    "vae": ("diffusers", "AutoencoderKLFlux2", PUBLISHED_VAE),
-                },
+                self.published_parts(transformer, text_encoder, vae=PUBLISHED_VAE),
                 note=note.format(*about),
             )
             for size, transformer, text_encoder, about in (
@@ -428,28 +417,16 @@ def _flux2_lora_targets(num_single_layers: int) -> tuple[str, ...]:
 
 
 _COMMON = dict(
-    denoiser="transformer",
     denoiser_class="Flux2Transformer2DModel",
     vae_class="AutoencoderKLFlux2",
     sample_latents=False,  # the scripts encode with latent_dist.mode()
-    supports_dream=False,
-    flow_matching=True,
     default_max_sequence_length=512,  # the pipelines' and the scripts' --max_sequence_length
-    default_weighting_scheme="none",
 )
 FLUX2 = Flux2(
     name="flux2",
     title="Flux.2 [dev]",
     pipeline_class="Flux2Pipeline",
-    text_encoders=(
-        TextEncoderSpec(
-            "text_encoder",
-            "Mistral3ForConditionalGeneration",
-            "tokenizer",
-            "input_ids",
-            uses_max_sequence_length=True,
-        ),
-    ),
+    text_encoders=(llm_text_encoder("Mistral3ForConditionalGeneration"),),
     lora_target_modules=_flux2_lora_targets(48),  # train_dreambooth_lora_flux2.py
     # 64 tokens: the system message alone takes about 40
     default_run_args=run_args(text_encoder="shard", vae="replicate", max_sequence_length=64),
@@ -459,11 +436,7 @@ FLUX2_KLEIN = Flux2Klein(
     name="flux2-klein",
     title="Flux.2 [klein]",
     pipeline_class="Flux2KleinPipeline",
-    text_encoders=(
-        TextEncoderSpec(
-            "text_encoder", "Qwen3ForCausalLM", "tokenizer", "input_ids", uses_max_sequence_length=True
-        ),
-    ),
+    text_encoders=(llm_text_encoder("Qwen3ForCausalLM"),),
     lora_target_modules=_flux2_lora_targets(24),  # train_dreambooth_lora_flux2_klein.py
     default_run_args=run_args(text_encoder="shard", vae="replicate", max_sequence_length=32),
     **_COMMON,

@@ -22,7 +22,7 @@ import inspect
 
 import torch
 
-from .base import Family, PublishedConfig, TextEncoderSpec
+from .base import Family, TextEncoderSpec
 from .common import run_args
 from .published import CLIP_BIGG, CLIP_L, T5_XXL, VAE_16
 
@@ -145,24 +145,16 @@ class HiDream(Family):
         return pipeline
 
     def published(self):
-        return (
-            PublishedConfig(
-                "HiDream-ai/HiDream-I1-Full",
-                "HiDream-I1-Full",
-                self.pipeline_class,
-                {
-                    "transformer": ("diffusers", "HiDreamImageTransformer2DModel", PUBLISHED_TRANSFORMER),
-                    "text_encoder": ("transformers", "CLIPTextModelWithProjection", PUBLISHED_CLIP_L),
-                    "text_encoder_2": ("transformers", "CLIPTextModelWithProjection", PUBLISHED_CLIP_G),
-                    "text_encoder_3": ("transformers", "T5EncoderModel", T5_XXL),
-                    "text_encoder_4": ("transformers", "LlamaForCausalLM", PUBLISHED_LLAMA),
-                    "vae": ("diffusers", "AutoencoderKL", VAE_16),
-                },
-                note="text_encoder_4 (Llama-3.1-8B-Instruct, 8.03 B with its lm_head, which never runs) is not "
-                "in the HiDream-I1 repos: give it with --component text_encoder_4=meta-llama/Llama-3.1-8B-Instruct "
-                "(tokenizer_4 comes with it); the transformer is a mixture of experts, 17.11 B parameters in all "
-                "(all trained and sharded), 12.01 B active per token (2 of 4 routed experts in each of 48 blocks)",
-            ),
+        components = self.published_parts(
+            PUBLISHED_TRANSFORMER, PUBLISHED_CLIP_L, PUBLISHED_CLIP_G, T5_XXL, PUBLISHED_LLAMA, vae=VAE_16
+        )
+        return self.published_as(
+            components,
+            ("HiDream-ai/HiDream-I1-Full", "HiDream-I1-Full"),
+            note="text_encoder_4 (Llama-3.1-8B-Instruct, 8.03 B with its lm_head, which never runs) is not "
+            "in the HiDream-I1 repos: give it with --component text_encoder_4=meta-llama/Llama-3.1-8B-Instruct "
+            "(tokenizer_4 comes with it); the transformer is a mixture of experts, 17.11 B parameters in all "
+            "(all trained and sharded), 12.01 B active per token (2 of 4 routed experts in each of 48 blocks)",
         )
 
 
@@ -192,12 +184,8 @@ HIDREAM = HiDream(
             "text_encoder_4", "LlamaForCausalLM", "tokenizer_4", "input_ids_4", uses_max_sequence_length=True
         ),
     ),
-    denoiser="transformer",
     denoiser_class="HiDreamImageTransformer2DModel",
-    supports_dream=False,
-    flow_matching=True,
     default_max_sequence_length=128,  # the pipeline's and train_dreambooth_lora_hidream.py's
-    default_weighting_scheme="none",
     lora_target_modules=("to_k", "to_q", "to_v", "to_out"),  # train_dreambooth_lora_hidream.py
     default_run_args=run_args(
         text_encoder="replicate",

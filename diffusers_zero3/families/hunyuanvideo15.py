@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime.library_internals import hunyuanvideo15_causal_mask
-from .base import Family, PublishedConfig, ScaleShift, TextEncoderSpec, VideoLatents
-from .common import run_args
+from .base import Family, ScaleShift, TextEncoderSpec, VideoLatents
+from .common import llm_text_encoder, run_args
 from .qwenimage import PUBLISHED_TEXT_ENCODER as QWEN25_VL_7B
 
 # HunyuanVideo15Pipeline.__init__ (the system message as the pipeline's source writes it, its
@@ -246,20 +246,14 @@ class HunyuanVideo15(VideoLatents, Family):
         )
 
     def published(self):
-        return (
-            PublishedConfig(
-                "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v",
-                "HunyuanVideo 1.5 480p T2V",
-                self.pipeline_class,
-                {
-                    "transformer": ("diffusers", "HunyuanVideo15Transformer3DModel", PUBLISHED_TRANSFORMER),
-                    "text_encoder": ("transformers", "Qwen2_5_VLTextModel", PUBLISHED_TEXT_ENCODER),
-                    "text_encoder_2": ("transformers", "T5EncoderModel", PUBLISHED_BYT5),
-                    "vae": ("diffusers", "AutoencoderKLHunyuanVideo15", PUBLISHED_VAE),
-                },
-                "Qwen2.5-VL 7 B's text model (7.1 B) is near the denoiser's size: shard or cache it; "
-                "ByT5's vocabulary counted without Glyph-SDXL-v2's added color and font tokens",
-            ),
+        components = self.published_parts(
+            PUBLISHED_TRANSFORMER, PUBLISHED_TEXT_ENCODER, PUBLISHED_BYT5, vae=PUBLISHED_VAE
+        )
+        return self.published_as(
+            components,
+            ("hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v", "HunyuanVideo 1.5 480p T2V"),
+            note="Qwen2.5-VL 7 B's text model (7.1 B) is near the denoiser's size: shard or cache it; "
+            "ByT5's vocabulary counted without Glyph-SDXL-v2's added color and font tokens",
         )
 
 
@@ -268,19 +262,14 @@ HUNYUANVIDEO15 = HunyuanVideo15(
     title="HunyuanVideo 1.5",
     pipeline_class="HunyuanVideo15Pipeline",
     text_encoders=(
-        TextEncoderSpec(
-            "text_encoder", "Qwen2_5_VLTextModel", "tokenizer", "input_ids", uses_max_sequence_length=True
-        ),
+        llm_text_encoder("Qwen2_5_VLTextModel"),
         TextEncoderSpec("text_encoder_2", "T5EncoderModel", "tokenizer_2", "input_ids_2"),
     ),
-    denoiser="transformer",
     denoiser_class="HunyuanVideo15Transformer3DModel",
     vae_class="AutoencoderKLHunyuanVideo15",
     vae_in_fp32=True,  # as Wan's: the video VAE decodes in fp32 beside a bf16 transformer
     sample_latents=False,  # the posterior mean, as the image-to-video pipeline encodes (argmax)
     video=True,
-    supports_dream=False,
-    flow_matching=True,
     default_max_sequence_length=TOKENIZER_MAX_LENGTH,
     default_weighting_scheme="logit_normal",  # as Wan: sigmoid(N(0, 1)) on the shifted table
     # the dual-stream blocks' image and text projections (HunyuanVideo LoRA targets)

@@ -30,8 +30,8 @@ import math
 
 import torch
 
-from .base import DenoiserSchedule, Family, PublishedConfig, TextEncoderSpec
-from .common import run_args
+from .base import DenoiserSchedule, Family
+from .common import llm_text_encoder, run_args
 from .flux2 import PUBLISHED_VAE as FLUX2_VAE
 from .flux2 import BatchNormLatents, pack_latents, unpack_latents
 from .objectives import _per_sample, sample_noise, weighted_sample_means
@@ -427,36 +427,23 @@ class Ideogram4(Family):
         )
 
     def published(self):
-        components = {
-            "transformer": ("diffusers", "Ideogram4Transformer2DModel", PUBLISHED_TRANSFORMER),
-            "text_encoder": ("transformers", "Qwen3VLModel", PUBLISHED_TEXT_ENCODER),
-            "vae": ("diffusers", "AutoencoderKLFlux2", FLUX2_VAE),
-        }
+        components = self.published_parts(PUBLISHED_TRANSFORMER, PUBLISHED_TEXT_ENCODER, vae=FLUX2_VAE)
         note = (
             "text_encoder is Qwen3-VL-8B-Instruct's Qwen3VLModel (no lm_head), counted whole: its vision tower "
             "never runs; unconditional_transformer (transformer's shapes) is not planned: by default it is copied "
             "into the output, and --train_denoisers both makes it a second engine of transformer's size"
         )
-        return (
-            PublishedConfig("ideogram-ai/ideogram-v4", "Ideogram 4", self.pipeline_class, components, note),
-        )
+        return self.published_as(components, ("ideogram-ai/ideogram-v4", "Ideogram 4"), note=note)
 
 
 IDEOGRAM4 = Ideogram4(
     name="ideogram4",
     title="Ideogram 4",
     pipeline_class="Ideogram4Pipeline",
-    text_encoders=(
-        TextEncoderSpec(
-            "text_encoder", "Qwen3VLModel", "tokenizer", "input_ids", uses_max_sequence_length=True
-        ),
-    ),
-    denoiser="transformer",
+    text_encoders=(llm_text_encoder("Qwen3VLModel"),),
     denoiser_class="Ideogram4Transformer2DModel",
     vae_class="AutoencoderKLFlux2",
     sample_latents=False,  # the script encodes with latent_dist.mode()
-    supports_dream=False,
-    flow_matching=True,
     default_max_sequence_length=2048,  # the pipeline's and the script's
     default_weighting_scheme="logit_normal",  # the script's (its sigma density)
     # train_dreambooth_lora_ideogram4.py's default targets

@@ -129,15 +129,11 @@ class Kontext(Flux):
 
     def published(self):
         (dev,) = super().published()
-        return (
-            type(dev)(
-                "black-forest-labs/FLUX.1-Kontext-dev",
-                "FLUX.1 Kontext [dev]",
-                self.pipeline_class,
-                dev.components,  # Flux.1 [dev]'s shapes
-                note="Flux.1 [dev]'s shapes; each source image adds its tokens to the transformer's sequence "
-                "(a 1024 px source doubles it), and the VAE is not cached for editing pairs",
-            ),
+        return self.published_as(
+            dev.components,  # Flux.1 [dev]'s shapes
+            ("black-forest-labs/FLUX.1-Kontext-dev", "FLUX.1 Kontext [dev]"),
+            note="Flux.1 [dev]'s shapes; each source image adds its tokens to the transformer's sequence "
+            "(a 1024 px source doubles it), and the VAE is not cached for editing pairs",
         )
 
 
@@ -147,13 +143,9 @@ KONTEXT = Kontext(
     default_run_args=FLUX.default_run_args + EDIT_VALIDATION_ARGS,  # Flux.1's placements
     pipeline_class="FluxKontextPipeline",
     text_encoders=FLUX.text_encoders,  # CLIP-L (pooled) and T5
-    denoiser="transformer",
     denoiser_class="FluxTransformer2DModel",
-    supports_dream=False,
-    flow_matching=True,
     sample_latents=False,  # the script's --vae_encode_mode mode (and the pipeline's argmax of the source)
     edits=True,
     default_max_sequence_length=512,  # train_dreambooth_lora_flux_kontext.py
-    default_weighting_scheme="none",
     lora_target_modules=(*FLUX_LORA_TARGETS, "proj_mlp"),  # the Kontext script's targets
 )

@@ -27,9 +27,9 @@ from typing import ClassVar
 
 import torch
 
-from .base import ChannelMeanStd, Family, TextEncoderSpec
-from .common import SequenceLengthValidation, run_args
-from .published import QWEN3_VL_4B, published_checkpoints
+from .base import ChannelMeanStd, Family
+from .common import SequenceLengthValidation, llm_text_encoder, run_args
+from .published import QWEN3_VL_4B
 from .qwenimage import PROMPT_TEMPLATE
 from .qwenimage import PUBLISHED_VAE as QWEN_IMAGE_VAE
 
@@ -233,41 +233,24 @@ class Krea2(SequenceLengthValidation, Family):
     # ------------------------------------------------------------------ pipelines
 
     def published(self):
-        components = {
-            "transformer": ("diffusers", "Krea2Transformer2DModel", PUBLISHED_TRANSFORMER),
-            "text_encoder": ("transformers", "Qwen3VLModel", QWEN3_VL_4B),
-            "vae": ("diffusers", "AutoencoderKLQwenImage", QWEN_IMAGE_VAE),
-        }
+        components = self.published_parts(PUBLISHED_TRANSFORMER, QWEN3_VL_4B, vae=QWEN_IMAGE_VAE)
         note = (
             "text_encoder is Qwen3-VL-4B-Instruct's Qwen3VLModel, counted whole: its vision tower (415 M) "
             "never runs, and prompts take hidden_states up to index 35, so its last decoder layer and final "
             "norm (101 M) run for nothing"
         )
-        return published_checkpoints(
-            self.pipeline_class,
-            components,
-            note,
-            ("krea/Krea-2-Raw", "Krea 2 Raw"),
-            ("krea/Krea-2-Turbo", "Krea 2 Turbo"),
-        )
+        checkpoints = ("krea/Krea-2-Raw", "Krea 2 Raw"), ("krea/Krea-2-Turbo", "Krea 2 Turbo")
+        return self.published_as(components, *checkpoints, note=note)
 
 
 KREA2 = Krea2(
     name="krea2",
     title="Krea 2",
     pipeline_class="Krea2Pipeline",
-    text_encoders=(
-        TextEncoderSpec(
-            "text_encoder", "Qwen3VLModel", "tokenizer", "input_ids", uses_max_sequence_length=True
-        ),
-    ),
-    denoiser="transformer",
+    text_encoders=(llm_text_encoder("Qwen3VLModel"),),
     denoiser_class="Krea2Transformer2DModel",
     vae_class="AutoencoderKLQwenImage",
-    supports_dream=False,
-    flow_matching=True,
     default_max_sequence_length=512,  # the pipeline's and train_dreambooth_lora_krea2.py's
-    default_weighting_scheme="none",
     # train_dreambooth_lora_krea2.py's default --lora_layers (the Krea 2 authors' set)
     lora_target_modules=(
         "img_in",

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime.library_internals import ltx2_pack_audio_latents, ltx2_pack_latents, ltx2_unpack_latents
-from .base import Family, PublishedConfig, TextEncoderSpec, VideoLatents, read_vae_tensors
-from .common import run_args
+from .base import Family, PublishedConfig, VideoLatents, read_vae_tensors
+from .common import llm_text_encoder, run_args
 
 # LTX2Pipeline.__call__'s defaults
 FRAME_RATE = 24.0  # frame_rate (the published clips' playback rate)
@@ -431,23 +431,12 @@ LTX2 = LTX2Family(
     name="ltx2",
     title="LTX-2",
     pipeline_class="LTX2Pipeline",
-    text_encoders=(
-        TextEncoderSpec(
-            "text_encoder",
-            "Gemma3ForConditionalGeneration",
-            "tokenizer",
-            "input_ids",
-            uses_max_sequence_length=True,
-        ),
-    ),  # fmt: skip
-    denoiser="transformer",
+    text_encoders=(llm_text_encoder("Gemma3ForConditionalGeneration"),),  # fmt: skip
     denoiser_class="LTX2VideoTransformer3DModel",
     vae_class="AutoencoderKLLTX2Video",
     sample_latents=False,  # the posterior mean of both VAEs
     video=True,
     sound=True,
-    supports_dream=False,
-    flow_matching=True,
     default_max_sequence_length=TOKENIZER_MAX_LENGTH,
     default_weighting_scheme="logit_normal",
     lora_target_modules=("to_k", "to_q", "to_v", "to_out.0"),  # video and audio attention alike

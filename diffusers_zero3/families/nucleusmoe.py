@@ -28,8 +28,7 @@ import math
 
 import torch
 
-from .base import PublishedConfig, TextEncoderSpec
-from .common import run_args
+from .common import llm_text_encoder, run_args
 from .flux2 import load_flux2_tokenizer
 from .published import QWEN3_VL_8B
 from .qwenimage import PUBLISHED_VAE as QWEN_IMAGE_VAE
@@ -159,44 +158,24 @@ class NucleusMoE(QwenImage):
     # ------------------------------------------------------------------ pipelines
 
     def published(self):
-        components = {
-            "transformer": ("diffusers", "NucleusMoEImageTransformer2DModel", PUBLISHED_TRANSFORMER),
-            "text_encoder": ("transformers", "Qwen3VLForConditionalGeneration", PUBLISHED_TEXT_ENCODER),
-            "vae": ("diffusers", "AutoencoderKLQwenImage", QWEN_IMAGE_VAE),
-        }
+        components = self.published_parts(PUBLISHED_TRANSFORMER, PUBLISHED_TEXT_ENCODER, vae=QWEN_IMAGE_VAE)
         note = (
             "text_encoder is Qwen3-VL-8B-Instruct, counted whole: its vision tower and lm_head never run, "
             "and prompts take hidden_states[-8], so its last 7 decoder layers run for nothing; the "
             "transformer is a mixture of experts (64 routed experts and a shared one in 29 of its 32 "
             "blocks, expert-choice routing), all of it trained and sharded"
         )
-        return (
-            PublishedConfig(
-                "NucleusAI/Nucleus-Image", "NucleusMoE-Image", self.pipeline_class, components, note
-            ),
-        )
+        return self.published_as(components, ("NucleusAI/Nucleus-Image", "NucleusMoE-Image"), note=note)
 
 
 NUCLEUSMOE = NucleusMoE(
     name="nucleusmoe",
     title="NucleusMoE-Image",
     pipeline_class="NucleusMoEImagePipeline",
-    text_encoders=(
-        TextEncoderSpec(
-            "text_encoder",
-            "Qwen3VLForConditionalGeneration",
-            "processor",
-            "input_ids",
-            uses_max_sequence_length=True,
-        ),
-    ),
-    denoiser="transformer",
+    text_encoders=(llm_text_encoder("Qwen3VLForConditionalGeneration", "processor"),),
     denoiser_class="NucleusMoEImageTransformer2DModel",
     vae_class="AutoencoderKLQwenImage",
-    supports_dream=False,
-    flow_matching=True,
     default_max_sequence_length=1024,  # NucleusMoEImagePipeline.default_max_sequence_length
-    default_weighting_scheme="none",
     # no diffusers LoRA script: the attention projections of both streams (image queries, text keys/values)
     lora_target_modules=("to_q", "to_k", "to_v", "add_k_proj", "add_v_proj", "to_out.0"),
     # 96 tokens: the system prompt takes about 60, the rest is room for the caption

@@ -5,14 +5,12 @@ defaults, which equal the published ones for shapes).
 
 ``shrink(config, **sizes)`` derives a config from another with the same keys (a smaller model
 of the same structure: Qwen3-VL-4B from -8B here, every tiny pipeline's models in
-``diffusers_zero3.demo``); ``published_checkpoints`` gives the ``PublishedConfig`` of each
-checkpoint of a family that share their components."""
+``diffusers_zero3.demo``). A family's ``published_parts`` and ``published_as`` (``base.Family``)
+turn these configs into its ``PublishedConfig``s."""
 
 from __future__ import annotations
 
 import copy
-
-from .base import PublishedConfig
 
 
 def shrink(config: dict, **sizes) -> dict:
@@ -29,16 +27,6 @@ def shrink(config: dict, **sizes) -> dict:
             value = shrink(config[key], **value)
         shrunk[key] = value
     return shrunk
-
-
-def published_checkpoints(
-    pipeline_class: str, components: dict, note: str, *checkpoints: tuple[str, str]
-) -> tuple[PublishedConfig, ...]:
-    """The ``PublishedConfig`` of each ``(hub_id, title)`` checkpoint of one pipeline class with
-    the same ``components`` shapes and ``note`` (e.g. a base model and its distilled turbo)."""
-    return tuple(
-        PublishedConfig(hub_id, title, pipeline_class, components, note) for hub_id, title in checkpoints
-    )
 
 
 CLIP_L = dict(

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import ChannelMeanStd, Family, PublishedConfig, TextEncoderSpec
-from .common import SequenceLengthValidation, run_args
+from .base import ChannelMeanStd, Family
+from .common import SequenceLengthValidation, llm_text_encoder, run_args
+from .published import QWEN2_VL_7B
 from .wan import PUBLISHED_VAE_21
 
 PROMPT_TEMPLATE = (
@@ -117,44 +118,18 @@ class QwenImage(SequenceLengthValidation, Family):
         return unpack_latents(packed, h, w)
 
     def published(self):
-        return (
-            PublishedConfig(
-                "Qwen/Qwen-Image",
-                "Qwen-Image",
-                self.pipeline_class,
-                {
-                    "transformer": ("diffusers", "QwenImageTransformer2DModel", PUBLISHED_TRANSFORMER),
-                    "text_encoder": (
-                        "transformers",
-                        "Qwen2_5_VLForConditionalGeneration",
-                        PUBLISHED_TEXT_ENCODER,
-                    ),
-                    "vae": ("diffusers", "AutoencoderKLQwenImage", PUBLISHED_VAE),
-                },
-            ),
-        )
+        components = self.published_parts(PUBLISHED_TRANSFORMER, PUBLISHED_TEXT_ENCODER, vae=PUBLISHED_VAE)
+        return self.published_as(components, ("Qwen/Qwen-Image", "Qwen-Image"))
 
 
 QWENIMAGE = QwenImage(
     name="qwenimage",
     title="Qwen-Image",
     pipeline_class="QwenImagePipeline",
-    text_encoders=(
-        TextEncoderSpec(
-            "text_encoder",
-            "Qwen2_5_VLForConditionalGeneration",
-            "tokenizer",
-            "input_ids",
-            uses_max_sequence_length=True,
-        ),
-    ),
-    denoiser="transformer",
+    text_encoders=(llm_text_encoder("Qwen2_5_VLForConditionalGeneration"),),
     denoiser_class="QwenImageTransformer2DModel",
     vae_class="AutoencoderKLQwenImage",
-    supports_dream=False,
-    flow_matching=True,
     default_max_sequence_length=512,  # the pipeline's and train_dreambooth_lora_qwen_image.py's
-    default_weighting_scheme="none",
     lora_target_modules=("to_k", "to_q", "to_v", "to_out.0"),  # train_dreambooth_lora_qwen_image.py
     default_run_args=run_args(text_encoder="shard", vae="replicate", max_sequence_length=32),
 )
@@ -172,17 +147,11 @@ PUBLISHED_TRANSFORMER = dict(
     axes_dims_rope=(16, 56, 56),
 )
 PUBLISHED_VAE = PUBLISHED_VAE_21  # AutoencoderKLQwenImage: Wan 2.1's VAE, its shapes
-PUBLISHED_TEXT_ENCODER = dict(  # Qwen2.5-VL-7B-Instruct
+PUBLISHED_TEXT_ENCODER = dict(  # Qwen2.5-VL-7B-Instruct: Qwen2-VL-7B's text model, longer mRoPE
     text_config=dict(
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
+        QWEN2_VL_7B["text_config"],
         max_position_embeddings=128000,
         rope_scaling={"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"},
-        rope_theta=1000000.0,
     ),
     vision_config=dict(
         depth=32,

@@ -32,7 +32,7 @@ import functools
 import torch
 
 from ..runtime.library_internals import qwenimage_edit_plus_source_area
-from .base import TextEncoderSpec
+from .common import llm_text_encoder
 from .kontext import EDIT_VALIDATION_ARGS
 from .qwenimage import (
     QWENIMAGE,
@@ -316,14 +316,10 @@ class QwenImageEdit(QwenImage):
 
     def published(self):
         (qwen_image,) = super().published()
-        return (
-            type(qwen_image)(
-                "Qwen/Qwen-Image-Edit-2509",
-                "Qwen-Image-Edit-2509",
-                self.pipeline_class,
-                qwen_image.components,  # Qwen-Image's shapes
-                note="text_encoder's vision tower runs: it reads the source images",
-            ),
+        return self.published_as(
+            qwen_image.components,  # Qwen-Image's shapes
+            ("Qwen/Qwen-Image-Edit-2509", "Qwen-Image-Edit-2509"),
+            note="text_encoder's vision tower runs: it reads the source images",
         )
 
 
@@ -331,25 +327,13 @@ QWENIMAGE_EDIT = QwenImageEdit(
     name="qwenimage-edit",
     title="Qwen-Image-Edit",
     pipeline_class="QwenImageEditPlusPipeline",
-    text_encoders=(
-        TextEncoderSpec(
-            "text_encoder",
-            "Qwen2_5_VLForConditionalGeneration",
-            "processor",
-            "input_ids",
-            uses_max_sequence_length=True,
-        ),
-    ),
-    denoiser="transformer",
+    text_encoders=(llm_text_encoder("Qwen2_5_VLForConditionalGeneration", "processor"),),
     denoiser_class="QwenImageTransformer2DModel",
     vae_class="AutoencoderKLQwenImage",
-    supports_dream=False,
-    flow_matching=True,
     sample_latents=QWENIMAGE.sample_latents,  # the target's latents sampled, as Qwen-Image's script
     edits=True,
     encodes_source_images=True,
     default_max_sequence_length=512,
-    default_weighting_scheme="none",
     lora_target_modules=QWENIMAGE.lora_target_modules,
     # Qwen-Image's placements, then instructions on the demo's red circle (kontext.py)
     default_run_args=QWENIMAGE.default_run_args + EDIT_VALIDATION_ARGS,

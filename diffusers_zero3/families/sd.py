@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import Family, PublishedConfig, TextEncoderSpec
+from .base import Family, TextEncoderSpec
 from .common import run_args
 from .published import CLIP_L, VAE_SD
 
@@ -41,32 +41,19 @@ class StableDiffusion(Family):
         return {}
 
     def published(self):
-        return (
-            PublishedConfig(
-                "runwayml/stable-diffusion-v1-5",
-                "SD 1.5",
-                self.pipeline_class,
-                {
-                    "unet": (
-                        "diffusers",
-                        "UNet2DConditionModel",
-                        dict(
-                            sample_size=64,
-                            in_channels=4,
-                            out_channels=4,
-                            layers_per_block=2,
-                            block_out_channels=[320, 640, 1280, 1280],
-                            down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
-                            up_block_types=["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
-                            cross_attention_dim=768,
-                            attention_head_dim=8,
-                        ),
-                    ),
-                    "text_encoder": ("transformers", "CLIPTextModel", CLIP_L),
-                    "vae": ("diffusers", "AutoencoderKL", VAE_SD),
-                },
-            ),
+        unet = dict(
+            sample_size=64,
+            in_channels=4,
+            out_channels=4,
+            layers_per_block=2,
+            block_out_channels=[320, 640, 1280, 1280],
+            down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+            up_block_types=["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
+            cross_attention_dim=768,
+            attention_head_dim=8,
         )
+        components = self.published_parts(unet, CLIP_L, vae=VAE_SD)
+        return self.published_as(components, ("runwayml/stable-diffusion-v1-5", "SD 1.5"))
 
 
 SD = StableDiffusion(
@@ -75,6 +62,9 @@ SD = StableDiffusion(
     default_run_args=run_args(text_encoder="shard", vae="replicate"),
     pipeline_class="StableDiffusionPipeline",
     text_encoders=(TextEncoderSpec("text_encoder", "CLIPTextModel", "tokenizer", "input_ids"),),
+    denoiser="unet",
+    flow_matching=False,
+    supports_dream=True,
     pipeline_kwargs=(
         ("safety_checker", None),
         ("feature_extractor", None),

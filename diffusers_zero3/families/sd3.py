@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Family, PublishedConfig, TextEncoderSpec
+from .base import Family, TextEncoderSpec
 from .common import SequenceLengthValidation, run_args
 from .published import CLIP_BIGG, CLIP_L, T5_XXL, VAE_16
 
@@ -60,19 +60,9 @@ class StableDiffusion3(SequenceLengthValidation, Family):
             out_channels=16,
             pos_embed_max_size=192,
         )
-        return (
-            PublishedConfig(
-                "stabilityai/stable-diffusion-3-medium-diffusers",
-                "SD3 medium",
-                self.pipeline_class,
-                {
-                    "transformer": ("diffusers", "SD3Transformer2DModel", transformer),
-                    "text_encoder": ("transformers", "CLIPTextModelWithProjection", CLIP_L),
-                    "text_encoder_2": ("transformers", "CLIPTextModelWithProjection", CLIP_BIGG),
-                    "text_encoder_3": ("transformers", "T5EncoderModel", T5_XXL),
-                    "vae": ("diffusers", "AutoencoderKL", VAE_16),
-                },
-            ),
+        components = self.published_parts(transformer, CLIP_L, CLIP_BIGG, T5_XXL, vae=VAE_16)
+        return self.published_as(
+            components, ("stabilityai/stable-diffusion-3-medium-diffusers", "SD3 medium")
         )
 
 
@@ -94,10 +84,7 @@ SD3 = StableDiffusion3(
             "text_encoder_3", "T5EncoderModel", "tokenizer_3", "input_ids_3", uses_max_sequence_length=True
         ),
     ),
-    denoiser="transformer",
     denoiser_class="SD3Transformer2DModel",
-    supports_dream=False,
-    flow_matching=True,
     default_max_sequence_length=77,  # diffusers' train_dreambooth_sd3.py
     default_weighting_scheme="logit_normal",
     lora_target_modules=(  # train_dreambooth_lora_sd3.py

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import PublishedConfig, TextEncoderSpec
+from .base import TextEncoderSpec
 from .common import run_args
 from .published import CLIP_BIGG, CLIP_L, VAE_SD
 from .sd import StableDiffusion
@@ -81,19 +81,8 @@ class StableDiffusionXL(StableDiffusion):
             addition_time_embed_dim=256,
             projection_class_embeddings_input_dim=2816,
         )
-        return (
-            PublishedConfig(
-                "stabilityai/stable-diffusion-xl-base-1.0",
-                "SDXL base 1.0",
-                self.pipeline_class,
-                {
-                    "unet": ("diffusers", "UNet2DConditionModel", unet),
-                    "text_encoder": ("transformers", "CLIPTextModel", CLIP_L),
-                    "text_encoder_2": ("transformers", "CLIPTextModelWithProjection", CLIP_BIGG),
-                    "vae": ("diffusers", "AutoencoderKL", VAE_SD),
-                },
-            ),
-        )
+        components = self.published_parts(unet, CLIP_L, CLIP_BIGG, vae=VAE_SD)
+        return self.published_as(components, ("stabilityai/stable-diffusion-xl-base-1.0", "SDXL base 1.0"))
 
 
 SDXL = StableDiffusionXL(
@@ -105,6 +94,8 @@ SDXL = StableDiffusionXL(
         TextEncoderSpec("text_encoder", "CLIPTextModel", "tokenizer", "input_ids"),
         TextEncoderSpec("text_encoder_2", "CLIPTextModelWithProjection", "tokenizer_2", "input_ids_2"),
     ),
+    denoiser="unet",
+    flow_matching=False,
     vae_in_fp32=True,
     uses_time_ids=True,
     supports_dream=False,  # diffusers' SDXL script has no DREAM

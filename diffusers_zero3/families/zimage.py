@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import Family, TextEncoderSpec
-from .common import SequenceLengthValidation, qwen3_chat_prompt, run_args
-from .published import QWEN3_4B, VAE_16, published_checkpoints
+from .base import Family
+from .common import SequenceLengthValidation, llm_text_encoder, qwen3_chat_prompt, run_args
+from .published import QWEN3_4B, VAE_16
 
 
 class ZImage(SequenceLengthValidation, Family):
@@ -81,40 +81,23 @@ class ZImage(SequenceLengthValidation, Family):
         return -torch.stack(out, dim=0).squeeze(2)[:n]
 
     def published(self):
-        components = {
-            "transformer": ("diffusers", "ZImageTransformer2DModel", PUBLISHED_TRANSFORMER),
-            "text_encoder": ("transformers", "Qwen3Model", QWEN3_4B),
-            "vae": ("diffusers", "AutoencoderKL", VAE_16),
-        }
+        components = self.published_parts(PUBLISHED_TRANSFORMER, QWEN3_4B, vae=VAE_16)
         note = (
             "text_encoder is Qwen3-4B's decoder (Qwen3Model, tied embeddings, no lm_head); prompts take its "
             "second-to-last hidden states, so its last layer and final norm (101 M) run for nothing"
         )
-        return published_checkpoints(
-            self.pipeline_class,
-            components,
-            note,
-            ("Tongyi-MAI/Z-Image-Turbo", "Z-Image-Turbo"),
-            ("Tongyi-MAI/Z-Image", "Z-Image"),
-        )
+        checkpoints = ("Tongyi-MAI/Z-Image-Turbo", "Z-Image-Turbo"), ("Tongyi-MAI/Z-Image", "Z-Image")
+        return self.published_as(components, *checkpoints, note=note)
 
 
 ZIMAGE = ZImage(
     name="zimage",
     title="Z-Image",
     pipeline_class="ZImagePipeline",
-    text_encoders=(
-        TextEncoderSpec(
-            "text_encoder", "Qwen3Model", "tokenizer", "input_ids", uses_max_sequence_length=True
-        ),
-    ),
-    denoiser="transformer",
+    text_encoders=(llm_text_encoder("Qwen3Model"),),
     denoiser_class="ZImageTransformer2DModel",
     sample_latents=False,  # train_dreambooth_lora_z_image.py encodes with latent_dist.mode()
-    supports_dream=False,
-    flow_matching=True,
     default_max_sequence_length=512,  # the pipeline's and train_dreambooth_lora_z_image.py's
-    default_weighting_scheme="none",
     lora_target_modules=("to_k", "to_q", "to_v", "to_out.0"),  # train_dreambooth_lora_z_image.py
     default_run_args=run_args(text_encoder="shard", vae="replicate", max_sequence_length=32),
 )
