@@ -89,6 +89,20 @@ def save_pipeline(
     return folder
 
 
+def save_one_encoder_pipeline(
+    family: Family, folder: Path, denoiser, vae, text_encoder, tokenizer, scheduler: dict
+) -> Path:
+    """``save_pipeline`` of a family prompted through one encoder (``families.common.llm_text_encoder``:
+    ``text_encoder`` and its tokenizer or processor) with a ``FlowMatchEulerDiscreteScheduler`` of
+    the ``scheduler`` config; the folder."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler(**scheduler)
+    return save_pipeline(
+        family, folder, denoiser, vae, {"text_encoder": text_encoder}, {"text_encoder": tokenizer}, scheduler
+    )
+
+
 def tiny_clip_config(hidden_size: int = 32, projection_dim: int = 32, layers: int = 2) -> dict:
     """CLIP-L's text config shrunk, for the byte-level CLIP tokenizer."""
     clip = shrink(
@@ -208,16 +222,20 @@ def tiny_vae_config(width: int = 32, latent_channels: int = 4) -> dict:
     )
 
 
-def tiny_flow_vae(latent_channels: int, width: int = 32):
-    """A tiny ``AutoencoderKL`` as the SD3 and Flux.1 VAEs: no quant convs, a shift factor."""
+def tiny_flow_vae(
+    latent_channels: int, width: int = 32, scaling_factor: float = 1.5035, shift_factor: float = 0.0609
+):
+    """A tiny ``AutoencoderKL`` as the SD3, Flux.1, Z-Image and HiDream VAEs: no quant convs, a
+    shift factor (the tiny SD3's and Flux.1's by default; Z-Image and HiDream give Flux.1's
+    published 0.3611 and 0.1159)."""
     from diffusers import AutoencoderKL
 
     return AutoencoderKL(
         **tiny_vae_config(width, latent_channels),
         use_quant_conv=False,
         use_post_quant_conv=False,
-        shift_factor=0.0609,
-        scaling_factor=1.5035,
+        shift_factor=shift_factor,
+        scaling_factor=scaling_factor,
     )
 
 
@@ -584,6 +602,21 @@ def tiny_qwen25_vl_config(tokenizer) -> dict:
     return dict(config, text_config=text, **vl_token_ids(tokenizer.convert_tokens_to_ids))
 
 
+def tiny_qwenimage_models(seed: int, tokenizer) -> tuple:
+    """``(transformer, vae, text_encoder)`` of the tiny Qwen-Image (and Qwen-Image-Edit), seeded
+    ``seed``: ``tiny_qwenimage_transformer``, ``tiny_qwenimage_vae`` and a Qwen2.5-VL of
+    ``tiny_qwen25_vl_config`` for ``tokenizer``."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    with zero3_init_disabled():
+        torch.manual_seed(seed)
+        transformer = tiny_qwenimage_transformer()
+        vae = tiny_qwenimage_vae()
+        config = Qwen2_5_VLConfig(**tiny_qwen25_vl_config(tokenizer))
+        text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+    return transformer, vae, text_encoder
+
+
 def save_tiny_qwenimage_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
     """Save a tiny ``QwenImagePipeline`` folder (fp32 safetensors) and return its path.
 
@@ -592,25 +625,12 @@ def save_tiny_qwenimage_pipeline(folder: str | os.PathLike, seed: int = 0) -> Pa
     statistics that are not 0 and 1 (so that a missing normalisation shows), the published
     scheduler, and a locally written tokenizer. Not a collective.
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     folder = Path(folder)
     tokenizer = read_back(write_qwenimage_tokenizer, folder)
-    with zero3_init_disabled():
-        torch.manual_seed(seed)
-        transformer = tiny_qwenimage_transformer()
-        vae = tiny_qwenimage_vae()
-        config = Qwen2_5_VLConfig(**tiny_qwen25_vl_config(tokenizer))
-        text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
-    return save_pipeline(
-        QWENIMAGE,
-        folder,
-        transformer,
-        vae,
-        {"text_encoder": text_encoder},
-        {"text_encoder": tokenizer},
-        FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
+    transformer, vae, text_encoder = tiny_qwenimage_models(seed, tokenizer)
+    return save_one_encoder_pipeline(
+        QWENIMAGE, folder, transformer, vae, text_encoder, tokenizer, QWEN_IMAGE_SCHEDULER
     )
 
 
@@ -624,8 +644,6 @@ def save_tiny_qwenimage_edit_pipeline(folder: str | os.PathLike, seed: int = 0) 
     (``Qwen2VLImageTextProcessor``: no torchvision). Beside it ``<folder>-source.png`` (a red
     circle, 32 px): the source image of the default run's validation edits. Not a collective.
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from ..families import QWENIMAGE_EDIT
@@ -639,20 +657,9 @@ def save_tiny_qwenimage_edit_pipeline(folder: str | os.PathLike, seed: int = 0) 
     processor = getattr(edit, edit.PROCESSOR_CLASS)(
         image_processor=Qwen2VLImageProcessorPil(), tokenizer=tokenizer
     )
-    with zero3_init_disabled():
-        torch.manual_seed(seed)
-        transformer = tiny_qwenimage_transformer()
-        vae = tiny_qwenimage_vae()
-        config = Qwen2_5_VLConfig(**tiny_qwen25_vl_config(tokenizer))
-        text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
-    return save_pipeline(
-        QWENIMAGE_EDIT,
-        folder,
-        transformer,
-        vae,
-        {"text_encoder": text_encoder},
-        {"text_encoder": processor},
-        FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
+    transformer, vae, text_encoder = tiny_qwenimage_models(seed, tokenizer)
+    return save_one_encoder_pipeline(
+        QWENIMAGE_EDIT, folder, transformer, vae, text_encoder, processor, QWEN_IMAGE_SCHEDULER
     )
 
 
@@ -668,7 +675,7 @@ def save_tiny_zimage_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
     output), a 16-channel-latent VAE with Z-Image's scale and shift, Turbo's scheduler and a
     locally written tokenizer. Not a collective.
     """
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
+    from diffusers import ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
     folder = Path(folder)
@@ -692,23 +699,11 @@ def save_tiny_zimage_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
         with torch.no_grad():  # as diffusers' test: pad tokens that are not zero
             transformer.x_pad_token.fill_(1.0)
             transformer.cap_pad_token.fill_(1.0)
-        vae = AutoencoderKL(
-            **tiny_vae_config(16, latent_channels=16),
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            scaling_factor=0.3611,
-            shift_factor=0.1159,
-        )
+        vae = tiny_flow_vae(16, width=16, scaling_factor=0.3611, shift_factor=0.1159)
         config = tiny_llm_config(QWEN3_4B, len(tokenizer), num_hidden_layers=3, max_position_embeddings=1024)
         text_encoder = Qwen3Model(Qwen3Config(**config, **qwen_token_ids(tid))).eval()
-    return save_pipeline(
-        ZIMAGE,
-        folder,
-        transformer,
-        vae,
-        {"text_encoder": text_encoder},
-        {"text_encoder": tokenizer},
-        FlowMatchEulerDiscreteScheduler(**ZIMAGE_TURBO_SCHEDULER),
+    return save_one_encoder_pipeline(
+        ZIMAGE, folder, transformer, vae, text_encoder, tokenizer, ZIMAGE_TURBO_SCHEDULER
     )
 
 
@@ -727,7 +722,7 @@ def save_tiny_krea2_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
     not 0 and 1 (so that a missing normalisation shows); Krea 2's scheduler; a locally written
     tokenizer. Not a collective.
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler, Krea2Transformer2DModel
+    from diffusers import Krea2Transformer2DModel
     from transformers import Qwen3VLConfig, Qwen3VLModel
 
     folder = Path(folder)
@@ -754,14 +749,8 @@ def save_tiny_krea2_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
         )
         vae = tiny_qwenimage_vae()
         text_encoder = Qwen3VLModel(Qwen3VLConfig(**tiny_qwen3_vl_config(QWEN3_VL_4B, tokenizer))).eval()
-    return save_pipeline(
-        KREA2,
-        folder,
-        transformer,
-        vae,
-        {"text_encoder": text_encoder},
-        {"text_encoder": tokenizer},
-        FlowMatchEulerDiscreteScheduler(**KREA2_SCHEDULER),
+    return save_one_encoder_pipeline(
+        KREA2, folder, transformer, vae, text_encoder, tokenizer, KREA2_SCHEDULER
     )
 
 
@@ -782,7 +771,7 @@ def save_tiny_nucleusmoe_pipeline(folder: str | os.PathLike, seed: int = 0) -> P
     ``Qwen3VLProcessor`` needs torchvision; the pipeline only renders and tokenizes text with
     it). Not a collective.
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler, NucleusMoEImageTransformer2DModel
+    from diffusers import NucleusMoEImageTransformer2DModel
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     folder = Path(folder)
@@ -813,14 +802,8 @@ def save_tiny_nucleusmoe_pipeline(folder: str | os.PathLike, seed: int = 0) -> P
         vae = tiny_qwenimage_vae()
         config = Qwen3VLConfig(**tiny_qwen3_vl_config(QWEN3_VL_8B, tokenizer))
         text_encoder = Qwen3VLForConditionalGeneration(config).eval()
-    return save_pipeline(
-        NUCLEUSMOE,
-        folder,
-        transformer,
-        vae,
-        {"text_encoder": text_encoder},
-        {"text_encoder": tokenizer},
-        FlowMatchEulerDiscreteScheduler(**NUCLEUSMOE_SCHEDULER),
+    return save_one_encoder_pipeline(
+        NUCLEUSMOE, folder, transformer, vae, text_encoder, tokenizer, NUCLEUSMOE_SCHEDULER
     )
 
 
@@ -863,7 +846,6 @@ def save_tiny_hidream_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path
     the training scheduler (Euler, shift 3.0). Not a collective.
     """
     from diffusers import (
-        AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
         HiDreamImagePipeline,
         HiDreamImageTransformer2DModel,
@@ -903,13 +885,7 @@ def save_tiny_hidream_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path
                 tie_word_embeddings=False,
             )
         )
-        vae = AutoencoderKL(
-            **tiny_vae_config(16, 4),
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            scaling_factor=0.3611,
-            shift_factor=0.1159,
-        )
+        vae = tiny_flow_vae(4, width=16, scaling_factor=0.3611, shift_factor=0.1159)
     pipe = HiDreamImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=TRAINING_SHIFT),
         vae=vae,
@@ -982,7 +958,6 @@ def save_tiny_flux2_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
     guidance-embedded transformer, a 31-layer Mistral 3 VLM (a 1-layer Pixtral tower that never
     runs) with a locally written tokenizer saved as a plain tokenizer (a ``PixtralProcessor``
     needs torchvision), the VAE of ``tiny_flux2_vae`` and FLUX.2's scheduler. Not a collective."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
     folder = Path(folder)
@@ -1012,14 +987,8 @@ def save_tiny_flux2_pipeline(folder: str | os.PathLike, seed: int = 0) -> Path:
         )
         torch.manual_seed(seed)
         text_encoder = Mistral3ForConditionalGeneration(config).eval()
-    return save_pipeline(
-        FLUX2,
-        folder,
-        transformer,
-        vae,
-        {"text_encoder": text_encoder},
-        {"text_encoder": tokenizer},
-        FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER),
+    return save_one_encoder_pipeline(
+        FLUX2, folder, transformer, vae, text_encoder, tokenizer, FLUX2_SCHEDULER
     )
 
 
@@ -1028,7 +997,6 @@ def save_tiny_flux2_klein_pipeline(folder: str | os.PathLike, seed: int = 0) -> 
     ``is_distilled``) and return its path: a 1+1-block transformer without guidance embedding,
     a 28-layer Qwen3 (tied embeddings, as Qwen3-4B) with a locally written tokenizer, the VAE
     of ``tiny_flux2_vae`` and FLUX.2's scheduler. Not a collective."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     folder = Path(folder)
@@ -1045,14 +1013,8 @@ def save_tiny_flux2_klein_pipeline(folder: str | os.PathLike, seed: int = 0) -> 
         )
         torch.manual_seed(seed)
         text_encoder = Qwen3ForCausalLM(config).eval()
-    return save_pipeline(
-        FLUX2_KLEIN,
-        folder,
-        transformer,
-        vae,
-        {"text_encoder": text_encoder},
-        {"text_encoder": tokenizer},
-        FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER),
+    return save_one_encoder_pipeline(
+        FLUX2_KLEIN, folder, transformer, vae, text_encoder, tokenizer, FLUX2_SCHEDULER
     )
 
 
@@ -1139,7 +1101,7 @@ def save_tiny_ideogram4_pipeline(folder: str | os.PathLike, seed: int = 0) -> Pa
     1; the default ``FlowMatchEulerDiscreteScheduler``; a locally written tokenizer. No
     ``prompt_enhancer_head`` (optional). Not a collective.
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler, Ideogram4Transformer2DModel
+    from diffusers import Ideogram4Transformer2DModel
     from transformers import Qwen3VLConfig, Qwen3VLModel
 
     folder = Path(folder)
@@ -1164,14 +1126,14 @@ def save_tiny_ideogram4_pipeline(folder: str | os.PathLike, seed: int = 0) -> Pa
         config = Qwen3VLConfig(**tiny_qwen3_vl_config(QWEN3_VL_8B, tokenizer))
         torch.manual_seed(seed)
         text_encoder = Qwen3VLModel(config).eval()
-    return save_pipeline(
+    return save_one_encoder_pipeline(
         IDEOGRAM4,
         folder,
         {"transformer": denoisers[0], "unconditional_transformer": denoisers[1]},
         vae,
-        {"text_encoder": text_encoder},
-        {"text_encoder": tokenizer},
-        FlowMatchEulerDiscreteScheduler(),
+        text_encoder,
+        tokenizer,
+        {},
     )
 
 
