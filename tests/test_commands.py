@@ -11,6 +11,7 @@ in the e2e tier (``make train*`` runs the scripts the e2e tests launch).
 from __future__ import annotations
 
 import configparser
+import contextlib
 import os
 import re
 import shlex
@@ -200,22 +201,80 @@ def test_one_local_rank_reports_a_user_error(tmp_path):
     claim = error_claim_path(os.getpid())
     claim.unlink(missing_ok=True)
 
-    def ask(launched: bool) -> list[str]:
+    def ask(launched: bool, ranks: int = 3) -> list[str]:
         env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE")}
         if launched:
-            env.update(LOCAL_RANK="0", WORLD_SIZE="3")
+            env.update(LOCAL_RANK="0", WORLD_SIZE=str(ranks))
         procs = [subprocess.Popen([sys.executable, "-c", _CLAIM], env=env, stdout=subprocess.PIPE, text=True)
-                 for _ in range(3)]  # fmt: skip
+                 for _ in range(ranks)]  # fmt: skip
         return sorted(p.communicate(timeout=60)[0].strip() for p in procs)
 
     try:
         assert ask(launched=False) == ["True", "True", "True"]
         assert ask(launched=True) == ["False", "False", "True"]
-        # a claim older than its launcher (a reused pid) is stale: taken over
-        os.utime(claim, (time.time() - 10**7,) * 2)
-        assert ask(launched=True) == ["False", "False", "True"]
+        # a claim older than its launcher (a reused pid) is stale: taken over by one rank alone,
+        # however the ranks' checks interleave (two that both saw it stale once both printed)
+        for _ in range(6):
+            os.utime(claim, (time.time() - 10**7,) * 2)
+            assert ask(launched=True, ranks=4) == ["False", "False", "False", "True"]
     finally:
         claim.unlink(missing_ok=True)
+        claim.with_name(f"{claim.name}.lock").unlink(missing_ok=True)
+
+
+@pytest.mark.unit
+def test_two_ranks_that_both_find_the_claim_stale_do_not_both_report(monkeypatch):
+    """The race CI met: two ranks both find the claim stale before either takes it over, and
+    the slower one's unlink removes the faster one's new claim: both printed. Two threads are
+    held together after each read the stale claim's time, and the second to unlink waits until the
+    first has claimed (at most 2 s: with the lock it never has to). Exactly one claims."""
+    import pathlib
+    import threading
+
+    from diffusers_zero3.runtime import user_errors
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    claim = user_errors.error_claim_path(os.getppid())
+    claim.touch()
+    os.utime(claim, (time.time() - 10**7,) * 2)  # older than its launcher: stale
+    together, first_claimed, unlinks = threading.Barrier(2, timeout=2), threading.Event(), []
+    real_unlink, real_stat = pathlib.Path.unlink, pathlib.Path.stat
+
+    def stat(path, **kwargs):
+        result = real_stat(path, **kwargs)
+        if path == claim:  # both have read the stale claim's time before either goes on
+            with contextlib.suppress(threading.BrokenBarrierError):
+                together.wait()
+        return result
+
+    def unlink(path, missing_ok=False):
+        if path == claim:
+            unlinks.append(threading.get_ident())
+            if len(unlinks) > 1:
+                first_claimed.wait(2)
+        real_unlink(path, missing_ok=missing_ok)
+
+    def rank() -> None:
+        answers.append(user_errors.claim_error_report())
+        if answers[-1]:
+            first_claimed.set()
+
+    monkeypatch.setattr(user_errors, "process_start_time", lambda pid: time.time() - 10**6)
+    monkeypatch.setattr(pathlib.Path, "stat", stat)
+    monkeypatch.setattr(pathlib.Path, "unlink", unlink)
+    answers: list[bool] = []
+    threads = [threading.Thread(target=rank) for _ in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert sorted(answers) == [False, True], answers
+    finally:
+        monkeypatch.undo()
+        claim.unlink(missing_ok=True)
+        claim.with_name(f"{claim.name}.lock").unlink(missing_ok=True)
 
 
 @pytest.mark.unit

@@ -102,7 +102,9 @@ def launch_ranks(module: str, argv: Sequence[str], parse: Callable[[list[str]], 
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
-        error_claim_path(os.getpid()).unlink(missing_ok=True)
+        claim = error_claim_path(os.getpid())
+        claim.unlink(missing_ok=True)
+        claim.with_name(f"{claim.name}.lock").unlink(missing_ok=True)
     return 0
 
 

@@ -13,6 +13,7 @@ Nothing here imports torch, so the command line's own errors can use it before a
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sys
 import tempfile
@@ -51,22 +52,27 @@ def claim_error_report() -> bool:
         return True
     parent = os.getppid()
     path = error_claim_path(parent)
-    for _ in range(2):
-        try:
-            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-            return True
-        except FileExistsError:
-            started = process_start_time(parent)
+    try:
+        # one rank at a time from here: two that found the same stale claim would both take it
+        # over (each unlinking the other's new one)
+        with open(f"{path}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                stale = started is not None and path.stat().st_mtime < started
-            except FileNotFoundError:
-                stale = True
-            if not stale:
-                return False
-            path.unlink(missing_ok=True)
-        except OSError:  # an unwritable temporary folder: better a line per rank than none
-            return True
-    return False
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+                return True
+            except FileExistsError:
+                started = process_start_time(parent)
+                try:
+                    stale = started is not None and path.stat().st_mtime < started
+                except FileNotFoundError:
+                    stale = True
+                if not stale:
+                    return False
+                path.unlink(missing_ok=True)
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+                return True
+    except OSError:  # an unwritable temporary folder: better a line per rank than none
+        return True
 
 
 def print_user_error(message: str) -> None:
