@@ -23,12 +23,11 @@ $(REFERENCE_DIR)/.installed: constraints.txt
 	$(PYTHON) -m pip install --no-deps --target $(REFERENCE_DIR) -c constraints.txt $(REFERENCE_PACKAGES)
 	touch $@
 
-# the fast tier with FAST_WORKERS pytest-xdist workers, then the e2e and gpu tiers with
-# E2E_WORKERS (a test module per worker: its launches share fixtures; a module's side-by-side
-# launches are shared out between the workers); both always run
+# the fast tier with FAST_WORKERS pytest-xdist workers, then the e2e (script launches: 2 ranks
+# each, which is what a 2-core machine holds) and gpu tiers in one process; both always run
 test: reference-packages
 	$(PYTHON) -m pytest tests -q -m "unit or multirank" -n $(FAST_WORKERS); fast=$$?; \
-	$(PYTHON) -m pytest tests -q -m "e2e or gpu" -n $(E2E_WORKERS) --dist loadfile --durations=15; e2e=$$?; \
+	$(PYTHON) -m pytest tests -q -m "e2e or gpu" --durations=15; e2e=$$?; \
 	test $$fast -eq 0 -a $$e2e -eq 0
 
 # the unit tier alone (single process, under two minutes)
@@ -39,7 +38,6 @@ test-unit: reference-packages
 # server), no script launches; FAST_WORKERS pytest-xdist workers (4:10 with 2 on a 2-core machine,
 # 5:44 in one process)
 FAST_WORKERS ?= 2
-E2E_WORKERS ?= 2
 test-fast: reference-packages
 	$(PYTHON) -m pytest tests -q -m "unit or multirank" -n $(FAST_WORKERS)
 

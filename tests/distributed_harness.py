@@ -187,15 +187,7 @@ def resume_in_fresh_folder(
     return log
 
 
-def side_by_side_launches(total: int = 4) -> int:
-    """How many launches a module runs side by side: ``total`` shared between the session's
-    pytest-xdist workers (``make test`` runs the e2e tier on 2: 2 each), at least 1."""
-    return max(1, total // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1))
-
-
-def launches_of_selected_tests(
-    request, launch_for, max_running: int | None = None, timeout: float = 400
-) -> dict:
+def launches_of_selected_tests(request, launch_for, max_running: int = 4, timeout: float = 400) -> dict:
     """For a module-scoped fixture: the launches of the tests this session selected in the
     fixture's module, run side by side (``run_launchers_side_by_side``, ``max_running`` at a
     time) instead of one test after another. ``launch_for(item)`` gives a test's run (a dict
@@ -206,13 +198,11 @@ def launches_of_selected_tests(
     items = [item for item in request.session.items if getattr(item, "module", None) is request.module]
     runs = {item.name: launch_for(item) for item in items}
     runs = {name: {"expect_rc": None, **run} for name, run in runs.items() if run is not None}
-    results = run_launchers_side_by_side(
-        list(runs.values()), timeout=timeout, max_running=max_running or side_by_side_launches()
-    )
+    results = run_launchers_side_by_side(list(runs.values()), timeout=timeout, max_running=max_running)
     return dict(zip(runs, results))
 
 
-def first_launches_fixture(builders: dict, timeout: float = 400, max_running: int | None = None):
+def first_launches_fixture(builders: dict, timeout: float = 400, max_running: int = 4):
     """A module-scoped fixture (assign it to a module-level name, e.g. ``first_runs``) that
     runs the first launch of every selected test named in ``builders`` side by side
     (``launches_of_selected_tests``). ``builders[test function name](request, folder, **params)``
