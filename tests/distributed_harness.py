@@ -74,12 +74,40 @@ def accelerate_launch(script: str, num_processes: int = 2) -> list[str]:
             "--num_processes", str(num_processes), "--main_process_port", str(free_port()), script]  # fmt: skip
 
 
+# the launcher's own rendezvous could not bind its port: nothing of the script ran yet
+PORT_TAKEN = "The server socket has failed to listen on any local network address"
+
+
+def _on_a_new_port(argv: list[str], rc: int | None, out: str) -> list[str] | None:
+    """``argv`` with a fresh ``--main_process_port`` when the launch failed to bind its
+    rendezvous port (EADDRINUSE: taken between ``free_port``'s check and the launcher's bind, by
+    a process outside this one's choice), else None. A retry then is a launch like the first."""
+    if rc == 0 or PORT_TAKEN not in out or "--main_process_port" not in argv:
+        return None
+    from diffusers_zero3.testing import free_port
+
+    argv = list(argv)
+    argv[argv.index("--main_process_port") + 1] = str(free_port())
+    return argv
+
+
 def run_launcher(argv, timeout: float = DEFAULT_TIMEOUT, env=None, expect_rc: int | None = 0):
     """Run a launcher command (e.g. ``accelerate launch``) that starts its own ranks.
 
     The whole process group is killed after ``timeout`` seconds and the test fails with the
-    output. Returns ``(returncode, output)``; fails when ``expect_rc`` is given and differs.
+    output. Returns ``(returncode, output)``; fails when ``expect_rc`` is given and differs. A
+    launch whose rendezvous port was taken before it started is run again on a new port.
     """
+    rc, out = _run_launcher_once(argv, timeout, env)
+    retry = _on_a_new_port(argv, rc, out)
+    if retry is not None:
+        rc, out = _run_launcher_once(retry, timeout, env)
+    if expect_rc is not None and rc != expect_rc:
+        pytest.fail(f"{argv[:4]} exited {rc}, expected {expect_rc}\n{out[-8000:]}", pytrace=False)
+    return rc, out
+
+
+def _run_launcher_once(argv, timeout: float, env) -> tuple[int, str]:
     import subprocess
 
     proc = subprocess.Popen(
@@ -97,10 +125,6 @@ def run_launcher(argv, timeout: float = DEFAULT_TIMEOUT, env=None, expect_rc: in
         kill_process_tree(proc.pid)  # the launcher's workers too: each sits in a session of its own
         out, _ = proc.communicate()
         pytest.fail(f"{argv[:4]} timed out after {timeout:.0f}s (a hang)\n{out[-8000:]}", pytrace=False)
-    if expect_rc is not None and proc.returncode != expect_rc:
-        pytest.fail(
-            f"{argv[:4]} exited {proc.returncode}, expected {expect_rc}\n{out[-8000:]}", pytrace=False
-        )
     return proc.returncode, out
 
 
@@ -154,6 +178,10 @@ def run_launchers_side_by_side(
         fh.seek(0)
         results.append((proc.returncode, fh.read()))
         fh.close()
+    for i, (run, (rc, out)) in enumerate(zip(runs, results)):
+        retry = None if i in hung else _on_a_new_port(run["argv"], rc, out)
+        if retry is not None:  # its port was taken before it started: once more, on a new port
+            results[i] = _run_launcher_once(retry, timeout, run.get("env"))
     for i, (run, (rc, out)) in enumerate(zip(runs, results)):
         if i in hung:
             pytest.fail(

@@ -112,3 +112,19 @@ def test_free_ports_are_distinct_and_outside_the_ephemeral_range():
     ports = [free_port() for _ in range(200)]
     assert len(set(ports)) == len(ports)
     assert max(ports) < _ephemeral_ports_start()
+
+
+def test_a_launch_whose_rendezvous_port_was_taken_is_given_a_new_port():
+    """EADDRINUSE at the launcher's rendezvous (seen once in CI: the port ``free_port`` checked
+    was taken before the agent bound it; accelerate's own check had passed) is retried on a new
+    port; any other failure, and a success, is not."""
+    from tests.distributed_harness import PORT_TAKEN, _on_a_new_port
+
+    argv = ["python", "-m", "accelerate.commands.launch", "--main_process_port", "12039", "train.py"]
+    taken = f"torch.distributed.DistNetworkError: {PORT_TAKEN}. port: 12039, code: -98, name: EADDRINUSE"
+    retry = _on_a_new_port(argv, 1, taken)
+    assert retry is not None and retry[:4] == argv[:4] and retry[5:] == argv[5:]
+    assert retry[4] != "12039" and int(retry[4]) > 0
+    assert _on_a_new_port(argv, 1, "RuntimeError: a bug") is None
+    assert _on_a_new_port(argv, 0, taken) is None
+    assert _on_a_new_port(["torchrun", "train.py"], 1, taken) is None
