@@ -13,6 +13,20 @@ from tests.distributed_harness import run_on_ranks
 from tests.test_parts_numerics import ZERO3_ENV, _diff, _part_state, _same
 
 
+def _assert_resumed_equals_whole(folder) -> None:
+    """Each rank's weights, Adam moments and EMA saved by the resumed run (``resumed-<rank>.pt``)
+    equal the uninterrupted run's (``whole-<rank>.pt``) bit for bit."""
+    import torch
+
+    for rank in (0, 1):
+        a = torch.load(folder / f"whole-{rank}.pt", weights_only=False)
+        b = torch.load(folder / f"resumed-{rank}.pt", weights_only=False)
+        for kind in ("weights", "moments", "ema"):
+            assert _same(a[kind], b[kind]), (
+                f"rank {rank}'s {kind} after the resume: {_diff(a[kind], b[kind])}"
+            )
+
+
 def _run(pipe: str, data: str, out: str, signal_at: int | None, resume: bool, states: str) -> None:
     """Train to step 4 (``resume``: from ``out``'s latest checkpoint); with ``signal_at``, rank 1
     sends itself SIGTERM during that (0-based) step. Saves this rank's final state to
@@ -56,7 +70,6 @@ def _run(pipe: str, data: str, out: str, signal_at: int | None, resume: bool, st
 def test_a_sigterm_checkpoints_the_step_and_the_resume_equals_the_uninterrupted_run(
     tiny_pipeline, default_data, tmp_path
 ):
-    import torch
 
     _, data, _ = default_data
     common = dict(pipe=tiny_pipeline, data=data, env=ZERO3_ENV, timeout=300)
@@ -77,13 +90,7 @@ def test_a_sigterm_checkpoints_the_step_and_the_resume_equals_the_uninterrupted_
         _run, out=str(out), signal_at=None, resume=True, states=str(tmp_path / "resumed-"), **common
     )
     assert all("FINISHED at 4" in o for o in resumed), resumed
-    for rank in (0, 1):
-        a = torch.load(tmp_path / f"whole-{rank}.pt", weights_only=False)
-        b = torch.load(tmp_path / f"resumed-{rank}.pt", weights_only=False)
-        for kind in ("weights", "moments", "ema"):
-            assert _same(a[kind], b[kind]), (
-                f"rank {rank}'s {kind} after the resume: {_diff(a[kind], b[kind])}"
-            )
+    _assert_resumed_equals_whole(tmp_path)
 
 
 @pytest.mark.unit
@@ -199,7 +206,6 @@ def _reward_run(pipe: str, reward: str, out: str, signal_at: int | None, resume:
 def test_the_reward_trainer_checkpoints_the_signalled_step_exits_75_and_resumes_exactly(
     default_data, tmp_path
 ):
-    import torch
 
     pipe, _, reward = default_data
     common = dict(pipe=pipe, reward=reward, env=ZERO3_ENV, timeout=300)
@@ -220,10 +226,4 @@ def test_the_reward_trainer_checkpoints_the_signalled_step_exits_75_and_resumes_
         _reward_run, out=str(out), signal_at=None, resume=True, states=str(tmp_path / "resumed-"), **common
     )
     assert all("FINISHED at 4" in o for o in resumed), resumed
-    for rank in (0, 1):
-        a = torch.load(tmp_path / f"whole-{rank}.pt", weights_only=False)
-        b = torch.load(tmp_path / f"resumed-{rank}.pt", weights_only=False)
-        for kind in ("weights", "moments", "ema"):
-            assert _same(a[kind], b[kind]), (
-                f"rank {rank}'s {kind} after the resume: {_diff(a[kind], b[kind])}"
-            )
+    _assert_resumed_equals_whole(tmp_path)

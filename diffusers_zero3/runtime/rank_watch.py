@@ -219,11 +219,6 @@ def start_rank_watch(timeout_s: float | None, finish_limit_s: float = 1800.0) ->
     return watch
 
 
-def active_rank_watch() -> RankWatch | None:
-    """The watch running in this process, if any."""
-    return _active
-
-
 def stop_rank_watch() -> None:
     """Stop this process's watch, if any (this rank only)."""
     global _active
@@ -255,7 +250,6 @@ def leave_rank_watch(failed: bool) -> None:
 __all__ = [
     "DEAD_RANK_EXIT",
     "RankWatch",
-    "active_rank_watch",
     "finish_rank_watch",
     "leave_rank_watch",
     "start_rank_watch",
