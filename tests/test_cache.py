@@ -20,7 +20,7 @@ def worker_cache(pipe_dir: str, data_dir: str, cache_dir: str):
     from diffusers_zero3 import prepare_frozen
     from diffusers_zero3.data.images import ImageCaptionDataset, collate
     from diffusers_zero3.data.pixels import RowsToPixels
-    from diffusers_zero3.families.objectives import diffusion_loss
+    from diffusers_zero3.families.objectives import DDPMDraw, diffusion_loss
     from tests.common import accelerator_with_zero3, precompute
     from tests.test_frozen import _load_whole
 
@@ -77,14 +77,13 @@ def worker_cache(pipe_dir: str, data_dir: str, cache_dir: str):
     t = torch.tensor([1, 100, 300, 600, 999])
     with torch.no_grad():
         live = diffusion_loss(
-            lambda x, ts: unet(x, ts, live_states).sample, scheduler, live_latents, noise, t
+            lambda x, ts: unet(x, ts, live_states).sample, scheduler, live_latents, DDPMDraw(noise, t)
         )
         from_cache = diffusion_loss(
             lambda x, ts: unet(x, ts, cached["encoder_hidden_states"]).sample,
             scheduler,
             cached["latents"] * sf,
-            noise,
-            t,
+            DDPMDraw(noise, t),
         )
     torch.testing.assert_close(from_cache, live)
 

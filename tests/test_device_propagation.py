@@ -69,7 +69,13 @@ def test_diffusion_loss_stays_on_the_latents_device(prediction_type, snr_gamma):
     ``compute_snr``: each must be moved first."""
     from diffusers import DDPMScheduler
 
-    from diffusers_zero3.families.objectives import diffusion_loss, sample_noise, sample_timesteps
+    from diffusers_zero3.families.objectives import (
+        DDPMDraw,
+        ObjectiveSettings,
+        diffusion_loss,
+        sample_noise,
+        sample_timesteps,
+    )
 
     latents = torch.empty(2, 4, 8, 8, device=META)
     noise = sample_noise(latents, 0.1)
@@ -84,12 +90,9 @@ def test_diffusion_loss_stays_on_the_latents_device(prediction_type, snr_gamma):
         predict,
         DDPMScheduler(num_train_timesteps=1000),
         latents,
-        noise,
-        timesteps,
+        DDPMDraw(noise, timesteps, perturbation=torch.randn_like(noise)),
+        settings=ObjectiveSettings(snr_gamma=snr_gamma, input_perturbation=0.1),
         prediction_type=prediction_type,
-        snr_gamma=snr_gamma,
-        input_perturbation=0.1,
-        perturbation=torch.randn_like(noise),
     )
     _on_meta(loss, *seen)
 

@@ -253,7 +253,7 @@ def test_objective_matches_diffusers_training_utils(tiny_pipeline, prediction_ty
     import torch.nn.functional as F
     from diffusers.training_utils import compute_snr
 
-    from diffusers_zero3.families.objectives import diffusion_loss
+    from diffusers_zero3.families.objectives import DDPMDraw, ObjectiveSettings, diffusion_loss
 
     unet, scheduler, latents, states, noise, t = _objective_inputs(tiny_pipeline, prediction_type)
     with torch.no_grad():
@@ -266,14 +266,16 @@ def test_objective_matches_diffusers_training_utils(tiny_pipeline, prediction_ty
             )
             torch.testing.assert_close(target, manual_v)
         predict = lambda x, ts: unet(x, ts, states).sample  # noqa: E731
-        plain = diffusion_loss(predict, scheduler, latents, noise, t)
+        plain = diffusion_loss(predict, scheduler, latents, DDPMDraw(noise, t))
         torch.testing.assert_close(plain, F.mse_loss(pred, target))
 
         snr = compute_snr(scheduler, t)
         weights = torch.minimum(snr, torch.full_like(snr, 5.0))
         weights = weights / snr if prediction_type == "epsilon" else weights / (snr + 1)
         per_sample = F.mse_loss(pred, target, reduction="none").mean(dim=(1, 2, 3))
-        ours = diffusion_loss(predict, scheduler, latents, noise, t, snr_gamma=5.0)
+        ours = diffusion_loss(
+            predict, scheduler, latents, DDPMDraw(noise, t), settings=ObjectiveSettings(snr_gamma=5.0)
+        )
         torch.testing.assert_close(ours, (per_sample * weights).mean())
         assert not torch.allclose(ours, plain)
 
@@ -283,7 +285,7 @@ def test_noise_offset_input_perturbation_and_dream_match_diffusers(tiny_pipeline
     import torch.nn.functional as F
     from diffusers.training_utils import compute_dream_and_update_latents
 
-    from diffusers_zero3.families.objectives import diffusion_loss, sample_noise
+    from diffusers_zero3.families.objectives import DDPMDraw, ObjectiveSettings, diffusion_loss, sample_noise
 
     unet, scheduler, latents, states, noise, t = _objective_inputs(tiny_pipeline)
     # Noise offset, as diffusers' script draws it: noise + offset * randn(b, c, 1, 1).
@@ -299,7 +301,11 @@ def test_noise_offset_input_perturbation_and_dream_match_diffusers(tiny_pipeline
         expected = F.mse_loss(unet(noisy, t, states).sample, noise)
         predict = lambda x, ts: unet(x, ts, states).sample  # noqa: E731
         got = diffusion_loss(
-            predict, scheduler, latents, noise, t, input_perturbation=0.1, perturbation=perturbation
+            predict,
+            scheduler,
+            latents,
+            DDPMDraw(noise, t, perturbation),
+            settings=ObjectiveSettings(input_perturbation=0.1),
         )
         torch.testing.assert_close(got, expected)
 
@@ -309,7 +315,13 @@ def test_noise_offset_input_perturbation_and_dream_match_diffusers(tiny_pipeline
             unet, scheduler, t, noise, noisy, noise, states, 1.0
         )
         expected = F.mse_loss(unet(dream_latents, t, states).sample, dream_target)
-        got = diffusion_loss(predict, scheduler, latents, noise, t, dream_detail_preservation=1.0)
+        got = diffusion_loss(
+            predict,
+            scheduler,
+            latents,
+            DDPMDraw(noise, t),
+            settings=ObjectiveSettings(dream_detail_preservation=1.0),
+        )
         torch.testing.assert_close(got, expected)
 
 

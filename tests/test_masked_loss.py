@@ -9,6 +9,7 @@ import torch
 
 from diffusers_zero3.data.images import transform_image_with_crop, transform_mask
 from diffusers_zero3.families.objectives import (
+    DDPMDraw,
     diffusion_loss,
     flow_matching_loss,
     latent_loss_weights,
@@ -98,12 +99,12 @@ def test_flow_matching_and_ddpm_losses_weigh_each_element(dtype):
 
     ddpm = DDPMScheduler(num_train_timesteps=1000)
     t = torch.tensor([10, 500])
-    masked = diffusion_loss(predict, ddpm, latents, noise, t, loss_weights=mask)
+    masked = diffusion_loss(predict, ddpm, latents, DDPMDraw(noise, t), loss_weights=mask)
     hand = ((noise.float() ** 2 * mask).sum(dim=(1, 2, 3)) / (mask.sum(dim=(1, 2, 3)) * 4)).mean()
     torch.testing.assert_close(masked, hand)
     assert diffusion_loss(
-        predict, ddpm, latents, noise, t, loss_weights=torch.ones_like(mask)
-    ).item() == pytest.approx(diffusion_loss(predict, ddpm, latents, noise, t).item(), rel=1e-6)
+        predict, ddpm, latents, DDPMDraw(noise, t), loss_weights=torch.ones_like(mask)
+    ).item() == pytest.approx(diffusion_loss(predict, ddpm, latents, DDPMDraw(noise, t)).item(), rel=1e-6)
 
 
 def test_the_dataset_gives_each_row_its_mask():

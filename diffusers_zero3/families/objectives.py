@@ -222,18 +222,26 @@ def weighted_sample_means(error: torch.Tensor, weights: torch.Tensor | None) -> 
     return (error * weights).sum(dim=dims) / weights.sum(dim=dims).clamp_min(1e-8)
 
 
+@dataclass(frozen=True)
+class DDPMDraw:
+    """The random draws of one DDPM training step, made by the caller so that runs are
+    reproducible (``DDPMObjective.loss`` draws them from this rank's RNG or each sample's
+    generator): the noise, each sample's timestep, and the extra noise of
+    ``--input_perturbation`` (None: no perturbation)."""
+
+    noise: torch.Tensor
+    timesteps: torch.Tensor
+    perturbation: torch.Tensor | None = None
+
+
 def diffusion_loss(
     predict,
     noise_scheduler,
     latents: torch.Tensor,
-    noise: torch.Tensor,
-    timesteps: torch.Tensor,
+    draw: DDPMDraw,
     *,
+    settings: ObjectiveSettings | None = None,
     prediction_type: str | None = None,
-    snr_gamma: float | None = None,
-    input_perturbation: float = 0.0,
-    perturbation: torch.Tensor | None = None,
-    dream_detail_preservation: float | None = None,
     reduction: str = "mean",
     loss_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -244,16 +252,26 @@ def diffusion_loss(
 
     ``predict(noisy_latents, timesteps)`` calls the denoiser (a family's ``predict``) and
     returns its prediction in the latents' shape. ``latents`` are already normalised (the
-    VAE's ``scaling_factor``). ``perturbation`` is the extra noise of ``--input_perturbation``
-    (drawn by the caller, so that runs are reproducible). ``dream_detail_preservation`` turns
-    on DREAM (arXiv:2312.00210) through diffusers' own helper: one extra no-grad denoiser
-    forward (every rank makes it, so ZeRO-3 stays in lockstep).
+    VAE's ``scaling_factor``). ``draw`` holds the noise, the timesteps and the perturbation
+    (``DDPMDraw``). Of ``settings`` (``ObjectiveSettings``; None: its defaults) this reads
+    ``snr_gamma`` (Min-SNR weighting), ``input_perturbation`` (the perturbation's factor) and
+    ``dream_detail_preservation``, which turns on DREAM (arXiv:2312.00210) through diffusers'
+    own helper: one extra no-grad denoiser forward (every rank makes it, so ZeRO-3 stays in
+    lockstep). ``prediction_type`` (None: the scheduler's) is registered on the scheduler.
+
+    Example:
+        >>> t = sample_timesteps(latents.shape[0], 1000, latents.device)
+        >>> loss = diffusion_loss(predict, scheduler, latents, DDPMDraw(torch.randn_like(latents), t),
+        ...                       settings=ObjectiveSettings(snr_gamma=5.0))
     """
+    s = settings or ObjectiveSettings()
+    snr_gamma, dream_detail_preservation = s.snr_gamma, s.dream_detail_preservation
+    noise, timesteps = draw.noise, draw.timesteps
     if prediction_type is not None:
         noise_scheduler.register_to_config(prediction_type=prediction_type)
     noisy_input = noise
-    if input_perturbation and perturbation is not None:
-        noisy_input = noise + input_perturbation * perturbation
+    if s.input_perturbation and draw.perturbation is not None:
+        noisy_input = noise + s.input_perturbation * draw.perturbation
     noisy_latents = noise_scheduler.add_noise(latents, noisy_input, timesteps)
     target = diffusion_target(noise_scheduler, latents, noise, timesteps)
     if dream_detail_preservation is not None:
@@ -424,12 +442,8 @@ class DDPMObjective:
             predict,
             self.noise_scheduler,
             latents,
-            noise,
-            timesteps,
-            snr_gamma=s.snr_gamma,
-            input_perturbation=s.input_perturbation,
-            perturbation=perturbation,
-            dream_detail_preservation=s.dream_detail_preservation,
+            DDPMDraw(noise, timesteps, perturbation),
+            settings=s,
             reduction=reduction,
             loss_weights=loss_weights,
         )
