@@ -22,6 +22,7 @@ from diffusers_zero3.data.audio import (
 from diffusers_zero3.data.pixels import RowsToPixels
 from diffusers_zero3.data.video import (
     ClipSampling,
+    ShapeTones,
     VideoCaptionDataset,
     load_video_caption_dataset,
     write_shapes_videos,
@@ -202,7 +203,7 @@ def test_dataset_rows_carry_the_clips_sound(tmp_path):
     from diffusers import AutoencoderKLLTX2Audio
 
     folder = write_shapes_videos(
-        tmp_path / "clips", num_clips=3, frames=17, audio_sample_rate=SR, without_audio=(2,)
+        tmp_path / "clips", num_clips=3, frames=17, tones=ShapeTones(SR, silent=(2,))
     )
     spec = AudioSpec.from_audio_vae_config(VAE_CONFIG)
     rows = load_video_caption_dataset(folder)

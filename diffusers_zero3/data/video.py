@@ -727,6 +727,23 @@ def shapes_clip(
     return np.stack(out)
 
 
+SHAPES_FPS = 8  # the frame rate of the shapes clips (and the frame folders' fps column)
+
+
+@dataclass(frozen=True)
+class ShapeTones:
+    """The sound of the shapes clips (``write_shapes_videos``): each mp4 sounds a sine tone
+    whose pitch is its shape's colour (``data.audio.COLOUR_TONES``) at ``sample_rate``, except
+    the clips numbered in ``silent`` (no audio stream).
+
+    Example:
+        >>> ShapeTones(sample_rate=16000, silent=(15,))
+    """
+
+    sample_rate: int
+    silent: Sequence[int] = ()
+
+
 def write_shapes_videos(
     folder: str | os.PathLike,
     num_clips: int = 8,
@@ -735,25 +752,25 @@ def write_shapes_videos(
     *,
     seed: int = 0,
     layout: str = "video",
-    fps: float = 8,
-    width: int | None = None,
     sizes: list[tuple[int, int]] | None = None,
-    audio_sample_rate: int | None = None,
-    without_audio: Sequence[int] = (),
+    tones: ShapeTones | None = None,
 ) -> Path:
     """Write a video folder of moving coloured shapes with captions ("a red circle moving
-    right") and return it: ``layout="video"`` writes mp4 clips (``00000.mp4``, ...),
-    ``"frames"`` one folder of PNG frames per clip (with an ``fps`` column), each listed in
-    ``metadata.jsonl`` (``file_name``, ``text``). The tiny default of the video families.
-    Clips are ``size`` x ``width`` (default ``size``), or take their (width, height) in turn
-    from ``sizes`` (landscape and portrait clips: aspect-ratio buckets). With
-    ``audio_sample_rate`` each mp4 also sounds a sine tone whose pitch is its shape's colour
-    (``data.audio.COLOUR_TONES``), except the clips numbered in ``without_audio`` (no audio
-    stream)."""
+    right") and return it: ``layout="video"`` writes mp4 clips (``00000.mp4``, ...) at
+    ``SHAPES_FPS``, ``"frames"`` one folder of PNG frames per clip (with an ``fps`` column),
+    each listed in ``metadata.jsonl`` (``file_name``, ``text``). The tiny default of the video
+    families. Clips are ``size`` x ``size``, or take their (width, height) in turn from
+    ``sizes`` (landscape and portrait clips: aspect-ratio buckets). With ``tones``
+    (``ShapeTones``) the mp4s sound a tone each.
+
+    Example:
+        >>> write_shapes_videos("clips", num_clips=8, frames=7, sizes=[(48, 32), (32, 48)])
+    """
+    fps = SHAPES_FPS
     if layout not in ("video", "frames"):
         raise ValueError(f"layout must be 'video' or 'frames', got {layout!r}")
-    if audio_sample_rate is not None and layout != "video":
-        raise ValueError("audio_sample_rate needs layout='video' (a frame folder has no sound)")
+    if tones is not None and layout != "video":
+        raise ValueError("tones need layout='video' (a frame folder has no sound)")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -761,15 +778,15 @@ def write_shapes_videos(
     for i in range(num_clips):
         colour, shape = rng.choice(sorted(COLOURS)), rng.choice(SHAPES)
         direction = rng.choice(sorted(DIRECTIONS))
-        clip_width, clip_height = sizes[i % len(sizes)] if sizes else (width, size)
+        clip_width, clip_height = sizes[i % len(sizes)] if sizes else (None, size)
         clip = shapes_clip(colour, shape, direction, frames, clip_height, rng, clip_width)
         caption = f"a {colour} {shape} moving {direction}"
         if layout == "video":
             name = f"{i:05d}.mp4"
-            if audio_sample_rate is not None and i not in without_audio:
+            if tones is not None and i not in tones.silent:
                 from .audio import COLOUR_TONES, write_tone_video
 
-                write_tone_video(folder / name, clip, fps, COLOUR_TONES[colour], audio_sample_rate)
+                write_tone_video(folder / name, clip, fps, COLOUR_TONES[colour], tones.sample_rate)
             else:
                 write_video(folder / name, clip, fps)
             rows.append({"file_name": name, "text": caption})

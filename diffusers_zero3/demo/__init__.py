@@ -234,17 +234,15 @@ def prepare_default(
         if not (data / "metadata.jsonl").exists():
             write_shapes_dataset(data, num_images=num_images, sizes=VARIED_SIZES)
     elif family.video:  # clips of moving shapes (mp4), 9 frames each
-        from ..data.video import write_shapes_videos
+        from ..data.video import ShapeTones, write_shapes_videos
 
         # LTX-2: clips with a tone per colour at the audio VAE's default rate, the last one silent
         sound = family.audio_spec({}) if family.sound else None
         pipe, data = folder / f"tiny-{model}", folder / training_data_folder(model, varied)
         if not (data / "metadata.jsonl").exists():
             n = min(num_images, 16)
-            write_shapes_videos(
-                data, num_clips=n, frames=9, size=32,
-                audio_sample_rate=sound.sample_rate if sound else None, without_audio=(n - 1,),
-            )  # fmt: skip
+            tones = ShapeTones(sound.sample_rate, silent=(n - 1,)) if sound else None
+            write_shapes_videos(data, num_clips=n, frames=9, size=32, tones=tones)
     else:
         pipe, data = folder / f"tiny-{model}", folder / training_data_folder(model, varied)
         if not (data / "metadata.jsonl").exists():
