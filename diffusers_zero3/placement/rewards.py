@@ -33,7 +33,9 @@ class ParallelReward:
             ``fn(images, prompts) -> scores`` (an API call, a heuristic).
         accelerator: for the training config, device and mixed precision of the engine.
         placement: ``"shard"`` (a ZeRO-3 inference engine through ``prepare_frozen``) or
-            ``"replicate"``; ignored for a function or a ``FrozenModel``.
+            ``"replicate"``; ignored for a function or a ``FrozenModel``. A module with its own
+            DeepSpeed config, dtype or name: place it with ``prepare_frozen`` and pass the
+            ``FrozenModel`` (its name labels the lockstep calls).
         micro_batch_size: samples per reward-model forward.
         mode: ``"all_ranks"`` (each rank scores its own samples) or ``"main_process"``
             (gather to rank 0, score there, scatter back in the original order: for plain
@@ -65,9 +67,6 @@ class ParallelReward:
         normalize: str | None = None,
         preprocess: Callable[[Any, Sequence[str] | None], Any] | None = None,
         differentiable: bool = False,
-        name: str = "reward",
-        ds_config: dict | None = None,
-        dtype: torch.dtype | str | None = None,
     ):
         if mode not in ("all_ranks", "main_process"):
             raise ValueError(f"mode must be 'all_ranks' or 'main_process', got {mode!r}")
@@ -76,24 +75,20 @@ class ParallelReward:
         if micro_batch_size < 1:
             raise ValueError("micro_batch_size must be at least 1")
         self.mode, self.normalize, self.preprocess = mode, normalize, preprocess
-        self.micro_batch_size, self.differentiable, self.name = micro_batch_size, differentiable, name
+        self.micro_batch_size, self.differentiable = micro_batch_size, differentiable
         if isinstance(reward_model_or_fn, torch.nn.Module):
             reward_model_or_fn = prepare_frozen(
-                reward_model_or_fn,
-                placement,
-                accelerator=accelerator,
-                ds_config=ds_config,
-                dtype=dtype,
-                name=name,
+                reward_model_or_fn, placement, accelerator=accelerator, name="reward"
             )
         self.model = reward_model_or_fn if isinstance(reward_model_or_fn, FrozenModel) else None
         self.fn = None if self.model is not None else reward_model_or_fn
+        self.name = self.model.name if self.model is not None else "reward"
         # Where scores land when the images are not tensors (a list of PIL images): the
         # accelerator's device, so that a following ``accelerator.gather`` (NCCL) takes them.
         self.device = accelerator.device if accelerator is not None else torch.device("cpu")
         if mode == "main_process" and self.model is not None and self.model.is_sharded:
             raise ValueError(
-                f"mode='main_process' cannot score with the sharded reward model '{name}': its forward all-gathers"
+                f"mode='main_process' cannot score with the sharded reward model '{self.name}': its forward all-gathers"
                 " parameters from every rank, but only rank 0 would be calling it, so rank 0 would wait forever"
                 " (the trlx hang, CarperAI/trlx#574). Use mode='all_ranks' (each rank scores its own samples),"
                 " or placement='replicate'."

@@ -307,11 +307,10 @@ def load_rewards(
                 ),  # a model class may take images as they are
                 differentiable=differentiable,
                 normalize=normalize,
-                name=spec.name,
             )
         else:
             fn = MetadataRewardFunction(spec.function) if spec.takes_metadata else spec.function
-            reward = ParallelReward(fn, accelerator=accelerator, normalize=normalize, name=spec.name)
+            reward = ParallelReward(fn, accelerator=accelerator, normalize=normalize)
         rewards[spec.name] = reward
         weights[spec.name] = spec.weight
     return WeightedRewards(rewards, weights)
