@@ -347,8 +347,6 @@ def load_pretrained_zero3(
     accelerator=None,
     torch_dtype: torch.dtype | None = None,
     variant: str | None = None,
-    revision: str | None = None,
-    cache_dir: str | None = None,
     offload_param: bool | None = None,
 ):
     """Load a pretrained model straight into ZeRO-3 partitions; call on every rank.
@@ -362,7 +360,10 @@ def load_pretrained_zero3(
 
     Args:
         model_cls: a diffusers ``ModelMixin`` or transformers ``PreTrainedModel`` class.
-        pretrained_model_name_or_path: a local folder or a hub id.
+        pretrained_model_name_or_path: a local folder or a hub id (its snapshot, only
+            ``subfolder``; for a revision or a cache folder of your own, pass the folder that
+            ``resolve_model_folder(id, subfolder, revision, cache_dir)`` returns, without a
+            ``subfolder``).
         subfolder: e.g. ``"unet"`` inside a pipeline folder.
         ds_config: the DeepSpeed config (default: the accelerator's active plugin's).
         torch_dtype: dtype of the partitions (default fp32, or the config's bf16/fp16).
@@ -377,7 +378,7 @@ def load_pretrained_zero3(
         >>> unet = load_pretrained_zero3(UNet2DConditionModel, "path/to/sd", "unet", accelerator=accelerator)
         >>> unet, optimizer = accelerator.prepare(unet, torch.optim.AdamW(unet.parameters()))
     """
-    folder = resolve_model_folder(pretrained_model_name_or_path, subfolder, revision, cache_dir)
+    folder = resolve_model_folder(pretrained_model_name_or_path, subfolder)
     if base_config(ds_config, accelerator).get("zero_optimization", {}).get("stage") != 3:
         with zero3_init_disabled():
             return model_cls.from_pretrained(folder, torch_dtype=torch_dtype, variant=variant)
