@@ -42,7 +42,6 @@ def flag(
     help: str | Callable[[], str] = "",
     *,
     choices: Sequence[str] | None = None,
-    nargs: str | None = None,
     required: bool = False,
     metavar: str | None = None,
     append: bool = False,
@@ -55,10 +54,10 @@ def flag(
         default: its value when not given (a list default is copied per object).
         help: the help text, or a function returning it (computed when the parser is built).
         choices: the values it accepts.
-        nargs: ``argparse``'s nargs for a list field (default ``"+"``).
         required: the command line must give it.
         metavar: the value's name in the help.
-        append: a list field that takes one value per repetition (``--component A --component B``).
+        append: a list field that takes one value per repetition (``--component A --component B``);
+            otherwise a list field takes one value or more after its flag (``nargs="+"``).
         group: the help section (default: the ``GROUP`` of the class that defines the field).
         as_value: a boolean field that takes a value (``--x true``/``--x false``), for upstream's
             ``type=bool`` flags that default to True; a plain boolean is ``store_true``.
@@ -70,7 +69,7 @@ def flag(
         >>> Mine.parse(["--steps", "3"]).steps
         3
     """
-    metadata = {"help": help, "choices": choices, "nargs": nargs, "required": required,
+    metadata = {"help": help, "choices": choices, "required": required,
                 "metavar": metavar, "append": append, "group": group, "as_value": as_value}  # fmt: skip
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
@@ -121,7 +120,7 @@ def _argparse_kwargs(field: dataclasses.Field, hint: Any) -> dict[str, Any]:
         if m["append"]:
             kwargs["action"] = "append"
         else:
-            kwargs["nargs"] = m["nargs"] or "+"
+            kwargs["nargs"] = "+"
     else:
         kwargs["type"] = kind
     for key in ("choices", "metavar"):
