@@ -81,6 +81,19 @@ def expert_of_step(seed: int, step: int, p_high: float) -> str:
     return HIGH if random.Random(digest).random() < p_high else LOW
 
 
+@dataclass(frozen=True)
+class ExpertSide:
+    """The Wan 2.2 expert a loss trains (``HIGH`` or ``LOW``, its folder) and the boundary
+    timestep between the experts (``Wan.boundary``): its timesteps are drawn on its side.
+
+    Example:
+        >>> WAN22.loss(denoiser, scheduler, latents, cond, settings, expert=ExpertSide(LOW, 875.0))
+    """
+
+    name: str
+    boundary: float | None
+
+
 class ExpertSchedule(DenoiserSchedule):
     """Wan's trained experts: with both (``--train_experts both``) each optimizer step draws
     one, the high one with probability ``p_high`` (``expert_of_step``); each expert's loss draws
@@ -96,7 +109,7 @@ class ExpertSchedule(DenoiserSchedule):
         return expert_of_step(self.seed, step, self.p_high)
 
     def loss_kwargs(self, name: str) -> dict:
-        return {"expert": name, "boundary": self.boundary}
+        return {"expert": ExpertSide(name, self.boundary)}
 
     def describe(self) -> str:
         return f"experts trained: {', '.join(self.folders)} (boundary at timestep {self.boundary:g})"
@@ -412,13 +425,13 @@ class Wan(Family):
         reduction="mean",
         loss_weights=None,
         *,
-        expert: str | None = None,
-        boundary: float | None = None,
+        expert: ExpertSide | None = None,
         **denoiser_kwargs,
     ):
-        """``Family.loss``; for a Wan 2.2 expert, pass ``expert`` (the folder the ``denoiser`` is)
-        and ``boundary`` (``self.boundary(source)``): its timesteps are then drawn on its side."""
-        objective = self.objective(noise_scheduler, settings, expert, boundary)
+        """``Family.loss``; for a Wan 2.2 expert, pass ``expert`` (``ExpertSide``: the folder the
+        ``denoiser`` is and ``self.boundary(source)``): its timesteps are then drawn on its side."""
+        name, boundary = (expert.name, expert.boundary) if expert is not None else (None, None)
+        objective = self.objective(noise_scheduler, settings, name, boundary)
         return objective.loss(
             lambda noisy, t: self.predict(denoiser, noisy, t, cond, **denoiser_kwargs),
             latents,
