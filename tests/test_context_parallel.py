@@ -296,28 +296,28 @@ def test_group_loader_deals_batches_to_groups_not_to_ranks(tmp_path):
 
 @pytest.mark.unit
 def test_the_trainers_backward_applies_the_context_parallel_factor_once():
-    """The trainer's own backward (``TextToImageTrainer._backward``, accelerate's backward
+    """The text-to-image trainer's backward (``TrainedParts.backward``, accelerate's backward
     stood in by ``loss.backward()``) under K = 2: the gradient is K times the loss's, so an SGD
     step is K times as long as without context parallelism. The multirank test above multiplies
     the loss itself: removing the trainer's multiply, or applying it twice, passed (AdamW is
     nearly invariant to a constant gradient scale, so the end-to-end runs pass too)."""
     from types import SimpleNamespace
 
-    from diffusers_zero3.recipes.text_to_image import TextToImageTrainer
+    from diffusers_zero3.families.base import DenoiserSchedule
     from diffusers_zero3.runtime.context_parallel import ContextParallel
     from diffusers_zero3.training.parts import TrainedModel
+    from diffusers_zero3.training.steps import TrainedParts
 
     def sgd_step(cp):
         torch.manual_seed(0)
         model = torch.nn.Linear(3, 2)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-        trainer = object.__new__(TextToImageTrainer)  # the parts _backward reads, nothing loaded
-        trainer.cp, trainer._cuts, trainer.extra_parts = cp, [], []
-        trainer.accelerator = SimpleNamespace(backward=lambda loss: loss.backward(), sync_gradients=True)
-        trainer.denoiser_part = TrainedModel("transformer", model, model, optimizer, None)
+        first = TrainedModel("transformer", model, model, optimizer, None)
+        parts = TrainedParts(first, [], DenoiserSchedule(("transformer",)), cp)
+        accelerator = SimpleNamespace(backward=lambda loss: loss.backward(), sync_gradients=True)
         before = [p.detach().clone() for p in model.parameters()]
-        loss = model(torch.arange(6.0).reshape(2, 3)).pow(2).mean()
-        trainer._backward(loss)
+        loss = model(torch.arange(6.0, device="cpu").reshape(2, 3)).pow(2).mean()
+        parts.backward(accelerator, loss, step=0)
         optimizer.step()
         return [(p.detach() - b) for p, b in zip(model.parameters(), before)]
 

@@ -214,7 +214,7 @@ def worker_dora_zero3(pipe_dir: str, out: str):
     from diffusers_zero3.families import SD
     from diffusers_zero3.training.job import load_trainable_denoiser
     from diffusers_zero3.training.lora import add_lora_adapters, save_lora_zero3
-    from diffusers_zero3.training.parts import prepare_first_part
+    from diffusers_zero3.training.parts import prepare_first_part, set_micro_batch_size
     from tests.common import accelerator_with_zero3
 
     torch.manual_seed(0)
@@ -228,9 +228,8 @@ def worker_dora_zero3(pipe_dir: str, out: str):
         for base, name in bases.items():  # lora_B starts at zero: the magnitudes are the base's row norms
             torch.testing.assert_close(magnitudes[name], weights[base].norm(dim=1), msg=name)
         initial = {n: p.detach().clone() for n, p in magnitudes.items()}
-    part, _ = prepare_first_part(
-        accelerator, "unet", unet, torch.optim.AdamW(params, lr=1e-2), micro_batch_size=1
-    )
+    set_micro_batch_size(accelerator, 1)
+    part, _ = prepare_first_part(accelerator, "unet", unet, torch.optim.AdamW(params, lr=1e-2))
     g = torch.Generator().manual_seed(get_rank())
     latents, states = torch.randn(2, 4, 16, 16, generator=g), torch.randn(2, 77, 32, generator=g)
     for _ in range(2):

@@ -395,7 +395,7 @@ def worker_prodigy_zero3_matches_plain(steps: int = 3):
     from types import SimpleNamespace
 
     from diffusers_zero3 import gathered_parameters
-    from diffusers_zero3.training.parts import build_optimizer, prepare_first_part
+    from diffusers_zero3.training.parts import build_optimizer, prepare_first_part, set_micro_batch_size
     from tests.common import accelerator_with_zero3
 
     args = SimpleNamespace(optimizer="prodigy", learning_rate=1.0, adam_beta1=0.9, adam_beta2=0.999,
@@ -406,9 +406,8 @@ def worker_prodigy_zero3_matches_plain(steps: int = 3):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     reference = copy.deepcopy(model)
     ref_optimizer = build_optimizer(reference, args)
-    part, _ = prepare_first_part(
-        accelerator, "model", model, build_optimizer(model, args), micro_batch_size=1
-    )
+    set_micro_batch_size(accelerator, 1)
+    part, _ = prepare_first_part(accelerator, "model", model, build_optimizer(model, args))
     inner = part.optimizer.optimizer
     assert len(inner.fp16_groups) == 1, "one sub-group: Prodigy steps once per update"
     data = torch.randn(steps, 4, 8, generator=torch.Generator().manual_seed(1))

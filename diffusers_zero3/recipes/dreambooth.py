@@ -504,7 +504,7 @@ class DreamBoothTrainer(TextToImageTrainer):
             outputs = self.family.encode_texts({part.name: part}, batch)
             if part.own_engine:
                 outputs, kept = cut_outputs(outputs)
-                self._cuts.append((part, kept, outputs))
+                self.parts.cuts.append((part, kept, outputs))
             trained.update(outputs)
         latents, cond, _ = self.frozen(
             batch, self.accelerator.device, generators, trained_outputs=trained or None

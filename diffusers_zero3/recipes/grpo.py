@@ -130,7 +130,7 @@ from ..training.job import (
     setup_accelerator,
 )
 from ..training.lora import LORA_WEIGHT_NAME, add_lora_adapters, save_lora_zero3
-from ..training.parts import adamw, prepare_first_part, step_part
+from ..training.parts import adamw, prepare_first_part, set_micro_batch_size, step_part
 from ..training.report import StepOutput, log_outputs, step_log_path
 from ..training.schedule import first_last_means
 from .text_to_image_settings import TextToImageSettings
@@ -813,9 +813,10 @@ class GRPOTrainer:
             micro_batch_size=args.reward_micro_batch_size,
             vlm_question=args.vlm_question,
         )
+        set_micro_batch_size(acc, args.train_batch_size)
         self.part, _ = prepare_first_part(
-            acc, family.denoiser, denoiser, adamw(denoiser, args), micro_batch_size=args.train_batch_size,
-            max_grad_norm=args.max_grad_norm, use_ema=bool(args.use_ema),
+            acc, family.denoiser, denoiser, adamw(denoiser, args), max_grad_norm=args.max_grad_norm,
+            ema=bool(args.use_ema),
         )  # fmt: skip
         self.engine, self.ema = self.part.engine, self.part.ema
         # DiffusionNFT's old policy: an average of the trained weights, partitioned like them
@@ -1308,13 +1309,7 @@ class GRPOTrainer:
         printed as well (``training.report.StepOutput``)."""
         args, acc = self.args, self.accelerator
         with (
-            StepOutput(
-                args.max_train_steps,
-                initial=self.global_step,
-                log_file=step_log_path(args.output_dir, args.logging_dir),
-                bar=acc.is_local_main_process,
-                unit="round",
-            ) as steps,
+            StepOutput.of_run(args, acc, self.global_step, unit="round") as steps,
             self.stop_signals,
         ):
             while self.global_step < args.max_train_steps:

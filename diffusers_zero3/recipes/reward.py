@@ -57,7 +57,7 @@ from ..training.job import (
     finish_trackers,
     load_trainable_denoiser,
 )
-from ..training.parts import adamw, prepare_first_part, step_part
+from ..training.parts import adamw, prepare_first_part, set_micro_batch_size, step_part
 from ..training.report import StepOutput, log_outputs, step_log_path
 from ..training.schedule import first_last_means
 
@@ -213,10 +213,10 @@ class RewardTrainer:
         self.reward_names = [spec.name for spec in specs]
         self.rewards_by_spec: dict[str, list[float]] = {name: [] for name in self.reward_names}
         # the UNet as the job's trained part: its engine, AdamW, clipping at --max_grad_norm, EMA
+        set_micro_batch_size(acc, args.train_batch_size)
         self.part, _ = prepare_first_part(
-            acc, "unet", unet, adamw(unet, args), micro_batch_size=args.train_batch_size,
-            max_grad_norm=args.max_grad_norm, use_ema=bool(args.use_ema),
-        )  # fmt: skip
+            acc, "unet", unet, adamw(unet, args), max_grad_norm=args.max_grad_norm, ema=bool(args.use_ema)
+        )
         self.unet, self.ema = self.part.engine, self.part.ema
         if acc.is_main_process and args.report_to != "none":
             acc.init_trackers(args.tracker_project_name, args.scalars())

@@ -26,6 +26,7 @@ honour a parallel config).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +76,20 @@ class ContextParallel:
         divides each group's summed token shares by K too often (see the module docstring).
         Every trainer applies the factor here, and only here."""
         return loss * float(self.size)
+
+    def split_loss(self, cond: dict, latents: torch.Tensor, loss_of: Callable[[dict], torch.Tensor]):
+        """``loss_of(cond)`` with ``cond``'s masked texts padded to a multiple of K
+        (``pad_text_to_multiple``); a sequence diffusers' sharder cannot split K ways becomes one
+        ``ArgumentError`` line naming it (``split_failure``). Collective as ``loss_of`` is."""
+        from ..errors import ArgumentError
+
+        cond = pad_text_to_multiple(cond, self.size)
+        try:
+            return loss_of(cond)
+        except AssertionError as e:  # diffusers' sharder, on a length it cannot split
+            if SPLIT_FAILURE not in str(e):
+                raise
+            raise ArgumentError(split_failure(cond, latents, self.size)) from None
 
 
 def check_context_parallel(

@@ -7,7 +7,7 @@ import json
 import math
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -308,8 +308,7 @@ def save_final_pipeline(
     ema=None,
     readme: str = "",
     denoiser_name: str = "unet",
-    component_sources: dict[str, str | os.PathLike] | None = None,
-    index_entries: dict[str, list] | None = None,
+    given: GivenComponents | None = None,
     trained: dict[str, tuple] | None = None,
 ) -> None:
     """Write the trained pipeline into ``output_dir``. Collective: call on every rank.
@@ -317,11 +316,10 @@ def save_final_pipeline(
     The denoiser (``unet``; the EMA average when ``ema`` is given) is streamed from its
     partitions by ``save_pretrained_zero3``: no rank builds the whole model. Every other
     component of the source pipeline (text encoders, VAE, tokenizers, scheduler, ...) is
-    unchanged and copied from ``source_folder``, or from ``component_sources[name]`` (a folder
-    that holds that component: ``--component NAME=PATH``). ``index_entries`` set
-    ``model_index.json`` entries (``[library, class]``) for components the source's index
-    leaves empty (HiDream's separately supplied Llama encoder and tokenizer), so that the
-    output loads with ``from_pretrained`` alone. ``trained`` maps the other components the job
+    unchanged and copied from ``source_folder``, or from the folder ``given`` names for it
+    (``--component NAME=PATH``, ``GivenComponents``), whose ``model_index.json`` entries it sets
+    where the source's index leaves them empty (HiDream's separately supplied Llama encoder and
+    tokenizer), so that the output loads with ``from_pretrained`` alone. ``trained`` maps the other components the job
     trained (DreamBooth's text encoders) to ``(model or engine, ema or None)``: they are
     streamed from their partitions too (their EMA average when given), not copied.
 
@@ -336,10 +334,11 @@ def save_final_pipeline(
     check_output_dir(out, source)
     components = pipeline_components(source)
     index = json.loads((source / "model_index.json").read_text())
-    for name, entry in (index_entries or {}).items():
+    given = given or GivenComponents()
+    for name, entry in given.index_entries.items():
         components[name] = index[name] = list(entry)
     sources = {name: source / name for name in components}
-    sources.update({k: Path(v) for k, v in (component_sources or {}).items()})
+    sources.update({k: Path(v) for k, v in given.folders.items()})
     # Staged in OUTPUT_DIR/.tmp-pipeline-*, then swapped into OUTPUT_DIR by rank 0.
     with collective_publish(out / "pipeline", commit=lambda staging, _: _swap_into(staging, out)) as staging:
         for name, (model, model_ema) in {denoiser_name: (denoiser, ema), **(trained or {})}.items():
@@ -359,7 +358,7 @@ def save_final_pipeline(
             if readme:
                 (staging / "README.md").write_text(readme)
             text = (source / "model_index.json").read_text()  # as it was, unless entries were set
-            if index_entries:
+            if given.index_entries:
                 text = json.dumps(index, indent=2, sort_keys=True) + "\n"
             (staging / "model_index.json").write_text(text)
 
@@ -379,11 +378,23 @@ def _swap_into(staging: Path, out: Path) -> None:
     fsync_dir(out)
 
 
-def index_entries(
+@dataclass(frozen=True)
+class GivenComponents:
+    """Components of a trained pipeline taken from elsewhere than its source folder:
+    ``folders`` (``--component NAME=PATH``: the folder that holds each) and the
+    ``model_index.json`` entries (``[library, class]``) of those the source's index leaves empty
+    (``[null, null]``), so that the output loads on its own (``given_components``)."""
+
+    folders: dict[str, Path] = field(default_factory=dict)
+    index_entries: dict[str, list] = field(default_factory=dict)
+
+
+def given_components(
     source: str | os.PathLike, component_sources: dict, family, tokenizers: dict
-) -> dict[str, list]:
-    """``model_index.json`` entries for components given with ``--component`` that the
-    source's index leaves empty (``[null, null]``), so the output loads on its own."""
+) -> GivenComponents:
+    """The ``--component`` folders of a job (``component_sources``) with the index entries of
+    those the source's index leaves empty: a tokenizer's from its loaded class, a model's
+    from the family (``Family.component_library``)."""
     index = pipeline_components(source)
     entries = {}
     tokenizer_of = {spec.tokenizer: spec.name for spec in family.text_encoders}
@@ -395,4 +406,4 @@ def index_entries(
             entries[name] = [type(tokenizer).__module__.split(".")[0], type(tokenizer).__name__]
         else:
             entries[name] = list(family.component_library(name))
-    return entries
+    return GivenComponents({k: Path(v) for k, v in component_sources.items()}, entries)

@@ -181,9 +181,10 @@ class TrainingData:
         except ValueError as e:
             raise CheckpointError(f"cannot resume from step {step}: {e}") from e
 
-    def resume(self, state: dict) -> None:
-        """Continue the checkpoint's epoch at its first unseen row (stream), sample of each
-        bucket, or batch (``resume_batches``); ``check_resumable`` passed."""
+    def resume(self, state: dict, path: str | os.PathLike) -> None:
+        """Continue the checkpoint's epoch (``state``, of the checkpoint at ``path``) at its
+        first unseen row (stream), sample of each bucket, or batch (``resume_batches``);
+        ``check_resumable`` passed. Logs a resharding to another number of processes."""
         epoch = state["epoch"]
         if self.streaming:
             self.rows.start_at(epoch, int(state["stream_rows"]))
@@ -192,6 +193,11 @@ class TrainingData:
             self.bucket_sampler.start_at(self.bucket_start)
         else:
             self.resume_batches = batches_to_skip(data_state(state), self.data_processes, self.batch_size)
+        if int(data_state(state)["world_size"]) != self.data_processes:
+            log_rank_zero(
+                f"{path} was written by {state['world_size']} processes; resharded for {self.data_processes} "
+                f"(batch {self.resume_batches} of epoch {epoch} next)"
+            )
 
     # ------------------------------------------------------------------ the end of an epoch, of the run
 

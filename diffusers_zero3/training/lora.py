@@ -260,3 +260,14 @@ def save_lora_zero3(denoiser, family, output_dir: str | os.PathLike, others: dic
             shutil.rmtree(staging, ignore_errors=True)
     barrier()
     return final
+
+
+def lora_loader_hint(family) -> str:
+    """How a user loads the saved LoRA weights of ``family``'s denoiser: the pipeline's
+    ``load_lora_weights``, or the denoiser's ``load_lora_adapter`` where the pipeline has no
+    LoRA loader (NucleusMoE-Image's)."""
+    import diffusers
+
+    if hasattr(getattr(diffusers, family.pipeline_class), "load_lora_weights"):
+        return f"{family.pipeline_class}.load_lora_weights"
+    return f"{family.denoiser}.load_lora_adapter, prefix {family.denoiser!r}"

@@ -161,6 +161,16 @@ def fit_zero3_config_to_optimizer(config: dict, model: torch.nn.Module, optimize
     )
 
 
+def set_micro_batch_size(accelerator, size: int) -> None:
+    """Under DeepSpeed, the micro-batch size of the engine ``prepare_first_part`` builds, for a
+    job whose loader is not prepared with it (accelerate reads the size from a prepared loader:
+    a loader dealt out by the job itself, or none). Nothing without DeepSpeed. Not a
+    collective; call on every rank before ``prepare_first_part``."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None:
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = size
+
+
 def prepare_first_part(
     accelerator,
     name: str,
@@ -169,23 +179,19 @@ def prepare_first_part(
     lr_scheduler=None,
     *,
     dataloader=None,
-    micro_batch_size: int | None = None,
     max_grad_norm: float | None = None,
-    use_ema: bool = False,
-    ema_device: str | None = None,
+    ema: bool | str = False,
 ):
     """The job's first trained model, prepared by accelerate (under ZeRO-3 its DeepSpeed engine
     is the one ``accelerator.backward`` drives): ``(part, dataloader)``, the loader prepared in
-    the same call when given (accelerate reads the micro-batch size from it; else pass
-    ``micro_batch_size``). Its fp32 master weights are shared with its partitions under fp32
-    ZeRO-3 (the bytes freed are logged), and ``use_ema`` gives it a ``ShardedEMA``
-    (``ema_device="cpu"``: in host memory). Collective: call on every rank, before any other
-    part is prepared."""
+    the same call when given (accelerate reads the micro-batch size from it; else call
+    ``set_micro_batch_size`` first). Its fp32 master weights are shared with its partitions
+    under fp32 ZeRO-3 (the bytes freed are logged); ``ema`` gives it a ``ShardedEMA`` (True: on
+    the model's device; ``"cpu"``: in host memory). Collective: call on every rank, before any
+    other part is prepared."""
     from ..state.ema import ShardedEMA
 
     plugin = accelerator.state.deepspeed_plugin
-    if plugin is not None and micro_batch_size is not None:
-        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
     if plugin is not None and plugin.deepspeed_config.get("zero_optimization", {}).get("stage") == 3:
         _log_blocks(name, set_block_leaf_modules(model))
     if plugin is not None:
@@ -202,9 +208,9 @@ def prepare_first_part(
         log_rank_zero(
             f"{name}: fp32 master weights shared with the parameters: {freed / MIB:.1f} MiB freed per rank"
         )
-    ema = ShardedEMA(engine, device=ema_device) if use_ema else None
+    average = ShardedEMA(engine, device="cpu" if ema == "cpu" else None) if ema else None
     module = getattr(engine, "module", engine)
-    return TrainedModel(name, module, engine, optimizer, lr_scheduler, max_grad_norm, ema=ema), loader
+    return TrainedModel(name, module, engine, optimizer, lr_scheduler, max_grad_norm, ema=average), loader
 
 
 def trained_engine_config(base: dict, model: torch.nn.Module, max_grad_norm: float | None) -> dict:

@@ -111,6 +111,19 @@ class StepOutput:
             if _console_handler(logging.root):
                 self._redirect.enter_context(logging_redirect_tqdm([logging.root], tqdm_class=tqdm))
 
+    @classmethod
+    def of_run(cls, args, accelerator, initial: int, unit: str = "step") -> StepOutput:
+        """A trainer's output: ``--max_train_steps`` steps from ``initial``, lines into
+        ``OUTPUT_DIR/<logging_dir>/train.log`` (``step_log_path``), the bar on each machine's
+        main process. Not a collective."""
+        return cls(
+            args.max_train_steps,
+            initial=initial,
+            log_file=step_log_path(args.output_dir, args.logging_dir),
+            bar=accelerator.is_local_main_process,
+            unit=unit,
+        )
+
     def step(self, line: str, **postfix: Any) -> None:
         """One step done: ``line`` to the log file, and printed unless on a terminal; the bar
         (if drawn) moves on and shows ``postfix`` (e.g. ``loss="0.1234"``)."""

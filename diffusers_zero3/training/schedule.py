@@ -57,6 +57,19 @@ def scaled_learning_rate(
     return learning_rate * gradient_accumulation_steps * train_batch_size * num_processes
 
 
+def job_learning_rate(args, data_processes: int) -> float:
+    """``--learning_rate``, times the effective batch size under ``--scale_lr``
+    (``scaled_learning_rate`` over ``data_processes``: the ranks that take different samples)."""
+    if not args.scale_lr:
+        return args.learning_rate
+    return scaled_learning_rate(
+        args.learning_rate,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        train_batch_size=args.train_batch_size,
+        num_processes=data_processes,
+    )
+
+
 def resume_position(epoch: int, batches_done: int, batches_per_epoch: int) -> dict[str, int]:
     """Where a checkpoint taken after ``batches_done`` micro-batches of ``epoch`` resumes:
     ``{"epoch", "batches_in_epoch"}``, the next epoch when this one is complete."""
