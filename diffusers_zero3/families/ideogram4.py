@@ -34,7 +34,7 @@ from .base import DenoiserSchedule, Family
 from .common import llm_text_encoder, run_args
 from .flux2 import PUBLISHED_VAE as FLUX2_VAE
 from .flux2 import BatchNormLatents, pack_latents, unpack_latents
-from .objectives import _per_sample, sample_noise, weighted_sample_means
+from .objectives import Objective, _per_sample, rectified_flow_loss, sample_noise
 from .published import QWEN3_VL_8B
 
 # pipeline_ideogram4.QWEN3_VL_ACTIVATION_LAYERS: decoder layers whose raw outputs are stacked
@@ -127,7 +127,7 @@ def resolution_aware_mu(height: int, width: int, base_mu: float) -> float:
 # -------------------------------------------------------------------------------- objective
 
 
-class Ideogram4Objective:
+class Ideogram4Objective(Objective):
     """The script's flow matching: sigma drawn from ``compute_density_for_timestep_sampling``
     (the resolution-aware logit mean of the token grid) and used directly (no scheduler grid),
     ``(1 - sigma) x0 + sigma noise``, ``compute_loss_weighting_for_sd3``, target
@@ -136,10 +136,6 @@ class Ideogram4Objective:
     handed to ``predict`` are ``sigma * 1000`` and the sigma used is read back from them, so the
     noisy input and the model time ``1 - t / 1000`` agree exactly."""
 
-    def __init__(self, noise_scheduler, settings):
-        self.noise_scheduler = noise_scheduler
-        self.settings = settings
-
     def sigmas(self, latents: torch.Tensor, generators=None) -> torch.Tensor:
         """One sigma per sample (this rank's RNG, or each sample's generator), in fp32 on the
         latents' device."""
@@ -147,12 +143,7 @@ class Ideogram4Objective:
 
         s = self.settings
         h, w = latents.shape[-2] * PATCH_PIXELS, latents.shape[-1] * PATCH_PIXELS
-        density = dict(
-            weighting_scheme=s.weighting_scheme,
-            logit_mean=resolution_aware_mu(h, w, s.logit_mean),
-            logit_std=s.logit_std,
-            mode_scale=s.mode_scale,
-        )
+        density = s.density(logit_mean=resolution_aware_mu(h, w, s.logit_mean))
         if generators is not None:
             # CPU: drawn with each sample's CPU generator, then moved (_per_sample)
             return _per_sample(
@@ -167,8 +158,6 @@ class Ideogram4Objective:
 
     def loss(self, predict, latents, generators=None, reduction="mean", loss_weights=None):
         """Noise, then sigmas; one value per sample with ``reduction="none"``."""
-        from diffusers.training_utils import compute_loss_weighting_for_sd3
-
         s = self.settings
         # drawn in the script's token layout (N, h*w, C), so the same RNG gives the same noise
         tokens = pack_latents(latents)
@@ -176,13 +165,10 @@ class Ideogram4Objective:
         noise = unpack_latents(noise, *latents.shape[-2:])
         timesteps = self.sigmas(latents, generators).float() * 1000
         sigmas = (timesteps / 1000).to(latents.dtype).view(-1, *([1] * (latents.ndim - 1)))
-        noisy = (1.0 - sigmas) * latents + sigmas * noise
-        model_pred = predict(noisy, timesteps)
-        weighting = compute_loss_weighting_for_sd3(weighting_scheme=s.weighting_scheme, sigmas=sigmas)
-        target = noise - latents
-        error = weighting.float() * (model_pred.float() - target.float()) ** 2
-        per_sample = weighted_sample_means(error, loss_weights)
-        return per_sample if reduction == "none" else per_sample.mean()
+        return rectified_flow_loss(
+            predict, latents, noise, timesteps, sigmas,
+            weighting_scheme=s.weighting_scheme, reduction=reduction, loss_weights=loss_weights,
+        )  # fmt: skip
 
 
 # -------------------------------------------------------------------------------- family

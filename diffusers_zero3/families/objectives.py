@@ -328,30 +328,62 @@ def flow_matching_loss(
     ``predict``) and returns a prediction in the latents' shape. ``generators`` (one per sample)
     draw each sample's timestep from its own generator, after its noise.
     """
-    from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
+    from diffusers.training_utils import compute_density_for_timestep_sampling
 
     s = settings or ObjectiveSettings()
-    weighting_scheme = s.weighting_scheme
-    if weighting_scheme not in WEIGHTING_SCHEMES:
-        raise ValueError(f"weighting scheme must be one of {WEIGHTING_SCHEMES}, got {weighting_scheme!r}")
-    n = latents.shape[0]
-    density = dict(
-        weighting_scheme=weighting_scheme,
-        logit_mean=s.logit_mean,
-        logit_std=s.logit_std,
-        mode_scale=s.mode_scale,
-    )
+    if s.weighting_scheme not in WEIGHTING_SCHEMES:
+        raise ValueError(f"weighting scheme must be one of {WEIGHTING_SCHEMES}, got {s.weighting_scheme!r}")
+    density = s.density()
     if generators is not None:
         u = _per_sample(lambda g: compute_density_for_timestep_sampling(batch_size=1, generator=g, **density)[0],
                         generators, "cpu")  # fmt: skip
     else:
-        u = compute_density_for_timestep_sampling(batch_size=n, **density)
-    num_steps = noise_scheduler.config.num_train_timesteps
-    indices = (u * num_steps).long().clamp(max=num_steps - 1)
+        u = compute_density_for_timestep_sampling(batch_size=latents.shape[0], **density)
+    timesteps, sigmas = table_points(noise_scheduler, u, latents)
+    return rectified_flow_loss(
+        predict, latents, noise, timesteps, sigmas,
+        weighting_scheme=s.weighting_scheme, reduction=reduction, loss_weights=loss_weights,
+    )  # fmt: skip
+
+
+def table_indices(u: torch.Tensor, num_steps: int) -> torch.Tensor:
+    """The entries of a training scheduler's table of ``num_steps`` that density draws ``u`` in
+    [0, 1) pick: ``u * num_steps``, rounded down, at most the last."""
+    return (u * num_steps).long().clamp(max=num_steps - 1)
+
+
+def table_points(
+    noise_scheduler, u: torch.Tensor, latents: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(timesteps, sigmas)`` of the ``FlowMatchEulerDiscreteScheduler``'s table at the density
+    draws ``u`` (``table_indices``), on the latents' device: ``[n]`` timesteps, and sigmas in
+    the latents' dtype shaped ``[n, 1, ..., 1]`` to broadcast on them."""
+    indices = table_indices(u, noise_scheduler.config.num_train_timesteps)
     # the scheduler's tables are on the host: pinned, non-blocking copies on CUDA
     timesteps = host_to_device(noise_scheduler.timesteps[indices], latents.device)
     sigmas = host_to_device(noise_scheduler.sigmas[indices], latents.device, latents.dtype)
-    sigmas = sigmas.view(n, *([1] * (latents.ndim - 1)))
+    return timesteps, sigmas.view(latents.shape[0], *([1] * (latents.ndim - 1)))
+
+
+def rectified_flow_loss(
+    predict,
+    latents: torch.Tensor,
+    noise: torch.Tensor,
+    timesteps: torch.Tensor,
+    sigmas: torch.Tensor,
+    *,
+    weighting_scheme: str,
+    reduction: str = "mean",
+    loss_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The rectified-flow loss at given noise levels (``flow_matching_loss`` once it has drawn
+    them): the input ``(1 - sigmas) * latents + sigmas * noise``, ``predict(noisy, timesteps)``
+    against the target ``noise - latents``, each element's squared error weighted by
+    ``compute_loss_weighting_for_sd3(weighting_scheme)`` and each sample's mean by
+    ``loss_weights`` (``weighted_sample_means``); the mean over the batch, or one value per
+    sample with ``reduction="none"``. ``sigmas`` broadcast on the latents."""
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+
     noisy = (1.0 - sigmas) * latents + sigmas * noise
     model_pred = predict(noisy, timesteps)
     weighting = compute_loss_weighting_for_sd3(weighting_scheme=weighting_scheme, sigmas=sigmas)
@@ -377,6 +409,17 @@ class ObjectiveSettings:
     logit_std: float = 1.0
     mode_scale: float = 1.29
     guidance_scale: float | None = None
+
+    def density(self, logit_mean: float | None = None) -> dict:
+        """The keywords of diffusers' ``compute_density_for_timestep_sampling`` (the timestep
+        density) of these settings; ``logit_mean`` replaces theirs (Ideogram 4's is
+        resolution-aware)."""
+        return dict(
+            weighting_scheme=self.weighting_scheme,
+            logit_mean=self.logit_mean if logit_mean is None else logit_mean,
+            logit_std=self.logit_std,
+            mode_scale=self.mode_scale,
+        )
 
 
 def objective_settings(args, family, noise_scheduler) -> ObjectiveSettings:
@@ -412,12 +455,18 @@ def objective_settings(args, family, noise_scheduler) -> ObjectiveSettings:
     )
 
 
-class DDPMObjective:
-    """Noise (or velocity) prediction at uniform (or biased) DDPM timesteps."""
+class Objective:
+    """A training objective: ``loss(predict, latents, generators=None, reduction="mean",
+    loss_weights=None)`` over the training ``noise_scheduler`` with ``settings``
+    (``ObjectiveSettings``); a family picks one (``Family.objective``)."""
 
     def __init__(self, noise_scheduler, settings: ObjectiveSettings):
         self.noise_scheduler = noise_scheduler
         self.settings = settings
+
+
+class DDPMObjective(Objective):
+    """Noise (or velocity) prediction at uniform (or biased) DDPM timesteps."""
 
     def loss(
         self,
@@ -449,12 +498,8 @@ class DDPMObjective:
         )
 
 
-class FlowMatchingObjective:
+class FlowMatchingObjective(Objective):
     """Rectified flow at the scheduler's sigmas (``flow_matching_loss``)."""
-
-    def __init__(self, noise_scheduler, settings: ObjectiveSettings):
-        self.noise_scheduler = noise_scheduler
-        self.settings = settings
 
     def loss(
         self,

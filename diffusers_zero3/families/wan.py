@@ -16,9 +16,17 @@ from typing import ClassVar
 
 import torch
 
-from ..runtime.host_transfer import host_to_device
 from .base import ChannelMeanStd, DenoiserSchedule, Family, PublishedConfig, TextEncoderSpec
 from .common import run_args
+from .objectives import (
+    WEIGHTING_SCHEMES,
+    Objective,
+    flow_matching_loss,
+    rectified_flow_loss,
+    sample_noise,
+    table_indices,
+    table_points,
+)
 
 HIGH, LOW = "transformer", "transformer_2"  # Wan 2.2's high-noise and low-noise experts
 TRAIN_EXPERTS = {"high": (HIGH,), "low": (LOW,), "both": (HIGH, LOW)}  # --train_experts
@@ -118,20 +126,7 @@ class ExpertSchedule(DenoiserSchedule):
 # -------------------------------------------------------------------------------- objective
 
 
-def _density(settings) -> dict:
-    return dict(
-        weighting_scheme=settings.weighting_scheme,
-        logit_mean=settings.logit_mean,
-        logit_std=settings.logit_std,
-        mode_scale=settings.mode_scale,
-    )
-
-
-def _indices(u: torch.Tensor, num_steps: int) -> torch.Tensor:
-    return (u * num_steps).long().clamp(max=num_steps - 1)  # as objectives.flow_matching_loss
-
-
-class ExpertFlowMatchingObjective:
+class ExpertFlowMatchingObjective(Objective):
     """``objectives.FlowMatchingObjective`` with timesteps kept on one side of Wan 2.2's boundary:
     draws of the density that land on the other side are drawn again (rejection: the density
     restricted to the expert's timesteps, its shape kept, as musubi-tuner's
@@ -140,8 +135,7 @@ class ExpertFlowMatchingObjective:
     and then the loss is ``objectives.flow_matching_loss`` itself."""
 
     def __init__(self, noise_scheduler, settings, allowed: torch.Tensor | None = None):
-        self.noise_scheduler = noise_scheduler
-        self.settings = settings
+        super().__init__(noise_scheduler, settings)
         self.allowed = allowed
         if allowed is not None and not bool(allowed.any()):
             raise ValueError(
@@ -153,13 +147,15 @@ class ExpertFlowMatchingObjective:
         generator, after its noise, as ``flow_matching_loss`` draws)."""
         from diffusers.training_utils import compute_density_for_timestep_sampling
 
-        density = _density(self.settings)
+        density = self.settings.density()
         num_steps = self.noise_scheduler.config.num_train_timesteps
         allowed = self.allowed
 
         def ok(u: torch.Tensor) -> torch.Tensor:
             return (
-                torch.ones_like(u, dtype=torch.bool) if allowed is None else allowed[_indices(u, num_steps)]
+                torch.ones_like(u, dtype=torch.bool)
+                if allowed is None
+                else allowed[table_indices(u, num_steps)]
             )
 
         if generators is not None:
@@ -186,10 +182,6 @@ class ExpertFlowMatchingObjective:
     ) -> torch.Tensor:
         """Noise (this rank's RNG or each sample's generator), then timesteps on the expert's side,
         then the rectified-flow loss of ``objectives.flow_matching_loss``."""
-        from diffusers.training_utils import compute_loss_weighting_for_sd3
-
-        from .objectives import WEIGHTING_SCHEMES, flow_matching_loss, sample_noise, weighted_sample_means
-
         s = self.settings
         noise = sample_noise(latents, 0.0, generators) if generators else torch.randn_like(latents)
         if self.allowed is None:
@@ -201,18 +193,13 @@ class ExpertFlowMatchingObjective:
             raise ValueError(
                 f"weighting scheme must be one of {WEIGHTING_SCHEMES}, got {s.weighting_scheme!r}"
             )
-        n = latents.shape[0]
-        indices = _indices(self.draw_u(n, generators), self.noise_scheduler.config.num_train_timesteps)
-        # the scheduler's tables are on the host: pinned, non-blocking copies on CUDA
-        timesteps = host_to_device(self.noise_scheduler.timesteps[indices], latents.device)
-        sigmas = host_to_device(self.noise_scheduler.sigmas[indices], latents.device, latents.dtype)
-        sigmas = sigmas.view(n, *([1] * (latents.ndim - 1)))
-        noisy = (1.0 - sigmas) * latents + sigmas * noise
-        model_pred = predict(noisy, timesteps)
-        weighting = compute_loss_weighting_for_sd3(weighting_scheme=s.weighting_scheme, sigmas=sigmas)
-        error = weighting.float() * (model_pred.float() - (noise - latents).float()) ** 2
-        per_sample = weighted_sample_means(error, loss_weights)
-        return per_sample if reduction == "none" else per_sample.mean()
+        timesteps, sigmas = table_points(
+            self.noise_scheduler, self.draw_u(latents.shape[0], generators), latents
+        )
+        return rectified_flow_loss(
+            predict, latents, noise, timesteps, sigmas,
+            weighting_scheme=s.weighting_scheme, reduction=reduction, loss_weights=loss_weights,
+        )  # fmt: skip
 
 
 # -------------------------------------------------------------------------------- family
@@ -404,7 +391,7 @@ class Wan(Family):
             # CPU: a quadrature of a scalar probability, computed once per job
             u0 = (torch.arange(100_000, dtype=torch.float64) + 0.5) / 100_000
             u = 1 - u0 - settings.mode_scale * (torch.cos(math.pi * u0 / 2) ** 2 - 1 + u0)
-            return float((_indices(u, num_steps) < k).double().mean())
+            return float((table_indices(u, num_steps) < k).double().mean())
         return cut
 
     def objective(self, noise_scheduler, settings, expert: str | None = None, boundary: float | None = None):
