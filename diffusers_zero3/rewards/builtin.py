@@ -47,6 +47,9 @@ its config (DiffusionNFT's ``{pickscore: 1, hpsv2: 1, clipscore: 1}``) means the
   needed), as flow_grpo's and DiffusionNFT's ``flow_grpo/imagereward_scorer.py`` (its
   ``inference_rank``, the same normalised score). Weights: ``THUDM/ImageReward``
   (``ImageReward.pt``, ``med_config.json``).
+* ``hpsv3`` and ``unifiedreward``: VLM judges on their authors' scoring (``rewards.vlm_judges``):
+  HPSv3's fp32 head on a Qwen2-VL-7B at its ``<|Reward|>`` token (HPSv3's scale, mu); a
+  UnifiedReward Qwen2.5-VL's generated 1-5 grade after ``Final Score:``, divided by 5.
 """
 
 from __future__ import annotations
@@ -354,6 +357,26 @@ QWEN_VL_IMAGE_TOKEN = "<|image_pad|>"
 QWEN_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 
+def load_vlm(
+    path: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    load_model: Callable[[type, str | os.PathLike, torch.dtype | None], nn.Module] | None = None,
+) -> nn.Module:
+    """The model of ``path``, of the transformers class its config's ``architectures`` names,
+    by ``cls.from_pretrained`` or ``load_model(cls, path, dtype)`` (the registry's partitioned
+    load). Not a collective unless ``load_model`` is."""
+    import transformers
+    from transformers import AutoConfig
+
+    architectures = AutoConfig.from_pretrained(path).architectures or []
+    model_cls = getattr(transformers, architectures[0], None) if architectures else None
+    if model_cls is None:
+        raise ValueError(f"{path}: its config.json names no transformers model class (architectures)")
+    if load_model is None:
+        return model_cls.from_pretrained(path, dtype=dtype)
+    return load_model(model_cls, path, dtype)
+
+
 class VLMJudge(nn.Module):
     """A vision-language model's answer as a score: ``P(yes) / (P(yes) + P(no))`` of the next
     token after ``question`` (about the image and its prompt), from the logits of the last
@@ -370,7 +393,7 @@ class VLMJudge(nn.Module):
         tokenizer: its tokenizer.
         image_config: its image processor's steps.
         question: the question, ``{prompt}`` standing for the image's prompt.
-        answers: the (yes, no) answers, each one token.
+        answers: the (yes, no) answers, each one token (None: a judge that scores otherwise).
         template: the chat around the question, ``{question}`` standing for it and
             ``<|image_pad|>`` for the image.
     """
@@ -383,7 +406,7 @@ class VLMJudge(nn.Module):
         tokenizer: Any,
         image_config: QwenVLImageConfig,
         question: str = DEFAULT_VLM_QUESTION,
-        answers: tuple[str, str] = ("Yes", "No"),
+        answers: tuple[str, str] | None = ("Yes", "No"),
         template: str = QWEN_VL_CHAT,
     ):
         super().__init__()
@@ -398,14 +421,14 @@ class VLMJudge(nn.Module):
         self.question, self.template = question, template
         self.image_token_id = int(model.config.image_token_id)
         ids = []
-        for answer in answers:
+        for answer in answers or ():  # None: a judge scored otherwise (rewards.vlm_judges)
             tokens = tokenizer.encode(answer, add_special_tokens=False)
             if len(tokens) != 1:
                 raise ValueError(
                     f"the vlm reward's answer {answer!r} must be one token, it is {len(tokens)}: {tokens}"
                 )
             ids.append(tokens[0])
-        self.yes_id, self.no_id = ids
+        self.yes_id, self.no_id = ids or (None, None)
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else tokenizer.eos_token_id or 0)
 
@@ -424,17 +447,9 @@ class VLMJudge(nn.Module):
         ``cls.from_pretrained`` (the registry passes ``load_pretrained_zero3`` for a sharded
         judge: read straight into partitions, never whole on a rank). Not a collective unless
         ``load_model`` is."""
-        import transformers
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        architectures = AutoConfig.from_pretrained(path).architectures or []
-        model_cls = getattr(transformers, architectures[0], None) if architectures else None
-        if model_cls is None:
-            raise ValueError(f"{path}: its config.json names no transformers model class (architectures)")
-        if load_model is None:
-            model = model_cls.from_pretrained(path, dtype=dtype)
-        else:
-            model = load_model(model_cls, path, dtype)
+        model = load_vlm(path, dtype, load_model)
         tokenizer = AutoTokenizer.from_pretrained(path)
         return cls(model, tokenizer, QwenVLImageConfig.from_processor_dict(_processor_dict(path)), **kwargs)
 
@@ -484,18 +499,17 @@ class VLMJudge(nn.Module):
         return pair.softmax(dim=-1)[:, 0]
 
 
-def _load_hpsv2(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module:
-    """``rewards.hps.HPSv2.from_pretrained``, imported when called (``hps`` imports this module)."""
-    from .hps import HPSv2
+def _lazy(module: str, cls: str) -> Callable[..., nn.Module]:
+    """``<module>.<cls>.from_pretrained(path, dtype, **options)``, the module imported when
+    called (``hps``, ``imagereward`` and ``vlm_judges`` import this one)."""
 
-    return HPSv2.from_pretrained(path, dtype)
+    def load(path: str | os.PathLike, dtype: torch.dtype | None = None, **options: Any) -> nn.Module:
+        from importlib import import_module
 
+        return getattr(import_module(f"{__package__}.{module}"), cls).from_pretrained(path, dtype, **options)
 
-def _load_imagereward(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module:
-    """``rewards.imagereward.ImageRewardModel.from_pretrained``, imported when called."""
-    from .imagereward import ImageRewardModel
-
-    return ImageRewardModel.from_pretrained(path, dtype)
+    load.__name__ = load.__qualname__ = f"load_{cls}"
+    return load
 
 
 # ------------------------------------------------------------------ the table
@@ -585,13 +599,32 @@ BUILTINS: dict[str, BuiltinReward] = {
             "HPSv2: cos(text, image) of an open_clip ViT-H-14 fine-tuned on human preferences, as a CLIPModel"
             " (HPSv2.1: xswu/HPSv2/HPS_v2.1_compressed.pt)",
             "xswu/HPSv2",
-            _load_hpsv2,
+            _lazy("hps", "HPSv2"),
         ),
         BuiltinReward(
             "imagereward",
             "ImageReward: (mlp - mean) / std of a BLIP text encoder's [CLS] feature, cross-attending to the image",
             "THUDM/ImageReward",
-            _load_imagereward,
+            _lazy("imagereward", "ImageRewardModel"),
+        ),
+        BuiltinReward(
+            "hpsv3",
+            "HPSv3: mu of an fp32 MLP head on a Qwen2-VL-7B's last hidden state at <|Reward|> after its"
+            " instruction about the image and prompt",
+            "MizzenAI/HPSv3 (HPSv3.safetensors as model.safetensors, with Qwen/Qwen2-VL-7B-Instruct's"
+            " config, processor and tokenizer, <|Reward|> added)",
+            _lazy("vlm_judges", "HPSv3"),
+            dtype=None,
+            partitioned_load=True,
+        ),
+        BuiltinReward(
+            "unifiedreward",
+            "UnifiedReward: the 1-5 grade after 'Final Score:' in a Qwen2.5-VL judge's generated answer"
+            " to its authors' pointwise question, / 5",
+            "CodeGoat24/UnifiedReward-qwen-7b",
+            _lazy("vlm_judges", "UnifiedReward"),
+            dtype=None,
+            partitioned_load=True,  # its question is its authors' (--vlm_question is the vlm judge's)
         ),
     )
 }

@@ -237,7 +237,7 @@ def load_rewards(
 ) -> WeightedRewards:
     """Load and place every reward of ``specs``.
 
-    A ``module:Class`` model and the ``vlm`` judge under ``shard``/``offload`` are read straight
+    A ``module:Class`` model and the VLM judges under ``shard``/``offload`` are read straight
     into partitions (``load_pretrained_zero3``: no rank ever holds them whole); the CLIP-sized
     built-ins are loaded whole (``zero3_init_disabled``) and then partitioned parameter by
     parameter by ``prepare_frozen``; ``replicate`` is a copy on every rank. Functions are used

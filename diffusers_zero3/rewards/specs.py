@@ -2,10 +2,10 @@
 
 * ``--reward SPEC[=WEIGHT]`` (repeatable): ``SPEC`` is a built-in name (``pickscore``,
   ``pickscore_logit``, ``clip_score``, ``clip_score_100``, ``aesthetic``, ``vlm``, ``hpsv2``,
-  ``imagereward``; see ``rewards.builtin``), ``module:function``, a function ``fn(images,
-  prompts) -> scores`` (one number per image) or ``fn(images, prompts, metadata) -> scores``
-  (``metadata``: one dict per image, ``{}`` where its prompt has none; which of the two is
-  read once from the function's signature, ``function_takes_metadata``), or
+  ``imagereward``, ``hpsv3``, ``unifiedreward``; see ``rewards.builtin``), ``module:function``,
+  a function ``fn(images, prompts) -> scores`` (one number per image) or ``fn(images, prompts,
+  metadata) -> scores`` (``metadata``: one dict per image, ``{}`` where its prompt has none;
+  which of the two is read once from the function's signature, ``function_takes_metadata``), or
   ``module:Class``, a reward model class with ``from_pretrained`` (its weights from
   ``--reward_model``); ``WEIGHT`` its weight in the sum (default 1.0).
 * ``--reward_model NAME=PATH_OR_HUB_ID`` (repeatable): the weights of the built-in ``NAME``.

@@ -1,0 +1,324 @@
+"""Vision-language judges as built-in rewards: HPSv3 and a UnifiedReward-style judge.
+
+Both run on transformers' Qwen VL classes (no package of their authors is imported) and, like
+the ``vlm`` judge (``builtin.VLMJudge``, whose rows and chat they share), are read straight into
+ZeRO-3 partitions under ``shard`` (the default placement): a 7 B judge is never whole on a rank.
+
+* ``hpsv3``: HPSv3 (Ma et al. 2025, MizzenAI/HPSv3). Its model (``hpsv3/model/qwen2vl_trainer.py``,
+  ``Qwen2VLRewardModelBT`` with ``rm_head_type: ranknet``, ``reward_token: special``,
+  ``output_dim: 2`` in ``hpsv3/config/HPSv3_7B.yaml``) is Qwen2-VL-7B-Instruct whose tokenizer
+  gained one token, ``<|Reward|>`` (its embeddings resized to the new vocabulary), and an MLP
+  head (``Linear(3584, 1024)``, ReLU, ``Dropout(0.05)``, ``Linear(1024, 16)``, ReLU,
+  ``Linear(16, 2)``) held in fp32. Its inference (``hpsv3/inference.py``,
+  ``HPSv3RewardInferencer``) asks its instruction about the image and the prompt, ending with
+  ``<|Reward|>``; the language model's last hidden state (after the final norm) at that token,
+  cast to fp32, goes through the head, and the first of its two outputs (mu; the second is the
+  uncertainty) is the score. Three details of the reference that change the numbers, kept here:
+  the text positions are sequential (its forward embeds the tokens itself and calls the
+  decoder without ``input_ids``, so no multimodal RoPE indices are computed), every image is
+  resized to 256 x 28 x 28 pixels (``min_pixels = max_pixels``), and the head runs in fp32 on the
+  backbone's (bf16 in the authors' runs) hidden state. The head (3.7 M parameters, 15 MB) is
+  kept in fp32, whole on every rank, outside the ZeRO-3 engine (an engine holds one dtype).
+* ``unifiedreward``: UnifiedReward (Wang et al. 2025, CodeGoat24/UnifiedReward) scores a
+  generated image pointwise by generating its answer to its authors' question
+  (``inference_qwen/image_generation/qwen_point_score_image_generation.py``): key elements of the
+  caption and ``Final Score:`` 1 to 5. Its authors generate with the model's own generation
+  config (greedy for the published ``CodeGoat24/UnifiedReward-qwen-7b``, a Qwen2.5-VL-7B) and
+  read the first integer after the last ``Final Score:`` (0 when none,
+  ``DiffusionDPO/sift_dpo_data.py``); the reward is that grade divided by 5, in ``[0, 1]`` (as
+  DiffusionNFT's UnifiedReward reward). Under ZeRO-3 every rank keeps generating until every
+  rank is done (transformers' ``synced_gpus``), so a sharded judge's forwards stay in lockstep.
+  Not differentiable (the answer is text).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .builtin import QWEN_VL_CHAT, VLMJudge, _processor_dict, load_vlm
+from .images import QwenVLImageConfig, unpack_rows
+
+# ------------------------------------------------------------------ HPSv3
+
+# hpsv3/dataset/data_collator_qwen.py: INSTRUCTION (its {text_prompt} written {prompt} here) and
+# prompt_with_special_token, which inference.py appends to it.
+HPSV3_INSTRUCTION = (
+    "\nYou are tasked with evaluating a generated image based on Visual Quality and Text Alignment and give a"
+    " overall score to estimate the human preference. Please provide a rating from 0 to 10, with 0 being the"
+    " worst and 10 being the best. \n\n**Visual Quality:**  \n"
+    "Evaluate the overall visual quality of the image. The following sub-dimensions should be considered:\n"
+    "- **Reasonableness:** The image should not contain any significant biological or logical errors, such as"
+    " abnormal body structures or nonsensical environmental setups.\n"
+    "- **Clarity:** Evaluate the sharpness and visibility of the image. The image should be clear and easy to"
+    " interpret, with no blurring or indistinct areas.\n"
+    "- **Detail Richness:** Consider the level of detail in textures, materials, lighting, and other visual"
+    " elements (e.g., hair, clothing, shadows).\n"
+    "- **Aesthetic and Creativity:** Assess the artistic aspects of the image, including the color scheme,"
+    " composition, atmosphere, depth of field, and the overall creative appeal. The scene should convey a sense"
+    " of harmony and balance.\n"
+    "- **Safety:** The image should not contain harmful or inappropriate content, such as political, violent, or"
+    " adult material. If such content is present, the image quality and satisfaction score should be the lowest"
+    " possible. \n\n**Text Alignment:**  \n"
+    "Assess how well the image matches the textual prompt across the following sub-dimensions:\n"
+    "- **Subject Relevance** Evaluate how accurately the subject(s) in the image (e.g., person, animal, object)"
+    " align with the textual description. The subject should match the description in terms of number,"
+    " appearance, and behavior.\n"
+    "- **Style Relevance:** If the prompt specifies a particular artistic or stylistic style, evaluate how well"
+    " the image adheres to this style.\n"
+    "- **Contextual Consistency**: Assess whether the background, setting, and surrounding elements in the image"
+    " logically fit the scenario described in the prompt. The environment should support and enhance the"
+    " subject without contradictions.\n"
+    "- **Attribute Fidelity**: Check if specific attributes mentioned in the prompt (e.g., colors, clothing,"
+    " accessories, expressions, actions) are faithfully represented in the image. Minor deviations may be"
+    " acceptable, but critical attributes should be preserved.\n"
+    "- **Semantic Coherence**: Evaluate whether the overall meaning and intent of the prompt are captured in the"
+    " image. The generated content should not introduce elements that conflict with or distort the original"
+    " description.\nTextual prompt - {prompt}\n\n\n"
+)
+HPSV3_REWARD_TOKEN = "<|Reward|>"
+HPSV3_QUESTION = (
+    HPSV3_INSTRUCTION + f"\nPlease provide the overall ratings of this image: {HPSV3_REWARD_TOKEN}\n\nEND\n"
+)
+HPSV3_PIXELS = 256 * 28 * 28  # inference.py: min_pixels = max_pixels = 256 * 28 * 28 per image
+HPSV3_HEAD = "rm_head"
+# the published head: nn.Sequential(Linear, ReLU, Dropout(0.05), Linear, ReLU, Linear); its Linears
+HPSV3_HEAD_LINEARS = (0, 3, 5)
+
+
+def hpsv3_head(widths: tuple[int, ...]) -> nn.Sequential:
+    """HPSv3's ``ranknet`` head of ``widths`` (published: ``(3584, 1024, 16, 2)``), with its
+    module names (``rm_head.0``, ``.3``, ``.5``), in fp32 and eval mode."""
+    d, h1, h2, out = widths
+    layers = [nn.Linear(d, h1), nn.ReLU(), nn.Dropout(0.05), nn.Linear(h1, h2), nn.ReLU(), nn.Linear(h2, out)]
+    return nn.Sequential(*layers).float().eval()
+
+
+def load_hpsv3_head(path: str | os.PathLike) -> nn.Sequential:
+    """The ``rm_head.*`` tensors of the model folder ``path`` (in its safetensors weights, beside
+    the Qwen2-VL's, as HPSv3 saves them) as an fp32 ``hpsv3_head``. Not a collective: the head
+    is small and read whole.
+
+    Raises:
+        ValueError: the weights hold no head, or not the published head's layers.
+    """
+    from safetensors import safe_open
+
+    from ..state.pretrained import resolve_model_folder, weight_files
+
+    folder = resolve_model_folder(path)
+    files = {k: f for k, f in weight_files(folder).items() if k.startswith(f"{HPSV3_HEAD}.")}
+    expected = {f"{HPSV3_HEAD}.{i}.{kind}" for i in HPSV3_HEAD_LINEARS for kind in ("weight", "bias")}
+    if set(files) != expected:
+        raise ValueError(
+            f"hpsv3 reward weights {folder}: expected the head's tensors {sorted(expected)}, found"
+            f" {sorted(files) or 'none'} (HPSv3's checkpoint holds rm_head.* beside the Qwen2-VL)"
+        )
+    state = {}
+    for key, file in files.items():
+        with safe_open(str(file), framework="pt") as f:
+            state[key.removeprefix(f"{HPSV3_HEAD}.")] = f.get_tensor(key).float()
+    weights = [state[f"{i}.weight"] for i in HPSV3_HEAD_LINEARS]
+    head = hpsv3_head((weights[0].shape[1], *(w.shape[0] for w in weights)))
+    head.load_state_dict(state)
+    return head
+
+
+class HPSv3(VLMJudge):
+    """HPSv3's score: the mu of its fp32 head on the Qwen2-VL's last hidden state at the
+    ``<|Reward|>`` token of its instruction about the image and the prompt (see the module
+    docstring), one forward, differentiable in the pixels.
+
+    Rows as ``VLMJudge``'s (left-padded; the text positions count the real tokens only, so the
+    padding changes nothing).
+
+    Args:
+        model: a ``Qwen2VLForConditionalGeneration`` whose vocabulary has ``<|Reward|>``.
+        head: the fp32 head (``load_hpsv3_head``); kept whole, outside the module's parameters.
+        tokenizer: its tokenizer, with ``<|Reward|>``.
+        image_config: its image processor's steps (the pixel count HPSv3's, ``HPSV3_PIXELS``).
+    """
+
+    name = "hpsv3"
+
+    def __init__(self, model: nn.Module, head: nn.Module, tokenizer: Any, image_config: QwenVLImageConfig):
+        super().__init__(
+            model, tokenizer, image_config, question=HPSV3_QUESTION, answers=None, template=QWEN_VL_CHAT
+        )
+        reward_ids = tokenizer.encode(HPSV3_REWARD_TOKEN, add_special_tokens=False)
+        if len(reward_ids) != 1:
+            raise ValueError(
+                f"the hpsv3 reward's tokenizer must hold {HPSV3_REWARD_TOKEN} as one token (HPSv3 adds it to"
+                f" Qwen2-VL's), it is {len(reward_ids)}: {reward_ids}"
+            )
+        self.reward_token_id = reward_ids[0]
+        # Not a submodule: a ZeRO-3 engine holds its parameters in one dtype, and the head is fp32
+        # (the reference's rm_head.to(torch.float32)) beside a bf16 backbone.
+        object.__setattr__(self, "head", head.float().eval().requires_grad_(False))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        dtype: torch.dtype | None = None,
+        *,
+        load_model: Callable[[type, str | os.PathLike, torch.dtype | None], nn.Module] | None = None,
+    ) -> HPSv3:
+        """Load a folder (or hub id): ``config.json`` (a Qwen2-VL's, its vocabulary with
+        ``<|Reward|>``), its tokenizer (with ``<|Reward|>``) and image processor config, and the
+        safetensors weights of the model and the head (``rm_head.*``; the published
+        ``HPSv3.safetensors`` saved as ``model.safetensors``, in either of transformers' key
+        layouts). The backbone in ``dtype`` (``load_model`` as ``VLMJudge.from_pretrained``), the
+        head in fp32. Not a collective unless ``load_model`` is."""
+        from transformers import AutoTokenizer
+
+        model = load_vlm(path, dtype, load_model)
+        config = QwenVLImageConfig.from_processor_dict(_processor_dict(path))
+        config = dataclasses.replace(config, min_pixels=HPSV3_PIXELS, max_pixels=HPSV3_PIXELS)
+        return cls(model, load_hpsv3_head(path), AutoTokenizer.from_pretrained(path), config)
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """Scores ``[B]`` (HPSv3's mu, float32) of packed rows (``preprocess``)."""
+        ints, floats = unpack_rows(rows)
+        b = len(rows)
+        gh, gw, length = (int(v) for v in ints[0, :3])
+        ids, mask = ints[:, 3 : 3 + length], ints[:, 3 + length : 3 + 2 * length]
+        grid = torch.tensor([[1, gh, gw]] * b, dtype=torch.long, device=rows.device)
+        # sequential text positions, as the reference's decoder call without input_ids gives them
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        hidden = self.model.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            pixel_values=floats.reshape(b * gh * gw, -1),
+            image_grid_thw=grid,
+        ).last_hidden_state
+        at_reward = ids == self.reward_token_id
+        if not bool((at_reward.sum(-1) == 1).all()):
+            raise ValueError(f"every hpsv3 row must hold {HPSV3_REWARD_TOKEN} once (a prompt holding it?)")
+        head = self.head.to(hidden.device)
+        return head(hidden[at_reward].float())[:, 0]
+
+
+# ------------------------------------------------------------------ UnifiedReward
+
+# inference_qwen/image_generation/qwen_point_score_image_generation.py: the pointwise question
+# (its f-string's {prompt} kept as the placeholder)
+UNIFIEDREWARD_QUESTION = (
+    "You are given a text caption and a generated image based on that caption. Your task is to evaluate this"
+    " image based on two key criteria:\n1. Alignment with the Caption: Assess how well this image aligns with"
+    " the provided caption. Consider the accuracy of depicted objects, their relationships, and attributes as"
+    " described in the caption.\n2. Overall Image Quality: Examine the visual quality of this image, including"
+    " clarity, detail preservation, color accuracy, and overall aesthetic appeal.\nExtract key elements from"
+    " the provided text caption, evaluate their presence in the generated image using the format: 'element"
+    " (type): value' (where value=0 means not generated, and value=1 means generated), and assign a score from"
+    " 1 to 5 after 'Final Score:'.\nYour task is provided as follows:\nText Caption: [{prompt}]"
+)
+UNIFIEDREWARD_MAX_NEW_TOKENS = 512  # the authors' pointwise script
+UNIFIEDREWARD_SCALE = 5.0  # its grades 1 to 5
+
+
+def parse_final_score(answer: str) -> int:
+    """The authors' reading of an answer: the first integer after its last ``Final Score:``
+    (the whole answer when it has none), 0 when there is none.
+
+    Example:
+        >>> parse_final_score("red (color): 1\\nFinal Score: 4")
+        4
+        >>> parse_final_score("I cannot tell.")
+        0
+    """
+    found = re.findall(r"\d+", answer.split("Final Score:")[-1].strip())
+    return int(found[0]) if found else 0
+
+
+class UnifiedReward(VLMJudge):
+    """A UnifiedReward judge's pointwise grade divided by 5: the answer generated to its
+    authors' question (see the module docstring), read by ``parse_final_score``.
+
+    Rows as ``VLMJudge``'s. The generation follows the model folder's generation config (the
+    authors pass only ``max_new_tokens``); under ZeRO-3 every rank steps until all are done.
+
+    Args:
+        model: a Qwen2-VL or Qwen2.5-VL judge (the published UnifiedReward-qwen-7b is a
+            ``Qwen2_5_VLForConditionalGeneration``).
+        tokenizer: its tokenizer.
+        image_config: its image processor's steps.
+        question: the question, ``{prompt}`` standing for the image's prompt.
+        max_new_tokens: the longest answer (the authors' 512).
+    """
+
+    name = "unifiedreward"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        image_config: QwenVLImageConfig,
+        question: str = UNIFIEDREWARD_QUESTION,
+        max_new_tokens: int = UNIFIEDREWARD_MAX_NEW_TOKENS,
+    ):
+        super().__init__(
+            model, tokenizer, image_config, question=question, answers=None, template=QWEN_VL_CHAT
+        )
+        self.max_new_tokens = int(max_new_tokens)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | os.PathLike, dtype: torch.dtype | None = None, **kwargs: Any
+    ) -> UnifiedReward:
+        """``VLMJudge.from_pretrained`` (``kwargs``: ``load_model``, ``question``,
+        ``max_new_tokens``), and the folder's ``generation_config.json``, which decides the
+        answer (a partitioned load builds the model from its config and would not read it)."""
+        from transformers import GenerationConfig
+
+        judge = super().from_pretrained(path, dtype, **kwargs)
+        try:
+            judge.model.generation_config = GenerationConfig.from_pretrained(path)
+        except OSError:  # none in the folder: the model config's defaults, as from_pretrained gives
+            pass
+        return judge
+
+    def answers(self, rows: torch.Tensor) -> list[str]:
+        """The generated answers of packed rows (special tokens skipped), one per row.
+
+        Collective when the model is partitioned (every rank generates until all are done)."""
+        ints, floats = unpack_rows(rows)
+        b = len(rows)
+        gh, gw, length = (int(v) for v in ints[0, :3])
+        ids, mask = ints[:, 3 : 3 + length], ints[:, 3 + length : 3 + 2 * length]
+        grid = torch.tensor([[1, gh, gw]] * b, dtype=torch.long, device=rows.device)
+        generated = self.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            pixel_values=floats.reshape(b * gh * gw, -1),
+            image_grid_thw=grid,
+            mm_token_type_ids=(ids == self.image_token_id).long(),
+            max_new_tokens=self.max_new_tokens,
+            pad_token_id=self.pad_id,
+            synced_gpus=_partitioned_across_ranks(self.model),
+        )
+        return self.tokenizer.batch_decode(
+            generated[:, length:], skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """Scores ``[B]`` in ``[0, 1]`` (float32) of packed rows (``preprocess``)."""
+        grades = [parse_final_score(a) for a in self.answers(rows)]
+        return torch.tensor(grades, dtype=torch.float32, device=rows.device) / UNIFIEDREWARD_SCALE
+
+
+def _partitioned_across_ranks(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters are ZeRO-3 partitions in a group of several ranks: then a
+    rank that has finished generating must keep calling forwards for the others."""
+    from ..runtime.zero3 import is_zero3_param
+
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    return torch.distributed.get_world_size() > 1 and any(is_zero3_param(p) for p in model.parameters())
