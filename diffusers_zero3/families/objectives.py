@@ -464,10 +464,6 @@ class Objective:
         self.noise_scheduler = noise_scheduler
         self.settings = settings
 
-
-class DDPMObjective(Objective):
-    """Noise (or velocity) prediction at uniform (or biased) DDPM timesteps."""
-
     def loss(
         self,
         predict,
@@ -476,6 +472,17 @@ class DDPMObjective(Objective):
         reduction: str = "mean",
         loss_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The loss of one batch of ``latents`` (normalised): ``predict(noisy, timesteps)`` calls
+        the denoiser; noise and timesteps come from this rank's RNG, or from each sample's own
+        ``generators`` (``sample_generators``); the mean over the batch, or one value per sample
+        with ``reduction="none"``; ``loss_weights`` weigh each element (``latent_loss_weights``)."""
+        raise NotImplementedError
+
+
+class DDPMObjective(Objective):
+    """Noise (or velocity) prediction at uniform (or biased) DDPM timesteps."""
+
+    def loss(self, predict, latents, generators=None, reduction="mean", loss_weights=None) -> torch.Tensor:
         """Draw noise, its perturbation and timesteps (this rank's RNG, or each sample's own
         ``generators``), then ``diffusion_loss``."""
         s = self.settings
@@ -501,14 +508,7 @@ class DDPMObjective(Objective):
 class FlowMatchingObjective(Objective):
     """Rectified flow at the scheduler's sigmas (``flow_matching_loss``)."""
 
-    def loss(
-        self,
-        predict,
-        latents: torch.Tensor,
-        generators: list[torch.Generator] | None = None,
-        reduction: str = "mean",
-        loss_weights: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def loss(self, predict, latents, generators=None, reduction="mean", loss_weights=None) -> torch.Tensor:
         """Draw noise, then timesteps (this rank's RNG, or each sample's own ``generators``)."""
         s = self.settings
         return flow_matching_loss(

@@ -401,20 +401,8 @@ class Wan(Family):
             noise_scheduler, settings, self.expert_timesteps(noise_scheduler, expert, boundary)
         )
 
-    def loss(
-        self,
-        denoiser,
-        noise_scheduler,
-        latents,
-        cond,
-        settings,
-        generators=None,
-        reduction="mean",
-        loss_weights=None,
-        *,
-        expert: ExpertSide | None = None,
-        **denoiser_kwargs,
-    ):
+    def loss(self, denoiser, noise_scheduler, latents, cond, settings, generators=None, reduction="mean",
+             loss_weights=None, *, expert: ExpertSide | None = None, **denoiser_kwargs):  # fmt: skip
         """``Family.loss``; for a Wan 2.2 expert, pass ``expert`` (``ExpertSide``: the folder the
         ``denoiser`` is and ``self.boundary(source)``): its timesteps are then drawn on its side."""
         name, boundary = (expert.name, expert.boundary) if expert is not None else (None, None)
