@@ -1,5 +1,6 @@
 """The planner's RL plans on the published configs (``diffusers-zero3-plan --rl``): the policy
-(full or LoRA), its reference, PickScore and a 7 B VLM judge, the round, on 8 x 80 GB in bf16.
+(full or LoRA), its reference, PickScore and a 7 B VLM judge (``vlm``; ``hpsv3`` and
+``unifiedreward`` on Qwen-Image), the round, on 8 x 80 GB in bf16.
 Each job is a documented command line; the table and the commands are docs/rl.md's, between its
 markers:
 
@@ -17,13 +18,18 @@ from pathlib import Path
 from benchmarks.common import markdown_table, print_section
 
 GIB = 2**30
-COMMON = "--reference --num_processes 8 --device_memory 80GiB --mixed_precision bf16 --reward pickscore --reward vlm"
+BASE = "--reference --num_processes 8 --device_memory 80GiB --mixed_precision bf16 --reward pickscore"
+COMMON = f"{BASE} --reward vlm"
+JUDGES = ("vlm", "hpsv3", "unifiedreward")  # the 7 B judges a job may hold, one at a time
 ROUND = "--group_size 24 --prompts_per_round 48 --num_inference_steps 10"  # the references' SD3 rounds
 # (pipeline title, policy, the planner's arguments)
 RL_JOBS = [
     ("Qwen-Image, 1024 px", "full, GRPO", f"Qwen/Qwen-Image --rl grpo {COMMON} --resolution 1024 {ROUND}"),
     ("Qwen-Image, 1024 px", "full, NFT", f"Qwen/Qwen-Image --rl nft {COMMON} --resolution 1024 {ROUND}"),
     ("Qwen-Image, 1024 px", "LoRA r64, GRPO", f"Qwen/Qwen-Image --rl grpo --rank 64 {COMMON} --resolution 1024 {ROUND}"),
+    ("Qwen-Image, 1024 px", "full, GRPO", f"Qwen/Qwen-Image --rl grpo {BASE} --reward hpsv3 --resolution 1024 {ROUND}"),
+    ("Qwen-Image, 1024 px", "full, GRPO",
+     f"Qwen/Qwen-Image --rl grpo {BASE} --reward unifiedreward --resolution 1024 {ROUND}"),
     ("FLUX.1 [dev], 1024 px", "full, GRPO", f"black-forest-labs/FLUX.1-dev --rl grpo {COMMON} --resolution 1024 {ROUND}"),
     ("FLUX.1 [dev], 1024 px", "LoRA r64, GRPO",
      f"black-forest-labs/FLUX.1-dev --rl grpo --rank 64 {COMMON} --resolution 1024 {ROUND}"),
@@ -82,7 +88,7 @@ def rl_row(title: str, policy: str, args: str) -> dict:
         "old policy": _gib(old) if old else "-",
         "reference R / S": _pair(comps.get("reference")) if "reference" in comps else "(the base: free)",
         "PickScore R / S (fp32)": _pair(comps.get("reward:pickscore")),
-        "judge R / S": _pair(comps.get("reward:vlm")),
+        "judge: R / S": next(f"{j} {_pair(comps[f'reward:{j}'])}" for j in JUDGES if f"reward:{j}" in comps),
         "round (samples / rank)": f"{rl['round']['bytes_per_rank'] / GIB:.2f} ({rl['round']['samples_per_rank']})",
         "placements that fit (reference, PickScore, judge): total": fit,
         "recommended (total)": recommended,

@@ -36,6 +36,12 @@ PUBLISHED_PARAMETERS = {
     "vlm": 8_292_166_656,
     "vlm:qwen2.5-vl-7b": 8_292_166_656,
     "vlm:qwen2-vl-7b": 8_291_375_616,
+    # MizzenAI/HPSv3: Qwen2-VL-7B with 406 fewer tokens (its vocabulary resized to 151,658:
+    # Qwen2-VL's tokenizer and <|Reward|>) in the embeddings and lm_head (3584 wide each), and its
+    # head 3584-1024-16-2 (3,687,474)
+    "hpsv3": 8_291_375_616 - 406 * 3584 * 2 + 3_687_474,
+    # CodeGoat24/UnifiedReward-qwen-7b: a Qwen2.5-VL-7B-Instruct fine-tune
+    "unifiedreward": 8_292_166_656,
     # THUDM/ImageReward: BLIP's ViT-L/16 at 224 (303,301,632), the BERT-base text encoder with a
     # cross-attention in each of its 12 layers and no pooler (141,977,088), the MLP head
     # 768-1024-128-64-16-1 (927,969): 446 M (BLIP's contrastive projections are not loaded)
@@ -67,7 +73,7 @@ def test_every_planned_reward_is_a_recipe_built_in_in_its_dtype():
     for name, reward in PUBLISHED_REWARDS.items():
         builtin = BUILTINS[reward.builtin]
         assert reward.fp32 == (builtin.dtype == torch.float32), name
-        if name == reward.builtin and name != "aesthetic":  # aesthetic's is a folder description
+        if name == reward.builtin and name not in ("aesthetic", "hpsv3"):  # theirs: folder descriptions
             assert reward.hub_id == builtin.published, name
     with torch.device("meta"):
         hps = CLIPModel(vit_h14_config())

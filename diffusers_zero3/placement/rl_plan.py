@@ -11,8 +11,9 @@ models; ``--reference``; ``--reward_model NAME=FOLDER``) it counts what the RL r
 * each ``--reward NAME`` (repeatable), a built-in reward sized from its published config
   written once in ``families.published`` (``PUBLISHED_REWARDS``: no hub, no folder), in the
   dtype the recipe runs it in: fp32 for the CLIP and BLIP scorers (``rewards.builtin``'s
-  ``BuiltinReward.dtype``), the run's dtype for a ``vlm`` judge; ``replicate``, ``shard`` or
-  ``offload`` (``--reward_placement``), never cached;
+  ``BuiltinReward.dtype``), the run's dtype for a VLM judge (``vlm``, ``hpsv3``,
+  ``unifiedreward``; not the KV cache of ``unifiedreward``'s generated answer); ``replicate``,
+  ``shard`` or ``offload`` (``--reward_placement``), never cached;
 * the round (``ROUND_FIELDS``, ``recipes.grpo.Round``): each rank's ``samples_per_rank``
   samples (``ceil(prompts_per_round x group_size / (N / K))``), each with its latents at every
   step ``(T + 1)`` and log-probabilities ``T`` in fp32 (the recipe keeps every step even with an
@@ -114,6 +115,13 @@ def _vlm(name: str, hub_id: str, class_name: str, config: dict) -> PublishedRewa
 
 
 _VISION_L14 = dict(CLIP_VIT_L14["vision_config"])
+# HPSv3 (MizzenAI/HPSv3): Qwen2-VL-7B whose embeddings and lm_head were resized to its tokenizer
+# with <|Reward|> added (151,657 + 1 tokens: create_model_and_processor's resize_token_embeddings),
+# and its ranknet head 3584-1024-16-2 (fp32 and whole on every rank in the recipe: 15 MB, counted
+# here with the model).
+HPSV3_VOCAB = 151_658
+HPSV3_QWEN2_VL_7B = dict(QWEN2_VL_7B, text_config=dict(QWEN2_VL_7B["text_config"], vocab_size=HPSV3_VOCAB))
+HPSV3_HEAD = (3584, 1024, 16, 2)
 PUBLISHED_REWARDS: dict[str, PublishedReward] = {
     r.name: r
     for r in (
@@ -147,6 +155,21 @@ PUBLISHED_REWARDS: dict[str, PublishedReward] = {
             QWEN2_5_VL_7B,
         ),
         _vlm("vlm:qwen2-vl-7b", "Qwen/Qwen2-VL-7B-Instruct", "Qwen2VLForConditionalGeneration", QWEN2_VL_7B),
+        PublishedReward(
+            "hpsv3",
+            "hpsv3",
+            "MizzenAI/HPSv3",
+            (("transformers", "Qwen2VLForConditionalGeneration", HPSV3_QWEN2_VL_7B, {}),),
+            head=HPSV3_HEAD,
+            fp32=False,
+        ),
+        PublishedReward(  # CodeGoat24/UnifiedReward-qwen-7b: a Qwen2.5-VL-7B-Instruct fine-tune
+            "unifiedreward",
+            "unifiedreward",
+            "CodeGoat24/UnifiedReward-qwen-7b",
+            (("transformers", "Qwen2_5_VLForConditionalGeneration", QWEN2_5_VL_7B, {}),),
+            fp32=False,
+        ),
     )
 }
 
