@@ -33,6 +33,7 @@ import torch
 from ..runtime.library_internals import hunyuanvideo15_causal_mask
 from .base import Family, ScaleShift, TextEncoderSpec, VideoLatents
 from .common import llm_text_encoder, run_args
+from .published import T5_V11_ENCODER
 from .qwenimage import PUBLISHED_TEXT_ENCODER as QWEN25_VL_7B
 
 # HunyuanVideo15Pipeline.__init__ (the system message as the pipeline's source writes it, its
@@ -314,19 +315,7 @@ PUBLISHED_TRANSFORMER = dict(
     use_meanflow=False,
 )
 PUBLISHED_TEXT_ENCODER = dict(QWEN25_VL_7B["text_config"])
-PUBLISHED_BYT5 = dict(
-    vocab_size=384,
-    d_model=1472,
-    d_kv=64,
-    d_ff=3584,
-    num_layers=12,
-    num_heads=6,
-    relative_attention_num_buckets=32,
-    relative_attention_max_distance=128,
-    feed_forward_proj="gated-gelu",
-    is_encoder_decoder=False,
-    tie_word_embeddings=False,
-)
+PUBLISHED_BYT5 = dict(T5_V11_ENCODER, vocab_size=384, d_model=1472, d_ff=3584, num_layers=12, num_heads=6)
 PUBLISHED_VAE = dict(
     in_channels=3,
     out_channels=3,

@@ -58,6 +58,16 @@ T5_XXL = dict(
     feed_forward_proj="gated-gelu",
     is_encoder_decoder=False,
 )
+# T5 v1.1's encoder keys that umT5 (Wan's text encoder) and ByT5 (HunyuanVideo 1.5's glyph encoder)
+# share: 64-wide heads, gated-GELU feed-forward, untied embeddings
+T5_V11_ENCODER = dict(
+    d_kv=64,
+    relative_attention_num_buckets=32,
+    relative_attention_max_distance=128,
+    feed_forward_proj="gated-gelu",
+    is_encoder_decoder=False,
+    tie_word_embeddings=False,
+)
 VAE_SD = dict(
     in_channels=3,
     out_channels=3,

@@ -27,6 +27,7 @@ from .objectives import (
     table_indices,
     table_points,
 )
+from .published import T5_V11_ENCODER
 
 HIGH, LOW = "transformer", "transformer_2"  # Wan 2.2's high-noise and low-noise experts
 TRAIN_EXPERTS = {"high": (HIGH,), "low": (LOW,), "both": (HIGH, LOW)}  # --train_experts
@@ -579,17 +580,7 @@ PUBLISHED_TRANSFORMER_5B = dict(
     _TRANSFORMER, num_attention_heads=24, ffn_dim=14336, num_layers=30, in_channels=48, out_channels=48
 )
 PUBLISHED_UMT5_XXL = dict(
-    vocab_size=256384,
-    d_model=4096,
-    d_kv=64,
-    d_ff=10240,
-    num_layers=24,
-    num_heads=64,
-    relative_attention_num_buckets=32,
-    relative_attention_max_distance=128,
-    feed_forward_proj="gated-gelu",
-    is_encoder_decoder=False,
-    tie_word_embeddings=False,
+    T5_V11_ENCODER, vocab_size=256384, d_model=4096, d_ff=10240, num_layers=24, num_heads=64
 )
 PUBLISHED_VAE_21 = dict(
     base_dim=96,
