@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 import torch
 
+from diffusers_zero3.rewards.vlm_judges import HPSV3_INSTRUCTION
 from tests.distributed_harness import run_on_ranks
 from tests.test_reward_registry import PROMPTS, _as_tensor, _pil, _uint8_images
 
@@ -81,6 +82,9 @@ def _text_config(tok, published_text: dict) -> dict:
 # ------------------------------------------------------------------ HPSv3
 
 
+HPSV3_TEXTS = (HPSV3_INSTRUCTION, "Please provide the overall ratings")  # its words one token each
+
+
 def _legacy_names(state: dict) -> dict:
     """transformers 4's names of a Qwen2-VL (``model.*`` the decoder, ``visual.*``), the layout
     of the published HPSv3.safetensors; transformers 5 renames them as it loads."""
@@ -105,10 +109,10 @@ def hpsv3_folder(tmp_path_factory):
 
     from diffusers_zero3.demo.pipelines import vl_token_ids
     from diffusers_zero3.families.published import QWEN2_VL_7B, shrink
-    from diffusers_zero3.rewards.vlm_judges import HPSV3_INSTRUCTION, hpsv3_head
+    from diffusers_zero3.rewards.vlm_judges import hpsv3_head
 
     folder = tmp_path_factory.mktemp("hpsv3")
-    tok = _tokenizer(folder, "<|Reward|>", texts=(HPSV3_INSTRUCTION, "Please provide the overall ratings"))
+    tok = _tokenizer(folder, "<|Reward|>", texts=HPSV3_TEXTS)
     vision = shrink(QWEN2_VL_7B["vision_config"], depth=2, embed_dim=160, num_heads=2, hidden_size=256)
     config = Qwen2VLConfig(
         text_config=_text_config(tok, QWEN2_VL_7B["text_config"]),
@@ -136,8 +140,6 @@ def _hpsv3_reference(folder, images: np.ndarray, prompts, dtype) -> torch.Tensor
     from safetensors.torch import load_file
     from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from diffusers_zero3.rewards.vlm_judges import HPSV3_INSTRUCTION
 
     instruction = HPSV3_INSTRUCTION.replace("{prompt}", "{text_prompt}")
     special = "\nPlease provide the overall ratings of this image: <|Reward|>\n\nEND\n"
@@ -248,6 +250,44 @@ def test_hpsv3_refuses_weights_without_its_head_or_a_tokenizer_without_its_token
     plain = _tokenizer(tmp_path / "plain")
     with pytest.raises(ValueError, match=r"must hold <\|Reward\|> as one token"):
         HPSv3(judge.model, judge.head, plain, judge.image_config)
+
+
+@pytest.mark.unit
+def test_the_published_checkpoint_alone_is_refused_and_write_hpsv3_folder_makes_it_loadable(
+    hpsv3_folder, tmp_path
+):
+    """The published weights are one file (``HPSv3.safetensors``): alone they are refused with
+    the way out, and ``write_hpsv3_folder`` (the base Qwen2-VL's config, its tokenizer with
+    ``<|Reward|>`` added, the vocabulary resized) gives the fixture's judge, score for score."""
+    import json
+    import shutil
+
+    from transformers import AutoConfig
+
+    from diffusers_zero3.rewards.vlm_judges import HPSv3, write_hpsv3_folder
+
+    base = tmp_path / "qwen2-vl"  # the base as published: no <|Reward|>, a larger vocabulary
+    tok = _tokenizer(base, texts=HPSV3_TEXTS)
+    config = AutoConfig.from_pretrained(hpsv3_folder)
+    config.text_config.vocab_size = len(tok) + 7
+    config.save_pretrained(base)
+    shutil.copy(hpsv3_folder / "preprocessor_config.json", base)
+    published = tmp_path / "published"
+    published.mkdir()
+    shutil.copy(hpsv3_folder / "model.safetensors", published / "HPSv3.safetensors")
+    with pytest.raises(ValueError, match="holds the published HPSv3.safetensors alone: write a folder"):
+        HPSv3.from_pretrained(published)
+    folder = write_hpsv3_folder(tmp_path / "hpsv3", published / "HPSv3.safetensors", base)
+    assert json.loads((folder / "config.json").read_text())["text_config"]["vocab_size"] == len(tok) + 1
+    images = _as_tensor(_uint8_images(2, HPSV3_SIDE, HPSV3_SIDE, seed=7))
+    with torch.no_grad():
+        ours, fixture = HPSv3.from_pretrained(folder), HPSv3.from_pretrained(hpsv3_folder)
+        torch.testing.assert_close(
+            ours(ours.preprocess(images, PROMPTS[:2])),
+            fixture(fixture.preprocess(images, PROMPTS[:2])),
+            rtol=0,
+            atol=0,
+        )
 
 
 # ------------------------------------------------------------------ UnifiedReward

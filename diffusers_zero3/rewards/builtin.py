@@ -611,8 +611,8 @@ BUILTINS: dict[str, BuiltinReward] = {
             "hpsv3",
             "HPSv3: mu of an fp32 MLP head on a Qwen2-VL-7B's last hidden state at <|Reward|> after its"
             " instruction about the image and prompt",
-            "MizzenAI/HPSv3 (HPSv3.safetensors as model.safetensors, with Qwen/Qwen2-VL-7B-Instruct's"
-            " config, processor and tokenizer, <|Reward|> added)",
+            "MizzenAI/HPSv3 (in a folder from rewards.vlm_judges.write_hpsv3_folder: HPSv3.safetensors beside"
+            " Qwen/Qwen2-VL-7B-Instruct's config, tokenizer and processor, <|Reward|> added)",
             _lazy("vlm_judges", "HPSv3"),
             dtype=None,
             partitioned_load=True,

@@ -37,6 +37,7 @@ import dataclasses
 import os
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -90,6 +91,65 @@ HPSV3_PIXELS = 256 * 28 * 28  # inference.py: min_pixels = max_pixels = 256 * 28
 HPSV3_HEAD = "rm_head"
 # the published head: nn.Sequential(Linear, ReLU, Dropout(0.05), Linear, ReLU, Linear); its Linears
 HPSV3_HEAD_LINEARS = (0, 3, 5)
+
+
+HPSV3_BASE = "Qwen/Qwen2-VL-7B-Instruct"  # the model HPSv3 fine-tunes: its config, tokenizer, processor
+HPSV3_CHECKPOINT = ("MizzenAI/HPSv3", "HPSv3.safetensors")  # the published weights: one file
+
+
+def write_hpsv3_folder(
+    folder: str | os.PathLike,
+    checkpoint: str | os.PathLike | None = None,
+    base: str | os.PathLike = HPSV3_BASE,
+) -> Path:
+    """Write the folder ``HPSv3.from_pretrained`` reads from the published checkpoint, which is
+    one safetensors file: ``base``'s config (its vocabulary resized to the tokenizer with
+    ``<|Reward|>``, as HPSv3's ``create_model_and_processor`` resizes it), tokenizer (with
+    ``<|Reward|>`` added) and image processor config, and ``checkpoint`` linked as
+    ``model.safetensors`` (copied where links are refused).
+
+    Args:
+        folder: where to write (created).
+        checkpoint: HPSv3's ``HPSv3.safetensors`` (default: downloaded from ``MizzenAI/HPSv3``).
+        base: the Qwen2-VL it was trained from (a folder or hub id).
+
+    Returns:
+        ``folder``, for ``--reward_model hpsv3=FOLDER``.
+
+    Not a collective: write it once, before the run.
+
+    Example:
+        >>> write_hpsv3_folder("/models/hpsv3")  # then --reward hpsv3 --reward_model hpsv3=/models/hpsv3
+    """
+    import json
+    import shutil
+
+    from tokenizers import AddedToken
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if checkpoint is None:
+        from huggingface_hub import hf_hub_download
+
+        checkpoint = hf_hub_download(*HPSV3_CHECKPOINT)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer.add_tokens(
+        [AddedToken(HPSV3_REWARD_TOKEN, special=True, normalized=False)], special_tokens=True
+    )
+    config = AutoConfig.from_pretrained(base)
+    config.text_config.vocab_size = len(tokenizer)
+    config.architectures = ["Qwen2VLForConditionalGeneration"]
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps(_processor_dict(base), indent=2))
+    target = folder / "model.safetensors"
+    target.unlink(missing_ok=True)
+    try:
+        target.symlink_to(Path(checkpoint).resolve())
+    except OSError:
+        shutil.copyfile(checkpoint, target)
+    return folder
 
 
 def hpsv3_head(widths: tuple[int, ...]) -> nn.Sequential:
@@ -178,6 +238,17 @@ class HPSv3(VLMJudge):
         head in fp32. Not a collective unless ``load_model`` is."""
         from transformers import AutoTokenizer
 
+        local = Path(path)
+        if (
+            local.is_dir()
+            and not (local / "config.json").is_file()
+            and (local / HPSV3_CHECKPOINT[1]).is_file()
+        ):
+            raise ValueError(
+                f"hpsv3 reward folder {local} holds the published {HPSV3_CHECKPOINT[1]} alone: write a folder"
+                " the reward reads with diffusers_zero3.rewards.vlm_judges.write_hpsv3_folder(FOLDER,"
+                f" '{local / HPSV3_CHECKPOINT[1]}') (Qwen2-VL-7B-Instruct's config, tokenizer and processor beside it)"
+            )
         model = load_vlm(path, dtype, load_model)
         config = QwenVLImageConfig.from_processor_dict(_processor_dict(path))
         config = dataclasses.replace(config, min_pixels=HPSV3_PIXELS, max_pixels=HPSV3_PIXELS)
