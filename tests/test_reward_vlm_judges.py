@@ -40,8 +40,10 @@ QWEN_VL_CHAT = (  # Qwen2-VL's and Qwen2.5-VL's chat template rendered for [imag
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
     "<|vision_start|><|image_pad|><|vision_end|>{text}<|im_end|>\n<|im_start|>assistant\n"
 )
+QWEN3_VL_CHAT = (  # Qwen3-VL's: no default system turn
+    "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{text}<|im_end|>\n<|im_start|>assistant\n"
+)
 HPSV3_SIDE = 448  # 448 x 448 = 256 * 28 * 28: HPSv3's own size, nothing resized on either side
-UNIFIED_SIDE = 56  # within the processor's pixel range, a multiple of 28: nothing resized
 MAX_NEW_TOKENS = 8
 # Measured here (the tests print them): HPSv3 fp32 max |ours - reference| 1.2e-7, bf16 (both sides
 # in bf16, the head in fp32; ours left-padded, theirs right-padded) 2.7e-3, the scores 0.1 apart.
@@ -316,79 +318,117 @@ def _digit_ids(tok) -> tuple[int, list[int]]:
     return step, [c[step] for c in chains]
 
 
-UNIFIED_IMAGES = dict(n=4, height=UNIFIED_SIDE, width=UNIFIED_SIDE, seed=6)
+UNIFIED_SIDES = {"qwen2.5-vl": 56, "qwen3-vl": 64}  # multiples of the patch merge (28, 32): no resize
 
 
-@pytest.fixture(scope="module")
-def unified_folder(tmp_path_factory):
-    """A tiny UnifiedReward judge: a Qwen2.5-VL of the published head widths, its generation
-    config the published Qwen2.5-VL's (top-k 1 sampling, repetition penalty 1.05) with a
-    ``sequence_bias`` that makes it answer ``Final Score: N`` (``_score_chain``)."""
-    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+def _unified_images(family: str) -> np.ndarray:
+    side = UNIFIED_SIDES[family]
+    return _uint8_images(4, side, side, seed=6)
+
+
+def _tiny_judge(family: str, tok):
+    """A tiny Qwen2.5-VL or Qwen3-VL at the published head widths (text heads of 128 with the
+    published mRoPE sections, vision heads of 80 / 72) and its image processor."""
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+    )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from diffusers_zero3.demo.pipelines import vl_token_ids
-    from diffusers_zero3.families.published import shrink
+    from diffusers_zero3.families.published import QWEN3_VL_8B, shrink
     from diffusers_zero3.families.qwenimage import PUBLISHED_TEXT_ENCODER as QWEN2_5_VL_7B
+
+    ids = vl_token_ids(tok.convert_tokens_to_ids)
+    if family == "qwen2.5-vl":
+        vision = shrink(
+            QWEN2_5_VL_7B["vision_config"], depth=2, hidden_size=160, intermediate_size=320, num_heads=2,
+            out_hidden_size=256, fullatt_block_indexes=[1],
+        )  # fmt: skip
+        text = _text_config(tok, QWEN2_5_VL_7B["text_config"])
+        config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+        return Qwen2_5_VLForConditionalGeneration(config).eval(), Qwen2VLImageProcessorPil()
+    vision = shrink(
+        QWEN3_VL_8B["vision_config"], depth=2, hidden_size=144, intermediate_size=288, num_heads=2,
+        out_hidden_size=256, deepstack_visual_indexes=[0],
+    )  # fmt: skip
+    text = _text_config(tok, QWEN3_VL_8B["text_config"]) | dict(
+        rope_scaling=QWEN3_VL_8B["text_config"]["rope_scaling"]  # interleaved, sections [24, 20, 20]
+    )
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    processor = Qwen2VLImageProcessorPil(patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    return Qwen3VLForConditionalGeneration(config).eval(), processor
+
+
+def _build_unified(folder, family: str):
+    """A tiny UnifiedReward judge of ``family`` in ``folder``: its generation config the published
+    Qwen2.5-VL's (top-k 1 sampling, repetition penalty 1.05) with a ``sequence_bias`` that makes
+    it answer ``Final Score: N`` (``_score_chain``)."""
+    from transformers import GenerationConfig
+
     from diffusers_zero3.rewards.vlm_judges import UNIFIEDREWARD_QUESTION
 
-    folder = tmp_path_factory.mktemp("unifiedreward")
     tok = _tokenizer(folder, texts=(UNIFIEDREWARD_QUESTION, "Final Score: 1 2 3 4 5"))
-    vision = shrink(
-        QWEN2_5_VL_7B["vision_config"], depth=2, hidden_size=160, intermediate_size=320, num_heads=2,
-        out_hidden_size=256, fullatt_block_indexes=[1],
-    )  # fmt: skip
-    config = Qwen2_5_VLConfig(
-        text_config=_text_config(tok, QWEN2_5_VL_7B["text_config"]),
-        vision_config=vision,
-        tie_word_embeddings=False,
-        **vl_token_ids(tok.convert_tokens_to_ids),
-    )
     torch.manual_seed(12)
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    model, processor = _tiny_judge(family, tok)
+    text = model.config.text_config
     with torch.no_grad():  # a judge with opinions: its logits spread, so the digit follows the input
         model.lm_head.weight.mul_(20.0)
     model.generation_config = GenerationConfig(
         do_sample=True, top_k=1, top_p=0.001, temperature=0.1, repetition_penalty=1.05,
-        bos_token_id=config.text_config.bos_token_id, eos_token_id=config.text_config.eos_token_id,
-        pad_token_id=config.text_config.pad_token_id, sequence_bias=_score_chain(tok),
+        bos_token_id=text.bos_token_id, eos_token_id=text.eos_token_id, pad_token_id=text.pad_token_id,
+        sequence_bias=_score_chain(tok),
     )  # fmt: skip
     model.save_pretrained(folder)
-    Qwen2VLImageProcessorPil().save_pretrained(folder)
+    processor.save_pretrained(folder)
     # The digits' raw logits differ between them by more than between inputs: each digit's
     # mean over the test's inputs is taken off its bias, so that each input's answer is the
     # digit its own logits favour most (calibrated on the test's images and prompts).
     step, digits = _digit_ids(tok)
-    logits = torch.stack(
-        [
-            out.logits[step][0, digits]
-            for _, out in _reference_generations(
-                folder, _uint8_images(**UNIFIED_IMAGES), PROMPTS, torch.float32, output_logits=True
-            )
-        ]
+    outputs = _reference_generations(
+        folder, _unified_images(family), PROMPTS, torch.float32, output_logits=True
     )
+    logits = torch.stack([out.logits[step][0, digits] for _, out in outputs])
     mean = logits.mean(0)
     model.generation_config.sequence_bias = _score_chain(tok, {d: -float(m) for d, m in zip(digits, mean)})
     model.generation_config.save_pretrained(folder)
     return folder
 
 
+@pytest.fixture(scope="module")
+def unified_folders(tmp_path_factory):
+    """``{family: folder}``: the tiny judges, built on first use."""
+    folders = {}
+
+    def get(family: str):
+        if family not in folders:
+            folders[family] = _build_unified(tmp_path_factory.mktemp(f"unifiedreward-{family}"), family)
+        return folders[family]
+
+    return get
+
+
 def _reference_generations(folder, images: np.ndarray, prompts, dtype, **generate_kwargs):
     """Per sample: the authors' ``model.generate(**inputs, max_new_tokens=...)`` on the
     processor's inputs of the chat [image, question] (module docstring); ``(prompt length,
     output)``."""
-    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from diffusers_zero3.rewards.vlm_judges import UNIFIEDREWARD_QUESTION
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=dtype).eval()
+    config = AutoConfig.from_pretrained(folder)
+    model = getattr(transformers, config.architectures[0]).from_pretrained(folder, dtype=dtype).eval()
+    chat = QWEN3_VL_CHAT if config.model_type == "qwen3_vl" else QWEN_VL_CHAT
     tok = AutoTokenizer.from_pretrained(folder)
     processor = Qwen2VLImageProcessorPil.from_pretrained(folder)
     for image, prompt in zip(_pil(images), prompts):
         vision = processor(images=[image], return_tensors="pt")
         n = int(vision["image_grid_thw"][0].prod()) // processor.merge_size**2
-        text = QWEN_VL_CHAT.format(text=UNIFIEDREWARD_QUESTION.replace("{prompt}", prompt))
+        text = chat.format(text=UNIFIEDREWARD_QUESTION.replace("{prompt}", prompt))
         inputs = tok([text.replace("<|image_pad|>", "<|image_pad|>" * n)], return_tensors="pt")
         mm = (inputs["input_ids"] == model.config.image_token_id).long()
         with torch.no_grad():
@@ -423,16 +463,18 @@ def _unified_judge(folder, dtype=torch.float32):
 
 @pytest.mark.unit
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_unifiedreward_is_the_authors_generation_and_reading(unified_folder, dtype):
+@pytest.mark.parametrize("family", sorted(UNIFIED_SIDES))
+def test_unifiedreward_is_the_authors_generation_and_reading(unified_folders, family, dtype):
     from diffusers_zero3.rewards import load_rewards, parse_reward_specs
 
-    images = _uint8_images(**UNIFIED_IMAGES)
+    unified_folder = unified_folders(family)
+    images = _unified_images(family)
     prompts = PROMPTS  # of different lengths: ours a left-padded batch, theirs one at a time
     expected, answers = _unified_reference(unified_folder, images, prompts, dtype)
     judge = _unified_judge(unified_folder, dtype)
     with torch.no_grad():
         ours_answers = judge.answers(judge.preprocess(_as_tensor(images).to(dtype), prompts))
-    print(f"unifiedreward {dtype}: answers {ours_answers}, reference {answers}")
+    print(f"unifiedreward {family} {dtype}: answers {ours_answers}, reference {answers}")
     assert ours_answers == answers
     specs = parse_reward_specs(
         ["unifiedreward"], [f"unifiedreward={unified_folder}"], ["unifiedreward=replicate"]
@@ -511,10 +553,13 @@ def worker_sharded_judges(hpsv3_folder: str, unified_folder: str, ref_path: str)
 
 @pytest.mark.multirank
 def test_sharded_judges_equal_their_replicas_on_two_ranks_with_uneven_samples(
-    hpsv3_folder, unified_folder, tmp_path
+    hpsv3_folder, unified_folders, tmp_path
 ):
+    unified_folder = unified_folders("qwen2.5-vl")
     hpsv3_images = _as_tensor(_uint8_images(4, HPSV3_SIDE, HPSV3_SIDE, seed=8))
-    unified_images = _as_tensor(_uint8_images(4, UNIFIED_SIDE, UNIFIED_SIDE, seed=9))
+    unified_images = _as_tensor(
+        _uint8_images(4, UNIFIED_SIDES["qwen2.5-vl"], UNIFIED_SIDES["qwen2.5-vl"], seed=9)
+    )
     ref = {
         "hpsv3_images": hpsv3_images,
         "unified_images": unified_images,

@@ -399,6 +399,8 @@ class VLMJudge(nn.Module):
     """
 
     name = "vlm"
+    model_types = QWEN_VL_MODEL_TYPES  # the model_type values it takes, and in words:
+    model_kinds = "a Qwen2-VL or Qwen2.5-VL model"
 
     def __init__(
         self,
@@ -410,9 +412,9 @@ class VLMJudge(nn.Module):
         template: str = QWEN_VL_CHAT,
     ):
         super().__init__()
-        if model.config.model_type not in QWEN_VL_MODEL_TYPES:
+        if model.config.model_type not in self.model_types:
             raise ValueError(
-                f"the vlm reward takes a Qwen2-VL or Qwen2.5-VL model (model_type {' or '.join(QWEN_VL_MODEL_TYPES)}),"
+                f"the {self.name} reward takes {self.model_kinds} (model_type {' or '.join(self.model_types)}),"
                 f" got model_type {model.config.model_type!r}"
             )
         self.model = model

@@ -23,7 +23,8 @@ ZeRO-3 partitions under ``shard`` (the default placement): a 7 B judge is never 
   generated image pointwise by generating its answer to its authors' question
   (``inference_qwen/image_generation/qwen_point_score_image_generation.py``): key elements of the
   caption and ``Final Score:`` 1 to 5. Its authors generate with the model's own generation
-  config (greedy for the published ``CodeGoat24/UnifiedReward-qwen-7b``, a Qwen2.5-VL-7B) and
+  config (greedy for the published ``CodeGoat24/UnifiedReward-qwen-7b``, a Qwen2.5-VL-7B; the
+  UnifiedReward-2.0-qwen3vl judges, Qwen3-VL, take the same question in their classic mode) and
   read the first integer after the last ``Final Score:`` (0 when none,
   ``DiffusionDPO/sift_dpo_data.py``); the reward is that grade divided by 5, in ``[0, 1]`` (as
   DiffusionNFT's UnifiedReward reward). Under ZeRO-3 every rank keeps generating until every
@@ -292,6 +293,9 @@ UNIFIEDREWARD_QUESTION = (
     " 1 to 5 after 'Final Score:'.\nYour task is provided as follows:\nText Caption: [{prompt}]"
 )
 UNIFIEDREWARD_MAX_NEW_TOKENS = 512  # the authors' pointwise script
+# Qwen3-VL's chat template rendered for one user turn [image, text] with the generation prompt:
+# unlike Qwen2-VL's, no default system turn.
+QWEN3_VL_CHAT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{question}<|im_end|>\n<|im_start|>assistant\n"
 UNIFIEDREWARD_SCALE = 5.0  # its grades 1 to 5
 
 
@@ -317,8 +321,9 @@ class UnifiedReward(VLMJudge):
     authors pass only ``max_new_tokens``); under ZeRO-3 every rank steps until all are done.
 
     Args:
-        model: a Qwen2-VL or Qwen2.5-VL judge (the published UnifiedReward-qwen-7b is a
-            ``Qwen2_5_VLForConditionalGeneration``).
+        model: a Qwen2-VL, Qwen2.5-VL or Qwen3-VL judge (the published UnifiedReward-qwen-7b
+            is a ``Qwen2_5_VLForConditionalGeneration``; UnifiedReward-2.0-qwen3vl-* are
+            Qwen3-VL, whose chat has no default system turn), each with its own chat template.
         tokenizer: its tokenizer.
         image_config: its image processor's steps.
         question: the question, ``{prompt}`` standing for the image's prompt.
@@ -326,6 +331,8 @@ class UnifiedReward(VLMJudge):
     """
 
     name = "unifiedreward"
+    model_types = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+    model_kinds = "a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model"
 
     def __init__(
         self,
@@ -335,9 +342,8 @@ class UnifiedReward(VLMJudge):
         question: str = UNIFIEDREWARD_QUESTION,
         max_new_tokens: int = UNIFIEDREWARD_MAX_NEW_TOKENS,
     ):
-        super().__init__(
-            model, tokenizer, image_config, question=question, answers=None, template=QWEN_VL_CHAT
-        )
+        template = QWEN3_VL_CHAT if model.config.model_type == "qwen3_vl" else QWEN_VL_CHAT
+        super().__init__(model, tokenizer, image_config, question=question, answers=None, template=template)
         self.max_new_tokens = int(max_new_tokens)
 
     @classmethod
