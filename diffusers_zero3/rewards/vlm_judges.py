@@ -34,10 +34,12 @@ ZeRO-3 partitions under ``shard`` (the default placement): a 7 B judge is never 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +193,27 @@ def load_hpsv3_head(path: str | os.PathLike) -> nn.Sequential:
     return head
 
 
+class _HeadReportFilter(logging.Filter):
+    """Drops transformers' load report when the only keys it reports unexpected are the head's,
+    which the Qwen2-VL class does not hold and ``load_hpsv3_head`` reads."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        rows = [line for line in record.getMessage().splitlines() if "UNEXPECTED" in line and "|" in line]
+        return not rows or not all(f"{HPSV3_HEAD}." in line for line in rows)
+
+
+@contextlib.contextmanager
+def _head_keys_not_reported() -> Iterator[None]:
+    """Within it, ``from_pretrained`` does not report the ``rm_head.*`` tensors as unexpected."""
+    logger = logging.getLogger("transformers.modeling_utils")
+    head_filter = _HeadReportFilter()
+    logger.addFilter(head_filter)
+    try:
+        yield
+    finally:
+        logger.removeFilter(head_filter)
+
+
 class HPSv3(VLMJudge):
     """HPSv3's score: the mu of its fp32 head on the Qwen2-VL's last hidden state at the
     ``<|Reward|>`` token of its instruction about the image and the prompt (see the module
@@ -250,7 +273,8 @@ class HPSv3(VLMJudge):
                 " the reward reads with diffusers_zero3.rewards.vlm_judges.write_hpsv3_folder(FOLDER,"
                 f" '{local / HPSV3_CHECKPOINT[1]}') (Qwen2-VL-7B-Instruct's config, tokenizer and processor beside it)"
             )
-        model = load_vlm(path, dtype, load_model)
+        with _head_keys_not_reported():
+            model = load_vlm(path, dtype, load_model)
         config = QwenVLImageConfig.from_processor_dict(_processor_dict(path))
         config = dataclasses.replace(config, min_pixels=HPSV3_PIXELS, max_pixels=HPSV3_PIXELS)
         return cls(model, load_hpsv3_head(path), AutoTokenizer.from_pretrained(path), config)
