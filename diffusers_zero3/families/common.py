@@ -1,6 +1,7 @@
 """What several families' definitions write alike beyond ``base.Family``: their default run's
 flags (``run_args``), their one LLM prompt encoder (``llm_text_encoder``), validation at the
-pipeline's own guidance (``SequenceLengthValidation``) and Qwen3's chat prompt
+pipeline's own guidance (``SequenceLengthValidation``) or at ``--guidance_scale``
+(``GuidedValidation``), and Qwen3's chat prompt
 (``qwen3_chat_prompt``: Z-Image, Flux.2 [klein])."""
 
 from __future__ import annotations
@@ -37,6 +38,19 @@ class SequenceLengthValidation:
 
     def validation_kwargs(self, max_sequence_length, guidance_scale):
         return {"max_sequence_length": max_sequence_length or self.default_max_sequence_length}
+
+
+class GuidedValidation(SequenceLengthValidation):
+    """A mixin of a ``Family`` whose validation images are sampled with the training's
+    ``max_sequence_length`` and, when given, ``--guidance_scale`` (Flux.1's and Flux.2 [dev]'s
+    embedded guidance, as in training; HiDream's CFG); the pipeline's default guidance
+    otherwise."""
+
+    def validation_kwargs(self, max_sequence_length, guidance_scale):
+        kwargs = super().validation_kwargs(max_sequence_length, guidance_scale)
+        if guidance_scale is not None:
+            kwargs["guidance_scale"] = guidance_scale
+        return kwargs
 
 
 # What Qwen3's chat template renders for one user turn and the generation prompt (where no

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .base import Family, TextEncoderSpec
-from .common import run_args
+from .common import GuidedValidation, run_args
 from .published import CLIP_L, T5_XXL, VAE_16
 
 
@@ -50,7 +50,7 @@ def guidance_values(denoiser, n: int, guidance_scale: float | None, device) -> t
     return torch.full((n,), float(guidance_scale or 1.0), device=device)
 
 
-class Flux(Family):
+class Flux(GuidedValidation, Family):
     """Flux.1: CLIP's pooled output and T5's states; packed latents with position ids."""
 
     def encode_text(self, name, encoder, input_ids, attention_mask=None):
@@ -87,12 +87,6 @@ class Flux(Family):
             return_dict=False,
         )[0]
         return unpack_latents(packed, h, w)
-
-    def validation_kwargs(self, max_sequence_length, guidance_scale):
-        kwargs = {"max_sequence_length": max_sequence_length or self.default_max_sequence_length}
-        if guidance_scale is not None:
-            kwargs["guidance_scale"] = guidance_scale
-        return kwargs
 
     def published(self):
         transformer = dict(

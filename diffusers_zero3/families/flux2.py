@@ -34,7 +34,7 @@ from typing import ClassVar
 import torch
 
 from .base import Family, PublishedConfig, read_vae_tensors
-from .common import SequenceLengthValidation, llm_text_encoder, qwen3_chat_prompt, run_args
+from .common import GuidedValidation, llm_text_encoder, qwen3_chat_prompt, run_args
 from .published import QWEN3_4B, QWEN3_8B
 
 # diffusers' pipelines/flux2/system_messages.py SYSTEM_MESSAGE (the dev pipeline's default)
@@ -185,7 +185,7 @@ def guidance_values(denoiser, n: int, guidance_scale: float | None, device) -> t
     return torch.full((n,), scale, dtype=torch.float32, device=device)
 
 
-class Flux2(Family):
+class Flux2(GuidedValidation, Family):
     """Flux.2 [dev]: Mistral 3's stacked states with a system message; guidance embedded."""
 
     hidden_layers = DEV_LAYERS
@@ -338,12 +338,6 @@ class Flux2(Family):
         )[0]
         return unpack_latents(out[:n, : h * w], h, w)
 
-    def validation_kwargs(self, max_sequence_length, guidance_scale):
-        kwargs = {"max_sequence_length": max_sequence_length or self.default_max_sequence_length}
-        if guidance_scale is not None:
-            kwargs["guidance_scale"] = guidance_scale  # dev's embedded guidance, as in training
-        return kwargs
-
     # ------------------------------------------------------------------ pipelines
 
     def published(self):
@@ -358,17 +352,22 @@ class Flux2(Family):
 
 
 @dataclasses.dataclass(frozen=True)
-class Flux2Klein(SequenceLengthValidation, Flux2):
+class Flux2Klein(Flux2):
     """Flux.2 [klein]: Qwen3's stacked states after its chat template (thinking disabled); no
     guidance embedding (CFG at inference for the base models). ``--guidance_scale`` is dev's
     embedded guidance: klein validates at the pipeline's CFG, as its script
-    (``SequenceLengthValidation``'s ``validation_kwargs`` before ``Flux2``'s)."""
+    (``validation_kwargs``)."""
 
     hidden_layers = KLEIN_LAYERS
     # Flux2KleinPipeline's registered value (model_index.json; detect_family reads it): a
     # step-distilled model runs no CFG, in validation's pipeline too
     registered_config: ClassVar[tuple[str, ...]] = ("is_distilled",)
     is_distilled: bool = False
+
+    def validation_kwargs(self, max_sequence_length, guidance_scale):
+        """The training's ``max_sequence_length`` only: ``--guidance_scale`` is dev's embedded
+        guidance, not klein's CFG."""
+        return super().validation_kwargs(max_sequence_length, None)
 
     def prompt_text(self, spec, caption, tokenizer=None):
         """The user turn and generation prompt ``Flux2KleinPipeline`` renders with

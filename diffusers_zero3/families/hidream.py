@@ -23,7 +23,7 @@ import inspect
 import torch
 
 from .base import Family, TextEncoderSpec
-from .common import run_args
+from .common import GuidedValidation, run_args
 from .published import CLIP_BIGG, CLIP_L, T5_XXL, VAE_16
 
 CLIP_MAX_TOKENS = 218  # HiDreamImagePipeline._get_clip_prompt_embeds: min(max_sequence_length, 218)
@@ -51,7 +51,7 @@ def _takes(module, argument: str) -> bool:
     return argument in inspect.signature(type(model).forward).parameters
 
 
-class HiDream(Family):
+class HiDream(GuidedValidation, Family):
     """HiDream-I1: pooled CLIPs, T5 states, all Llama layers; a mixture-of-experts DiT."""
 
     def load_tokenizers(self, source, sources=None):
@@ -130,12 +130,6 @@ class HiDream(Family):
         if model.training and not model.config.force_inference_output:
             out = unpatchify_training_output(out, h, w, model.config.patch_size)
         return -out
-
-    def validation_kwargs(self, max_sequence_length, guidance_scale):
-        kwargs = {"max_sequence_length": max_sequence_length or self.default_max_sequence_length}
-        if guidance_scale is not None:
-            kwargs["guidance_scale"] = guidance_scale
-        return kwargs
 
     def prepare_validation_pipeline(self, pipeline, resolution: int):
         """The pipeline set to generate ``resolution`` x ``resolution`` images: it rescales

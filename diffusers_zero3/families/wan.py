@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 
 from .base import ChannelMeanStd, DenoiserSchedule, Family, PublishedConfig, TextEncoderSpec
-from .common import run_args
+from .common import GuidedValidation, run_args
 from .objectives import (
     WEIGHTING_SCHEMES,
     Objective,
@@ -217,7 +217,7 @@ def vae_compression(vae_config: dict) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class Wan(Family):
+class Wan(GuidedValidation, Family):
     """Wan: masked umT5 states zero-padded to the sequence length; 5-D video latents; one or two
     experts (``experts``), switched at ``boundary_ratio``; per-token timesteps for TI2V-5B."""
 
@@ -437,14 +437,11 @@ class Wan(Family):
     def validation_kwargs(self, max_sequence_length, guidance_scale, num_frames: int | None = None):
         """Short videos (``num_frames``, default ``validation_num_frames``) as PIL frames, with the
         training's umT5 length (the denoiser saw that many padded rows)."""
-        kwargs = {
-            "max_sequence_length": max_sequence_length or self.default_max_sequence_length,
+        return {
+            **super().validation_kwargs(max_sequence_length, guidance_scale),
             "num_frames": num_frames or self.validation_num_frames,
             "output_type": "pil",
         }
-        if guidance_scale is not None:
-            kwargs["guidance_scale"] = guidance_scale
-        return kwargs
 
     # ------------------------------------------------------------------ pipelines
 
