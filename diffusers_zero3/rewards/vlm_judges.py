@@ -22,12 +22,14 @@ ZeRO-3 partitions under ``shard`` (the default placement): a 7 B judge is never 
 * ``unifiedreward``: UnifiedReward (Wang et al. 2025, CodeGoat24/UnifiedReward) scores a
   generated image pointwise by generating its answer to its authors' question
   (``inference_qwen/image_generation/qwen_point_score_image_generation.py``): key elements of the
-  caption and ``Final Score:`` 1 to 5. Its authors generate with the model's own generation
-  config (greedy for the published ``CodeGoat24/UnifiedReward-qwen-7b``, a Qwen2.5-VL-7B; the
-  UnifiedReward-2.0-qwen3vl judges, Qwen3-VL, take the same question in their classic mode) and
-  read the first integer after the last ``Final Score:`` (0 when none,
-  ``DiffusionDPO/sift_dpo_data.py``); the reward is that grade divided by 5, in ``[0, 1]`` (as
-  DiffusionNFT's UnifiedReward reward). Under ZeRO-3 every rank keeps generating until every
+  caption and ``Final Score:`` 1 to 5. Its authors call ``generate`` with ``max_new_tokens``
+  only, so the model folder's ``generation_config.json`` decides how (Qwen2.5-VL-7B-Instruct's is
+  top-k 1 sampling, i.e. greedy; that of ``CodeGoat24/UnifiedReward-qwen-7b``, the published
+  Qwen2.5-VL-7B judge, was not read here; the UnifiedReward-2.0-qwen3vl judges, Qwen3-VL, take
+  the same question in their classic mode), and they read the first integer after the last
+  ``Final Score:`` (0 when none, ``DiffusionDPO/sift_dpo_data.py``); the reward is that grade
+  divided by 5, in ``[0, 1]`` (as DiffusionNFT's UnifiedReward reward, whose question was not
+  compared here). Under ZeRO-3 every rank keeps generating until every
   rank is done (transformers' ``synced_gpus``), so a sharded judge's forwards stay in lockstep.
   Not differentiable (the answer is text).
 """
