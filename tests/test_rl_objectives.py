@@ -17,6 +17,7 @@ import torch
 from torch.testing import assert_close
 
 from diffusers_zero3.rl import (
+    NftSettings,
     gather_group_advantages,
     gather_group_reward_stats,
     group_advantages,
@@ -541,7 +542,9 @@ def test_nft_loss_matches_diffusion_nft(beta, dtype):
     leaf = v_theta.clone().requires_grad_()
     old_leaf, ref_leaf = v_old.clone().requires_grad_(), v_ref.clone().requires_grad_()
     kwargs = {"beta": beta, "adv_clip_max": adv_clip_max}
-    loss, stats = nft_loss(leaf, old_leaf, x_t, x0, t, adv, **kwargs, v_ref=ref_leaf, kl_beta=kl_beta)
+    loss, stats = nft_loss(
+        leaf, old_leaf, x_t, x0, t, adv, NftSettings(**kwargs, kl_beta=kl_beta), v_ref=ref_leaf
+    )
     leaf64 = v_theta.to(F64).requires_grad_()
     ref = _nft_reference(leaf64, v_old, x0, noise, t, adv, beta, adv_clip_max, v_ref, kl_beta)
     assert loss.dtype == torch.float32
@@ -595,6 +598,7 @@ def test_nft_loss_stays_on_meta():
     v = torch.empty(2, 4, 3, 8, 8, dtype=torch.bfloat16, device=META)
     adv = torch.empty(2, device=META)
     for sigma in (torch.empty(2, device=META), 0.5):
-        loss, stats = nft_loss(v, v, v, v, sigma, adv, beta=1.0, adv_clip_max=5.0, v_ref=v, kl_beta=1e-4)
+        settings = NftSettings(beta=1.0, adv_clip_max=5.0, kl_beta=1e-4)
+        loss, stats = nft_loss(v, v, v, v, sigma, adv, settings, v_ref=v)
         _on_meta(loss, *stats.values())
         assert loss.dtype == torch.float32

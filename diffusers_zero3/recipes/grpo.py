@@ -82,6 +82,7 @@ from ..placement.frozen import load_frozen_component
 from ..placement.frozen_inputs import conditioning_on, place_frozen_models
 from ..rewards import load_rewards, parse_reward_specs
 from ..rl import (
+    NftSettings,
     gather_group_advantages,
     gather_group_reward_stats,
     group_assignment,
@@ -1234,10 +1235,22 @@ class GRPOTrainer:
                 v_ref = self._velocity(reference, x_t, sigma, batch, rows, train=True)[keep]
         if kept == 0:
             return v.float().sum() * 0.0, {}
+        settings = NftSettings(
+            beta=args.nft_beta,
+            adv_clip_max=args.adv_clip_max,
+            adv_mode=args.nft_adv_mode,
+            kl_beta=args.kl_beta,
+        )
         loss, stats = nft_loss(
-            v[keep], v_old[keep], x_t[keep], batch.latents[rows, -1][keep], sigma[keep], adv, beta=args.nft_beta,
-            adv_clip_max=args.adv_clip_max, adv_mode=args.nft_adv_mode, v_ref=v_ref, kl_beta=args.kl_beta,
-        )  # fmt: skip
+            v[keep],
+            v_old[keep],
+            x_t[keep],
+            batch.latents[rows, -1][keep],
+            sigma[keep],
+            adv,
+            settings,
+            v_ref=v_ref,
+        )
         return loss * share, stats
 
     def train_round(self, batch: Round) -> float:

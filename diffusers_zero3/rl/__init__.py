@@ -9,7 +9,7 @@ from .advantages import (
     group_reward_stats,
 )
 from .groups import group_assignment, samples_per_rank
-from .losses import grpo_loss, guard_log_ratio, nft_loss, nft_optimality, sde_kl
+from .losses import NftSettings, grpo_loss, guard_log_ratio, nft_loss, nft_optimality, sde_kl
 from .schedules import (
     kept_sample_weight,
     nft_old_decay,
@@ -29,6 +29,7 @@ __all__ = [
     "grpo_loss",
     "guard_log_ratio",
     "kept_sample_weight",
+    "NftSettings",
     "nft_loss",
     "nft_old_decay",
     "nft_optimality",

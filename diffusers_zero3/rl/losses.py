@@ -21,6 +21,7 @@ with its KL to the reference model, and DiffusionNFT's negative-aware fine-tunin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -202,6 +203,29 @@ def _self_normalised_error(x0_prediction: torch.Tensor, x0: torch.Tensor, floor:
     return _mean_over_non_batch(error**2) / weight
 
 
+@dataclass(frozen=True)
+class NftSettings:
+    """DiffusionNFT's loss settings (``nft_loss``).
+
+    Args:
+        beta: DiffusionNFT's guidance strength ``config.beta`` (1.0 by default, 0.1 in some of
+            its configs); must be above 0.
+        adv_clip_max: As in ``nft_optimality`` (5 in its configs); it also scales the loss.
+        adv_mode: As in ``nft_optimality``.
+        kl_beta: The KL weight (``config.train.beta``, 1e-4 in its configs).
+        weight_floor: The adaptive weight's lower bound (the reference's 1e-5).
+
+    Example:
+        >>> NftSettings(beta=1.0, adv_clip_max=5.0, kl_beta=1e-4)
+    """
+
+    beta: float
+    adv_clip_max: float
+    adv_mode: NftAdvantageMode = "all"
+    kl_beta: float = 0.0
+    weight_floor: float = 1e-5
+
+
 def nft_loss(
     v_theta: torch.Tensor,
     v_old: torch.Tensor,
@@ -209,13 +233,9 @@ def nft_loss(
     x0: torch.Tensor,
     sigma: float | torch.Tensor,
     advantages: torch.Tensor,
+    settings: NftSettings,
     *,
-    beta: float,
-    adv_clip_max: float,
-    adv_mode: NftAdvantageMode = "all",
     v_ref: torch.Tensor | None = None,
-    kl_beta: float = 0.0,
-    weight_floor: float = 1e-5,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DiffusionNFT's loss for one noise level of a batch (see the module docstring).
 
@@ -237,13 +257,9 @@ def nft_loss(
         sigma: The noise level of ``x_t`` (the reference's ``timesteps / 1000``), a number or
             ``[B]``.
         advantages: ``[B]`` advantages (``gather_group_advantages``).
-        beta: DiffusionNFT's guidance strength ``config.beta`` (1.0 by default, 0.1 in some of
-            its configs); must be above 0.
-        adv_clip_max: As in ``nft_optimality`` (5 in its configs); it also scales the loss.
-        adv_mode: As in ``nft_optimality``.
+        settings: ``beta``, ``adv_clip_max``, ``adv_mode``, ``kl_beta``, ``weight_floor``
+            (``NftSettings``).
         v_ref: The reference model's velocity, for the KL term.
-        kl_beta: The KL weight (``config.train.beta``, 1e-4 in its configs).
-        weight_floor: The adaptive weight's lower bound (the reference's 1e-5).
 
     Returns:
         ``(loss, stats)``; detached 0-d stats: ``policy_loss``, ``unweighted_policy_loss``
@@ -254,8 +270,10 @@ def nft_loss(
         >>> x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * torch.randn_like(x0)
         >>> with torch.no_grad():
         ...     v_old = old_policy(x_t, t)
-        >>> loss, stats = nft_loss(model(x_t, t), v_old, x_t, x0, t, advantages, beta=1.0, adv_clip_max=5.0)
+        >>> settings = NftSettings(beta=1.0, adv_clip_max=5.0)
+        >>> loss, stats = nft_loss(model(x_t, t), v_old, x_t, x0, t, advantages, settings)
     """
+    beta, adv_clip_max, kl_beta = settings.beta, settings.adv_clip_max, settings.kl_beta
     if beta <= 0:
         raise ValueError(f"beta must be above 0, got {beta}")
     if kl_beta and v_ref is None:
@@ -265,12 +283,12 @@ def nft_loss(
     v_old = v_old.detach().to(dtype)
     x_t, x0 = x_t.to(dtype), x0.to(dtype)
     t = per_sample(sigma, x0, dtype)
-    r = nft_optimality(advantages, adv_clip_max=adv_clip_max, adv_mode=adv_mode).to(dtype)
+    r = nft_optimality(advantages, adv_clip_max=adv_clip_max, adv_mode=settings.adv_mode).to(dtype)
 
     v_positive = beta * v_theta + (1 - beta) * v_old
     v_negative = (1 + beta) * v_old - beta * v_theta
-    positive = _self_normalised_error(x_t - t * v_positive, x0, weight_floor)
-    negative = _self_normalised_error(x_t - t * v_negative, x0, weight_floor)
+    positive = _self_normalised_error(x_t - t * v_positive, x0, settings.weight_floor)
+    negative = _self_normalised_error(x_t - t * v_negative, x0, settings.weight_floor)
     unweighted = (r * positive + (1 - r) * negative) / beta
     policy_loss = (unweighted * adv_clip_max).mean()
 
