@@ -169,7 +169,7 @@ def test_sde_step_samples_and_differentiates_like_flow_grpo():
     v, x = _randn(3, 4, 6, 6, seed=4), _randn(3, 4, 6, 6, seed=5)
 
     prev, log_prob, mean, std = sde_step_with_logprob(
-        v, sigma, sigma_next, x, noise_level=0.7, generator=torch.Generator().manual_seed(7)
+        v, sigma, sigma_next, x, noise_level=0.7, noise=torch.Generator().manual_seed(7)
     )
     noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(7))
     assert_close(prev, mean + std * torch.sqrt(sigma - sigma_next) * noise)
@@ -177,7 +177,7 @@ def test_sde_step_samples_and_differentiates_like_flow_grpo():
     assert torch.equal(scored, log_prob)
 
     per_sample = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
-    prev = sde_step_with_logprob(v, sigma, sigma_next, x, noise_level=0.7, generator=per_sample)[0]
+    prev = sde_step_with_logprob(v, sigma, sigma_next, x, noise_level=0.7, noise=per_sample)[0]
     noise = torch.cat(
         [torch.randn((1, 4, 6, 6), generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3)]
     )
@@ -222,7 +222,7 @@ def test_sde_step_stays_on_meta():
             (torch.as_tensor(sigma).to(META), torch.as_tensor(sigma_next).to(META)),
         ]:
             for generator in (None, torch.Generator().manual_seed(0)):
-                outs = sde_step_with_logprob(v, s, s_next, x, noise_level=0.7, generator=generator)
+                outs = sde_step_with_logprob(v, s, s_next, x, noise_level=0.7, noise=generator)
                 _on_meta(*outs)
                 assert all(o.dtype == torch.float32 for o in outs)
                 assert outs[1].shape == (2,)

@@ -198,7 +198,7 @@ def test_a_trajectorys_noise_drawn_up_front_is_the_step_by_steps():
     per_step = []
     for i in range(steps):
         x, lp, _, _ = sde_step_with_logprob(
-            velocity(x), sigmas[i], sigmas[i + 1], x, noise_level=0.7, generator=gens
+            velocity(x), sigmas[i], sigmas[i + 1], x, noise_level=0.7, noise=gens
         )
         per_step.append((x, lp))
     gens = [sample_generator(0, 0, p, m) for p, m in pairs]
@@ -299,7 +299,7 @@ def test_guard_log_ratio_is_grpo_guards(dtype):
     v_new = (v_old.float() + 0.3 * torch.randn(256, 4, 8, 8, generator=g)).to(dtype)
     sigma, sigma_next = torch.tensor(0.6), torch.tensor(0.5)
     sampled, old_lp, old_mean, _ = sde_step_with_logprob(
-        v_old, sigma, sigma_next, x, noise_level=0.7, generator=g
+        v_old, sigma, sigma_next, x, noise_level=0.7, noise=g
     )
     _, new_lp, new_mean, std = sde_step_with_logprob(
         v_new, sigma, sigma_next, x, noise_level=0.7, prev_sample=sampled

@@ -98,10 +98,9 @@ def sde_step_with_logprob(
     sample: torch.Tensor,
     *,
     noise_level: float,
-    generator: torch.Generator | list[torch.Generator] | None = None,
+    noise: torch.Tensor | torch.Generator | list[torch.Generator] | None = None,
     prev_sample: torch.Tensor | None = None,
     sigma_max: float | torch.Tensor | None = None,
-    noise: torch.Tensor | None = None,
     sampler: str = "sde",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One SDE step from ``sigma`` to ``sigma_next`` and the log-probability of its result, as
@@ -112,7 +111,8 @@ def sde_step_with_logprob(
     batch (images ``[B, C, H, W]`` and videos ``[B, C, F, H, W]`` alike), as the reference does.
     ``prev_sample`` enters the log-probability detached: gradients flow through the mean only.
 
-    Sampling (``prev_sample=None``) draws the noise with ``generator`` (one, or one per sample);
+    Sampling (``prev_sample=None``) takes the step's ``noise``, or draws it with the generator
+    ``noise`` gives (one, or one per sample: Flow-GRPO's ``generator``);
     scoring a stored trajectory passes the stored ``prev_sample``. ``noise_level=0`` is the plain
     Euler step (``log_prob`` is then not finite).
 
@@ -128,11 +128,10 @@ def sde_step_with_logprob(
         sigma_next: The next (smaller) sigma, likewise; 0 at the last step.
         sample: The current latents ``x_sigma``, ``[B, ...]``.
         noise_level: Flow-GRPO's ``a`` (``config.sample.noise_level``, 0.7 in its configs).
-        generator: The noise's generator(s) when sampling.
         prev_sample: The next latents to score instead of sampling them.
-        noise: The standard normal draw of the step (shaped like ``sample``), instead of drawing
-            it with ``generator``: e.g. a trajectory's noise drawn up front and copied to the
-            device at once.
+        noise: When sampling, the standard normal draw of the step (shaped like ``sample``: e.g. a
+            trajectory's noise drawn up front and copied to the device at once), or the
+            generator(s) to draw it with (one, or a list of one per sample); None: the global RNG.
         sampler: ``"sde"`` (Flow-GRPO's) or ``"cps"`` (coefficients-preserving; see the module
             docstring). With ``"cps"`` the returned ``std_dev_t`` is the step's own standard
             deviation and ``log_prob`` is the reference's ``-mean((prev - mean)**2)``.
@@ -149,7 +148,7 @@ def sde_step_with_logprob(
     Example:
         >>> scheduler.set_timesteps(10)
         >>> sigmas = scheduler.sigmas  # 1.0, ..., 0.0
-        >>> x, _, _, _ = sde_step_with_logprob(v, sigmas[0], sigmas[1], x, noise_level=0.7, generator=g)
+        >>> x, _, _, _ = sde_step_with_logprob(v, sigmas[0], sigmas[1], x, noise_level=0.7, noise=g)
         >>> # later, the trained policy's log-probability of the same step
         >>> _, log_prob, mean, std = sde_step_with_logprob(v_new, s, s_next, x_old, noise_level=0.7, prev_sample=x)
     """
@@ -176,8 +175,8 @@ def sde_step_with_logprob(
         raise ValueError(f"unknown sampler {sampler!r}: sde or cps")
 
     if prev_sample is None:
-        if noise is None:
-            noise = _standard_normal(prev_sample_mean, generator)
+        if not torch.is_tensor(noise):  # a generator, a list of them, or None: drawn here
+            noise = _standard_normal(prev_sample_mean, noise)
         prev_sample = prev_sample_mean + step_std * noise.to(device=sample.device, dtype=dtype)
     else:
         prev_sample = prev_sample.to(device=sample.device, dtype=dtype)
