@@ -118,7 +118,8 @@ def test_specs_parse_names_weights_models_and_placements():
             [],
             [],
             "--reward pickscor: unknown built-in reward; choose one of aesthetic, clip_score, "
-            "clip_score_100, hpsv2, hpsv3, imagereward, pickscore, pickscore_logit, unifiedreward, vlm, or give"
+            "clip_score_100, hpsv2, hpsv3, imagereward, pairwise_vlm, pickscore, pickscore_logit, unifiedreward, vlm,"
+            " or give"
             " a function as module:function",
         ),
         (

@@ -81,6 +81,7 @@ from ..families import detect_family
 from ..placement.frozen import load_frozen_component
 from ..placement.frozen_inputs import conditioning_on, place_frozen_models
 from ..rewards import load_rewards, parse_reward_specs
+from ..rewards.groupwise import SampleGroups
 from ..rl import (
     NftSettings,
     gather_group_advantages,
@@ -807,6 +808,7 @@ class GRPOTrainer:
             log_rank_zero(self.reference.describe())
         specs, eval_specs = args.reward_specs
         self.reward_names = [s.name for s in specs]
+        self.groupwise_rewards = [s.name for s in specs if s.is_groupwise]  # scored on a whole round
         self.reward_fn = load_rewards(
             specs,
             acc,
@@ -1091,9 +1093,10 @@ class GRPOTrainer:
         reward's mean over every rank's real samples. Collective."""
         args, acc = self.args, self.accelerator
         totals, per_spec = [], {name: [] for name in self.reward_names}
-        for rows in _chunks(len(batch.pairs), args.sample_batch_size):
+        for rows, groups in self._reward_calls(batch):
+            extra = {"groups": groups} if groups is not None else {}
             total, scores = self.reward_fn(
-                batch.images[rows], batch.prompts[rows], metadata=batch.metadata[rows]
+                batch.images[rows], batch.prompts[rows], metadata=batch.metadata[rows], **extra
             )
             totals.append(total)
             for name in self.reward_names:
@@ -1115,6 +1118,17 @@ class GRPOTrainer:
         batch.stats.update(gather_group_reward_stats(total, groups))
         means = {name: self._global_mean(torch.cat(v)[real]) for name, v in per_spec.items()}
         return self._global_mean(total), means
+
+    def _reward_calls(self, batch: Round) -> Iterator[tuple[slice, SampleGroups | None]]:
+        """The reward calls of a round: chunks of ``--sample_batch_size`` samples; one call of the
+        whole round with each sample's group, member and realness when a reward is group-wise
+        (``rewards.groupwise``: it gathers every rank's members of a group, so it must see the
+        round at once; the other rewards then take the round in one call too)."""
+        if not self.groupwise_rewards:
+            yield from ((rows, None) for rows in _chunks(len(batch.pairs), self.args.sample_batch_size))
+            return
+        prompts, members = zip(*batch.pairs) if batch.pairs else ((), ())
+        yield slice(0, len(batch.pairs)), SampleGroups(prompts, members, batch.real.tolist())
 
     def _global_mean(self, values: torch.Tensor) -> float:
         """The mean over every rank's ``values`` (any count per rank). Collective."""

@@ -50,6 +50,9 @@ its config (DiffusionNFT's ``{pickscore: 1, hpsv2: 1, clipscore: 1}``) means the
 * ``hpsv3`` and ``unifiedreward``: VLM judges on their authors' scoring (``rewards.vlm_judges``):
   HPSv3's fp32 head on a Qwen2-VL-7B at its ``<|Reward|>`` token (HPSv3's scale, mu); a
   UnifiedReward Qwen2.5-VL's generated 1-5 grade after ``Final Score:``, divided by 5.
+* ``pairwise_vlm``: a group-wise reward (Pref-GRPO): a Qwen VL judge shown two images of a
+  prompt's group, P(first better) from its answer's logits; each image's reward is its win rate
+  in its group (``rewards.pairwise_judge``, ``rewards.groupwise``).
 """
 
 from __future__ import annotations
@@ -537,6 +540,8 @@ class BuiltinReward:
         partitioned_load: ``load`` takes ``load_model=`` to read the weights straight into
             ZeRO-3 partitions under ``shard``/``offload`` (a 7-72 B judge, never whole on a rank).
         takes_question: ``load`` takes ``question=`` (``--vlm_question``).
+        scope: ``"sample"``, or ``"pairwise"`` for a judge of two images whose reward is each
+            image's win rate in its group (``rewards.groupwise``).
     """
 
     name: str
@@ -546,6 +551,7 @@ class BuiltinReward:
     dtype: torch.dtype | None = torch.float32
     partitioned_load: bool = False
     takes_question: bool = False
+    scope: str = "sample"
 
     @property
     def needs_weights(self) -> bool:
@@ -627,6 +633,16 @@ BUILTINS: dict[str, BuiltinReward] = {
             _lazy("vlm_judges", "UnifiedReward"),
             dtype=None,
             partitioned_load=True,  # its question is its authors' (--vlm_question is the vlm judge's)
+        ),
+        BuiltinReward(
+            "pairwise_vlm",
+            "Pref-GRPO's pairwise reward: each image's win rate over the other members of its prompt's group,"
+            " P(Image 1 better) from a Qwen2-VL / Qwen2.5-VL judge's answer logits, both orders of each pair",
+            "CodeGoat24/UnifiedReward-qwen-7b (any Qwen2-VL / Qwen2.5-VL)",
+            _lazy("pairwise_judge", "PairwiseVLMJudge"),
+            dtype=None,
+            partitioned_load=True,
+            scope="pairwise",
         ),
     )
 }

@@ -41,6 +41,7 @@ from ..runtime.ds_config import base_config, resolve_dtype
 from ..runtime.zero3 import zero3_init_disabled
 from ..state.pretrained import load_pretrained_zero3, resolve_model_folder
 from .builtin import BUILTINS
+from .groupwise import GroupwiseReward, SampleGroups
 from .specs import RewardSpec
 
 if TYPE_CHECKING:
@@ -98,17 +99,24 @@ class WeightedRewards:
     """Several rewards and their weights: ``total = sum(weight * scores)``.
 
     Args:
-        rewards: ``{spec name: ParallelReward}``, in the order they are called.
+        rewards: ``{spec name: ParallelReward or GroupwiseReward}``, in the order they are
+            called. A ``GroupwiseReward`` scores a prompt's group together: the call then needs
+            ``groups`` (which group and member each sample is) and every sample of the round.
         weights: ``{spec name: weight}``.
 
     Collective: call on every rank, each with its own samples (zero included).
     """
 
-    def __init__(self, rewards: dict[str, ParallelReward], weights: dict[str, float]):
+    def __init__(self, rewards: dict[str, ParallelReward | GroupwiseReward], weights: dict[str, float]):
         if set(rewards) != set(weights):
             raise ValueError(f"rewards {sorted(rewards)} and weights {sorted(weights)} name different specs")
         self.rewards = rewards
         self.weights = weights
+
+    @property
+    def groupwise(self) -> list[str]:
+        """The names of the group-wise rewards (called with ``groups``, on a whole round)."""
+        return [name for name, r in self.rewards.items() if isinstance(r, GroupwiseReward)]
 
     def __call__(
         self,
@@ -116,6 +124,7 @@ class WeightedRewards:
         prompts: Sequence[str] | None = None,
         *,
         metadata: Sequence[Mapping[str, Any] | None] | None = None,
+        groups: SampleGroups | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Score this rank's samples with every reward.
 
@@ -127,6 +136,9 @@ class WeightedRewards:
                 other fields; None or a None entry: ``{}``). Passed as a list of dicts to the
                 functions that take it (``MetadataRewardFunction``); the built-ins, models and
                 two-argument functions ignore it.
+            groups: each sample's prompt group, member and whether it is real (dummies join
+                no group); needed when a reward is group-wise, which then sees every rank's
+                samples of the call (pass the whole round in one call).
 
         Returns:
             ``(total, scores)``: ``total`` ``[B]`` float32, the weighted sum; ``scores`` ``{spec
@@ -142,6 +154,10 @@ class WeightedRewards:
             raise ValueError(f"got {len(images)} images but {len(prompts)} prompts")
         n = len(images)
         rows = metadata_rows(metadata, n)
+        if self.groupwise and groups is None:
+            raise ValueError(
+                f"the group-wise rewards {', '.join(self.groupwise)} need groups= (each sample's prompt group and member)"
+            )
         scores: dict[str, torch.Tensor] = {}
         problems: list[str] = []
         raised: Exception | None = None
@@ -150,7 +166,11 @@ class WeightedRewards:
             given = fn.given(rows) if isinstance(fn, MetadataRewardFunction) else contextlib.nullcontext()
             try:
                 with given:
-                    out = reward(images, prompts)
+                    out = (
+                        reward(images, prompts, groups)
+                        if isinstance(reward, GroupwiseReward)
+                        else reward(images, prompts)
+                    )
             except Exception as e:  # reported on every rank below; the next rewards are still called
                 problems.append(f"reward '{name}' raised {type(e).__name__}: {' '.join(str(e).split())}")
                 raised = raised or e
@@ -311,6 +331,11 @@ def load_rewards(
         else:
             fn = MetadataRewardFunction(spec.function) if spec.takes_metadata else spec.function
             reward = ParallelReward(fn, accelerator=accelerator, normalize=normalize)
+        if spec.is_groupwise:
+            if differentiable:
+                raise ValueError(f"reward {spec.name} is group-wise ({spec.scope}): it is not differentiable")
+            reward.normalize = None  # its outputs are a judge's preferences or a group's own scores
+            reward = GroupwiseReward(reward, spec.scope)
         rewards[spec.name] = reward
         weights[spec.name] = spec.weight
     return WeightedRewards(rewards, weights)

@@ -2,12 +2,14 @@
 
 * ``--reward SPEC[=WEIGHT]`` (repeatable): ``SPEC`` is a built-in name (``pickscore``,
   ``pickscore_logit``, ``clip_score``, ``clip_score_100``, ``aesthetic``, ``vlm``, ``hpsv2``,
-  ``imagereward``, ``hpsv3``, ``unifiedreward``; see ``rewards.builtin``), ``module:function``,
+  ``imagereward``, ``hpsv3``, ``unifiedreward``, ``pairwise_vlm``; see ``rewards.builtin``), ``module:function``,
   a function ``fn(images, prompts) -> scores`` (one number per image) or ``fn(images, prompts,
   metadata) -> scores`` (``metadata``: one dict per image, ``{}`` where its prompt has none;
   which of the two is read once from the function's signature, ``function_takes_metadata``), or
   ``module:Class``, a reward model class with ``from_pretrained`` (its weights from
-  ``--reward_model``); ``WEIGHT`` its weight in the sum (default 1.0).
+  ``--reward_model``); ``WEIGHT`` its weight in the sum (default 1.0). A function or class that
+  declares ``reward_scope`` ``"group"`` or ``"pairwise"`` (``rewards.groupwise``) scores a prompt's
+  whole group together.
 * ``--reward_model NAME=PATH_OR_HUB_ID`` (repeatable): the weights of the built-in ``NAME``.
 * ``--reward_placement NAME=shard|replicate|offload`` (repeatable): where a built-in's model
   lives (default ``shard``: a ZeRO-3 inference engine, see ``placement.frozen``).
@@ -38,6 +40,7 @@ import torch
 from ..errors import ArgumentError
 from ..placement.frozen import PLACEMENTS
 from .builtin import BUILTINS
+from .groupwise import reward_scope
 
 DEFAULT_PLACEMENT = "shard"
 
@@ -60,6 +63,10 @@ class RewardSpec:
             with ``from_pretrained`` (a diffusers ``ModelMixin`` or a transformers model) whose
             forward maps images (or its ``preprocess(images, prompts)``'s output) to one score
             each, loaded from ``--reward_model`` straight into its placement.
+        scope: ``"sample"`` (one score per image from that image alone), ``"group"`` (scores a
+            prompt's whole group together) or ``"pairwise"`` (a judge of two images: each
+            image's reward is its win rate in its group); read from the function's or class's
+            ``reward_scope`` (``rewards.groupwise``) or the built-in's.
     """
 
     name: str
@@ -69,6 +76,13 @@ class RewardSpec:
     function: Callable[..., Any] | None = field(default=None, repr=False, compare=False)
     takes_metadata: bool = False
     model_class: type | None = field(default=None, repr=False, compare=False)
+    scope: str = "sample"
+
+    @property
+    def is_groupwise(self) -> bool:
+        """True for a reward that scores a prompt's group together (``group`` or ``pairwise``):
+        the trainer gathers the group's images for it (``rewards.groupwise``)."""
+        return self.scope != "sample"
 
     @property
     def is_builtin(self) -> bool:
@@ -180,6 +194,14 @@ def function_takes_metadata(spec: str, fn: Callable[..., Any]) -> bool:
     return len(positional) >= 3
 
 
+def _scope(name: str, obj: Any) -> str:
+    """The ``reward_scope`` ``obj`` declares; a bad one is an ``ArgumentError``."""
+    try:
+        return reward_scope(obj)
+    except ValueError as e:
+        raise ArgumentError(f"--reward {name}: {e}") from e
+
+
 def _builtin(name: str) -> None:
     """Raise ``ArgumentError`` for a name that is no built-in."""
     builtin = BUILTINS.get(name)
@@ -230,7 +252,14 @@ def parse_reward_specs(
                     if name in given:
                         raise ArgumentError(f"{flag} {name}: a function reward has no model to load or place")
                 takes_metadata = function_takes_metadata(name, function)
-                specs.append(RewardSpec(name, weight, function=function, takes_metadata=takes_metadata))
+                scope = _scope(name, function)
+                if scope != "sample" and takes_metadata:
+                    raise ArgumentError(
+                        f"--reward {name}: a {scope} reward is called fn(images, prompts), without metadata"
+                    )
+                specs.append(
+                    RewardSpec(name, weight, function=function, takes_metadata=takes_metadata, scope=scope)
+                )
                 continue
             model_class = function
             if name not in model_of:
@@ -249,8 +278,16 @@ def parse_reward_specs(
             raise ArgumentError(
                 f"--reward_placement {name}={placement}: choose one of {', '.join(PLACEMENTS)}"
             )
+        scope = _scope(name, model_class) if model_class is not None else BUILTINS[name].scope
         specs.append(
-            RewardSpec(name, weight, model_path=model_of[name], placement=placement, model_class=model_class)
+            RewardSpec(
+                name,
+                weight,
+                model_path=model_of[name],
+                placement=placement,
+                model_class=model_class,
+                scope=scope,
+            )
         )
     given = {s.name for s in specs}
     for flag, named in (("--reward_model", model_of), ("--reward_placement", placement_of)):
