@@ -269,7 +269,7 @@ class DPOTrainer(TextToImageTrainer):
         before = len(ds)
         ds = drop_ties(ds)
         log_rank_zero(f"{len(ds)} preference pairs ({before - len(ds)} ties dropped)")
-        ds = select_rows(ds, args, self.data_processes)
+        ds = select_rows(ds, args, self.job.data_processes)
         pairs = PreferencePairs(
             ds,
             lambda captions: self.family.tokenize(self.tokenizers, captions),
@@ -279,7 +279,7 @@ class DPOTrainer(TextToImageTrainer):
             seed=args.seed or 0,
         )
         return TrainingData(
-            pairs, ds, "jpg_0", "caption", args.train_batch_size, self.data_processes, seed=args.seed or 0,
+            pairs, ds, "jpg_0", "caption", args.train_batch_size, self.job.data_processes, seed=args.seed or 0,
             collate_fn=collate_pairs,
         )  # fmt: skip
 

@@ -392,7 +392,7 @@ class DreamBoothTrainer(TextToImageTrainer):
         )
         pairs = DreamBoothPairs(images, n_instance, n_class, repeats=args.repeats)
         return TrainingData(
-            pairs, ds, "image", "text", args.train_batch_size, self.data_processes, seed=args.seed or 0,
+            pairs, ds, "image", "text", args.train_batch_size, self.job.data_processes, seed=args.seed or 0,
             collate_fn=collate_pairs,
         )  # fmt: skip
 

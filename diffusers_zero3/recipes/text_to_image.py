@@ -34,7 +34,6 @@ from pathlib import Path
 
 import torch
 
-from ..data.loading import LoaderSettings
 from ..data.pixels import RowsToPixels
 from ..families.base import DenoiserSchedule
 from ..families.objectives import (
@@ -44,7 +43,7 @@ from ..families.objectives import (
     sample_generators,
 )
 from ..placement.frozen_inputs import CacheRequest, FrozenInputs, place_frozen_models
-from ..runtime.context_parallel import ContextParallel, group_loader
+from ..runtime.context_parallel import group_loader
 from ..runtime.distributed import log_rank_zero
 from ..runtime.memory import MemoryLog, model_state_bytes
 from ..runtime.phases import reached
@@ -69,11 +68,10 @@ from ..training.faults import NonFiniteUpdates, StopSignals, parse_signals
 from ..training.job import finish_trackers
 from ..training.lora import LORA_WEIGHT_NAME, lora_loader_hint, save_lora_zero3
 from ..training.parts import TrainedModel, adamw, prepare_first_part, set_micro_batch_size
-from ..training.report import StepOutput, log_memory_per_rank, log_outputs, run_outputs, write_validation
+from ..training.report import StepOutput, log_outputs, log_training_end, run_outputs, write_validation
 from ..training.schedule import (
     epoch_batches,
     epochs_for,
-    first_last_means,
     job_learning_rate,
     lr_schedule,
     updates_per_epoch,
@@ -101,18 +99,14 @@ class TextToImageTrainer:
     # buckets and loss masks apply; a subclass with data of its own sets this False.
     image_caption_rows = True
 
-    # -- the job (text_to_image_job.TextToImageJob's fields): setup, before any model loads
+    # -- the job: setup, before any model loads; the fields the subclasses read copied from it
     args: TextToImageSettings
-    job: TextToImageJob
+    job: TextToImageJob  # also: the context-parallel groups, the plan, the loaders' settings
     source: str
     family: object  # families.base.Family
     component_sources: dict[str, Path]
     accelerator: object
     placements: dict[str, str]
-    plan: object
-    cp: ContextParallel | None
-    loading: LoaderSettings
-    trained_folders: tuple[str, ...]
     # -- the objective and the denoisers: _load_models
     noise_scheduler: object
     objective_settings: ObjectiveSettings  # the loss's flags: timestep density, weights, SNR, DREAM
@@ -153,15 +147,14 @@ class TextToImageTrainer:
         self.extra_parts = []
         self.nonfinite = NonFiniteUpdates(args.max_nonfinite_steps)
         self.stop_signals = StopSignals(parse_signals(args.save_on_signal))
-        self.trained_folder, self.second_denoiser, self.cp = None, None, None
+        self.trained_folder, self.second_denoiser = None, None
 
     # ------------------------------------------------------------------ setup
 
     def setup(self) -> None:
         self.job = job = resolve_job(self.args, type(self))
         self.source, self.family, self.accelerator = job.source, job.family, job.accelerator
-        self.component_sources, self.trained_folders = job.component_sources, job.trained_folders
-        self.placements, self.plan, self.cp, self.loading = job.placements, job.plan, job.cp, job.loading
+        self.component_sources, self.placements = job.component_sources, job.placements
         self.memory.mark("accelerator built")
         self._load_models()
         self.memory.mark("models loaded")
@@ -173,11 +166,6 @@ class TextToImageTrainer:
         self._prepare_training()
         self.memory.mark("prepared")
 
-    @property
-    def data_processes(self) -> int:
-        """The ranks that take different samples: all of them, or the context-parallel groups."""
-        return self.job.data_processes
-
     def _tokenize(self, captions: list[str]) -> dict:
         """The family's token ids of ``captions`` at ``--max_sequence_length``."""
         return self.family.tokenize(self.tokenizers, captions, self.args.max_sequence_length)
@@ -188,7 +176,7 @@ class TextToImageTrainer:
         self.objective_settings = objective_settings(args, self.family, self.noise_scheduler)
         self.tokenizers = self.family.load_tokenizers(src, self.component_sources)
         self.schedule = self.family.denoiser_schedule(
-            self.trained_folders, src, self.noise_scheduler, self.objective_settings, args.seed or 0
+            self.job.trained_folders, src, self.noise_scheduler, self.objective_settings, args.seed or 0
         )
         self._load_trained_model()
 
@@ -199,11 +187,11 @@ class TextToImageTrainer:
             self.accelerator,
             self.family,
             self.source,
-            self.trained_folders,
+            self.job.trained_folders,
             self.component_sources,
             self.args,
         )
-        self.trained_folder = self.trained_folders[0]
+        self.trained_folder = self.job.trained_folders[0]
         self.denoiser, self.second_denoiser = models[0], (models[1] if len(models) > 1 else None)
         described = self.schedule.describe()
         if described:
@@ -223,10 +211,10 @@ class TextToImageTrainer:
         args, family, pixels = self.args, self.family, self.pixels
         if family.video:
             audio = audio_of_clips(family, self.source, self.component_sources)
-            return load_clip_rows(args, family, pixels, self.data_processes, self.job.vae_config(), audio)
+            return load_clip_rows(args, family, pixels, self.job.data_processes, self.job.vae_config(), audio)
         if args.streaming:
-            return load_streamed_rows(args, pixels, self.data_processes, self.loading.num_workers)
-        return load_image_rows(args, family, pixels, self.data_processes, self.job.vae_config())
+            return load_streamed_rows(args, pixels, self.job.data_processes, self.job.loading.num_workers)
+        return load_image_rows(args, family, pixels, self.job.data_processes, self.job.vae_config())
 
     def _place_frozen(self) -> None:
         """Frozen models by placement; 'cache' ones are run once over the data, then freed."""
@@ -248,10 +236,10 @@ class TextToImageTrainer:
     def _prepare_training(self) -> None:
         args, acc = self.args, self.accelerator
         trained = [m for m in (self.denoiser, self.second_denoiser) if m is not None]
-        set_denoiser_kernels(trained, args.attention_backend, self.cp, acc)
-        self.learning_rate = job_learning_rate(args, self.data_processes)
+        set_denoiser_kernels(trained, args.attention_backend, self.job.cp, acc)
+        self.learning_rate = job_learning_rate(args, self.job.data_processes)
         optimizer = adamw(self.denoiser, args, self.learning_rate)  # the adapters alone under LoRA
-        loader = self.data.loader(self.loading)
+        loader = self.data.loader(self.job.loading)
         plugin = acc.state.deepspeed_plugin
         if self.data.bucket_sampler is not None and plugin is not None:
             # a loader with a batch sampler has no batch_size, from which accelerate fills "auto"
@@ -259,14 +247,14 @@ class TextToImageTrainer:
                 plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.train_batch_size
         accumulation = args.gradient_accumulation_steps
         if args.max_train_steps is None:
-            per_epoch = updates_per_epoch(math.ceil(len(loader) / self.data_processes), accumulation)
+            per_epoch = updates_per_epoch(math.ceil(len(loader) / self.job.data_processes), accumulation)
             args.max_train_steps = args.num_train_epochs * per_epoch
         scheduler = lr_schedule(args, optimizer, acc.num_processes)  # accelerate steps it once per process
         # The denoiser first: accelerate's backward drives the first engine it prepared.
         # Context parallelism: the loader dealt out to the groups, not to every rank.
         # A stream: dealt out per rank too, so that each rank decodes its own rows (accelerate's
         # prepare would dispatch it from rank 0, which then decodes every row).
-        deal_here = self.cp is not None or args.streaming
+        deal_here = self.job.cp is not None or args.streaming
         if deal_here:
             set_micro_batch_size(acc, args.train_batch_size)
         self.denoiser_part, self.loader = prepare_first_part(
@@ -275,9 +263,7 @@ class TextToImageTrainer:
             ema=("cpu" if args.offload_ema else True) if args.use_ema else False,
         )  # fmt: skip
         if deal_here:
-            groups, group = (self.cp.data_parallel_size, self.cp.data_parallel_rank) if self.cp else (
-                acc.num_processes, acc.process_index)  # fmt: skip
-            self.loader = group_loader(loader, acc, groups, group)
+            self.loader = group_loader(loader, acc, self.job.data_processes, self.job.data_rank)
         part = self.denoiser_part
         self.denoiser, self.optimizer, self.lr_scheduler, self.ema = part.engine, part.optimizer, part.lr_scheduler, part.ema  # fmt: skip
         # a stream's epochs end when the stream does: its steps bound the run
@@ -290,34 +276,29 @@ class TextToImageTrainer:
         if acc.is_main_process and args.report_to != "none":
             acc.init_trackers(args.tracker_project_name, args.scalars())
         self._prepare_extra_parts()
-        self.parts = TrainedParts(part, self.extra_parts, self.schedule, self.cp)
-        self._maybe_resume()
+        self.parts = TrainedParts(part, self.extra_parts, self.schedule, self.job.cp)
+        resumed = resume_training(
+            acc, args.output_dir, args.resume_from_checkpoint, ema=self.ema,
+            check=self.data.check_resumable,  # before anything is loaded: where would the data resume?
+            parts=self.extra_parts, fallback=args.resume_fallback,
+        )  # fmt: skip
+        if resumed is not None:
+            path, state = resumed
+            self.global_step, self.first_epoch = state["global_step"], state["epoch"]
+            self.data.resume(state, path)
+            log_rank_zero(f"resumed from {path} at step {self.global_step}")
+        elif args.resume_from_checkpoint:
+            log_rank_zero("no checkpoint to resume from yet: starting a new run")
 
     def _prepare_extra_parts(self) -> None:
         """Build the job's other trained models (``self.extra_parts``), after the denoiser's
         engine and before a resume (every rank): the second trained denoiser when two train."""
         if self.second_denoiser is not None:
-            name, args = self.trained_folders[1], self.args
+            name, args = self.job.trained_folders[1], self.args
             part = prepare_second_denoiser(
                 self.accelerator, name, self.second_denoiser, args, self.learning_rate, self.denoiser
             )
             self.extra_parts.append(part)
-
-    def _maybe_resume(self) -> None:
-        args = self.args
-        resumed = resume_training(
-            self.accelerator, args.output_dir, args.resume_from_checkpoint, ema=self.ema,
-            check=self.data.check_resumable,  # before anything is loaded: where would the data resume?
-            parts=self.extra_parts, fallback=args.resume_fallback,
-        )  # fmt: skip
-        if resumed is None:
-            if args.resume_from_checkpoint:
-                log_rank_zero("no checkpoint to resume from yet: starting a new run")
-            return
-        path, state = resumed
-        self.global_step, self.first_epoch = state["global_step"], state["epoch"]
-        self.data.resume(state, path)
-        log_rank_zero(f"resumed from {path} at step {self.global_step}")
 
     # ------------------------------------------------------------------ training
 
@@ -339,9 +320,8 @@ class TextToImageTrainer:
                 denoiser, self.noise_scheduler, latents, cond, self.objective_settings, generators, **kwargs
             )
 
-        if self.cp is not None:  # a masked text of the batch's length: padded to split K ways
-            return self.cp.split_loss(cond, latents, loss_of)
-        return loss_of(cond)
+        cp = self.job.cp  # a masked text of the batch's length: padded to split K ways
+        return cp.split_loss(cond, latents, loss_of) if cp is not None else loss_of(cond)
 
     def train(self) -> list[float]:
         """The training loop; returns the logged per-step losses (all ranks call it).
@@ -355,14 +335,8 @@ class TextToImageTrainer:
                 return []
             losses = self._train_epochs(steps)
             steps.close()  # the bar ends before the memory table prints
-            self.memory.mark("training done")
             states = self.model_states or model_state_bytes(self.denoiser, self.optimizer, self.ema)
-            self.model_states = log_memory_per_rank(self.memory, states)
-            if len(losses) >= 2:
-                k, first, last = first_last_means(losses)
-                log_rank_zero(
-                    f"loss: mean of the first {k} steps {first:.4f} -> mean of the last {k} steps {last:.4f}"
-                )
+            self.model_states = log_training_end(self.memory, states, losses)
             self.data.log_end(self.accelerator)
         return losses
 

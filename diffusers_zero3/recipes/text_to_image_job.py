@@ -57,6 +57,11 @@ class TextToImageJob:
         """The ranks that take different samples: all of them, or the context-parallel groups."""
         return self.cp.data_parallel_size if self.cp is not None else self.accelerator.num_processes
 
+    @property
+    def data_rank(self) -> int:
+        """This rank's place among the ``data_processes`` (its context-parallel group's)."""
+        return self.cp.data_parallel_rank if self.cp is not None else self.accelerator.process_index
+
     def vae_config(self) -> dict:
         """The VAE's config (its folder, or the one ``--component vae=PATH`` gives)."""
         return vae_config(self.family, self.source, self.component_sources)

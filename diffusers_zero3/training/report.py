@@ -188,6 +188,22 @@ def log_outputs(outputs: Iterable[Output]) -> list[str]:
 __all__ = ["STEP_LOG_NAME", "StepOutput", "is_terminal", "log_outputs", "step_log_path", "summary_lines"]
 
 
+def log_training_end(memory, states: dict[str, int], losses: list[float]) -> dict[str, int]:
+    """After a training loop: the memory mark ``training done``, the memory table with the
+    model states (``log_memory_per_rank``, whose maximum over ranks it returns) and the loss's
+    trend (the means of its first and last steps). Collective: every rank, once."""
+    from .schedule import first_last_means
+
+    memory.mark("training done")
+    states = log_memory_per_rank(memory, states)
+    if len(losses) >= 2:
+        k, first, last = first_last_means(losses)
+        log_rank_zero(
+            f"loss: mean of the first {k} steps {first:.4f} -> mean of the last {k} steps {last:.4f}"
+        )
+    return states
+
+
 def log_memory_per_rank(memory, states: dict[str, int]) -> dict[str, int]:
     """Log the RSS per phase of ``memory`` (a ``runtime.memory.MemoryLog``), the trained
     model's state bytes ``states`` (by kind), the glibc heap and, on a GPU, the device memory
