@@ -137,7 +137,7 @@ def _one_process_scores(images: torch.Tensor) -> dict[str, torch.Tensor]:
     by_group = defaultdict(list)
     for i, (g, _) in enumerate(KEYS):
         by_group[g].append(i)
-    want = torch.zeros(len(KEYS), dtype=torch.float64)
+    want = torch.zeros(len(KEYS), dtype=torch.float64, device=CPU)
     for rows in by_group.values():
         want[rows] = b[rows] - b[rows].mean()
     torch.testing.assert_close(out["group"].double(), want, rtol=1e-6, atol=1e-7)
@@ -184,7 +184,7 @@ def worker_groupwise(ref_path: str, judge_folder: str):
         assert total.shape == (length,)
 
         # positive control: each rank's members of a group alone (no gather) score otherwise
-        alone_group = torch.zeros(n)
+        alone_group = torch.zeros(n, device=CPU)
         by_group = defaultdict(list)
         for k, i in enumerate(mine):
             by_group[KEYS[i][0]].append(k)
@@ -192,7 +192,7 @@ def worker_groupwise(ref_path: str, judge_folder: str):
         for ks in by_group.values():
             alone_group[ks] = above_group_mean(images[[mine[k] for k in ks]], None)
             pairs += [(a, b) for a in ks for b in ks if a != b]
-        alone_pair = torch.zeros(n, dtype=torch.float64)
+        alone_pair = torch.zeros(n, dtype=torch.float64, device=CPU)
         if pairs:
             prefs = brighter(
                 torch.stack([images[[mine[a] for a, _ in pairs]], images[[mine[b] for _, b in pairs]]], 1),
@@ -309,7 +309,7 @@ def _judge_reference(folder, images, prompt: str) -> tuple[torch.Tensor, torch.T
     one, two = tok.convert_tokens_to_ids("1"), tok.convert_tokens_to_ids("2")
     pil = _pil(images)
     n = len(pil)
-    p = torch.zeros(n, n, dtype=torch.float64)
+    p = torch.zeros(n, n, dtype=torch.float64, device=CPU)
     for i, j in itertools.permutations(range(n), 2):
         vision = processor(images=[pil[i], pil[j]], return_tensors="pt")
         count = int(vision["image_grid_thw"][0].prod()) // processor.merge_size**2
@@ -325,7 +325,7 @@ def _judge_reference(folder, images, prompt: str) -> tuple[torch.Tensor, torch.T
         probs = logits.double().softmax(-1)
         p[i, j] = probs[one] / (probs[one] + probs[two])
     wins = [sum((p[i, j] + 1 - p[j, i]) / 2 for j in range(n) if j != i) / (n - 1) for i in range(n)]
-    return p, torch.tensor(wins, dtype=torch.float64)
+    return p, torch.tensor(wins, dtype=torch.float64, device=CPU)
 
 
 @pytest.mark.unit

@@ -809,6 +809,11 @@ class GRPOTrainer:
         specs, eval_specs = args.reward_specs
         self.reward_names = [s.name for s in specs]
         self.groupwise_rewards = [s.name for s in specs if s.is_groupwise]  # scored on a whole round
+        if self.groupwise_rewards and args.eval_prompt_file:  # evaluation scores one image a prompt
+            raise ArgumentError(
+                f"--eval_prompt_file: the group-wise rewards {', '.join(self.groupwise_rewards)} score a prompt's"
+                " group of samples, and evaluation draws one image a prompt"
+            )
         self.reward_fn = load_rewards(
             specs,
             acc,

@@ -165,7 +165,7 @@ def gather_round(images: torch.Tensor, prompts: Sequence[str] | None, groups: Sa
         padded = torch.zeros(width, *shape, dtype=images.dtype, device=comm_device())
         padded[: len(real)] = mine_images.detach().to(padded.device)
         key_rows = torch.zeros(width, 2, dtype=torch.long, device=comm_device())
-        key_rows[: len(real)] = torch.tensor(keys, dtype=torch.long).reshape(-1, 2)
+        key_rows[: len(real)] = torch.tensor(keys, dtype=torch.long, device=key_rows.device).reshape(-1, 2)
         everyone = [torch.empty_like(padded) for _ in counts]
         everyone_keys = [torch.empty_like(key_rows) for _ in counts]
         if width:
