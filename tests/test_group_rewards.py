@@ -114,6 +114,27 @@ def test_both_orders_cancel_a_judges_position_preference():
     )
 
 
+@pytest.mark.unit
+def test_a_spec_takes_the_scope_its_function_or_builtin_declares():
+    from diffusers_zero3.errors import ArgumentError
+    from diffusers_zero3.rewards import parse_reward_specs
+
+    specs = parse_reward_specs(
+        [f"{SELF}:above_group_mean", f"{SELF}:brighter", REDNESS, "pairwise_vlm"], ["pairwise_vlm=/w"]
+    )
+    assert [s.scope for s in specs] == ["group", "pairwise", "sample", "pairwise"]
+    assert [s.is_groupwise for s in specs] == [True, True, False, True]
+    with pytest.raises(ArgumentError, match="reward_scope 'pairs'"):
+        parse_reward_specs([f"{SELF}:bad_scope"])
+
+
+def bad_scope(images, prompts):
+    return images.mean((1, 2, 3))
+
+
+bad_scope.reward_scope = "pairs"
+
+
 # ------------------------------------------------------------------ 2 ranks
 
 # 3 groups of 4 and a group of 1, in a shuffled order (groups straddle the ranks)
@@ -121,13 +142,13 @@ KEYS = [(g, m) for g in range(3) for m in range(4)] + [(7, 0)]
 ORDER = [5, 0, 9, 12, 3, 11, 1, 7, 2, 10, 4, 8, 6]
 
 
-def _one_process_scores(images: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Each sample of KEYS scored with its whole group, without a process group."""
+def _one_process_scores(images: torch.Tensor, keys: list[tuple[int, int]] = KEYS) -> dict[str, torch.Tensor]:
+    """Each sample of ``keys`` scored with its whole group, without a process group."""
     from diffusers_zero3.placement.rewards import ParallelReward
     from diffusers_zero3.rewards.groupwise import GroupwiseReward, SampleGroups, ordered_pairs, win_rates
 
-    groups = SampleGroups([g for g, _ in KEYS], [m for _, m in KEYS], [True] * len(KEYS))
-    prompts = [f"prompt {g}" for g, _ in KEYS]
+    groups = SampleGroups([g for g, _ in keys], [m for _, m in keys], [True] * len(keys))
+    prompts = [f"prompt {g}" for g, _ in keys]
     out = {
         name: GroupwiseReward(ParallelReward(fn), scope)(images, prompts, groups)
         for name, fn, scope in (("group", above_group_mean, "group"), ("pairwise", brighter, "pairwise"))
@@ -135,15 +156,15 @@ def _one_process_scores(images: torch.Tensor) -> dict[str, torch.Tensor]:
     # the same, written out: a group's brightness against its mean; win rates over both orders
     b = images.mean((1, 2, 3)).double()
     by_group = defaultdict(list)
-    for i, (g, _) in enumerate(KEYS):
+    for i, (g, _) in enumerate(keys):
         by_group[g].append(i)
-    want = torch.zeros(len(KEYS), dtype=torch.float64, device=CPU)
+    want = torch.zeros(len(keys), dtype=torch.float64, device=CPU)
     for rows in by_group.values():
         want[rows] = b[rows] - b[rows].mean()
     torch.testing.assert_close(out["group"].double(), want, rtol=1e-6, atol=1e-7)
     pairs = ordered_pairs(list(by_group.values()))
     prefs = brighter(torch.stack([images[[i for i, _ in pairs]], images[[j for _, j in pairs]]], 1), None)
-    torch.testing.assert_close(out["pairwise"].double(), win_rates(len(KEYS), pairs, prefs).float().double())
+    torch.testing.assert_close(out["pairwise"].double(), win_rates(len(keys), pairs, prefs).float().double())
     return out
 
 
@@ -202,6 +223,15 @@ def worker_groupwise(ref_path: str, judge_folder: str):
         if counts[rank] not in (0, len(KEYS)):  # a rank holding part of a group
             assert not torch.allclose(alone_group, ref["group"][mine], atol=1e-4)
             assert not torch.allclose(alone_pair.float(), ref["pairwise"][mine], atol=1e-4)
+
+    # context parallelism: both ranks hold the same samples (each sample is scored once)
+    rows = ORDER[:7]
+    groups = SampleGroups([KEYS[i][0] for i in rows], [KEYS[i][1] for i in rows], [True] * len(rows))
+    _, scores = rewards(images[rows], [f"prompt {KEYS[i][0]}" for i in rows], groups=groups)
+    subset = torch.tensor(rows, device=CPU)
+    want = _one_process_scores(images[subset], [KEYS[i] for i in rows])
+    torch.testing.assert_close(scores[f"{SELF}:brighter"], want["pairwise"], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(scores[f"{SELF}:above_group_mean"], want["group"], rtol=1e-6, atol=1e-7)
 
     # a sharded pairwise_vlm judge: the same forwards on every rank, the one-process scores
     specs = parse_reward_specs(["pairwise_vlm"], [f"pairwise_vlm={judge_folder}"])
