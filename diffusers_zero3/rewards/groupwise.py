@@ -331,15 +331,23 @@ class GroupwiseReward:
         share = [pairs[k] for k in items]
         if not share:  # no pair anywhere (every rank agrees): no judge call on any rank
             return torch.zeros(len(gathered.keys), dtype=torch.float64, device=gathered.images.device)
-        firsts, seconds = [i for i, _ in share], [j for _, j in share]
-        stacked = torch.stack([gathered.images[firsts], gathered.images[seconds]], dim=1)
+        # one micro-batch of pairs at a time (every rank has as many: the same calls everywhere),
+        # so that a rank never holds its whole share's pairs of images and their judge inputs
+        size = self.reward.micro_batch_size
+        prefs = torch.full((len(share),), torch.nan, dtype=torch.float64, device=gathered.images.device)
         failed: Exception | None = None
-        try:
-            prefs = torch.as_tensor(self.reward(stacked, self._prompts(gathered, firsts))).reshape(-1)
-            if len(prefs) != len(share):
-                raise ValueError(f"returned {len(prefs)} preferences for {len(share)} pairs")
-        except Exception as e:  # raised after the gather below, which the other ranks are in
-            failed, prefs = e, torch.full((len(share),), torch.nan, device=gathered.images.device)
+        for start in range(0, len(share), size):
+            chunk = share[start : start + size]
+            firsts, seconds = [i for i, _ in chunk], [j for _, j in chunk]
+            stacked = torch.stack([gathered.images[firsts], gathered.images[seconds]], dim=1)
+            try:
+                out = torch.as_tensor(self.reward(stacked, self._prompts(gathered, firsts))).reshape(-1)
+                if len(out) != len(chunk):
+                    raise ValueError(f"returned {len(out)} preferences for {len(chunk)} pairs")
+            except Exception as e:  # raised after the gather below, which the other ranks are in
+                failed = e
+                break
+            prefs[start : start + len(chunk)] = out.to(prefs)
         every = gather_dealt(prefs, len(pairs))
         if failed is not None:
             raise failed
