@@ -1,7 +1,9 @@
 """Rewards for online RL of diffusion models: the command-line specs (``specs``), the
 built-in reward models (``builtin``: PickScore, CLIPScore, the LAION aesthetic predictor, a
 VLM judge; ``hps``: HPSv2; ``imagereward``: ImageReward), their tensor preprocessing (``images``) and the weighted sum over them
-(``registry``), each reward a ``placement.rewards.ParallelReward``.
+(``registry``), each reward a ``placement.rewards.ParallelReward``; group-wise rewards, which score
+a prompt's group gathered from every rank (``groupwise``; Pref-GRPO's pairwise win rate with the
+``pairwise_judge`` built-in).
 
 Images are float tensors ``[B, 3, H, W]`` in ``[0, 1]`` on the accelerator's device.
 """
