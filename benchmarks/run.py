@@ -25,6 +25,7 @@ SUITES = [
     "universal",
     "reward",
     "grpo",
+    "sampler",
     "cache",
     "data",
     "context_parallel",
