@@ -472,6 +472,12 @@ class VLMJudge(nn.Module):
         prompts = _check_prompts(self.name, images, prompts)
         if not len(images):
             return _empty_rows(images)
+        return self.pack_chats(images, prompts)
+
+    def pack_chats(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        """Packed rows ``[B, D]``, one chat per prompt (``chat``, left-padded: the last position
+        is every row's next token) with its images' patches: ``images`` holds ``len(images) //
+        len(prompts)`` consecutive images per prompt (one here; two for a pairwise judge)."""
         patches, gh, gw = qwen_vl_patches(images, self.image_config)
         image_tokens = gh * gw // self.image_config.merge_size**2
         encoded = self.tokenizer([self.chat(p, image_tokens) for p in prompts])["input_ids"]
@@ -479,23 +485,31 @@ class VLMJudge(nn.Module):
         device = images.device
         ids = torch.full((len(prompts), length), self.pad_id, dtype=torch.long, device=device)
         mask = torch.zeros((len(prompts), length), dtype=torch.long, device=device)
-        for i, e in enumerate(encoded):  # left padding: the last position is every sample's next token
+        for i, e in enumerate(encoded):
             ids[i, length - len(e) :] = torch.tensor(e, dtype=torch.long, device=device)
             mask[i, length - len(e) :] = 1
         header = torch.tensor([[gh, gw, length]] * len(prompts), dtype=torch.long, device=device)
-        return pack_rows(torch.cat([header, ids, mask], dim=1), patches.reshape(len(images), -1))
+        return pack_rows(torch.cat([header, ids, mask], dim=1), patches.reshape(len(prompts), -1))
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         """Scores ``[B]`` in ``[0, 1]`` of packed rows (``preprocess``)."""
+        return self.first_answer_probability(rows)
+
+    def first_answer_probability(self, rows: torch.Tensor) -> torch.Tensor:
+        """``P(first answer) / (P(first) + P(second))`` ``[B]`` (float32) from the next-token
+        logits of packed rows (``pack_chats``), each row's images in the same forward."""
         ints, floats = unpack_rows(rows)
         b = len(rows)
         gh, gw, length = (int(v) for v in ints[0, :3])
         ids, mask = ints[:, 3 : 3 + length], ints[:, 3 + length : 3 + 2 * length]
-        grid = torch.tensor([[1, gh, gw]] * b, dtype=torch.long, device=rows.device)
+        per_row = (
+            int((ids[0] == self.image_token_id).sum()) * self.image_config.merge_size**2 // (gh * gw)
+        )  # images
+        grid = torch.tensor([[1, gh, gw]] * (per_row * b), dtype=torch.long, device=rows.device)
         logits = self.model(
             input_ids=ids,
             attention_mask=mask,
-            pixel_values=floats.reshape(b * gh * gw, -1),
+            pixel_values=floats.reshape(per_row * b * gh * gw, -1),
             image_grid_thw=grid,
             mm_token_type_ids=(ids == self.image_token_id).long(),
             logits_to_keep=1,

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from .builtin import VLMJudge, _check_prompts, _processor_dict, load_vlm
-from .images import QwenVLImageConfig, check_images, pack_rows, qwen_vl_patches, unpack_rows
+from .images import QwenVLImageConfig, check_images
 
 # Qwen2-VL's and Qwen2.5-VL's chat template rendered for one user turn [image, image, text] with
 # the generation prompt, as their processors' apply_chat_template gives it.
@@ -117,35 +117,10 @@ class PairwiseVLMJudge(VLMJudge):
         flat = pairs.flatten(0, 1)
         check_images(flat, self.name)
         prompts = _check_prompts(self.name, pairs, prompts)
-        device = pairs.device
         if not len(pairs):
-            return torch.zeros(0, 1, device=device)
-        patches, gh, gw = qwen_vl_patches(flat, self.image_config)
-        image_tokens = gh * gw // self.image_config.merge_size**2
-        encoded = self.tokenizer([self.chat(p, image_tokens) for p in prompts])["input_ids"]
-        length = max(len(e) for e in encoded)
-        ids = torch.full((len(prompts), length), self.pad_id, dtype=torch.long, device=device)
-        mask = torch.zeros((len(prompts), length), dtype=torch.long, device=device)
-        for i, e in enumerate(encoded):  # left padding: the last position is every pair's next token
-            ids[i, length - len(e) :] = torch.tensor(e, dtype=torch.long, device=device)
-            mask[i, length - len(e) :] = 1
-        header = torch.tensor([[gh, gw, length]] * len(prompts), dtype=torch.long, device=device)
-        return pack_rows(torch.cat([header, ids, mask], dim=1), patches.reshape(len(pairs), -1))
+            return torch.zeros(0, 1, device=pairs.device)
+        return self.pack_chats(flat, prompts)  # two images a chat
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         """P(first better) ``[B]`` in ``[0, 1]`` (float32) of packed rows (``preprocess``)."""
-        ints, floats = unpack_rows(rows)
-        b = len(rows)
-        gh, gw, length = (int(v) for v in ints[0, :3])
-        ids, mask = ints[:, 3 : 3 + length], ints[:, 3 + length : 3 + 2 * length]
-        grid = torch.tensor([[1, gh, gw]] * (2 * b), dtype=torch.long, device=rows.device)
-        logits = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            pixel_values=floats.reshape(2 * b * gh * gw, -1),
-            image_grid_thw=grid,
-            mm_token_type_ids=(ids == self.image_token_id).long(),
-            logits_to_keep=1,
-        ).logits[:, -1]
-        pair = logits[:, [self.yes_id, self.no_id]].float()
-        return pair.softmax(dim=-1)[:, 0]
+        return self.first_answer_probability(rows)
