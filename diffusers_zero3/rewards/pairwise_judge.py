@@ -28,14 +28,13 @@ a judge trained to think first (UnifiedReward-Think) answers here without its th
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from .builtin import VLMJudge, _check_prompts, _processor_dict, load_vlm
+from .builtin import VLMJudge, _check_prompts
 from .images import QwenVLImageConfig, check_images
 
 # Qwen2-VL's and Qwen2.5-VL's chat template rendered for one user turn [image, image, text] with
@@ -91,22 +90,6 @@ class PairwiseVLMJudge(VLMJudge):
         super().__init__(
             model, tokenizer, image_config, question=question, answers=answers, template=template
         )
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        path: str | os.PathLike,
-        dtype: torch.dtype | None = None,
-        *,
-        load_model: Callable[[type, str | os.PathLike, torch.dtype | None], nn.Module] | None = None,
-        **kwargs: Any,
-    ) -> PairwiseVLMJudge:
-        """As ``VLMJudge.from_pretrained`` (``kwargs``: ``question``, ``answers``, ``template``)."""
-        from transformers import AutoTokenizer
-
-        model = load_vlm(path, dtype, load_model)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        return cls(model, tokenizer, QwenVLImageConfig.from_processor_dict(_processor_dict(path)), **kwargs)
 
     def preprocess(self, pairs: torch.Tensor, prompts: Sequence[str] | None) -> torch.Tensor:
         """Packed rows ``[B, D]`` of ``pairs`` (float ``[B, 2, 3, H, W]`` in ``[0, 1]``: the first
