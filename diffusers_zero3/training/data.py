@@ -8,6 +8,12 @@ bucket: the last two resumable on any number of processes). The loaders below bu
 ``TextToImageSettings``; a trainer with data of its own (DreamBooth's instance and class
 pairs, DPO's preference pairs) builds one from its dataset.
 
+From a row to latents: ``load_image_rows`` / ``load_clip_rows`` / ``load_streamed_rows`` here
+choose the rows; each row becomes pixels and token ids in its dataset by the job's one
+``data.pixels.RowsToPixels`` (a video clip: ``data.video.VideoCaptionDataset`` reads its frames,
+``ClipSampling`` says which); the batch's pixels become latents in
+``placement.frozen_inputs.FrozenInputs`` (the VAE live, or read from the frozen cache).
+
 Every method runs on every rank alike; those that read image headers (buckets) are collective.
 """
 
