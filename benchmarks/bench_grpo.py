@@ -31,6 +31,9 @@ from benchmarks.common import REPO_ROOT, markdown_table, mib, print_section, rep
 VLM_TEXT = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                 num_key_value_heads=2, vocab_size=32000)  # fmt: skip
 VLM_VISION = dict(depth=8, embed_dim=512, num_heads=8, mlp_ratio=4)
+# The same judge at a VLM's layer count (Qwen2-VL-7B's 28 decoder layers and 32 vision blocks):
+# the number of gathers per forward, which the sharded judge's time follows, as in a real judge.
+VLM_DEEP = (dict(VLM_TEXT, num_hidden_layers=28), dict(VLM_VISION, depth=32))
 SAMPLES, REPEAT, IMAGE = 8, 3, 64  # samples per rank per call, timed calls, image side (px)
 ROUNDS = 6  # GRPO rounds per run; the first one is left out of the times (it warms up)
 GRPO_PROMPTS = ("a red circle", "a blue square", "a green circle", "a yellow square")
@@ -39,8 +42,8 @@ GRPO_PROMPTS = ("a red circle", "a blue square", "a green circle", "a yellow squ
 # ------------------------------------------------------------------ (a) the judge
 
 
-def write_vlm_judge(folder: Path) -> Path:
-    """A Qwen2-VL judge of ``VLM_TEXT`` / ``VLM_VISION`` with its tokenizer (byte-level, Qwen2-VL's
+def write_vlm_judge(folder: Path, text: dict = VLM_TEXT, vision: dict = VLM_VISION) -> Path:
+    """A Qwen2-VL judge of ``text`` / ``vision`` (``VLM_TEXT`` / ``VLM_VISION``) with its tokenizer (byte-level, Qwen2-VL's
     special tokens, "Yes" and "No" one token each) and image processor config, as a hub folder."""
     import torch
     from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
@@ -53,15 +56,15 @@ def write_vlm_judge(folder: Path) -> Path:
     write_qwen2_tokenizer(folder, QWEN_VL_SPECIAL_TOKENS, texts=words + GRPO_PROMPTS)
     tok = AutoTokenizer.from_pretrained(folder)
     tid = tok.convert_tokens_to_ids
-    head_dim = VLM_TEXT["hidden_size"] // VLM_TEXT["num_attention_heads"]
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
     quarter = head_dim // 8  # mrope sections (temporal, height, width) summing to head_dim / 2
     torch.manual_seed(0)
     config = Qwen2VLConfig(
-        text_config=dict(**VLM_TEXT, max_position_embeddings=1024,
+        text_config=dict(**text, max_position_embeddings=1024,
                          rope_scaling={"mrope_section": [2 * quarter, quarter, quarter], "rope_type": "default"},
                          bos_token_id=tid("<|endoftext|>"), eos_token_id=tid("<|im_end|>"),
                          pad_token_id=tid("<|endoftext|>")),
-        vision_config=dict(**VLM_VISION, hidden_size=VLM_TEXT["hidden_size"], patch_size=14,
+        vision_config=dict(**vision, hidden_size=text["hidden_size"], patch_size=14,
                            spatial_merge_size=2, temporal_patch_size=2),
         image_token_id=tid("<|image_pad|>"), video_token_id=tid("<|video_pad|>"),
         vision_start_token_id=tid("<|vision_start|>"), vision_end_token_id=tid("<|vision_end|>"),
@@ -330,12 +333,14 @@ def main() -> None:
         pipe = save_tiny_pipeline(SD3, work / "tiny-sd3")
         folder = write_vlm_judge(work / "vlm")
         judge, plan, params = vlm_rows(pipe, folder)
+        deep, _, deep_params = vlm_rows(pipe, write_vlm_judge(work / "vlm-deep", *VLM_DEEP))
         splits, side = grpo_rows(pipe, work, folder)
-    print_section(
-        f"VLM judge (Qwen2-VL, {params / 1e6:.1f} M parameters, fp32), {SAMPLES} images of {IMAGE} px per rank"
-        f" per call, N=2, CPU",
-        markdown_table(judge, list(judge[0])),
-    )
+    for rows, n, layers in ((judge, params, "8 + 8"), (deep, deep_params, "28 + 32, a VLM's")):
+        print_section(
+            f"VLM judge (Qwen2-VL, {n / 1e6:.1f} M parameters, {layers} layers, fp32), {SAMPLES} images of"
+            f" {IMAGE} px per rank per call, N=2, CPU",
+            markdown_table(rows, list(rows[0])),
+        )
     print_section(
         "The planner's bytes per rank for the same judge (fp32)", markdown_table(plan, list(plan[0]))
     )

@@ -163,6 +163,28 @@ def worker_load_and_save(pipe_dir: str, work: str):
     with torch.no_grad():
         torch.testing.assert_close(te_engine.module(ids)[0], te_ref(ids)[0])
 
+    # A model that generates keeps its folder's generation settings (a judge answering by
+    # generating: its top_k and max_new_tokens), as from_pretrained gives them; built from its
+    # config alone it would have none (the control).
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    llama = f"{work}/llama"
+    if get_rank() == 0:
+        tiny = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+        with zero3_init_disabled():
+            lm = LlamaForCausalLM(tiny)
+        lm.generation_config = GenerationConfig(max_new_tokens=7, top_k=1, do_sample=True, eos_token_id=3)
+        lm.save_pretrained(llama)
+    torch.distributed.barrier()
+    generating = load_pretrained_zero3(LlamaForCausalLM, llama, ds_config=cfg)
+    with zero3_init_disabled():
+        from_folder = LlamaForCausalLM.from_pretrained(llama).generation_config
+        built = LlamaForCausalLM(LlamaForCausalLM.config_class.from_pretrained(llama)).generation_config
+    assert generating.generation_config.max_new_tokens == 7 and generating.generation_config.top_k == 1
+    assert generating.generation_config.to_diff_dict() == from_folder.to_diff_dict()
+    assert built.max_new_tokens != 7  # the control: the config alone does not carry them
+
     # Save: consolidated weights, sharded or not, load back with from_pretrained.
     consolidated = ours_engine._zero3_consolidated_16bit_state_dict()
     save_pretrained_zero3(ours_engine, f"{work}/saved")

@@ -372,22 +372,6 @@ class UnifiedReward(VLMJudge):
         super().__init__(model, tokenizer, image_config, question=question, answers=None, template=template)
         self.max_new_tokens = int(max_new_tokens)
 
-    @classmethod
-    def from_pretrained(
-        cls, path: str | os.PathLike, dtype: torch.dtype | None = None, **kwargs: Any
-    ) -> UnifiedReward:
-        """``VLMJudge.from_pretrained`` (``kwargs``: ``load_model``, ``question``,
-        ``max_new_tokens``), and the folder's ``generation_config.json``, which decides the
-        answer (a partitioned load builds the model from its config and would not read it)."""
-        from transformers import GenerationConfig
-
-        judge = super().from_pretrained(path, dtype, **kwargs)
-        try:
-            judge.model.generation_config = GenerationConfig.from_pretrained(path)
-        except OSError:  # none in the folder: the model config's defaults, as from_pretrained gives
-            pass
-        return judge
-
     def answers(self, rows: torch.Tensor) -> list[str]:
         """The generated answers of packed rows (special tokens skipped), one per row.
 

@@ -395,7 +395,27 @@ def load_pretrained_zero3(
     cast_persistent_buffers(model, next(model.parameters()).dtype)
     _register_zero3_engine()
     _load_partitions(model, checkpoint_names(model, files))
+    read_generation_config(model, folder)
     return model
+
+
+def read_generation_config(model: torch.nn.Module, folder: str | os.PathLike) -> None:
+    """Give a transformers model that generates its folder's generation settings, as
+    ``from_pretrained`` does (``adjust_generation_fn``: ``generation_config.json``, else the ones
+    ``config.json`` holds): a model built from its config has only the config's defaults, and a
+    judge that answers by generating would sample other answers (its ``top_k``, its
+    ``max_new_tokens`` lost). Nothing for a model that does not generate. Not a collective."""
+    can_generate = getattr(model, "can_generate", None)
+    if can_generate is None or not can_generate():
+        return
+    from transformers import GenerationConfig
+
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    except OSError:  # no generation_config.json: what config.json holds, as transformers does
+        model.generation_config = GenerationConfig.from_pretrained(
+            folder, config_file_name="config.json", _from_model_config=True
+        )
 
 
 def checkpoint_names(model: torch.nn.Module, files: dict[str, Path]) -> dict[str, tuple[Path, str]]:
