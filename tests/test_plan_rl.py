@@ -42,6 +42,8 @@ PUBLISHED_PARAMETERS = {
     "hpsv3": 8_291_375_616 - 406 * 3584 * 2 + 3_687_474,
     # CodeGoat24/UnifiedReward-qwen-7b: a Qwen2.5-VL-7B-Instruct fine-tune
     "unifiedreward": 8_292_166_656,
+    # Pref-GRPO's pairwise judge on the same model
+    "pairwise_vlm": 8_292_166_656,
     # THUDM/ImageReward: BLIP's ViT-L/16 at 224 (303,301,632), the BERT-base text encoder with a
     # cross-attention in each of its 12 layers and no pooler (141,977,088), the MLP head
     # 768-1024-128-64-16-1 (927,969): 446 M (BLIP's contrastive projections are not loaded)
@@ -73,7 +75,11 @@ def test_every_planned_reward_is_a_recipe_built_in_in_its_dtype():
     for name, reward in PUBLISHED_REWARDS.items():
         builtin = BUILTINS[reward.builtin]
         assert reward.fp32 == (builtin.dtype == torch.float32), name
-        if name == reward.builtin and name not in ("aesthetic", "hpsv3"):  # theirs: folder descriptions
+        if name == reward.builtin and name not in (
+            "aesthetic",
+            "hpsv3",
+            "pairwise_vlm",
+        ):  # folder descriptions
             assert reward.hub_id == builtin.published, name
     with torch.device("meta"):
         hps = CLIPModel(vit_h14_config())
