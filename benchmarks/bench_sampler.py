@@ -20,19 +20,12 @@ import time
 from pathlib import Path
 
 from benchmarks.common import markdown_table, print_section, report, run_case
+from diffusers_zero3.testing import DDP_ENV, ZERO3_ENV
 
 PROMPTS = ("a red circle", "a blue square", "a green circle", "a yellow square")
 GROUP, STEPS, RESOLUTION, GUIDANCE, REPEAT = 2, 10, 64, 4.5, 3
-ZERO3_ENV = {
-    "ACCELERATE_USE_DEEPSPEED": "true",
-    "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
-    "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true",
-    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "none",
-    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none",
-}
-NO_DEEPSPEED_ENV = {"ACCELERATE_USE_DEEPSPEED": "false"}
 SETTINGS = (
-    ("1 process, no DeepSpeed", 1, NO_DEEPSPEED_ENV, "replicate"),
+    ("1 process, no DeepSpeed", 1, DDP_ENV, "replicate"),
     ("2 ranks, ZeRO-3", 2, ZERO3_ENV, "shard"),
 )
 

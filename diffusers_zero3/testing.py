@@ -11,6 +11,9 @@
   hook (``DIFFUSERS_ZERO3_PHASE_HOOK=diffusers_zero3.testing:fault_point``,
   ``runtime.phases``) to show that the other ranks fail within the collective timeout in
   every phase that waits on a collective.
+* ``ZERO3_ENV`` / ``DDP_ENV``: accelerate's environment for ranks that build their
+  ``Accelerator`` from it (a trainer, ``build_accelerator()``): ZeRO-3 with ``zero.Init`` and
+  nothing offloaded, or no DeepSpeed.
 """
 
 from __future__ import annotations
@@ -46,6 +49,15 @@ class RanksFailed(RuntimeError):
         self.codes = codes
         self.timed_out = timed_out
 
+
+ZERO3_ENV = {
+    "ACCELERATE_USE_DEEPSPEED": "true",
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+    "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "none",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none",
+}
+DDP_ENV = {"ACCELERATE_USE_DEEPSPEED": "false"}
 
 _PORTS_GIVEN: set[int] = set()
 

@@ -36,6 +36,47 @@ def accelerator_with_zero3(zero3_init_flag: bool = True, **ds_overrides):
     return build_accelerator(deepspeed_plugin=plugin)
 
 
+def rank_slice(counts, rank: int) -> slice:
+    """The rows of ``rank`` when the ranks hold ``counts[r]`` consecutive rows each."""
+    start = sum(counts[:rank])
+    return slice(start, start + counts[rank])
+
+
+def tiny_qwen2_vl_judge(folder, texts, seed: int, max_position_embeddings: int):
+    """A tiny Qwen2-VL judge for ``folder`` (the published patch, merge and temporal sizes;
+    narrow and shallow), its lm_head times 3 (an opinion about the images, not saturated): its
+    tokenizer (byte-level, Qwen2-VL's special tokens, each of ``texts`` one token) and image
+    processor config written there, the model returned for the caller to adjust and save."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from diffusers_zero3.demo.pipelines import vl_token_ids
+    from diffusers_zero3.demo.tokenizers import QWEN_VL_SPECIAL_TOKENS, write_qwen2_tokenizer
+
+    write_qwen2_tokenizer(folder, QWEN_VL_SPECIAL_TOKENS, texts=texts)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tid = tok.convert_tokens_to_ids
+    torch.manual_seed(seed)
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=max_position_embeddings,
+                         rope_scaling={"mrope_section": [2, 1, 1], "rope_type": "default"},
+                         bos_token_id=tid("<|endoftext|>"), eos_token_id=tid("<|im_end|>"),
+                         pad_token_id=tid("<|endoftext|>")),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        **vl_token_ids(tid),
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)
+    Qwen2VLImageProcessorPil().save_pretrained(folder)
+    return model
+
+
 def run_card_snippet(folder, workdir, source_image=None) -> dict:
     """Run the python snippet of ``folder``'s README.md (the model card) as printed, its
     ``path/to/this/folder`` replaced by ``folder``, in ``workdir`` (where it writes its output;

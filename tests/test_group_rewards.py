@@ -289,36 +289,15 @@ VLM_PAIR_TEMPLATE = (  # Qwen2-VL's chat template rendered for [image, image, te
 def judge_folder(tmp_path_factory):
     """A tiny Qwen2-VL (the published patch, merge and temporal sizes; narrow and shallow), its
     tokenizer ("1" and "2" one token each) and image processor config."""
-    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from diffusers_zero3.demo.pipelines import vl_token_ids
-    from diffusers_zero3.demo.tokenizers import QWEN_VL_SPECIAL_TOKENS, write_qwen2_tokenizer
     from diffusers_zero3.rewards.pairwise_judge import PAIRWISE_QUESTION
+    from tests.common import tiny_qwen2_vl_judge
 
     folder = tmp_path_factory.mktemp("pairwise_vlm")
     words = ("1", "2", "system", "user", "assistant", "You are a helpful assistant.", PAIRWISE_QUESTION)
-    write_qwen2_tokenizer(folder, QWEN_VL_SPECIAL_TOKENS, texts=words)
-    tok = AutoTokenizer.from_pretrained(folder)
-    tid = tok.convert_tokens_to_ids
-    torch.manual_seed(5)
-    config = Qwen2VLConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         rope_scaling={"mrope_section": [2, 1, 1], "rope_type": "default"},
-                         bos_token_id=tid("<|endoftext|>"), eos_token_id=tid("<|im_end|>"),
-                         pad_token_id=tid("<|endoftext|>")),
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2),
-        **vl_token_ids(tid),
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    model = Qwen2VLForConditionalGeneration(config).eval()
-    with torch.no_grad():  # a judge with some opinion about the images, not saturated
-        model.lm_head.weight.mul_(3.0)
+    model = tiny_qwen2_vl_judge(folder, words, seed=5, max_position_embeddings=1024)
+    with torch.no_grad():
         model.model.visual.merger.mlp[2].weight.mul_(30.0)
     model.save_pretrained(folder)
-    Qwen2VLImageProcessorPil().save_pretrained(folder)
     return folder
 
 

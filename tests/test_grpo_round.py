@@ -25,17 +25,11 @@ from __future__ import annotations
 
 import pytest
 
+from diffusers_zero3 import testing
 from tests.distributed_harness import run_on_ranks
 
 REDNESS = "diffusers_zero3.demo.rewards:redness"
-ZERO3_ENV = {
-    "ACCELERATE_USE_DEEPSPEED": "true",
-    "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
-    "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true",
-    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "none",
-    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none",
-    "ACCELERATE_MIXED_PRECISION": "no",
-}
+ZERO3_ENV = {**testing.ZERO3_ENV, "ACCELERATE_MIXED_PRECISION": "no"}
 
 
 def _expected_advantages(rewards: list[float], prompts: list[int], eps: float = 1e-4) -> list[float]:

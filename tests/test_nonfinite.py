@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from diffusers_zero3.testing import DDP_ENV, ZERO3_ENV
 from tests.distributed_harness import run_on_ranks
-from tests.test_parts_numerics import DDP_ENV, ZERO3_ENV, _diff, _part_state, _same
+from tests.test_parts_numerics import _diff, _part_state, _same
 
 pytestmark = pytest.mark.multirank
 

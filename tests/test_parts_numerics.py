@@ -18,17 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from diffusers_zero3.testing import DDP_ENV, ZERO3_ENV
 from tests.distributed_harness import run_on_ranks
-
-ZERO3_ENV = {
-    "ACCELERATE_USE_DEEPSPEED": "true",
-    "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
-    "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true",
-    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "none",
-    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none",
-}
-DDP_ENV = {"ACCELERATE_USE_DEEPSPEED": "false"}
-
 
 # --------------------------------------------------------------------------- two engines, one loss
 

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from diffusers_zero3.testing import RanksFailed
+from diffusers_zero3.testing import ZERO3_ENV, RanksFailed
 from tests.distributed_harness import FRESH_RANKS, REPO_ROOT, _test_env
-from tests.test_parts_numerics import ZERO3_ENV
 
 pytestmark = pytest.mark.multirank
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.common import rank_slice
 from tests.distributed_harness import run_on_ranks
 
 PROMPTS = ["a red circle", "a blue square", "a photo of a green circle", "the yellow shape"]
@@ -354,34 +355,12 @@ def vlm_folder(tmp_path_factory):
     """A tiny Qwen2-VL (the published patch, merge and temporal sizes; narrow and shallow), its
     tokenizer (byte-level, Qwen2-VL's special tokens, "Yes" and "No" one token each) and image
     processor config."""
-    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from diffusers_zero3.demo.pipelines import vl_token_ids
-    from diffusers_zero3.demo.tokenizers import QWEN_VL_SPECIAL_TOKENS, write_qwen2_tokenizer
+    from tests.common import tiny_qwen2_vl_judge
 
     folder = tmp_path_factory.mktemp("vlm")
     words = ("Yes", "No", "system", "user", "assistant", "You are a helpful assistant.", VLM_QUESTION)
-    write_qwen2_tokenizer(folder, QWEN_VL_SPECIAL_TOKENS, texts=words)
-    tok = AutoTokenizer.from_pretrained(folder)
-    tid = tok.convert_tokens_to_ids
-    torch.manual_seed(3)
-    config = Qwen2VLConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         rope_scaling={"mrope_section": [2, 1, 1], "rope_type": "default"},
-                         bos_token_id=tid("<|endoftext|>"), eos_token_id=tid("<|im_end|>"),
-                         pad_token_id=tid("<|endoftext|>")),
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2),
-        **vl_token_ids(tid),
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    model = Qwen2VLForConditionalGeneration(config).eval()
-    with torch.no_grad():  # a judge with some opinion (P(Yes) ~0.64, not 0.5), not saturated
-        model.lm_head.weight.mul_(3.0)
-    model.save_pretrained(folder)
-    Qwen2VLImageProcessorPil().save_pretrained(folder)
+    # P(Yes) ~0.64, not 0.5
+    tiny_qwen2_vl_judge(folder, words, seed=3, max_position_embeddings=512).save_pretrained(folder)
     return folder
 
 
@@ -678,11 +657,6 @@ def test_the_vlm_question_reaches_the_judge_and_changes_its_scores(vlm_folder):
 # ------------------------------------------------------------------ 2 ranks
 
 
-def _slice(counts, rank):
-    start = sum(counts[:rank])
-    return slice(start, start + counts[rank])
-
-
 def worker_sharded_pickscore(folder: str, vlm_folder: str, ref_path: str):
     from diffusers_zero3.errors import RewardError
     from diffusers_zero3.rewards import load_rewards, parse_reward_specs
@@ -703,7 +677,7 @@ def worker_sharded_pickscore(folder: str, vlm_folder: str, ref_path: str):
     assert not replicated.rewards["pickscore"].model.is_sharded
     # Uneven counts, zero included: rank 0 makes 2 micro-batches, rank 1 one or none (padded).
     for counts in ((3, 1), (3, 0), (0, 3)):
-        sl = _slice(counts, rank)
+        sl = rank_slice(counts, rank)
         with sharded.lockstep_check():
             total, scores = sharded(images[sl], PROMPTS[sl])
         _, replica = replicated(images[sl], PROMPTS[sl])
@@ -717,7 +691,7 @@ def worker_sharded_pickscore(folder: str, vlm_folder: str, ref_path: str):
     specs = parse_reward_specs(["pickscore", f"{SELF}:nan_on_second"], [f"pickscore={folder}"])
     both = load_rewards(specs, accelerator, torch.float32)
     counts = (1, 3)  # only rank 1 has a second sample
-    sl = _slice(counts, rank)
+    sl = rank_slice(counts, rank)
     with pytest.raises(RewardError) as e:
         both(images[sl], PROMPTS[sl])
     assert str(e.value) == f"reward '{SELF}:nan_on_second' returned NaN for 1 of 3 samples on rank 1"
@@ -739,7 +713,7 @@ def worker_sharded_pickscore(folder: str, vlm_folder: str, ref_path: str):
         Qwen2VLForConditionalGeneration.from_pretrained = original
     assert judge.rewards["vlm"].model.is_sharded
     for counts in ((3, 1), (0, 4)):
-        sl = _slice(counts, rank)
+        sl = rank_slice(counts, rank)
         with judge.lockstep_check():
             _, scores = judge(images[sl], PROMPTS[sl])
         torch.testing.assert_close(scores["vlm"], ref["vlm"][sl], rtol=1e-5, atol=1e-6)

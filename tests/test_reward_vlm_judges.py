@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from diffusers_zero3.rewards.vlm_judges import HPSV3_INSTRUCTION
+from tests.common import rank_slice
 from tests.distributed_harness import run_on_ranks
 from tests.test_reward_registry import PROMPTS, _as_tensor, _pil, _uint8_images
 
@@ -504,11 +505,6 @@ def test_parse_final_score_reads_as_the_authors():
 # ------------------------------------------------------------------ 2 ranks
 
 
-def _slice(counts, rank):
-    start = sum(counts[:rank])
-    return slice(start, start + counts[rank])
-
-
 def worker_sharded_judges(hpsv3_folder: str, unified_folder: str, ref_path: str):
     from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
@@ -541,7 +537,7 @@ def worker_sharded_judges(hpsv3_folder: str, unified_folder: str, ref_path: str)
     # Uneven counts, zero included: one rank makes more micro-batches (and generation steps).
     for counts in ((3, 1), (0, 4)):
         for name, key in (("hpsv3", "hpsv3_images"), ("unifiedreward", "unified_images")):
-            sl = _slice(counts, rank)
+            sl = rank_slice(counts, rank)
             only = type(judges)({name: judges.rewards[name]}, {name: 1.0})
             with only.lockstep_check():
                 _, scores = only(ref[key][sl], ref["prompts"][sl])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.common import rank_slice
 from tests.distributed_harness import run_on_ranks
 
 pytestmark = pytest.mark.multirank
@@ -20,11 +21,6 @@ def _images():
 
 def _redness(images, prompts=None):
     return (images[:, 0] - 0.5 * (images[:, 1] + images[:, 2])).mean(dim=(1, 2))
-
-
-def _slice(counts, rank):
-    start = sum(counts[:rank])
-    return slice(start, start + counts[rank])
 
 
 def worker_rewards(rm_dir: str, ref_path: str):
@@ -43,7 +39,7 @@ def worker_rewards(rm_dir: str, ref_path: str):
 
     # Uneven local counts, zero included: no hang, and the unsharded model's scores.
     for counts in ((3, 1), (0, 2), (1, 3)):
-        sl = _slice(counts, rank)
+        sl = rank_slice(counts, rank)
         with reward.lockstep_check():
             out = reward(images[sl], PROMPTS[sl])
         assert out.shape == (counts[rank],)
@@ -59,7 +55,7 @@ def worker_rewards(rm_dir: str, ref_path: str):
     with pytest.raises(ValueError, match="would wait forever"):
         ParallelReward(reward.model, mode="main_process")
     counts = (3, 1)
-    sl = _slice(counts, rank)
+    sl = rank_slice(counts, rank)
     fn_all = ParallelReward(_redness)(images[sl], PROMPTS[sl])
     fn_main = ParallelReward(_redness, mode="main_process")(images[sl], PROMPTS[sl])
     torch.testing.assert_close(fn_main, fn_all)
@@ -79,7 +75,7 @@ def worker_rewards(rm_dir: str, ref_path: str):
     # Gradients w.r.t. the images equal the unsharded model's, with uneven counts.
     diff = ParallelReward(reward.model, differentiable=True, micro_batch_size=1)
     for counts in ((3, 1), (0, 2)):
-        sl = _slice(counts, rank)
+        sl = rank_slice(counts, rank)
         x = images[sl].clone().requires_grad_(True)
         diff(x).sum().backward()  # every rank, the one with no samples too
         if counts[rank] == 0:  # connected to this rank's (empty) inputs, with no gradient in it

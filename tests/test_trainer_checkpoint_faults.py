@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from diffusers_zero3.testing import ZERO3_ENV
 from tests.distributed_harness import run_on_ranks
 from tests.test_checkpoint_faults import _damage, _full_disk
-from tests.test_parts_numerics import ZERO3_ENV
 
 pytestmark = pytest.mark.multirank
 
