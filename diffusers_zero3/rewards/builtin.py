@@ -556,6 +556,9 @@ class BuiltinReward:
         takes_question: ``load`` takes ``question=`` (``--vlm_question``).
         scope: ``"sample"``, or ``"pairwise"`` for a judge of two images whose reward is each
             image's win rate in its group (``rewards.groupwise``).
+        takes_videos: the model scores whole clips: its ``preprocess`` takes videos
+            ``[B, F, 3, H, W]`` in ``[0, 1]``. Every other reward scores a video through its
+            frames (``rewards.registry.score_frames``: the chosen frames' mean).
     """
 
     name: str
@@ -566,6 +569,7 @@ class BuiltinReward:
     partitioned_load: bool = False
     takes_question: bool = False
     scope: str = "sample"
+    takes_videos: bool = False
 
     @property
     def needs_weights(self) -> bool:
