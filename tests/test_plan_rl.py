@@ -42,6 +42,8 @@ PUBLISHED_PARAMETERS = {
     "hpsv3": 8_291_375_616 - 406 * 3584 * 2 + 3_687_474,
     # CodeGoat24/UnifiedReward-qwen-7b: a Qwen2.5-VL-7B-Instruct fine-tune
     "unifiedreward": 8_292_166_656,
+    # the same judge shown whole clips
+    "unifiedreward_video": 8_292_166_656,
     # Pref-GRPO's pairwise judge on the same model
     "pairwise_vlm": 8_292_166_656,
     # THUDM/ImageReward: BLIP's ViT-L/16 at 224 (303,301,632), the BERT-base text encoder with a

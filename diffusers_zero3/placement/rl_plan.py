@@ -12,7 +12,8 @@ models; ``--reference``; ``--reward_model NAME=FOLDER``) it counts what the RL r
   written once in ``families.published`` (``PUBLISHED_REWARDS``: no hub, no folder), in the
   dtype the recipe runs it in: fp32 for the CLIP and BLIP scorers (``rewards.builtin``'s
   ``BuiltinReward.dtype``), the run's dtype for a VLM judge (``vlm``, ``hpsv3``,
-  ``unifiedreward``, ``pairwise_vlm``; not the KV cache of ``unifiedreward``'s generated answer); ``replicate``,
+  ``unifiedreward``, ``unifiedreward_video``, ``pairwise_vlm``; not the KV cache of the UnifiedReward judges'
+  generated answers); ``replicate``,
   ``shard`` or ``offload`` (``--reward_placement``), never cached;
 * the round (``ROUND_FIELDS``, ``recipes.grpo.Round``): each rank's ``samples_per_rank``
   samples (``ceil(prompts_per_round x group_size / (N / K))``), each with its latents at every
@@ -166,6 +167,13 @@ PUBLISHED_REWARDS: dict[str, PublishedReward] = {
         PublishedReward(  # CodeGoat24/UnifiedReward-qwen-7b: a Qwen2.5-VL-7B-Instruct fine-tune
             "unifiedreward",
             "unifiedreward",
+            "CodeGoat24/UnifiedReward-qwen-7b",
+            (("transformers", "Qwen2_5_VLForConditionalGeneration", QWEN2_5_VL_7B, {}),),
+            fp32=False,
+        ),
+        PublishedReward(  # the same judge shown whole clips (rewards.vlm_judges.UnifiedRewardVideo)
+            "unifiedreward_video",
+            "unifiedreward_video",
             "CodeGoat24/UnifiedReward-qwen-7b",
             (("transformers", "Qwen2_5_VLForConditionalGeneration", QWEN2_5_VL_7B, {}),),
             fp32=False,

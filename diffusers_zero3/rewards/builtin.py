@@ -50,6 +50,9 @@ its config (DiffusionNFT's ``{pickscore: 1, hpsv2: 1, clipscore: 1}``) means the
 * ``hpsv3`` and ``unifiedreward``: VLM judges on their authors' scoring (``rewards.vlm_judges``):
   HPSv3's fp32 head on a Qwen2-VL-7B at its ``<|Reward|>`` token (HPSv3's scale, mu); a
   UnifiedReward Qwen2.5-VL's generated 1-5 grade after ``Final Score:``, divided by 5.
+* ``unifiedreward_video``: a judge of whole clips (``takes_videos``): the same UnifiedReward
+  Qwen2.5-VL shown the clip as its video input, its generated 1-10 grade after ``Final Score:``
+  to its authors' video question, divided by 10 (``rewards.vlm_judges``, ``rewards.videos``).
 * ``pairwise_vlm``: a group-wise reward (Pref-GRPO): a Qwen VL judge shown two images of a
   prompt's group, P(first better) from its answer's logits; each image's reward is its win rate
   in its group (``rewards.pairwise_judge``, ``rewards.groupwise``).
@@ -651,6 +654,16 @@ BUILTINS: dict[str, BuiltinReward] = {
             _lazy("vlm_judges", "UnifiedReward"),
             dtype=None,
             partitioned_load=True,  # its question is its authors' (--vlm_question is the vlm judge's)
+        ),
+        BuiltinReward(
+            "unifiedreward_video",
+            "UnifiedReward on a whole clip: the 1-10 grade after 'Final Score:' in a Qwen2.5-VL judge's generated"
+            " answer to its authors' pointwise video question, / 10 (the clip as the model's video input)",
+            "CodeGoat24/UnifiedReward-qwen-7b",
+            _lazy("vlm_judges", "UnifiedRewardVideo"),
+            dtype=None,
+            partitioned_load=True,
+            takes_videos=True,
         ),
         BuiltinReward(
             "pairwise_vlm",

@@ -32,6 +32,15 @@ ZeRO-3 partitions under ``shard`` (the default placement): a 7 B judge is never 
   compared here). Under ZeRO-3 every rank keeps generating until every
   rank is done (transformers' ``synced_gpus``), so a sharded judge's forwards stay in lockstep.
   Not differentiable (the answer is text).
+* ``unifiedreward_video``: the same judge shown a whole clip, as its authors' pointwise
+  video-generation assessment (``inference_qwen/video_generation/qwen_point_score_video_generation.py``):
+  the chat [video, question] (five dimensions graded 1 to 4, then ``Final Score:`` 1 to 10), the
+  clip as Qwen2-VL's *video* input (``<|video_pad|>`` tokens, ``pixel_values_videos``,
+  ``video_grid_thw`` and Qwen2.5-VL's ``second_per_grid_ts``; frames sampled and resized as
+  qwen-vl-utils' ``fetch_video`` does, ``rewards.videos``), ``generate(max_new_tokens=1024)``. The
+  script prints the answer; its authors read a 1-10 grade as ``parse_final_score`` does
+  (``VideoDPO/sift_dpo_data.py``), here divided by 10, in ``[0, 1]``. Qwen2-VL and Qwen2.5-VL
+  (Qwen3-VL's video chat carries timestamps in text; not built).
 """
 
 from __future__ import annotations
@@ -41,15 +50,16 @@ import dataclasses
 import logging
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .builtin import QWEN_VL_CHAT, VLMJudge, _processor_dict, load_vlm
-from .images import QwenVLImageConfig, unpack_rows
+from .builtin import QWEN_VL_CHAT, QWEN_VL_IMAGE_TOKEN, VLMJudge, _processor_dict, load_vlm
+from .images import QwenVLImageConfig, pack_rows, unpack_rows
+from .videos import QwenVLVideoConfig, check_videos, qwen_vl_video_patches
 
 # ------------------------------------------------------------------ HPSv3
 
@@ -399,6 +409,174 @@ class UnifiedReward(VLMJudge):
         """Scores ``[B]`` in ``[0, 1]`` (float32) of packed rows (``preprocess``)."""
         grades = [parse_final_score(a) for a in self.answers(rows)]
         return torch.tensor(grades, dtype=torch.float32, device=rows.device) / UNIFIEDREWARD_SCALE
+
+
+# ------------------------------------------------------------------ UnifiedReward on clips
+
+# inference_qwen/video_generation/qwen_point_score_video_generation.py: the pointwise question about
+# a generated video (its f-string's {prompt} kept as the placeholder)
+UNIFIEDREWARD_VIDEO_QUESTION = (
+    "Suppose you are an expert in judging and evaluating the quality of AI-generated videos, please watch the"
+    " frames of a given video and see the text prompt for generating the video.\nThen give scores from 5"
+    " different dimensions:\n(1) visual quality: the quality of the video in terms of clearness, resolution,"
+    " brightness, and color\n(2) temporal consistency, the consistency of objects or humans in video\n(3)"
+    " dynamic degree, the degree of dynamic changes\n(4) text-to-video alignment, the alignment between the"
+    " text prompt and the video content\n(5) factual consistency, the consistency of the video content with"
+    " the common-sense and factual knowledge\n\nFor each dimension, output a number from [1,2,3,4], \nin which"
+    " '1' means 'Bad', '2' means 'Average', '3' means 'Good', \n'4' means 'Real' or 'Perfect' (the video is"
+    " like a real video)\nFinally, based on above 5 dimensions, assign a score from 1 to 10 after 'Final"
+    " Score:'\nHere is an output example:\nvisual quality: 4\ntemporal consistency: 4\ndynamic degree:"
+    " 3\ntext-to-video alignment: 1\nfactual consistency: 2\nFinal Score: 6\n\n**Note: In the example above,"
+    " scores are placeholders meant only to demonstrate the format. Your actual evaluation should be based on"
+    " the quality of the given video.**\nYour task is provided as follows: Text Prompt: [{prompt}]"
+)
+UNIFIEDREWARD_VIDEO_MAX_NEW_TOKENS = 1024  # the authors' video script
+UNIFIEDREWARD_VIDEO_SCALE = 10.0  # its final grades 1 to 10
+QWEN_VL_VIDEO_TOKEN = "<|video_pad|>"
+# Qwen2-VL's and Qwen2.5-VL's chat template rendered for one user turn [video, text]
+QWEN_VL_VIDEO_CHAT = QWEN_VL_CHAT.replace(QWEN_VL_IMAGE_TOKEN, QWEN_VL_VIDEO_TOKEN)
+_VIDEO_HEADER = 5  # grid_t, grid_h, grid_w, chat length, the clip's frame count
+
+
+class UnifiedRewardVideo(VLMJudge):
+    """A UnifiedReward judge's pointwise grade of a whole clip divided by 10: the answer generated
+    to its authors' video question (see the module docstring), read by ``parse_final_score``.
+
+    Rows (``preprocess``): a header (the video grid, the chat's length and the clip's frame
+    count, from which the sampled frame rate follows), the chat's token ids and attention mask
+    (left-padded, ``<|video_pad|>`` repeated once per merged patch of the video) and the video's
+    patches (``rewards.videos.qwen_vl_video_patches``), packed by ``images.pack_rows``. Every clip
+    of a call has the same shape, so one grid serves every row.
+
+    Args:
+        model: a Qwen2-VL or Qwen2.5-VL judge (the published UnifiedReward-qwen-7b is a
+            ``Qwen2_5_VLForConditionalGeneration``).
+        tokenizer: its tokenizer.
+        image_config: its processor's patching, normalisation and pixel range (the video
+            processor's, which reads the same ``preprocessor_config.json``).
+        video_config: the frames sampled and their size (qwen-vl-utils' defaults; ``video_fps``
+            the clips' frame rate).
+        question: the question, ``{prompt}`` standing for the clip's prompt.
+        max_new_tokens: the longest answer (the authors' 1024).
+    """
+
+    name = "unifiedreward_video"
+    takes_videos = True
+    model_types = ("qwen2_vl", "qwen2_5_vl")
+    model_kinds = "a Qwen2-VL or Qwen2.5-VL model (Qwen3-VL's video chat is not built)"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        image_config: QwenVLImageConfig,
+        video_config: QwenVLVideoConfig | None = None,
+        question: str = UNIFIEDREWARD_VIDEO_QUESTION,
+        max_new_tokens: int = UNIFIEDREWARD_VIDEO_MAX_NEW_TOKENS,
+    ):
+        super().__init__(
+            model, tokenizer, image_config, question=question, answers=None, template=QWEN_VL_VIDEO_CHAT
+        )
+        self.video_config = video_config or QwenVLVideoConfig()
+        self.video_token_id = int(model.config.video_token_id)
+        self.max_new_tokens = int(max_new_tokens)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        dtype: torch.dtype | None = None,
+        *,
+        load_model: Callable[[type, str | os.PathLike, torch.dtype | None], nn.Module] | None = None,
+        video_fps: float | None = None,
+        **kwargs: Any,
+    ) -> UnifiedRewardVideo:
+        """``VLMJudge.from_pretrained``; ``video_fps`` (the clips' frame rate) replaces
+        ``video_config``'s (default: ``QwenVLVideoConfig()``'s 16). Not a collective unless
+        ``load_model`` is."""
+        if video_fps is not None:
+            kwargs["video_config"] = dataclasses.replace(
+                kwargs.get("video_config") or QwenVLVideoConfig(), video_fps=float(video_fps)
+            )
+        return super().from_pretrained(path, dtype, load_model=load_model, **kwargs)
+
+    def chat(self, prompt: str, video_tokens: int) -> str:
+        """The text of one clip: the template around the question about ``prompt``, the video
+        placeholder repeated ``video_tokens`` times."""
+        text = self.template.replace("{question}", self.question.replace("{prompt}", prompt))
+        return text.replace(QWEN_VL_VIDEO_TOKEN, QWEN_VL_VIDEO_TOKEN * video_tokens)
+
+    def preprocess(self, videos: torch.Tensor, prompts: Sequence[str] | None) -> torch.Tensor:
+        """Packed rows ``[B, D]`` of ``videos`` (float ``[B, F, 3, H, W]`` in ``[0, 1]``, ``F >= 2``,
+        on the accelerator's device) and ``prompts``, on the videos' device."""
+        check_videos(videos, self.name)
+        if prompts is None or len(prompts) != len(videos):
+            got = "no prompts" if prompts is None else f"{len(prompts)} prompts"
+            raise ValueError(
+                f"reward '{self.name}' needs one prompt per clip: got {len(videos)} clips and {got}"
+            )
+        if not len(videos):
+            return torch.zeros(0, 1, device=videos.device)  # no forward is made for them
+        video = qwen_vl_video_patches(videos, self.image_config, self.video_config)
+        gt, gh, gw = video.grid
+        encoded = self.tokenizer(
+            [self.chat(p, gt * gh * gw // self.image_config.merge_size**2) for p in prompts]
+        )
+        encoded = encoded["input_ids"]
+        length, device = max(len(e) for e in encoded), videos.device
+        ids = torch.full((len(prompts), length), self.pad_id, dtype=torch.long, device=device)
+        mask = torch.zeros((len(prompts), length), dtype=torch.long, device=device)
+        for i, e in enumerate(encoded):
+            ids[i, length - len(e) :] = torch.tensor(e, dtype=torch.long, device=device)
+            mask[i, length - len(e) :] = 1
+        header = torch.tensor(
+            [[gt, gh, gw, length, videos.shape[1]]] * len(prompts), dtype=torch.long, device=device
+        )
+        return pack_rows(torch.cat([header, ids, mask], dim=1), video.patches.reshape(len(prompts), -1))
+
+    def video_inputs(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's keyword inputs of packed rows: ``input_ids``, ``attention_mask``,
+        ``pixel_values_videos``, ``video_grid_thw``, ``mm_token_type_ids`` (2 at the video's
+        tokens) and, for Qwen2.5-VL, ``second_per_grid_ts`` (its processor's ``2 / sampled fps``)."""
+        ints, floats = unpack_rows(rows)
+        b, device = len(rows), rows.device
+        gt, gh, gw, length, frames = (int(v) for v in ints[0, :_VIDEO_HEADER])
+        ids = ints[:, _VIDEO_HEADER : _VIDEO_HEADER + length]
+        mask = ints[:, _VIDEO_HEADER + length : _VIDEO_HEADER + 2 * length]
+        inputs = dict(
+            input_ids=ids,
+            attention_mask=mask,
+            pixel_values_videos=floats.reshape(b * gt * gh * gw, -1),
+            video_grid_thw=torch.tensor([[gt, gh, gw]] * b, dtype=torch.long, device=device),
+            mm_token_type_ids=(ids == self.video_token_id).long() * 2,
+        )
+        if self.model.config.model_type == "qwen2_5_vl":
+            # a float32 tensor of Python floats, as the processor's BatchFeature makes it: its
+            # temporal positions are (t * tokens_per_second * this).long(), rounding included
+            seconds = self.image_config.temporal_patch_size / self.video_config.sampled_fps(frames)
+            inputs["second_per_grid_ts"] = torch.tensor([seconds] * b, dtype=torch.float32, device=device)
+        return inputs
+
+    def answers(self, rows: torch.Tensor) -> list[str]:
+        """The generated answers of packed rows (special tokens skipped), one per row.
+
+        Collective when the model is partitioned (every rank generates until all are done)."""
+        inputs = self.video_inputs(rows)
+        length = inputs["input_ids"].shape[1]
+        generated = self.model.generate(
+            **inputs,
+            max_new_tokens=self.max_new_tokens,
+            pad_token_id=self.pad_id,
+            synced_gpus=_partitioned_across_ranks(self.model),
+        )
+        return self.tokenizer.batch_decode(
+            generated[:, length:], skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """Scores ``[B]`` in ``[0, 1]`` (float32) of packed rows (``preprocess``)."""
+        grades = [parse_final_score(a) for a in self.answers(rows)]
+        return torch.tensor(grades, dtype=torch.float32, device=rows.device) / UNIFIEDREWARD_VIDEO_SCALE
 
 
 def _partitioned_across_ranks(model: nn.Module) -> bool:
