@@ -63,6 +63,20 @@ def raises(images, prompts):
 NOT_CALLABLE = 3
 
 
+def motion(videos, prompts):
+    """A video reward: the mean absolute change between a clip's consecutive frames."""
+    assert videos.ndim == 5, videos.shape
+    return (videos[:, 1:] - videos[:, :-1]).abs().mean(dim=(1, 2, 3, 4))
+
+
+motion.takes_videos = True
+
+
+def brightness_and_colour(images, prompts, metadata):
+    """An image reward with metadata: brightness, plus 1 where the row names a colour."""
+    return images.mean(dim=(1, 2, 3)) + torch.tensor([float("color" in m) for m in metadata])
+
+
 def _uint8_images(n: int, height: int, width: int, seed: int = 0) -> np.ndarray:
     """``n`` random 8-bit RGB images ``[n, H, W, 3]``: what a PIL processor sees exactly."""
     return np.random.default_rng(seed).integers(0, 256, size=(n, height, width, 3), dtype=np.uint8)
@@ -119,7 +133,8 @@ def test_specs_parse_names_weights_models_and_placements():
             [],
             [],
             "--reward pickscor: unknown built-in reward; choose one of aesthetic, clip_score, "
-            "clip_score_100, hpsv2, hpsv3, imagereward, pairwise_vlm, pickscore, pickscore_logit, unifiedreward, vlm,"
+            "clip_score_100, hpsv2, hpsv3, imagereward, pairwise_vlm, pickscore, pickscore_logit, unifiedreward,"
+            " unifiedreward_video, vlm,"
             " or give"
             " a function as module:function",
         ),
@@ -271,6 +286,55 @@ def test_a_bad_reward_output_is_one_reward_error_naming_it(name, message):
     with pytest.raises(RewardError) as e:
         rewards(torch.rand(4, 3, 8, 8), PROMPTS)
     assert str(e.value) == message
+
+
+@pytest.mark.unit
+def test_frame_indices_are_evenly_spaced_first_to_last():
+    from diffusers_zero3.rewards.registry import frame_indices
+
+    assert frame_indices(81, 8) == [0, 11, 23, 34, 46, 57, 69, 80]
+    assert frame_indices(9, 3) == [0, 4, 8] and frame_indices(5, 1) == [0]
+    assert frame_indices(5, 0) == frame_indices(5, 8) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.unit
+def test_clips_reach_a_video_reward_whole_and_an_image_reward_frame_by_frame():
+    """Clips ``[B, F, 3, H, W]``: a reward that declares ``takes_videos`` sees them whole; an image
+    reward scores ``--reward_frames`` of each clip's frames (each with its clip's prompt and
+    metadata row) and the clip gets their mean; a wrong count from it is one error line."""
+    from diffusers_zero3.errors import RewardError
+    from diffusers_zero3.rewards import load_rewards, parse_reward_specs
+    from diffusers_zero3.rewards.registry import ClipScoring, frame_indices
+
+    clips = torch.rand(3, 9, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    clips[1, 4] = 1.0  # a bright middle frame: seen with 3 frames (0, 4, 8), not with 2 (0, 8)
+    specs = parse_reward_specs([f"{SELF}:motion", f"{SELF}:brightness=2", f"{SELF}:brightness_and_colour"])
+    assert [s.takes_videos for s in specs] == [True, False, False]
+    metadata = [{"color": "red"}, {}, {"color": "blue"}]
+    for frames in (3, 2, 0):
+        rewards = load_rewards(specs, clips=ClipScoring(frames))
+        total, scores = rewards(clips, PROMPTS[:3], metadata=metadata)
+        chosen = frame_indices(9, frames)
+        per_frame = clips[:, chosen].mean(dim=(2, 3, 4))  # [B, frames]
+        torch.testing.assert_close(scores[f"{SELF}:motion"], motion(clips, None))
+        torch.testing.assert_close(scores[f"{SELF}:brightness"], per_frame.mean(dim=1))
+        torch.testing.assert_close(
+            scores[f"{SELF}:brightness_and_colour"], per_frame.mean(dim=1) + torch.tensor([1.0, 0.0, 1.0])
+        )
+        torch.testing.assert_close(total, sum(scores.values()) + scores[f"{SELF}:brightness"])
+    # the positive control: the bright frame 4 counts with 3 frames and not with 2
+    three = load_rewards(specs, clips=ClipScoring(3))(clips, PROMPTS[:3], metadata=metadata)[1][
+        f"{SELF}:brightness"
+    ]
+    two = load_rewards(specs, clips=ClipScoring(2))(clips, PROMPTS[:3], metadata=metadata)[1][
+        f"{SELF}:brightness"
+    ]
+    assert three[1] - two[1] > 0.05 and torch.allclose(three[[0, 2]], two[[0, 2]], atol=0.2)
+    with pytest.raises(RewardError) as e:
+        load_rewards(parse_reward_specs([f"{SELF}:one_short"]), clips=ClipScoring(2))(clips, PROMPTS[:3])
+    assert str(e.value) == (
+        f"reward '{SELF}:one_short' raised ValueError: returned (5,) for 3 clips x 2 frames (one score per frame expected)"
+    )
 
 
 # ------------------------------------------------------------------ tiny published architectures

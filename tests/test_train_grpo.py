@@ -91,6 +91,14 @@ def tiny_flux2_klein(tmp_path_factory):
     return str(save_tiny_pipeline(FLUX2_KLEIN, tmp_path_factory.mktemp("klein") / "tiny-flux2-klein"))
 
 
+@pytest.fixture(scope="module")
+def tiny_wan(tmp_path_factory):
+    from diffusers_zero3.demo import save_tiny_pipeline
+    from diffusers_zero3.families import WAN
+
+    return str(save_tiny_pipeline(WAN, tmp_path_factory.mktemp("wan") / "tiny-wan"))
+
+
 def _load_pipeline(family, folder: str):
     """``family``'s pipeline from ``folder``, the tokenizer loaded by the family (FLUX.2-dev's
     folder holds a processor that transformers builds only with torchvision)."""
@@ -250,6 +258,7 @@ def test_settings_defaults_and_prompt_file(tmp_path):
         (["--prompts", "a", "--eval_steps", "2"], "--eval_reward and --eval_steps need --eval_prompt_file"),
         (["--prompts", "a", "--eval_prompt_file", "/nonexistent/e.jsonl"],
          "--eval_prompt_file /nonexistent/e.jsonl: no such file"),
+        (["--prompts", "a", "--reward_frames", "-1"], "--reward_frames -1: give a count of frames, or 0"),
     ],
 )  # fmt: skip
 def test_settings_errors_are_one_line(extra, message):
@@ -288,23 +297,23 @@ def test_no_reward_is_an_error():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("kind", ["sd", "wan"])
+@pytest.mark.parametrize("kind", ["sd", "hunyuanvideo15"])
 def test_a_family_it_is_not_tested_on_is_refused_in_one_line(kind, tiny_pipeline, tmp_path):
     """An SD 1.x pipeline (no flow matching) and a flow family without an end-to-end test here
-    (Wan 2.1) are refused before anything is loaded, naming the families it trains."""
+    (HunyuanVideo 1.5) are refused before anything is loaded, naming the families it trains."""
     from diffusers_zero3.errors import ArgumentError
     from diffusers_zero3.recipes.grpo import GRPOTrainer
 
     folder = tiny_pipeline
-    if kind == "wan":
+    if kind != "sd":
         from diffusers_zero3.demo import save_tiny_pipeline
-        from diffusers_zero3.families import WAN
+        from diffusers_zero3.families import family_named
 
-        folder = str(save_tiny_pipeline(WAN, tmp_path / "tiny-wan"))
+        folder = str(save_tiny_pipeline(family_named(kind), tmp_path / f"tiny-{kind}"))
     settings = _parse("--pretrained_model_name_or_path", folder, "--prompts", "a", "--output_dir",
                       str(tmp_path / "out"), "--report_to", "none", "--resolution", "32")  # fmt: skip
     trainer = GRPOTrainer(settings)
-    families = "sd3, flux, zimage, qwenimage, flux2, flux2-klein"
+    families = "sd3, flux, zimage, qwenimage, flux2, flux2-klein, wan, wan22_5b"
     with pytest.raises(
         ArgumentError, match=f"trains the flow-matching families it is tested on: {families}$"
     ):
@@ -431,6 +440,98 @@ def test_sampling_schedule_and_latent_shape_are_the_pipelines(name, request):
         family, family.load_noise_scheduler(folder), steps, other, pipe.vae.config, pipe.transformer.config,
         torch.device("cpu"),
     ))  # fmt: skip
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", ["wan", "wan22_5b"])
+def test_wan_clip_shape_schedule_and_decode_are_the_pipelines(name, request):
+    """Wan 2.1 and Wan 2.2 TI2V-5B (per-token timesteps): a round's clip latents have the shape
+    the pipeline gives its transformer (``1 + 4k`` frames, 2 latent frames for 5), its tokens are
+    the transformer's, and its decode of the pipeline's final latents is the pipeline's
+    ``output_type="pt"`` clips ``[N, F, 3, H, W]`` (the tiny VAE's channel statistics are not 0
+    and 1, so a normalisation left in place shows). Its sigmas are DanceGRPO's Wan schedule at
+    the folder's ``flow_shift`` (from exactly 1), not the pipeline's UniPC ones, whose first
+    sigma ``1 - 1e-6`` would make Flow-GRPO's first SDE step blow the latents up."""
+    import torch
+
+    from diffusers_zero3.families import family_named
+    from diffusers_zero3.recipes.grpo import clip_frames, decode_images, sampling_schedule
+    from diffusers_zero3.rl import sde_step_with_logprob
+
+    family = family_named(name)
+    folder = request.getfixturevalue(f"tiny_{name}")
+    pipe = _load_pipeline(family, folder)
+    height, width, steps, frames = 32, 64, 3, clip_frames(family, pipe.vae.config, None)
+    seen = []
+    hook = pipe.transformer.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append(kwargs["hidden_states"].shape), with_kwargs=True
+    )
+    call = dict(prompt=["a red circle", "a blue square"], num_inference_steps=steps, height=height, width=width,
+                num_frames=frames, max_sequence_length=16, guidance_scale=1.0)  # fmt: skip
+    try:
+        latents = pipe(**call, generator=torch.Generator().manual_seed(0), output_type="latent").frames
+    finally:
+        hook.remove()
+    shape = family.sample_latent_shape(pipe.vae.config, height, width, frames)
+    assert frames == 5 and shape[1] == 2 and seen[0][1:] == shape == latents.shape[1:], (seen, shape)
+    assert (
+        family.image_seq_len(shape, pipe.vae.config, pipe.transformer.config)
+        == shape[1] * shape[2] * shape[3] // 4
+    )
+    ours = sampling_schedule(
+        family, family.load_noise_scheduler(folder), steps, shape, pipe.vae.config, pipe.transformer.config,
+        torch.device("cpu"),
+    )  # fmt: skip
+    shift = pipe.scheduler.config.flow_shift  # DanceGRPO's sd3_time_shift(shift, linspace(1, 0, steps + 1))
+    plain = torch.linspace(1, 0, steps + 1, dtype=torch.float64)
+    torch.testing.assert_close(ours, (shift * plain / (1 + (shift - 1) * plain)).float(), rtol=0, atol=1e-7)
+    assert ours[0] == 1 and ours[-1] == 0
+    unipc = pipe.scheduler.sigmas.float()  # what the pipeline's call left: 1 - 1e-6 first
+    assert 0.99999 < unipc[0] < 1
+    x = torch.randn(2, *shape, generator=torch.Generator().manual_seed(0))
+    for sigmas, bound in ((ours, 10.0), (unipc, None)):
+        step = sde_step_with_logprob(
+            torch.zeros_like(x), sigmas[0], sigmas[1], x, noise_level=0.7, noise=torch.zeros_like(x)
+        )
+        if bound is not None:
+            assert step[0].abs().max() < bound
+        else:
+            assert step[0].abs().max() > 100 * x.abs().max()  # the blow-up the schedule avoids
+    expected = pipe(**call, generator=torch.Generator().manual_seed(0), output_type="pt").frames
+    with torch.no_grad():
+        clips = decode_images(
+            family, pipe.vae, family.latent_normalizer(pipe.vae.config, f"{folder}/vae"), latents
+        )
+    assert clips.shape == expected.shape == (2, frames, 3, height, width)
+    torch.testing.assert_close(clips, expected, rtol=0, atol=1e-6)
+    from diffusers_zero3.families.base import ChannelMeanStd
+
+    channels = shape[0]
+    plain = ChannelMeanStd({"latents_mean": [0.0] * channels, "latents_std": [1.0] * channels})
+    with torch.no_grad():
+        assert (decode_images(family, pipe.vae, plain, latents) - expected).abs().max() > 1e-3
+
+
+@pytest.mark.unit
+def test_clip_frames_follow_the_vae():
+    """A video family's clips are ``1 + 4k`` frames (default 5); an image family makes one frame
+    and refuses more; each a one-line error."""
+    from diffusers_zero3.errors import ArgumentError
+    from diffusers_zero3.families import family_named
+    from diffusers_zero3.recipes.grpo import clip_frames
+
+    wan, sd3 = family_named("wan"), family_named("sd3")
+    config = {"scale_factor_temporal": 4, "scale_factor_spatial": 8}
+    assert clip_frames(wan, config, None) == 5 and clip_frames(wan, config, 9) == 9
+    assert clip_frames(sd3, {}, None) == 1 and clip_frames(sd3, {}, 1) == 1
+    for family, frames, message in [
+        (wan, 6, "--num_frames 6: Wan 2.1 clips are 1 + 4k frames (1, 5, 9, ...)"),
+        (wan, 0, "--num_frames 0: Wan 2.1 clips are 1 + 4k frames"),
+        (sd3, 5, "--num_frames 5: the SD3 pipeline makes images"),
+    ]:
+        with pytest.raises(ArgumentError) as e:
+            clip_frames(family, config, frames)
+        assert message in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.unit
@@ -890,3 +991,101 @@ def test_both_objectives_raise_a_reward_and_its_negation(tiny_sd3, tmp_path):
     # the same samples in round 1, scored with opposite signs
     for objective in ("grpo", "nft"):
         assert curves[objective, "1"][0] == pytest.approx(-curves[objective, "-1"][0], abs=1e-6), curves
+
+
+# ------------------------------------------------------------------ video: Wan
+
+
+@pytest.fixture(scope="module")
+def tiny_video_judge(tmp_path_factory):
+    """A tiny UnifiedReward video judge (``tests.test_video_judges``): the folder."""
+    from tests.test_video_judges import save_tiny_video_judge
+
+    return str(save_tiny_video_judge(tmp_path_factory.mktemp("video-judge")))
+
+
+# 4 prompts x 4 clips of 5 frames; one optimizer step a round (every sample in one micro-batch);
+# the reward: less red clips (redness through 8 frames, weight -1) beside the sharded video judge
+WAN_PROMPTS = ["a red circle", "a blue square", "a green circle", "a yellow square"]
+
+
+def _wan_flags(folder: str, judge: str, out) -> list[str]:
+    return ["--pretrained_model_name_or_path", folder, "--prompts", *WAN_PROMPTS, "--group_size", "4",
+            "--reward", f"{REDNESS}=-1", "--reward", "unifiedreward_video=0.01",
+            "--reward_model", f"unifiedreward_video={judge}", "--resolution", "32", "--num_inference_steps", "6",
+            "--sample_batch_size", "8", "--train_batch_size", "16", "--learning_rate", "3e-2",
+            "--max_train_steps", "4", "--checkpointing_steps", "2", "--report_to", "none",
+            "--output_dir", str(out)]  # fmt: skip
+
+
+@pytest.mark.e2e
+def test_wan_grpo_on_clips_split_over_two_ranks_equals_one_process_learns_and_resumes(
+    tiny_wan, tiny_video_judge, tmp_path
+):
+    """Wan 2.1 full fine-tuning with Flow-GRPO on 5-frame clips, each clip's sequence split over
+    both ranks (``--context_parallel_size 2``: one group of 2 ranks draws all 16 clips), scored
+    by an image reward through their frames and by a sharded UnifiedReward judge of whole clips:
+    every round's rewards equal a 1-process run's (measured 3e-7 apart), the reward rises
+    (measured: -0.107 to -0.098 over 3 rounds), a resume from round 2 in a fresh folder gives
+    rounds 3 and 4 again exactly, the sample grid holds each clip's frames in a row, and the
+    saved pipeline loads with ``WanPipeline.from_pretrained`` and makes a clip."""
+    split, one = tmp_path / "split", tmp_path / "one"
+    argv = [*LAUNCH, *_wan_flags(tiny_wan, tiny_video_judge, split), "--context_parallel_size", "2"]
+    single = [*accelerate_launch("scripts/train_grpo.py", 1), *_wan_flags(tiny_wan, tiny_video_judge, one)]
+    (_, log), (_, log_one) = run_launchers_side_by_side([{"argv": argv}, {"argv": single}], timeout=400)
+    rounds, rounds_one = _rounds(log), _rounds(log_one)
+    assert sorted(rounds) == [1, 2, 3, 4], log[-3000:]
+    assert _optimizer_steps(log) == {1: 1, 2: 2, 3: 3, 4: 4}, log[-3000:]
+    for n in rounds:  # the same samples and updates, the attention split over the ranks
+        assert rounds[n] == pytest.approx(rounds_one[n], abs=1e-5), (rounds, rounds_one)
+    rewards = json.loads((split / "rewards.json").read_text())
+    judged = rewards["unifiedreward_video"]
+    assert all(0 <= s <= 1 for s in judged) and len(judged) == 4, judged
+    for mean, red, judge in zip(rewards["mean"], rewards[REDNESS], judged):
+        assert mean == pytest.approx(-red + 0.01 * judge, abs=1e-5)
+    curve = rewards["mean"]
+    assert sum(curve[-2:]) / 2 - sum(curve[:2]) / 2 > 0.003, curve
+    from PIL import Image
+
+    assert Image.open(split / "samples" / "round-2.png").size == (5 * 32, 16 * 32)  # 16 clips of 5 frames
+    again = resume_in_fresh_folder(argv[:-4] + argv[-2:], split, tmp_path / "resumed", "checkpoint-2")
+    assert _rounds(again) == {3: rounds[3], 4: rounds[4]}, again[-3000:]
+
+    import torch
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(split)
+    clip = pipe("a red circle", num_inference_steps=2, height=32, width=32, num_frames=5, output_type="pt",
+                generator=torch.Generator().manual_seed(0)).frames  # fmt: skip
+    assert clip.shape == (1, 5, 3, 32, 32)
+
+
+@pytest.mark.e2e
+def test_wan22_5b_lora_diffusionnft_on_two_ranks(tiny_wan22_5b, tmp_path):
+    """Wan 2.2 TI2V-5B (a timestep per latent token) with LoRA and DiffusionNFT on 2 ranks, 9-frame
+    clips scored through 3 of their frames: two rounds, one optimizer step each, and LoRA
+    weights that load into the pipeline."""
+    out = tmp_path / "5b"
+    argv = [*LAUNCH, "--pretrained_model_name_or_path", tiny_wan22_5b, *SMALL, "--objective", "nft",
+            "--rank", "4", "--reward", REDNESS, "--num_frames", "9", "--reward_frames", "3",
+            "--train_batch_size", "5", "--sample_grid_steps", "2", "--output_dir", str(out)]  # fmt: skip
+    _, log = run_launcher(argv, timeout=300)
+    assert sorted(_rounds(log)) == [1, 2], log[-3000:]
+    stats = json.loads((out / "rewards.json").read_text())["stats"]
+    assert all(v is not None for v in stats["old_deviate"]), stats
+
+    from PIL import Image
+
+    assert Image.open(out / "samples" / "round-2.png").size == (
+        9 * 32,
+        5 * 32,
+    )  # rank 0's 5 clips of 9 frames
+    import torch
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(tiny_wan22_5b)
+    pipe.load_lora_weights(out)
+    assert any("lora" in n for n, _ in pipe.transformer.named_parameters())
+    clip = pipe("a red circle", num_inference_steps=2, height=32, width=32, num_frames=5, output_type="pt",
+                generator=torch.Generator().manual_seed(0)).frames  # fmt: skip
+    assert clip.shape == (1, 5, 3, 32, 32)

@@ -228,15 +228,19 @@ def _video_config(**overrides):
 
 @pytest.fixture(scope="module")
 def judge_folder(tmp_path_factory):
-    """A tiny UnifiedReward video judge: a Qwen2.5-VL of the published head widths, its
-    generation config the published one's (top-k 1 sampling, repetition penalty 1.05) with a
-    ``sequence_bias`` that makes it answer ``Final Score: N``, calibrated on the test's clips so
-    that the digit follows each clip's own logits (``test_reward_vlm_judges._build_unified``)."""
+    return save_tiny_video_judge(tmp_path_factory.mktemp("unifiedreward-video"))
+
+
+def save_tiny_video_judge(folder):
+    """A tiny UnifiedReward video judge saved in ``folder``: a Qwen2.5-VL of the published head
+    widths, its generation config the published one's (top-k 1 sampling, repetition penalty
+    1.05) with a ``sequence_bias`` that makes it answer ``Final Score: N``, calibrated on the
+    test's clips so that the digit follows each clip's own logits
+    (``test_reward_vlm_judges._build_unified``). Returns ``folder``."""
     from transformers import GenerationConfig
 
     from diffusers_zero3.rewards.vlm_judges import UNIFIEDREWARD_VIDEO_QUESTION
 
-    folder = tmp_path_factory.mktemp("unifiedreward-video")
     tok = _tokenizer(folder, texts=(UNIFIEDREWARD_VIDEO_QUESTION, "Final Score: " + " ".join(GRADES)))
     torch.manual_seed(13)
     model, processor = _tiny_judge("qwen2.5-vl", tok)

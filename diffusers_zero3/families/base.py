@@ -309,6 +309,22 @@ class Family:
         frames); None for an image family (one frame)."""
         return None
 
+    def latent_frames(self, num_frames: int, vae_config: dict) -> int:
+        """Latent frames of ``num_frames`` frames, as the pipeline's ``prepare_latents``: one for
+        an image family."""
+        return 1
+
+    def sample_latent_shape(
+        self, vae_config: dict, height: int, width: int, num_frames: int = 1
+    ) -> tuple[int, ...]:
+        """One sample's denoiser latents, as the pipeline's ``prepare_latents`` shapes them:
+        ``denoiser_latent_shape``, and for a video family (``video``) its latent frames of
+        ``num_frames`` frames in the frame axis (third from the end)."""
+        shape = list(self.denoiser_latent_shape(vae_config, height, width))
+        if self.video:
+            shape[-3] = self.latent_frames(num_frames, vae_config)
+        return tuple(shape)
+
     @property
     def never_cached(self) -> tuple[str, ...]:
         """Frozen components whose outputs are never cached (the planner's ``auto`` does not

@@ -318,6 +318,20 @@ class Wan(GuidedValidation, Family):
         is a video of one frame)."""
         return vae.encode(pixels if pixels.ndim == 5 else pixels.unsqueeze(2)).latent_dist
 
+    def vae_scale_factor(self, vae_config: dict) -> int:
+        """``AutoencoderKLWan``'s spatial compression (8 for Wan 2.1, 16 for Wan 2.2's VAE)."""
+        return vae_compression(vae_config)[1]
+
+    def denoiser_latent_shape(self, vae_config, height, width):
+        """One frame's latents ``(z_dim, 1, h, w)`` (``sample_latent_shape``: a clip's)."""
+        f = self.vae_scale_factor(vae_config)
+        return (vae_config["z_dim"], 1, height // f, width // f)
+
+    def image_seq_len(self, latent_shape, vae_config, denoiser_config):
+        """The transformer's tokens: its ``patch_size`` (1, 2, 2) over ``(F, h, w)``."""
+        pt, ph, pw = denoiser_config.get("patch_size") or (1, 2, 2)
+        return (latent_shape[-3] // pt) * (latent_shape[-2] // ph) * (latent_shape[-1] // pw)
+
     def latent_multiple(self, vae_config):
         """Height and width: the VAE's spatial compression times the transformer's 2x2 patches
         (16 for Wan 2.1's VAE, 32 for Wan 2.2's), what the pipeline rounds sides down to."""
@@ -346,6 +360,14 @@ class Wan(GuidedValidation, Family):
         return diffusers.FlowMatchEulerDiscreteScheduler(
             num_train_timesteps=config.get("num_train_timesteps", 1000), shift=config.get("flow_shift", 1.0)
         )
+
+    def sampling_sigmas(self, steps: int) -> list[float]:
+        """The sigmas online RL samples at (``recipes.grpo``; the training scheduler shifts them by
+        its ``flow_shift``): ``linspace(1, 1 / steps, steps)``, from exactly 1 as DanceGRPO's Wan
+        schedule (``sd3_time_shift`` of ``linspace(1, 0)``). Not the pipeline's: UniPC's first
+        flow sigma is ``1 - 1e-6``, where Flow-GRPO's SDE std ``sqrt(sigma / (1 - sigma))`` is
+        1000 x its noise level and the first step's drift multiplies the latents by about -1e4."""
+        return [1 - i / steps for i in range(steps)]
 
     def sampling_scheduler(self, noise_scheduler):
         """The published pipelines' sampler for validation videos: UniPC on flow sigmas

@@ -290,20 +290,10 @@ def conditioning_bytes(components: dict, family, options: PlanOptions) -> int:
 
 
 def latent_shape(components: dict, family, options: PlanOptions) -> tuple[int, ...]:
-    """One sample's denoiser latents (``family.denoiser_latent_shape``; a video family's with
-    the latent frames of ``options.num_frames``)."""
-    vae_config = components["vae"].config
+    """One sample's denoiser latents (``family.sample_latent_shape``: a video family's with the
+    latent frames of ``options.num_frames``)."""
     height, width = options.height or options.resolution, options.width or options.resolution
-    if family.video and "z_dim" in vae_config:  # Wan's VAE config has no block_out_channels
-        from ..families.wan import vae_compression
-
-        spatial = vae_compression(vae_config)[1]
-        shape = [vae_config["z_dim"], 1, height // spatial, width // spatial]
-    else:
-        shape = list(family.denoiser_latent_shape(vae_config, height, width))
-    if family.video:
-        shape[-3] = family.latent_frames(options.num_frames, vae_config)
-    return tuple(shape)
+    return family.sample_latent_shape(components["vae"].config, height, width, options.num_frames)
 
 
 def round_bytes(components: dict, family, options: PlanOptions, rl: RLOptions) -> dict[str, int]:

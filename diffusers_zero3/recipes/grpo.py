@@ -80,7 +80,7 @@ from ..args import (
 from ..families import detect_family
 from ..placement.frozen import load_frozen_component
 from ..placement.frozen_inputs import conditioning_on, place_frozen_models
-from ..rewards import load_rewards, parse_reward_specs
+from ..rewards import ClipScoring, load_rewards, parse_reward_specs
 from ..rewards.groupwise import SampleGroups
 from ..rl import (
     NftSettings,
@@ -140,7 +140,8 @@ from .text_to_image_settings import TextToImageSettings
 OBJECTIVES = ("grpo", "nft")
 # tested end to end (tests/test_train_grpo.py); HiDream, Wan (video) and the others are not
 # tried yet: refused in one line rather than trained wrong
-GRPO_FAMILIES = ("sd3", "flux", "zimage", "qwenimage", "flux2", "flux2-klein")
+GRPO_FAMILIES = ("sd3", "flux", "zimage", "qwenimage", "flux2", "flux2-klein", "wan", "wan22_5b")
+DEFAULT_NUM_FRAMES = 5  # a sampled clip's frames when --num_frames is not given (a video family)
 PHASES = ("sampling", "rewards", "training")  # rewards.json "seconds": one list per phase
 # rewards.json "stats": one list per statistic: the reward's spread (rl.group_reward_stats), then
 # the loss's statistics as flow_grpo / DiffusionNFT log them (means over the round's real samples)
@@ -202,6 +203,17 @@ class GRPOSettings(CommonSettings):
     prompts_per_round: int | None = flag(None, "Prompts (groups) per round (default: every prompt).")
     sample_batch_size: int = flag(4, "Samples per denoiser / VAE / reward call while sampling.")
     num_inference_steps: int = flag(10, "SDE steps of each sample.")
+    num_frames: int | None = flag(
+        None, "Frames of each sampled clip, a video family's (1 + 4k for Wan; default 5).", group="video"
+    )
+    reward_frames: int = flag(
+        8,
+        "An image reward scores a clip through this many of its frames, evenly spaced from the first to the last "
+        "(0: every frame), the clip's reward their mean; a video judge sees the whole clip.",
+        group="video",
+    )
+    fps: float = flag(16.0, "Frame rate of the sampled clips (Wan's 16): a judge of whole clips samples its frames by time.",
+                      group="video")  # fmt: skip
     noise_level: float = flag(0.7, "Flow-GRPO's SDE noise level a.")
     sampler: str = flag(
         "sde",
@@ -360,6 +372,12 @@ class GRPOSettings(CommonSettings):
             raise ArgumentError("--objective grpo needs --noise_level > 0 (the SDE step's log-probability)")
         if self.clip_range <= 0 or self.adv_clip_max <= 0:
             raise ArgumentError("--clip_range and --adv_clip_max must be positive")
+        if self.fps <= 0:
+            raise ArgumentError(f"--fps must be positive, got {self.fps}")
+        if self.reward_frames < 0:
+            raise ArgumentError(
+                f"--reward_frames {self.reward_frames}: give a count of frames, or 0 for every frame"
+            )
         if self.kl_beta < 0:
             raise ArgumentError(f"--kl_beta must be >= 0, got {self.kl_beta}")
         if self.objective == "nft" and self.nft_beta <= 0:
@@ -629,12 +647,31 @@ def sampling_schedule(
 
 
 def decode_images(family, vae, normalize, latents: torch.Tensor) -> torch.Tensor:
-    """Images ``[N, 3, H, W]`` in [0, 1] (fp32) of denoiser latents, as ``family``'s pipeline
-    decodes them with ``output_type="pt"``: ``family.decode_latents`` (``normalize``, the
-    family's ``latent_normalizer``, undone; the VAE's decode), then ``x / 2 + 0.5`` clamped.
-    Collective when the VAE is sharded."""
-    images = family.decode_latents(vae, normalize, latents)
-    return (images.float() / 2 + 0.5).clamp(0, 1)
+    """Images ``[N, 3, H, W]`` (a video family: clips ``[N, F, 3, H, W]``) in [0, 1] (fp32) of
+    denoiser latents, as ``family``'s pipeline decodes them with ``output_type="pt"``:
+    ``family.decode_latents`` (``normalize``, the family's ``latent_normalizer``, undone; the
+    VAE's decode), then ``x / 2 + 0.5`` clamped. Collective when the VAE is sharded."""
+    images = (family.decode_latents(vae, normalize, latents).float() / 2 + 0.5).clamp(0, 1)
+    # the video VAE decodes [N, 3, F, H, W]; the pipelines' postprocess_video gives [N, F, 3, H, W]
+    return images.transpose(1, 2) if family.video else images
+
+
+def clip_frames(family, vae_config: dict, num_frames: int | None) -> int:
+    """The frames of a sampled clip: ``num_frames`` (``--num_frames``, default
+    ``DEFAULT_NUM_FRAMES``) for a video family, checked to be ``1 + k * frame_multiple`` (what
+    its VAE decodes whole); 1 for an image family, which refuses ``--num_frames`` above 1. One
+    ``ArgumentError`` line. Not a collective."""
+    if not family.video:
+        if num_frames not in (None, 1):
+            raise ArgumentError(f"--num_frames {num_frames}: the {family.title} pipeline makes images")
+        return 1
+    frames = DEFAULT_NUM_FRAMES if num_frames is None else num_frames
+    multiple = family.frame_multiple(vae_config)
+    if frames < 1 or (frames - 1) % multiple:
+        raise ArgumentError(
+            f"--num_frames {frames}: {family.title} clips are 1 + {multiple}k frames (1, {1 + multiple}, {1 + 2 * multiple}, ...)"
+        )
+    return frames
 
 
 def wall_clock(device: torch.device) -> float:
@@ -671,18 +708,19 @@ def save_sample_grid(
     folder: Path, round_number: int, images: torch.Tensor, prompts: list[str], rewards: list[float],
     stem: str = "round",
 ) -> Path:  # fmt: skip
-    """Save a round's samples (``[n, 3, H, W]`` in ``[0, 1]``) as one grid
-    ``folder/<stem>-N.png`` (4 per row) and ``folder/<stem>-N.json`` (each image's prompt and
-    weighted reward, in the grid's order); each file written whole, then renamed into place.
-    Main process only (no collective); returns the PNG's path."""
+    """Save a round's samples (``[n, 3, H, W]`` in ``[0, 1]``; clips ``[n, F, 3, H, W]``) as one
+    grid ``folder/<stem>-N.png`` (4 images per row; a clip's frames in a row, one clip a row) and
+    ``folder/<stem>-N.json`` (each sample's prompt and weighted reward, in the grid's order);
+    each file written whole, then renamed into place. Main process only (no collective);
+    returns the PNG's path."""
     import numpy as np
     from PIL import Image
 
     folder.mkdir(parents=True, exist_ok=True)
-    pixels = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
-    grid = image_grid(
-        [Image.fromarray(np.ascontiguousarray(x.numpy())) for x in pixels], cols=min(4, len(pixels))
-    )
+    cols = images.shape[1] if images.ndim == 5 else min(4, len(images))
+    frames = images.flatten(0, 1) if images.ndim == 5 else images
+    pixels = (frames.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+    grid = image_grid([Image.fromarray(np.ascontiguousarray(x.numpy())) for x in pixels], cols=cols)
     path = folder / f"{stem}-{round_number}.png"
     grid.save(folder / f".{path.name}.partial", format="PNG")
     (folder / f".{path.name}.partial").replace(path)
@@ -719,6 +757,7 @@ class GRPOTrainer:
         self.nonfinite = NonFiniteUpdates(args.max_nonfinite_steps)
         self.stop_signals = StopSignals(parse_signals(args.save_on_signal))
         self.cp: ContextParallel | None = None  # --context_parallel_size > 1
+        self.num_frames = 1  # frames of a sampled clip (a video family's --num_frames), set in setup
         self.old_policy: ShardedEMA | None = None  # DiffusionNFT's, --nft_decay_type 1 or 2
         # evaluations: the round each ran before (0: before training), the total's mean, each reward's
         self.evaluations: dict[str, list[float]] = {"round": [], "mean": []}
@@ -783,6 +822,7 @@ class GRPOTrainer:
         for name, side in (("resolution", args.resolution), ("eval_resolution", args.eval_resolution)):
             if side is not None and side % multiple:
                 raise ArgumentError(f"--{name} {side} must be a multiple of {multiple} for {family.name}")
+        self.num_frames = clip_frames(family, self.vae.config, args.num_frames)
         # a guidance-distilled transformer (Flux.1 [dev], Flux.2 [dev]) takes --guidance_scale as an
         # input: no CFG; otherwise CFG where the pipeline runs it (not a step-distilled Flux.2 [klein])
         self.guidance_embeds = bool(denoiser.config.get("guidance_embeds", False))
@@ -809,6 +849,10 @@ class GRPOTrainer:
         specs, eval_specs = args.reward_specs
         self.reward_names = [s.name for s in specs]
         self.groupwise_rewards = [s.name for s in specs if s.is_groupwise]  # scored on a whole round
+        if self.groupwise_rewards and family.video:
+            raise ArgumentError(
+                f"--reward {self.groupwise_rewards[0]}: a group-wise reward judges images, and {family.title} samples clips"
+            )
         if self.groupwise_rewards and args.eval_prompt_file:  # evaluation scores one image a prompt
             raise ArgumentError(
                 f"--eval_prompt_file: the group-wise rewards {', '.join(self.groupwise_rewards)} score a prompt's"
@@ -820,6 +864,7 @@ class GRPOTrainer:
             self.dtype,
             micro_batch_size=args.reward_micro_batch_size,
             vlm_question=args.vlm_question,
+            clips=ClipScoring(args.reward_frames, args.fps),
         )
         set_micro_batch_size(acc, args.train_batch_size)
         self.part, _ = prepare_first_part(
@@ -856,7 +901,7 @@ class GRPOTrainer:
             if eval_specs:
                 self.eval_reward_fn = load_rewards(
                     eval_specs, acc, self.dtype, micro_batch_size=args.reward_micro_batch_size,
-                    vlm_question=args.vlm_question,
+                    vlm_question=args.vlm_question, clips=ClipScoring(args.reward_frames, args.fps),
                 )  # fmt: skip
             names = [*self.reward_names, *(s.name for s in eval_specs)]
             self.evaluations.update({name: [] for name in names})
@@ -1024,7 +1069,9 @@ class GRPOTrainer:
         metadata = [self.prompt_metadata[p] for p, _ in padded]
         cond = self._encode(prompts)
         uncond = self._encode([""] * len(prompts)) if self.cfg else None
-        shape = self.family.denoiser_latent_shape(self.vae.config, args.resolution, args.resolution)
+        shape = self.family.sample_latent_shape(
+            self.vae.config, args.resolution, args.resolution, self.num_frames
+        )
         sigmas = self._sampling_sigmas(shape)
         # each sample's own CPU generator (the same noise on any device and rank) draws its initial
         # latents and then every step's noise, all up front: one copy to the device (pinned and
@@ -1432,7 +1479,9 @@ class GRPOTrainer:
         metadata = [self.eval_metadata[i] for i in indices]
         real = torch.tensor(real, device=acc.device)
         text = Conditioning(self._encode(prompts), self._encode([""] * len(prompts)) if self.cfg else None)
-        shape = family.denoiser_latent_shape(self.vae.config, args.eval_resolution, args.eval_resolution)
+        shape = family.sample_latent_shape(
+            self.vae.config, args.eval_resolution, args.eval_resolution, self.num_frames
+        )
         sigmas = self._sampling_sigmas(shape, args.eval_num_inference_steps)
         noise = torch.cat(
             [

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -95,6 +96,45 @@ def metadata_rows(metadata: Sequence[Mapping[str, Any] | None] | None, n: int) -
     return rows
 
 
+def frame_indices(num_frames: int, count: int) -> list[int]:
+    """``count`` frames of a clip of ``num_frames``, evenly spaced from the first to the last
+    (rounded; each once); every frame for ``count`` 0 or ``count >= num_frames``."""
+    if count <= 0 or count >= num_frames:
+        return list(range(num_frames))
+    if count == 1:
+        return [0]
+    return sorted({round(i * (num_frames - 1) / (count - 1)) for i in range(count)})
+
+
+def score_frames(
+    reward: Callable[..., torch.Tensor], videos: torch.Tensor, prompts: Sequence[str] | None, frames: int
+) -> torch.Tensor:
+    """A clip's reward from an image reward: ``reward`` (called ``reward(images, prompts)``) on
+    ``frame_indices(F, frames)`` of each clip of ``videos`` ``[B, F, 3, H, W]``, each frame with
+    its clip's prompt, and the mean over a clip's frames (``[B]``). Collective when ``reward``
+    is (every rank makes the same calls: ``B x frames`` images, B may be 0)."""
+    chosen = frame_indices(videos.shape[1], frames)
+    images = videos[:, chosen].flatten(0, 1)
+    repeated = None if prompts is None else [p for p in prompts for _ in chosen]
+    scores = reward(images, repeated)
+    if not torch.is_tensor(scores) or scores.numel() != len(images):
+        got = tuple(scores.shape) if torch.is_tensor(scores) else type(scores).__name__
+        raise ValueError(
+            f"returned {got} for {len(videos)} clips x {len(chosen)} frames (one score per frame expected)"
+        )
+    return scores.reshape(len(videos), len(chosen)).mean(dim=1)
+
+
+@dataclass(frozen=True)
+class ClipScoring:
+    """How rewards score clips ``[B, F, 3, H, W]``: an image reward through ``frames`` of each
+    clip's frames (``score_frames``; 0: every frame), a judge of whole clips (``takes_videos``)
+    at the clips' frame rate ``fps`` (it samples their frames by time; None: its default)."""
+
+    frames: int = 0
+    fps: float | None = None
+
+
 class WeightedRewards:
     """Several rewards and their weights: ``total = sum(weight * scores)``.
 
@@ -103,15 +143,27 @@ class WeightedRewards:
             called. A ``GroupwiseReward`` scores a prompt's group together: the call then needs
             ``groups`` (which group and member each sample is) and every sample of the round.
         weights: ``{spec name: weight}``.
+        video_rewards: the names that score whole clips (``RewardSpec.takes_videos``); the
+            others score a clip through ``frames`` of its frames (``score_frames``).
+        frames: frames an image reward sees of a clip (``ClipScoring.frames``; 0: every frame).
 
     Collective: call on every rank, each with its own samples (zero included).
     """
 
-    def __init__(self, rewards: dict[str, ParallelReward | GroupwiseReward], weights: dict[str, float]):
+    def __init__(
+        self,
+        rewards: dict[str, ParallelReward | GroupwiseReward],
+        weights: dict[str, float],
+        *,
+        video_rewards: frozenset[str] = frozenset(),
+        frames: int = 0,
+    ):
         if set(rewards) != set(weights):
             raise ValueError(f"rewards {sorted(rewards)} and weights {sorted(weights)} name different specs")
         self.rewards = rewards
         self.weights = weights
+        self.video_rewards = video_rewards
+        self.frames = frames
 
     @property
     def groupwise(self) -> list[str]:
@@ -129,8 +181,8 @@ class WeightedRewards:
         """Score this rank's samples with every reward.
 
         Args:
-            images: float ``[B, 3, H, W]`` in ``[0, 1]``, on the accelerator's device; ``B``
-                may differ between ranks and be 0.
+            images: float ``[B, 3, H, W]`` in ``[0, 1]``, or clips ``[B, F, 3, H, W]``, on
+                the accelerator's device; ``B`` may differ between ranks and be 0.
             prompts: one prompt per image (the prompt-free rewards ignore them).
             metadata: one dict per image, its prompt's metadata (e.g. a JSONL prompt file's
                 other fields; None or a None entry: ``{}``). Passed as a list of dicts to the
@@ -154,6 +206,9 @@ class WeightedRewards:
             raise ValueError(f"got {len(images)} images but {len(prompts)} prompts")
         n = len(images)
         rows = metadata_rows(metadata, n)
+        clips = torch.is_tensor(images) and images.ndim == 5
+        if clips and self.groupwise:
+            raise ValueError(f"the group-wise rewards {', '.join(self.groupwise)} judge images, not clips")
         if self.groupwise and groups is None:
             raise ValueError(
                 f"the group-wise rewards {', '.join(self.groupwise)} need groups= (each sample's prompt group and member)"
@@ -163,14 +218,20 @@ class WeightedRewards:
         raised: Exception | None = None
         for name, reward in self.rewards.items():
             fn = reward.fn
-            given = fn.given(rows) if isinstance(fn, MetadataRewardFunction) else contextlib.nullcontext()
+            by_frame = clips and name not in self.video_rewards
+            # an image reward's metadata rows follow the frames it scores: one row per frame
+            each = (
+                [r for r in rows for _ in frame_indices(images.shape[1], self.frames)] if by_frame else rows
+            )
+            given = fn.given(each) if isinstance(fn, MetadataRewardFunction) else contextlib.nullcontext()
             try:
                 with given:
-                    out = (
-                        reward(images, prompts, groups)
-                        if isinstance(reward, GroupwiseReward)
-                        else reward(images, prompts)
-                    )
+                    if isinstance(reward, GroupwiseReward):
+                        out = reward(images, prompts, groups)
+                    elif by_frame:
+                        out = score_frames(reward, images, prompts, self.frames)
+                    else:
+                        out = reward(images, prompts)
             except Exception as e:  # reported on every rank below; the next rewards are still called
                 problems.append(f"reward '{name}' raised {type(e).__name__}: {' '.join(str(e).split())}")
                 raised = raised or e
@@ -254,6 +315,7 @@ def load_rewards(
     differentiable: bool = False,
     normalize: str | None = None,
     vlm_question: str | None = None,
+    clips: ClipScoring = ClipScoring(),
 ) -> WeightedRewards:
     """Load and place every reward of ``specs``.
 
@@ -278,6 +340,8 @@ def load_rewards(
             prompt; default ``builtin.DEFAULT_VLM_QUESTION``).
         normalize: each reward's normalisation before the weighted sum (``ParallelReward``'s
             ``normalize``: None, ``"batch"`` or ``"per_prompt"``, over every rank's samples).
+        clips: how clips are scored (``ClipScoring``: the frames an image reward sees, the
+            frame rate a built-in judge of whole clips is given).
 
     Returns:
         The rewards and their weights, called as ``rewards(images, prompts)`` or
@@ -307,6 +371,8 @@ def load_rewards(
             # casts them to the model's dtype) and the score, as the references score
             model_dtype = builtin.dtype or dtype
             kwargs = {"question": vlm_question} if builtin.takes_question and vlm_question else {}
+            if builtin.takes_videos and clips.fps is not None:
+                kwargs["video_fps"] = clips.fps
             if builtin.partitioned_load and spec.placement in ("shard", "offload"):
                 # the judge read straight into partitions: a 7-72 B model never whole on a rank
                 kwargs["load_model"] = partitioned_loader(accelerator, spec.placement)
@@ -338,4 +404,5 @@ def load_rewards(
             reward = GroupwiseReward(reward, spec.scope)
         rewards[spec.name] = reward
         weights[spec.name] = spec.weight
-    return WeightedRewards(rewards, weights)
+    videos = frozenset(s.name for s in specs if s.takes_videos)
+    return WeightedRewards(rewards, weights, video_rewards=videos, frames=clips.frames)

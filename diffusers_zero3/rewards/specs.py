@@ -67,6 +67,9 @@ class RewardSpec:
             prompt's whole group together) or ``"pairwise"`` (a judge of two images: each
             image's reward is its win rate in its group); read from the function's or class's
             ``reward_scope`` (``rewards.groupwise``) or the built-in's.
+        takes_videos: it scores whole clips ``[B, F, 3, H, W]`` (a built-in's ``takes_videos``,
+            or a function's or class's ``takes_videos = True`` attribute); the others score a
+            clip through its frames (``rewards.registry.score_frames``).
     """
 
     name: str
@@ -77,6 +80,7 @@ class RewardSpec:
     takes_metadata: bool = False
     model_class: type | None = field(default=None, repr=False, compare=False)
     scope: str = "sample"
+    takes_videos: bool = False
 
     @property
     def is_groupwise(self) -> bool:
@@ -202,6 +206,12 @@ def _scope(name: str, obj: Any) -> str:
         raise ArgumentError(f"--reward {name}: {e}") from e
 
 
+def declares_videos(obj: Any) -> bool:
+    """Whether a reward function or class declares ``takes_videos = True``: it is given whole
+    clips ``[B, F, 3, H, W]`` in ``[0, 1]`` instead of their frames."""
+    return getattr(obj, "takes_videos", False) is True
+
+
 def _builtin(name: str) -> None:
     """Raise ``ArgumentError`` for a name that is no built-in."""
     builtin = BUILTINS.get(name)
@@ -258,7 +268,14 @@ def parse_reward_specs(
                         f"--reward {name}: a {scope} reward is called fn(images, prompts), without metadata"
                     )
                 specs.append(
-                    RewardSpec(name, weight, function=function, takes_metadata=takes_metadata, scope=scope)
+                    RewardSpec(
+                        name,
+                        weight,
+                        function=function,
+                        takes_metadata=takes_metadata,
+                        scope=scope,
+                        takes_videos=declares_videos(function),
+                    )  # fmt: skip
                 )
                 continue
             model_class = function
@@ -287,6 +304,9 @@ def parse_reward_specs(
                 placement=placement,
                 model_class=model_class,
                 scope=scope,
+                takes_videos=declares_videos(model_class)
+                if model_class is not None
+                else BUILTINS[name].takes_videos,
             )
         )
     given = {s.name for s in specs}
