@@ -26,6 +26,7 @@ SUITES = [
     "reward",
     "grpo",
     "sampler",
+    "video_rl",
     "cache",
     "data",
     "context_parallel",

@@ -1023,8 +1023,9 @@ def test_wan_grpo_on_clips_split_over_two_ranks_equals_one_process_learns_and_re
     tiny_wan, tiny_video_judge, tmp_path
 ):
     """Wan 2.1 full fine-tuning with Flow-GRPO on 5-frame clips, each clip's sequence split over
-    both ranks (``--context_parallel_size 2``: one group of 2 ranks draws all 16 clips), scored
-    by an image reward through their frames and by a sharded UnifiedReward judge of whole clips:
+    both ranks (``--context_parallel_size 2``: one group of 2 ranks draws all 16 clips, and each
+    rank decodes and scores every other one), scored by an image reward through their frames
+    and by a sharded UnifiedReward judge of whole clips:
     every round's rewards equal a 1-process run's (measured 3e-7 apart), the reward rises
     (measured: -0.107 to -0.098 over 3 rounds), a resume from round 2 in a fresh folder gives
     rounds 3 and 4 again exactly, the sample grid holds each clip's frames in a row, and the
@@ -1047,7 +1048,8 @@ def test_wan_grpo_on_clips_split_over_two_ranks_equals_one_process_learns_and_re
     assert sum(curve[-2:]) / 2 - sum(curve[:2]) / 2 > 0.003, curve
     from PIL import Image
 
-    assert Image.open(split / "samples" / "round-2.png").size == (5 * 32, 16 * 32)  # 16 clips of 5 frames
+    # each rank of the group decodes and scores half of its 16 clips: rank 0's 8 clips of 5 frames
+    assert Image.open(split / "samples" / "round-2.png").size == (5 * 32, 8 * 32)
     again = resume_in_fresh_folder(argv[:-4] + argv[-2:], split, tmp_path / "resumed", "checkpoint-2")
     assert _rounds(again) == {3: rounds[3], 4: rounds[4]}, again[-3000:]
 

@@ -511,8 +511,9 @@ class Round:
     """One round of this rank's samples, padded to ``samples_per_rank``: ``real`` marks the
     samples that are not dummies. ``latents[:, i]`` is the state before step ``i`` (the last
     one the clean latents), ``log_probs[:, i]`` the sampling policy's log-probability of step
-    ``i``; ``sigmas`` ``[T + 1]`` the schedule; ``images`` the decoded clean latents in [0, 1]
-    until the round is scored. All on the accelerator's device."""
+    ``i``; ``sigmas`` ``[T + 1]`` the schedule; ``images`` the decoded clean latents in [0, 1] of
+    the samples this rank scores (``scored``: every one, or under context parallelism its share
+    of its group's) until the round is scored. All on the accelerator's device."""
 
     index: int  # the round's number (0-based): seeds its noise with the (prompt, member) pairs
     pairs: list[tuple[int, int]]
@@ -524,7 +525,10 @@ class Round:
     latents: torch.Tensor  # [P, T + 1, *family.denoiser_latent_shape]: [C, H, W], Qwen-Image [C, 1, H, W]
     log_probs: torch.Tensor  # [P, T]
     sigmas: torch.Tensor  # [T + 1]
-    images: torch.Tensor | None = None  # [P, 3, H, W], dropped once scored
+    images: torch.Tensor | None = (
+        None  # [S, 3, H, W] (clips [S, F, 3, H, W]) of `scored`, dropped once scored
+    )
+    scored: list[int] = dataclasses.field(default_factory=list)  # the S rows this rank decodes and scores
     window: tuple[int, int] | None = None  # the round's SDE window [start, end) (--sde_window_size)
     means: torch.Tensor | None = (
         None  # [P, T, ...]: each step's mean under the sampling policy (--ratio_norm)
@@ -730,6 +734,12 @@ def save_sample_grid(
     )
     (folder / f".{meta.name}.partial").replace(meta)
     return path
+
+
+def share_calls(length: int, size: int, chunk: int) -> int:
+    """Calls of ``chunk`` rows that decode (score) the largest share of ``length`` rows dealt
+    every ``size``-th to ``size`` ranks: each rank makes that many, whatever its own share."""
+    return math.ceil(math.ceil(length / size) / chunk)
 
 
 def _chunks(n: int, size: int) -> Iterator[slice]:
@@ -1103,7 +1113,6 @@ class GRPOTrainer:
                 args.seed, round_index, args.sde_window_size, tuple(args.sde_window_range)
             )
         start, end = batch.window or (0, args.num_inference_steps)
-        images = []
         for rows in _chunks(length, args.sample_batch_size):
             x = latents[rows]
             with self._old_policy():
@@ -1124,9 +1133,25 @@ class GRPOTrainer:
                     batch.log_probs[rows, i] = log_prob
                     if batch.means is not None:
                         batch.means[rows, i] = mean
-            images.append(self._decode(x))
-        batch.images = torch.cat(images)
+        batch.scored, batch.images = self._decode_share(batch.latents[:, -1])
         return batch
+
+    def _decode_share(self, latents: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """The rows of a round's clean ``latents`` ``[P, ...]`` this rank decodes (and then scores):
+        every row, or under context parallelism every K-th from its place in its group (the
+        group's ranks hold the same samples: each decodes and scores a share, not all). The
+        same number of decode calls on every rank (a short share decodes a dummy row and drops
+        it): a sharded VAE stays in lockstep. Collective when the VAE is sharded."""
+        size, place = (self.cp.size, self.cp.group_rank) if self.cp is not None else (1, 0)
+        rows = list(range(place, len(latents), size))
+        chunk = self.args.sample_batch_size
+        calls = share_calls(len(latents), size, chunk)
+        images = []
+        for c in range(calls):
+            part = rows[c * chunk : (c + 1) * chunk]
+            decoded = self._decode(latents[part or [0]])
+            images.append(decoded[: len(part)])  # an empty share keeps the images' shape
+        return rows, torch.cat(images)
 
     def _sampling_sigmas(self, shape: tuple[int, ...], steps: int | None = None) -> torch.Tensor:
         """The sampling schedule ``[T + 1]`` (ending at 0) of ``steps`` (default
@@ -1145,23 +1170,29 @@ class GRPOTrainer:
         reward's mean over every rank's real samples. Collective."""
         args, acc = self.args, self.accelerator
         totals, per_spec = [], {name: [] for name in self.reward_names}
+        prompts = [batch.prompts[i] for i in batch.scored]
+        metadata = [batch.metadata[i] for i in batch.scored]
         for rows, groups in self._reward_calls(batch):
             extra = {"groups": groups} if groups is not None else {}
             total, scores = self.reward_fn(
-                batch.images[rows], batch.prompts[rows], metadata=batch.metadata[rows], **extra
+                batch.images[rows], prompts[rows], metadata=metadata[rows], **extra
             )
             totals.append(total)
             for name in self.reward_names:
                 per_spec[name].append(scores[name])
-        real = batch.real
-        total = torch.cat(totals)[real]
+        scored = torch.stack([torch.cat(totals), *(torch.cat(v) for v in per_spec.values())], dim=1)
         grid_every = args.sample_grid_steps or args.checkpointing_steps
         if acc.is_main_process and (batch.index + 1) % grid_every == 0:
+            shown = batch.real[batch.scored].tolist()
             save_sample_grid(
-                Path(args.output_dir) / "samples", batch.index + 1, batch.images[real],
-                [q for q, keep in zip(batch.prompts, real.tolist()) if keep], total.tolist(),
+                Path(args.output_dir) / "samples", batch.index + 1, batch.images[batch.real[batch.scored]],
+                [q for q, keep in zip(prompts, shown) if keep], scored[:, 0][batch.real[batch.scored]].tolist(),
             )  # fmt: skip
         batch.images = None
+        every = self._group_scores(scored.to(acc.device), len(batch.pairs))  # [P, 1 + rewards]
+        real = batch.real
+        total = every[:, 0][real]
+        per_spec = {name: [every[:, 1 + k]] for k, name in enumerate(self.reward_names)}
         groups = torch.tensor([p for p, _ in batch.pairs], device=total.device)[real]
         advantages = torch.zeros(len(batch.pairs), device=acc.device)
         advantages[real] = gather_group_advantages(total, groups, global_std=args.global_std).to(acc.device)
@@ -1171,16 +1202,40 @@ class GRPOTrainer:
         means = {name: self._global_mean(torch.cat(v)[real]) for name, v in per_spec.items()}
         return self._global_mean(total), means
 
+    def _group_scores(self, scored: torch.Tensor, length: int) -> torch.Tensor:
+        """Every sample's scores ``[length, R]`` from each rank's scores of the samples it scored
+        (``Round.scored``): its own rows, or under context parallelism its group's ranks' shares
+        put back in order (one all-gather of every rank's share, padded to the largest).
+        Collective under context parallelism."""
+        if self.cp is None:
+            return scored
+        size, group = self.cp.size, self.cp.data_parallel_rank
+        largest = -(-length // size)
+        padded = scored.new_zeros(largest, scored.shape[1])
+        padded[: len(scored)] = scored
+        shares = self.accelerator.gather(padded[None]).reshape(-1, largest, scored.shape[1])
+        every = scored.new_empty(length, scored.shape[1])
+        for place in range(size):
+            rows = range(place, length, size)
+            every[place::size] = shares[group * size + place, : len(rows)]
+        return every
+
     def _reward_calls(self, batch: Round) -> Iterator[tuple[slice, SampleGroups | None]]:
-        """The reward calls of a round: chunks of ``--sample_batch_size`` samples; one call of the
-        whole round with each sample's group, member and realness when a reward is group-wise
-        (``rewards.groupwise``: it gathers every rank's members of a group, so it must see the
-        round at once; the other rewards then take the round in one call too)."""
+        """The reward calls of the samples this rank scores (``Round.scored``): chunks of
+        ``--sample_batch_size``; one call of them all with each sample's group, member and
+        realness when a reward is group-wise (``rewards.groupwise``: it gathers every rank's
+        members of a group, so it must see the round at once; the other rewards then take the
+        round in one call too)."""
         if not self.groupwise_rewards:
-            yield from ((rows, None) for rows in _chunks(len(batch.pairs), self.args.sample_batch_size))
+            # the same number of calls on every rank (a short share's last ones empty): each is collective
+            size = self.cp.size if self.cp is not None else 1
+            chunk = self.args.sample_batch_size
+            for c in range(share_calls(len(batch.pairs), size, chunk)):
+                yield slice(min(c * chunk, len(batch.scored)), min((c + 1) * chunk, len(batch.scored))), None
             return
-        prompts, members = zip(*batch.pairs) if batch.pairs else ((), ())
-        yield slice(0, len(batch.pairs)), SampleGroups(prompts, members, batch.real.tolist())
+        pairs = [batch.pairs[i] for i in batch.scored]
+        prompts, members = zip(*pairs) if pairs else ((), ())
+        yield slice(0, len(pairs)), SampleGroups(prompts, members, batch.real[batch.scored].tolist())
 
     def _global_mean(self, values: torch.Tensor) -> float:
         """The mean over every rank's ``values`` (any count per rank). Collective."""

@@ -71,6 +71,11 @@ class ContextParallel:
         """This rank's group: ranks with the same one take the same samples."""
         return self.mesh.get_local_rank("dp")
 
+    @property
+    def group_rank(self) -> int:
+        """This rank's place in its group (0 to K - 1): groups are consecutive ranks."""
+        return self.mesh.get_local_rank("ring") * self.mesh.size(2) + self.mesh.get_local_rank("ulysses")
+
     def group_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to backward: ``loss`` times K, since ZeRO-3's average over all N ranks
         divides each group's summed token shares by K too often (see the module docstring).
