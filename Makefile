@@ -60,8 +60,9 @@ train:
 train-reward:
 	PYTHON=$(PYTHON) bash scripts/train_reward_default.sh
 
+# make train-grpo MODEL=wan: video RL (Flow-GRPO) on a tiny Wan 2.1's 5-frame clips instead of the tiny SD3
 train-grpo:
-	PYTHON=$(PYTHON) bash scripts/train_grpo_default.sh
+	PYTHON=$(PYTHON) MODEL=$(MODEL) bash scripts/train_grpo_default.sh
 
 train-dpo:
 	PYTHON=$(PYTHON) bash scripts/train_dpo_default.sh

@@ -7,6 +7,11 @@
 # and plotted to rewards.png; rewards.json holds it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case "${MODEL:-sd}" in
+  sd | sd3) ;;
+  wan) exec bash scripts/train_grpo_wan_default.sh "$@" ;;  # video RL on a tiny Wan 2.1
+  *) echo "error: MODEL=$MODEL: make train-grpo trains the tiny SD3 (the default) or MODEL=wan" >&2; exit 2 ;;
+esac
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-outputs/default}
 # NUM_PROCESSES and CONFIG: one process per GPU in bf16 on a CUDA host, else 2 CPU ranks in
