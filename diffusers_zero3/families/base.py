@@ -178,8 +178,14 @@ class DenoiserSchedule:
         an untrained step skips its optimizer, schedule and EMA steps."""
         return len(self.folders) < 2 or name == self.of_step(step)
 
+    def objective_kwargs(self, name: str) -> dict[str, Any]:
+        """What ``Family.objective`` takes besides the scheduler and settings for the denoiser
+        ``name`` (Wan 2.2's expert and boundary: its timesteps on its side)."""
+        return {}
+
     def loss_kwargs(self, name: str) -> dict[str, Any]:
-        """What ``Family.loss`` takes besides the batch for the denoiser ``name``."""
+        """What ``Family.objective_loss`` takes besides the batch for the denoiser ``name``
+        (Ideogram 4's ``trained``)."""
         return {}
 
     def describe(self) -> str | None:
@@ -300,8 +306,8 @@ class Family:
     def denoiser_schedule(
         self, folders: tuple[str, ...], source: str | os.PathLike, noise_scheduler, settings, seed: int
     ) -> DenoiserSchedule:
-        """Which of ``folders`` (``trained_denoisers``) each optimizer step trains, and the loss
-        arguments for each: in turn (one denoiser: always it)."""
+        """Which of ``folders`` (``trained_denoisers``) each optimizer step trains, and the
+        objective and loss arguments for each: in turn (one denoiser: always it)."""
         return DenoiserSchedule(folders)
 
     def frame_multiple(self, vae_config: dict) -> int | None:
@@ -569,17 +575,49 @@ class Family:
         loss_weights: torch.Tensor | None = None,
         **denoiser_kwargs,
     ) -> torch.Tensor:
-        """The training loss of one micro-batch (a mean over it, or one value per sample with
-        ``reduction="none"``; each element's squared error weighed by ``loss_weights``, a
-        mask on the latents' grid: ``objectives.latent_loss_weights``), for every family alike: noise and timesteps drawn by the
-        family's objective (from this rank's RNG, or from each sample's ``generators``:
-        ``objectives.sample_generators``), the denoiser called as the family's pipeline calls it
-        (``predict``; ``denoiser_kwargs`` go to that call, e.g. a ControlNet's residuals).
-        Collective when the denoiser is sharded."""
-        objective = self.objective(noise_scheduler, settings)
+        """The training loss of one micro-batch under the family's objective with ``settings``
+        (``objectives.ObjectiveSettings``) over ``noise_scheduler``, the training scheduler:
+        ``objective_loss`` of ``self.objective(noise_scheduler, settings)``, which says the rest
+        (``generators``, ``reduction``, ``loss_weights``, ``denoiser_kwargs``).
+        Collective when the denoiser is sharded.
+
+        Example:
+            >>> loss = family.loss(denoiser, scheduler, latents, cond, ObjectiveSettings())
+        """
+        return self.objective_loss(
+            denoiser, self.objective(noise_scheduler, settings), latents, cond, generators, reduction,
+            loss_weights, **denoiser_kwargs,
+        )  # fmt: skip
+
+    def objective_loss(
+        self,
+        denoiser,
+        objective,
+        latents: torch.Tensor,
+        cond: dict,
+        generators=None,
+        reduction: str = "mean",
+        loss_weights: torch.Tensor | None = None,
+        **denoiser_kwargs,
+    ) -> torch.Tensor:
+        """The training loss of one micro-batch under ``objective`` (``objectives.Objective``,
+        from ``Family.objective``: it holds the scheduler and settings, and for a Wan 2.2 expert
+        its side of the boundary): a mean over the batch, or one value per sample with
+        ``reduction="none"``; each element's squared error weighed by ``loss_weights``, a mask
+        on the latents' grid (``objectives.latent_loss_weights``). Noise and timesteps are drawn
+        by the objective (from this rank's RNG, or from each sample's ``generators``:
+        ``objectives.sample_generators``); the denoiser is called as the family's pipeline calls
+        it (``predict``; ``denoiser_kwargs`` go to that call, e.g. a ControlNet's residuals).
+        Collective when the denoiser is sharded.
+
+        Example:
+            >>> objective = WAN22.objective(scheduler, settings, "transformer_2", 875.0)
+            >>> loss = WAN22.objective_loss(denoiser, objective, latents, cond)  # the low expert's side
+        """
+        guidance_scale = objective.settings.guidance_scale
         return objective.loss(
             lambda noisy, t: self.predict(
-                denoiser, noisy, t, cond, guidance_scale=settings.guidance_scale, **denoiser_kwargs
+                denoiser, noisy, t, cond, guidance_scale=guidance_scale, **denoiser_kwargs
             ),
             latents,
             generators,

@@ -305,19 +305,18 @@ class Ideogram4(Family):
 
     # ------------------------------------------------------------------ denoiser
 
-    def loss(self, denoiser, noise_scheduler, latents, cond, settings, generators=None, reduction="mean",
-             loss_weights=None, *, trained: str = "transformer", **denoiser_kwargs):  # fmt: skip
-        """``Family.loss`` for ``trained`` (a folder): ``transformer`` called as ``predict``, or
-        ``unconditional_transformer`` on the same noisy latents and sigmas called as the pipeline's
-        negative branch (``predict_unconditional``: the image alone, zero text features): the
-        loss that makes it the velocity the pipeline's asymmetric CFG blends in. Collective when
-        the denoiser is sharded."""
+    def objective_loss(self, denoiser, objective, latents, cond, generators=None, reduction="mean",
+                       loss_weights=None, *, trained: str = "transformer", **denoiser_kwargs):  # fmt: skip
+        """``Family.objective_loss`` for ``trained`` (a folder): ``transformer`` called as
+        ``predict``, or ``unconditional_transformer`` on the same noisy latents and sigmas called
+        as the pipeline's negative branch (``predict_unconditional``: the image alone, zero text
+        features): the loss that makes it the velocity the pipeline's asymmetric CFG blends in.
+        ``Family.loss`` passes ``trained`` on. Collective when the denoiser is sharded."""
         if trained != UNCONDITIONAL:
-            return super().loss(
-                denoiser, noise_scheduler, latents, cond, settings, generators, reduction, loss_weights,
-                **denoiser_kwargs,
-            )  # fmt: skip
-        return self.objective(noise_scheduler, settings).loss(
+            return super().objective_loss(
+                denoiser, objective, latents, cond, generators, reduction, loss_weights, **denoiser_kwargs
+            )
+        return objective.loss(
             lambda noisy, t: self.predict_unconditional(denoiser, noisy, t),
             latents,
             generators,

@@ -320,13 +320,12 @@ class LTX2Family(VideoLatents, Family):
         )
         return unpack_video(video, f, h, w, p, pt), audio
 
-    def loss(
+    def objective_loss(
         self,
         denoiser,
-        noise_scheduler,
+        objective,
         latents,
         cond,
-        settings,
         generators=None,
         reduction="mean",
         loss_weights=None,
@@ -340,6 +339,7 @@ class LTX2Family(VideoLatents, Family):
 
         from .objectives import sample_noise
 
+        noise_scheduler, settings = objective.noise_scheduler, objective.settings
         audio = cond["audio_latents"]
         has_audio = cond["has_audio"].to(audio.device).view(-1, 1, 1)
         audio_losses = {}
@@ -358,9 +358,7 @@ class LTX2Family(VideoLatents, Family):
             audio_losses["per_sample"] = error.mean(dim=(1, 2)) * has_audio.flatten().float()
             return video
 
-        video_losses = self.objective(noise_scheduler, settings).loss(
-            predict, latents, generators, "none", loss_weights=loss_weights
-        )
+        video_losses = objective.loss(predict, latents, generators, "none", loss_weights=loss_weights)
         per_sample = video_losses + audio_losses["per_sample"]
         return per_sample if reduction == "none" else per_sample.mean()
 

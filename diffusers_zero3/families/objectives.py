@@ -5,7 +5,8 @@ input perturbation, epsilon / v-prediction targets, Min-SNR-gamma loss weighting
 its SD3 / Flux scripts (timestep densities and loss weightings). Both objectives have one
 signature, ``objective.loss(predict, latents)``, where ``predict(noisy, timesteps)`` is the
 family's denoiser call; a family picks its objective (``Family.objective``) and the trainer
-calls ``family.loss(...)`` whatever the family.
+calls ``family.objective_loss(denoiser, objective, ...)`` (or ``family.loss(...)``, which builds
+the objective) whatever the family.
 """
 
 from __future__ import annotations

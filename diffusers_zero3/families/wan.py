@@ -90,23 +90,10 @@ def expert_of_step(seed: int, step: int, p_high: float) -> str:
     return HIGH if random.Random(digest).random() < p_high else LOW
 
 
-@dataclass(frozen=True)
-class ExpertSide:
-    """The Wan 2.2 expert a loss trains (``HIGH`` or ``LOW``, its folder) and the boundary
-    timestep between the experts (``Wan.boundary``): its timesteps are drawn on its side.
-
-    Example:
-        >>> WAN22.loss(denoiser, scheduler, latents, cond, settings, expert=ExpertSide(LOW, 875.0))
-    """
-
-    name: str
-    boundary: float | None
-
-
 class ExpertSchedule(DenoiserSchedule):
     """Wan's trained experts: with both (``--train_experts both``) each optimizer step draws
     one, the high one with probability ``p_high`` (``expert_of_step``); each expert's loss draws
-    its timesteps on its side of ``boundary``."""
+    its timesteps on its side of ``boundary`` (its objective: ``objective_kwargs``)."""
 
     def __init__(self, folders: tuple[str, ...], boundary: float | None, p_high: float, seed: int):
         super().__init__(folders)
@@ -117,8 +104,8 @@ class ExpertSchedule(DenoiserSchedule):
             return self.folders[0]
         return expert_of_step(self.seed, step, self.p_high)
 
-    def loss_kwargs(self, name: str) -> dict:
-        return {"expert": ExpertSide(name, self.boundary)}
+    def objective_kwargs(self, name: str) -> dict:
+        return {"expert": name, "boundary": self.boundary}
 
     def describe(self) -> str:
         return f"experts trained: {', '.join(self.folders)} (boundary at timestep {self.boundary:g})"
@@ -418,24 +405,16 @@ class Wan(GuidedValidation, Family):
         return cut
 
     def objective(self, noise_scheduler, settings, expert: str | None = None, boundary: float | None = None):
-        """Flow matching at the scheduler's sigmas; with ``expert`` and ``boundary``, on that
-        expert's side of the boundary only (``ExpertFlowMatchingObjective``)."""
+        """Flow matching at the scheduler's sigmas; with ``expert`` (``HIGH`` or ``LOW``, the
+        folder a loss trains) and ``boundary`` (``Wan.boundary``), on that expert's side of the
+        boundary only (``ExpertFlowMatchingObjective``): ``objective_loss`` then trains it there.
+
+        Example:
+            >>> objective = WAN22.objective(scheduler, settings, LOW, 875.0)
+            >>> loss = WAN22.objective_loss(denoiser, objective, latents, cond)
+        """
         return ExpertFlowMatchingObjective(
             noise_scheduler, settings, self.expert_timesteps(noise_scheduler, expert, boundary)
-        )
-
-    def loss(self, denoiser, noise_scheduler, latents, cond, settings, generators=None, reduction="mean",
-             loss_weights=None, *, expert: ExpertSide | None = None, **denoiser_kwargs):  # fmt: skip
-        """``Family.loss``; for a Wan 2.2 expert, pass ``expert`` (``ExpertSide``: the folder the
-        ``denoiser`` is and ``self.boundary(source)``): its timesteps are then drawn on its side."""
-        name, boundary = (expert.name, expert.boundary) if expert is not None else (None, None)
-        objective = self.objective(noise_scheduler, settings, name, boundary)
-        return objective.loss(
-            lambda noisy, t: self.predict(denoiser, noisy, t, cond, **denoiser_kwargs),
-            latents,
-            generators,
-            reduction,
-            loss_weights=loss_weights,
         )
 
     def predict(self, denoiser, noisy_latents, timesteps, cond, *, guidance_scale=None, **kwargs):

@@ -13,7 +13,8 @@ The trainer composes parts it owns, each in its own module:
 * the trained side (``training.steps.TrainedParts``): the denoisers this job trains, the
   family's ``DenoiserSchedule`` picking one per step (Wan 2.2's experts, Ideogram 4's twin),
   the other trained models, their backward, optimizer and EMA steps;
-* the objective (``Family.loss`` with ``ObjectiveSettings``) and the step's records
+* the objective (``Family.objective`` with ``ObjectiveSettings``, for the step's denoiser;
+  ``Family.objective_loss``) and the step's records
   (``training.steps.StepTally``).
 
 A subclass supplies its own data (``_load_data`` returns a ``TrainingData``), its loss
@@ -303,8 +304,9 @@ class TextToImageTrainer:
     # ------------------------------------------------------------------ training
 
     def _loss(self, batch: dict) -> torch.Tensor:
-        """The family's loss of one micro-batch with the denoiser this step trains (Wan 2.2's
-        expert on its side of the boundary; Ideogram 4's transformer of the turn)."""
+        """The family's loss of one micro-batch with the denoiser this step trains, under its
+        objective (the schedule's ``objective_kwargs``: Wan 2.2's expert on its side of the
+        boundary) and loss arguments (``loss_kwargs``: Ideogram 4's transformer of the turn)."""
         # Each sample draws from its own generator (seed, epoch, dataset index): the same draws
         # whichever rank trains it, so a run resumed on another number of processes continues.
         generators = sample_generators(self.args.seed or 0, self.epoch, batch["index"])
@@ -312,13 +314,15 @@ class TextToImageTrainer:
         masked = {}
         if "loss_mask" in batch:  # --mask_column: each latent pixel weighs what it encodes of the mask
             masked["loss_weights"] = latent_loss_weights(batch["loss_mask"], latents)
+        name = self.schedule.of_step(self.global_step)
         denoiser = self.parts.denoiser_of_step(self.global_step)
-        kwargs = {**self.schedule.loss_kwargs(self.schedule.of_step(self.global_step)), **masked}
+        objective = self.family.objective(
+            self.noise_scheduler, self.objective_settings, **self.schedule.objective_kwargs(name)
+        )
+        kwargs = {**self.schedule.loss_kwargs(name), **masked}
 
         def loss_of(cond: dict) -> torch.Tensor:
-            return self.family.loss(
-                denoiser, self.noise_scheduler, latents, cond, self.objective_settings, generators, **kwargs
-            )
+            return self.family.objective_loss(denoiser, objective, latents, cond, generators, **kwargs)
 
         cp = self.job.cp  # a masked text of the batch's length: padded to split K ways
         return cp.split_loss(cond, latents, loss_of) if cp is not None else loss_of(cond)
