@@ -313,7 +313,7 @@ def test_a_family_it_is_not_tested_on_is_refused_in_one_line(kind, tiny_pipeline
     settings = _parse("--pretrained_model_name_or_path", folder, "--prompts", "a", "--output_dir",
                       str(tmp_path / "out"), "--report_to", "none", "--resolution", "32")  # fmt: skip
     trainer = GRPOTrainer(settings)
-    families = "sd3, flux, zimage, qwenimage, flux2, flux2-klein, wan, wan22_5b"
+    families = "sd3, flux, zimage, qwenimage, flux2, flux2-klein, wan, wan22_5b, wan22"
     with pytest.raises(
         ArgumentError, match=f"trains the flow-matching families it is tested on: {families}$"
     ):
@@ -510,6 +510,30 @@ def test_wan_clip_shape_schedule_and_decode_are_the_pipelines(name, request):
     plain = ChannelMeanStd({"latents_mean": [0.0] * channels, "latents_std": [1.0] * channels})
     with torch.no_grad():
         assert (decode_images(family, pipe.vae, plain, latents) - expected).abs().max() > 1e-3
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--timestep_fraction", "0.5"], "--timestep_fraction 0.5 trains 3 steps of a round's expert, and of the 6 sampled"
+         " steps 2 are the high-noise expert's and 4 the low-noise one's (timestep >= 875): lower it to at most 2/6"),
+        (["--timestep_fraction", "0.34", "--sde_window_size", "2"],
+         "--sde_window_size: Wan 2.2 A14B's rounds train one expert on its own steps, which a sliding window would move"),
+    ],
+)  # fmt: skip
+def test_wan22_a14b_rounds_need_steps_of_each_expert(extra, message, tiny_wan22, tmp_path):
+    """Wan 2.2 A14B: a round trains one expert on its own sampled steps, so each expert needs the
+    round's trained steps among the sampled ones, and no window may move them; one line each."""
+    from diffusers_zero3.errors import ArgumentError
+    from diffusers_zero3.recipes.grpo import GRPOTrainer
+
+    settings = _parse("--pretrained_model_name_or_path", tiny_wan22, "--prompts", "a", "--output_dir",
+                      str(tmp_path / "out"), "--report_to", "none", "--resolution", "32", "--num_inference_steps", "6",
+                      "--reference_placement", "replicate", *extra)  # fmt: skip
+    with pytest.raises(ArgumentError) as e:
+        GRPOTrainer(settings).setup()
+    assert str(e.value) == message
 
 
 @pytest.mark.unit
@@ -1090,4 +1114,81 @@ def test_wan22_5b_lora_diffusionnft_on_two_ranks(tiny_wan22_5b, tmp_path):
     assert any("lora" in n for n, _ in pipe.transformer.named_parameters())
     clip = pipe("a red circle", num_inference_steps=2, height=32, width=32, num_frames=5, output_type="pt",
                 generator=torch.Generator().manual_seed(0)).frames  # fmt: skip
+    assert clip.shape == (1, 5, 3, 32, 32)
+
+
+@pytest.fixture(scope="module")
+def tiny_wan22(tmp_path_factory):
+    from diffusers_zero3.demo import save_tiny_pipeline
+    from diffusers_zero3.families import WAN22
+
+    return str(save_tiny_pipeline(WAN22, tmp_path_factory.mktemp("wan22") / "tiny-wan22"))
+
+
+def _trained_experts(log: str) -> dict[int, str]:
+    """``{round: the expert it trained}`` from Wan 2.2 A14B's round lines."""
+    return {int(s): name for s, name in re.findall(r"step (\d+) reward .*; trained (\w+)", log)}
+
+
+@pytest.mark.e2e
+def test_wan22_a14b_trains_the_expert_of_each_round_and_resumes_exactly(tiny_wan22, tmp_path):
+    """Wan 2.2 A14B on 2 ranks, both experts trained, each its own ZeRO-3 engine: a round samples
+    with the expert of each step's timestep (the high-noise one at timestep >= 875: 2 of the 6
+    steps here) and trains the expert drawn for it (``wan.expert_of_step`` of the round, the
+    high one with probability 2/6: low, low, high, low for seed 2) on that expert's steps only.
+    Full fine-tuning with DiffusionNFT, a KL to each expert's sharded reference, each expert's
+    EMA and old policy: a resume from round 2 in a fresh folder gives rounds 3 (the high expert)
+    and 4 (the low one) exactly, and both experts of the saved pipeline moved. Beside it,
+    Flow-GRPO for 2 rounds (the low expert twice). LoRA is refused in one line (diffusers' Wan
+    LoRA file holds one expert's adapters)."""
+    from diffusers_zero3.families.wan import expert_of_step
+
+    out, grpo = tmp_path / "nft", tmp_path / "grpo"
+    common = ["--pretrained_model_name_or_path", tiny_wan22, "--prompts", "a red circle", "a blue square",
+              "a green circle", "--group_size", "3", "--reward", f"{REDNESS}=-1", "--resolution", "32",
+              "--num_inference_steps", "6", "--timestep_fraction", "0.34", "--sample_batch_size", "3",
+              "--train_batch_size", "5", "--learning_rate", "1e-3", "--report_to", "none", "--seed", "2"]  # fmt: skip
+    argv = [*LAUNCH, *common, "--objective", "nft", "--kl_beta", "0.01", "--use_ema", "--ema_update_every", "1",
+            "--max_train_steps", "4", "--checkpointing_steps", "2", "--output_dir", str(out)]  # fmt: skip
+    grpo_argv = [*accelerate_launch("scripts/train_grpo.py"), *common, "--max_train_steps", "2",
+                 "--output_dir", str(grpo)]  # fmt: skip
+    lora_argv = [
+        *accelerate_launch("scripts/train_grpo.py", 1),
+        *common,
+        "--rank",
+        "4",
+        "--output_dir",
+        str(tmp_path / "lora"),
+    ]
+    (_, log), (_, grpo_log), (_, lora_log) = run_launchers_side_by_side(
+        [{"argv": argv}, {"argv": grpo_argv}, {"argv": lora_argv, "expect_rc": None}], timeout=400
+    )
+    assert "error: --rank: Wan 2.2 A14B's rounds train both experts; LoRA trains one at a time" in lora_log, (
+        lora_log[-2000:]
+    )
+    assert "the high-noise one with probability 0.33 (2 of 6 sampled steps at timestep >= 875)" in log, log[
+        -3000:
+    ]
+    drawn = {r + 1: expert_of_step(2, r, 2 / 6) for r in range(4)}
+    assert drawn == {1: "transformer_2", 2: "transformer_2", 3: "transformer", 4: "transformer_2"}
+    assert _trained_experts(log) == drawn, log[-3000:]
+    assert _optimizer_steps(log) == {1: 1, 2: 2, 3: 3, 4: 4}, log[-3000:]  # one a round, over both engines
+    rounds = _rounds(log)
+    again = resume_in_fresh_folder(argv[:-2], out, tmp_path / "resumed", "checkpoint-2")
+    assert _rounds(again) == {3: rounds[3], 4: rounds[4]}, again[-3000:]
+    assert _trained_experts(again) == {3: "transformer", 4: "transformer_2"}
+
+    import torch
+    from diffusers import WanPipeline
+
+    source, trained = WanPipeline.from_pretrained(tiny_wan22), WanPipeline.from_pretrained(out)
+    for name in ("transformer", "transformer_2"):
+        moved = max(
+            (a - b).abs().max().item()
+            for a, b in zip(getattr(source, name).parameters(), getattr(trained, name).parameters())
+        )
+        assert moved > 0, name
+    assert _trained_experts(grpo_log) == {1: "transformer_2", 2: "transformer_2"}, grpo_log[-3000:]
+    clip = trained("a red circle", num_inference_steps=2, height=32, width=32, num_frames=5, output_type="pt",
+                   generator=torch.Generator().manual_seed(0)).frames  # fmt: skip
     assert clip.shape == (1, 5, 3, 32, 32)

@@ -132,7 +132,14 @@ from ..training.job import (
     setup_accelerator,
 )
 from ..training.lora import LORA_WEIGHT_NAME, add_lora_adapters, save_lora_zero3
-from ..training.parts import adamw, prepare_first_part, set_micro_batch_size, step_part
+from ..training.parts import (
+    TrainedModel,
+    adamw,
+    prepare_extra_part,
+    prepare_first_part,
+    set_micro_batch_size,
+    step_part,
+)
 from ..training.report import StepOutput, log_outputs, step_log_path
 from ..training.schedule import first_last_means
 from .text_to_image_settings import TextToImageSettings
@@ -140,7 +147,7 @@ from .text_to_image_settings import TextToImageSettings
 OBJECTIVES = ("grpo", "nft")
 # tested end to end (tests/test_train_grpo.py); HiDream, Wan (video) and the others are not
 # tried yet: refused in one line rather than trained wrong
-GRPO_FAMILIES = ("sd3", "flux", "zimage", "qwenimage", "flux2", "flux2-klein", "wan", "wan22_5b")
+GRPO_FAMILIES = ("sd3", "flux", "zimage", "qwenimage", "flux2", "flux2-klein", "wan", "wan22_5b", "wan22")
 DEFAULT_NUM_FRAMES = 5  # a sampled clip's frames when --num_frames is not given (a video family)
 PHASES = ("sampling", "rewards", "training")  # rewards.json "seconds": one list per phase
 # rewards.json "stats": one list per statistic: the reward's spread (rl.group_reward_stats), then
@@ -769,6 +776,12 @@ class GRPOTrainer:
         self.cp: ContextParallel | None = None  # --context_parallel_size > 1
         self.num_frames = 1  # frames of a sampled clip (a video family's --num_frames), set in setup
         self.old_policy: ShardedEMA | None = None  # DiffusionNFT's, --nft_decay_type 1 or 2
+        # Wan 2.2 A14B: the low-noise expert's part (the first part is the high-noise one), the
+        # timestep where sampling switches to it, and the high expert's chance to be a round's
+        self.second: TrainedModel | None = None
+        self.second_old_policy: ShardedEMA | None = None
+        self.boundary: float | None = None
+        self.p_high = 1.0
         # evaluations: the round each ran before (0: before training), the total's mean, each reward's
         self.evaluations: dict[str, list[float]] = {"round": [], "mean": []}
 
@@ -813,19 +826,29 @@ class GRPOTrainer:
         self.dtype = weight_dtype(acc)
         self.scheduler = family.load_noise_scheduler(self.source)
         self.tokenizers = family.load_tokenizers(self.source)
-        denoiser = load_trainable_denoiser(acc, self.source, family)
-        if args.rank is not None:
-            targets = args.lora_layers.split(",") if args.lora_layers else family.lora_target_modules
-            add_lora_adapters(
-                denoiser, rank=args.rank, target_modules=targets, alpha=args.lora_alpha, seed=args.seed or 0
-            )
-        if args.attention_backend is not None:
-            try:
-                set_attention_backend(denoiser, args.attention_backend)
-            except ValueError as e:
-                raise ArgumentError(str(e)) from e
-        if self.cp is not None:  # after LoRA's layers, so that the plan's modules are the wrapped ones
-            self._split_sequence(denoiser)
+        # Wan 2.2 A14B: both experts train, the low-noise one a part of its own
+        denoisers = [
+            load_trainable_denoiser(acc, self.source, family, folder=Path(self.source) / name)
+            for name in family.pipeline_denoisers
+        ]
+        for denoiser in denoisers:
+            if args.rank is not None:
+                targets = args.lora_layers.split(",") if args.lora_layers else family.lora_target_modules
+                add_lora_adapters(
+                    denoiser,
+                    rank=args.rank,
+                    target_modules=targets,
+                    alpha=args.lora_alpha,
+                    seed=args.seed or 0,
+                )
+            if args.attention_backend is not None:
+                try:
+                    set_attention_backend(denoiser, args.attention_backend)
+                except ValueError as e:
+                    raise ArgumentError(str(e)) from e
+            if self.cp is not None:  # after LoRA's layers, so that the plan's modules are the wrapped ones
+                self._split_sequence(denoiser)
+        denoiser = denoisers[0]
         self.frozen = place_frozen_models(acc, family, self.source, placements)
         self.vae = self.frozen.models["vae"]
         multiple = family.latent_multiple(self.vae.config)
@@ -833,6 +856,8 @@ class GRPOTrainer:
             if side is not None and side % multiple:
                 raise ArgumentError(f"--{name} {side} must be a multiple of {multiple} for {family.name}")
         self.num_frames = clip_frames(family, self.vae.config, args.num_frames)
+        if len(denoisers) > 1:
+            self._check_experts(denoiser.config)
         # a guidance-distilled transformer (Flux.1 [dev], Flux.2 [dev]) takes --guidance_scale as an
         # input: no CFG; otherwise CFG where the pipeline runs it (not a step-distilled Flux.2 [klein])
         self.guidance_embeds = bool(denoiser.config.get("guidance_embeds", False))
@@ -845,17 +870,20 @@ class GRPOTrainer:
             log_rank_zero(
                 f"--guidance_scale {args.guidance_scale} ignored: the {family.title} pipeline runs no CFG"
             )
-        self.reference = None
+        self.reference, self.references = None, {}
         if args.rank is None and self._needs_reference():
-            self.reference = load_frozen_component(
-                acc, self.source, family.denoiser, args.reference_placement, family.denoiser_cls(),
-                dtype=self.dtype, label="reference",
-            )  # fmt: skip
-            if args.attention_backend is not None:
-                set_attention_backend(self.reference.module, args.attention_backend)  # it ran on the policy
-            if self.cp is not None:
-                self._split_sequence(self.reference.module, trained=False)
-            log_rank_zero(self.reference.describe())
+            for name in family.pipeline_denoisers:  # Wan 2.2 A14B: each expert's
+                reference = load_frozen_component(
+                    acc, self.source, name, args.reference_placement, family.denoiser_cls(),
+                    dtype=self.dtype, label="reference" if name == family.denoiser else f"reference {name}",
+                )  # fmt: skip
+                if args.attention_backend is not None:
+                    set_attention_backend(reference.module, args.attention_backend)  # it ran on the policy
+                if self.cp is not None:
+                    self._split_sequence(reference.module, trained=False)
+                log_rank_zero(reference.describe())
+                self.references[name] = reference
+            self.reference = self.references[family.denoiser]
         specs, eval_specs = args.reward_specs
         self.reward_names = [s.name for s in specs]
         self.groupwise_rewards = [s.name for s in specs if s.is_groupwise]  # scored on a whole round
@@ -882,10 +910,21 @@ class GRPOTrainer:
             ema=bool(args.use_ema),
         )  # fmt: skip
         self.engine, self.ema = self.part.engine, self.part.ema
+        if len(denoisers) > 1:
+            optimizer = adamw(denoisers[1], args)
+            constant = torch.optim.lr_scheduler.ConstantLR(
+                optimizer, factor=1.0, total_iters=0
+            )  # as the first's
+            self.second = prepare_extra_part(
+                acc, family.pipeline_denoisers[1], denoisers[1], optimizer, constant,
+                first_engine=self.engine if hasattr(self.engine, "save_checkpoint") else None,
+                max_grad_norm=args.max_grad_norm,
+            )  # fmt: skip
+            self.second.ema = ShardedEMA(self.second.engine) if args.use_ema else None
         # DiffusionNFT's old policy: an average of the trained weights, partitioned like them
-        self.old_policy = (
-            ShardedEMA(self.engine) if args.objective == "nft" and args.nft_decay_type != 0 else None
-        )
+        if args.objective == "nft" and args.nft_decay_type != 0:
+            self.old_policy = ShardedEMA(self.engine)
+            self.second_old_policy = ShardedEMA(self.second.engine) if self.second is not None else None
         self._check_accumulation()
         if (
             acc.state.deepspeed_plugin is not None
@@ -917,7 +956,7 @@ class GRPOTrainer:
             self.evaluations.update({name: [] for name in names})
         resumed = resume_training(
             acc, args.output_dir, args.resume_from_checkpoint, ema=self.ema, averages=self._averages(),
-            fallback=args.resume_fallback,
+            parts=self._second_parts(), fallback=args.resume_fallback,
         )  # fmt: skip
         if resumed is not None:
             path, state = resumed
@@ -937,8 +976,70 @@ class GRPOTrainer:
                 )
 
     def _averages(self) -> dict[str, ShardedEMA]:
-        """The averages a checkpoint holds beside the engine and the EMA: the old policy."""
-        return {} if self.old_policy is None else {"nft_old_policy": self.old_policy}
+        """The averages a checkpoint holds beside the engines and the EMAs: the old policy (each
+        expert's for Wan 2.2 A14B)."""
+        averages = {} if self.old_policy is None else {"nft_old_policy": self.old_policy}
+        if self.second_old_policy is not None:
+            averages[f"nft_old_policy_{self.second.name}"] = self.second_old_policy
+        return averages
+
+    def _second_parts(self) -> list[TrainedModel]:
+        """The trained parts beside the first (Wan 2.2 A14B's low-noise expert), checkpointed
+        with it."""
+        return [] if self.second is None else [self.second]
+
+    def _check_experts(self, denoiser_config: dict) -> None:
+        """Wan 2.2 A14B: the boundary timestep between the experts, and a round's trained steps
+        all of one expert (``round_part``), drawn from its steps: each expert must have at least
+        the trained steps of a round (``--timestep_fraction``) among the sampled ones, and no
+        sliding window may move them. One ``ArgumentError`` line each. Not a collective."""
+        args, family = self.args, self.family
+        if args.rank is not None:  # one LoRA file of diffusers' Wan loader holds one expert's adapters
+            raise ArgumentError(
+                f"--rank: {family.title}'s rounds train both experts; LoRA trains one at a time"
+            )
+        if args.sde_window_size:
+            raise ArgumentError(
+                f"--sde_window_size: {family.title}'s rounds train one expert on its own steps, which a sliding"
+                " window would move"
+            )
+        self.boundary = family.boundary(self.source)
+        shape = family.sample_latent_shape(self.vae.config, args.resolution, args.resolution, self.num_frames)
+        sigmas = sampling_schedule(
+            family, self.scheduler, args.num_inference_steps, shape, self.vae.config, denoiser_config,
+            torch.device("cpu"),
+        )[:-1]  # fmt: skip
+        high = int((sigmas * 1000 >= self.boundary).sum())
+        low = len(sigmas) - high
+        if min(high, low) < args.train_timesteps:
+            raise ArgumentError(
+                f"--timestep_fraction {args.timestep_fraction} trains {args.train_timesteps} steps of a round's expert,"
+                f" and of the {len(sigmas)} sampled steps {high} are the high-noise expert's and {low} the"
+                f" low-noise one's (timestep >= {self.boundary:g}): lower it to at most {min(high, low)}/{len(sigmas)}"
+            )
+        self.p_high = high / len(sigmas)
+        log_rank_zero(
+            f"experts: each round trains one, the high-noise one with probability {self.p_high:.2f}"
+            f" ({high} of {len(sigmas)} sampled steps at timestep >= {self.boundary:g})"
+        )
+
+    def round_part(self, round_index: int) -> TrainedModel:
+        """The part a round trains: the denoiser, or for Wan 2.2 A14B the expert drawn for the
+        round (``wan.expert_of_step`` of the round, the high-noise one with its share of the
+        sampled steps): the same on every rank and on a resume. Not a collective."""
+        if self.second is None:
+            return self.part
+        from ..families.wan import HIGH, expert_of_step
+
+        return self.part if expert_of_step(self.args.seed, round_index, self.p_high) == HIGH else self.second
+
+    def _sampling_model(self, sigma: torch.Tensor):
+        """The engine that denoises at ``sigma`` (a number): the denoiser, or Wan 2.2 A14B's expert
+        of its timestep (``sigma * 1000 >= boundary``: the high-noise one), as the pipeline's
+        loop. Not a collective."""
+        if self.second is None or float(sigma) * 1000 >= self.boundary:
+            return self.engine
+        return self.second.engine
 
     def _check_accumulation(self) -> None:
         """``--gradient_accumulation_steps`` must divide a rank's micro-batches of a round (an
@@ -1025,26 +1126,35 @@ class GRPOTrainer:
     def _old_policy(self):
         """DiffusionNFT's old policy swapped into the denoiser for the block (sampling, ``v_old``);
         the trained weights are back after it. Nothing to swap where the old policy is the trained
-        one (GRPO, ``--nft_decay_type 0``). Collective when the denoiser has whole parameters."""
-        if self.old_policy is None:
-            yield
-            return
-        with self.old_policy.averaged_weights():
+        one (GRPO, ``--nft_decay_type 0``); each expert's for Wan 2.2 A14B. Collective when the
+        denoiser has whole parameters."""
+        with contextlib.ExitStack() as stack:
+            for average in (self.old_policy, self.second_old_policy):
+                if average is not None:
+                    stack.enter_context(average.averaged_weights())
             yield
 
     @contextlib.contextmanager
-    def _reference(self):
-        """The reference policy for the block: the frozen copy, or the LoRA denoiser with its
-        adapters disabled (restored in ``finally``)."""
+    def _reference(self, part: TrainedModel):
+        """The reference policy of the trained ``part`` for the block: its frozen copy, or the
+        LoRA denoiser with its adapters disabled (restored in ``finally``)."""
         if self.reference is not None:
-            yield self.reference
+            yield self.references[part.name]
             return
-        module = self.part.module
-        module.disable_adapters()
+        part.module.disable_adapters()
         try:
-            yield self.engine
+            yield part.engine
         finally:
-            module.enable_adapters()
+            part.module.enable_adapters()
+
+    @contextlib.contextmanager
+    def _averaged_weights(self):
+        """Every trained part's EMA (``--use_ema``) in its weights for the block. Collective."""
+        with contextlib.ExitStack() as stack:
+            for part in (self.part, *self._second_parts()):
+                if part.ema is not None:
+                    stack.enter_context(part.ema.averaged_weights())
+            yield
 
     @torch.no_grad()
     def _encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -1118,7 +1228,7 @@ class GRPOTrainer:
             with self._old_policy():
                 for i in range(args.num_inference_steps):
                     n = x.shape[0]
-                    v = self._velocity(self.engine, x, sigmas[i].expand(n), batch, rows)
+                    v = self._velocity(self._sampling_model(sigmas[i]), x, sigmas[i].expand(n), batch, rows)
                     x, log_prob, mean, _ = sde_step_with_logprob(
                         v,
                         sigmas[i],
@@ -1246,16 +1356,22 @@ class GRPOTrainer:
     def _trained_steps(self, batch: Round) -> torch.Tensor:
         """``[E, P, K]``: for each inner epoch and sample, the indices of the ``K`` sampled steps it
         trains on, in order (``rl.trained_timestep_indices``; ``--timestep_subset random``: each
-        sample's own subset per inner epoch, from ``timestep_generator``, the same on any rank).
-        Not a collective."""
+        sample's own subset per inner epoch, from ``timestep_generator``, the same on any rank),
+        among the window's steps; for Wan 2.2 A14B among those of the round's expert
+        (``round_part``). Not a collective."""
         args = self.args
         start, end = batch.window or (0, args.num_inference_steps)
+        engine = self.round_part(batch.index).engine
+        # CPU: indices into the round's stored steps, moved with the rest below
+        candidates = torch.tensor(
+            [i for i in range(start, end) if self._sampling_model(batch.sigmas[i]) is engine]
+        )
         steps = [
             torch.stack([
-                start + trained_timestep_indices(
-                    end - start, args.train_timesteps, args.timestep_subset,
+                candidates[trained_timestep_indices(
+                    len(candidates), args.train_timesteps, args.timestep_subset,
                     timestep_generator(args.seed, batch.index, p, m, epoch),
-                )
+                )]
                 for p, m in batch.pairs
             ])
             for epoch in range(args.num_inner_epochs)
@@ -1271,6 +1387,7 @@ class GRPOTrainer:
         is fixed within a round). Collective."""
         args = self.args
         x0 = batch.latents[:, -1]
+        engine = self.round_part(batch.index).engine
         points = []
         with self._old_policy():
             for epoch in range(args.num_inner_epochs):
@@ -1286,7 +1403,7 @@ class GRPOTrainer:
                     s = sigma.view(-1, *[1] * (x0.ndim - 1))
                     x_t = (1 - s) * x0 + s * noise
                     v_old = torch.cat([
-                        self._velocity(self.engine, x_t[rows], sigma[rows], batch, rows, train=True)
+                        self._velocity(engine, x_t[rows], sigma[rows], batch, rows, train=True)
                         for rows in _chunks(len(x0), args.train_batch_size)
                     ])  # fmt: skip
                     slots.append((x_t, v_old, sigma))
@@ -1302,6 +1419,7 @@ class GRPOTrainer:
         their number (a micro-batch's loss is its weighted sum over ``--train_batch_size``).
         Collective: the policy (and reference) forwards run for every row."""
         args = self.args
+        part = self.round_part(batch.index)
         weight = batch.weight[rows]
         keep = weight > 0
         n, kept = rows.stop - rows.start, int(keep.sum())
@@ -1312,7 +1430,7 @@ class GRPOTrainer:
             at = torch.arange(n, device=index.device)
             x, x_next = batch.latents[rows][at, index], batch.latents[rows][at, index + 1]
             sigma, sigma_next = batch.sigmas[index], batch.sigmas[index + 1]
-            v = self._velocity(self.engine, x, sigma, batch, rows, train=True)
+            v = self._velocity(part.engine, x, sigma, batch, rows, train=True)
             _, log_prob, mean, std = sde_step_with_logprob(
                 v,
                 sigma,
@@ -1324,7 +1442,7 @@ class GRPOTrainer:
             )
             kl = None
             if args.kl_beta > 0:
-                with torch.no_grad(), self._reference() as reference:
+                with torch.no_grad(), self._reference(part) as reference:
                     v_ref = self._velocity(reference, x, sigma, batch, rows, train=True)
                     _, _, ref_mean, _ = sde_step_with_logprob(
                         v_ref, sigma, sigma_next, x, noise_level=args.noise_level, prev_sample=x_next
@@ -1349,10 +1467,10 @@ class GRPOTrainer:
             )  # fmt: skip
             return loss * share, stats
         x_t, v_old, sigma = (t[rows] for t in batch.nft_points[epoch][k])
-        v = self._velocity(self.engine, x_t, sigma, batch, rows, train=True)
+        v = self._velocity(part.engine, x_t, sigma, batch, rows, train=True)
         v_ref = None
         if args.kl_beta > 0:
-            with torch.no_grad(), self._reference() as reference:
+            with torch.no_grad(), self._reference(part) as reference:
                 v_ref = self._velocity(reference, x_t, sigma, batch, rows, train=True)[keep]
         if kept == 0:
             return v.float().sum() * 0.0, {}
@@ -1392,17 +1510,21 @@ class GRPOTrainer:
         sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=acc.device)
         losses = []
         bad = torch.zeros((), dtype=torch.bool, device=acc.device)  # a non-finite loss in this update
+        part = self.round_part(batch.index)  # Wan 2.2 A14B: the round's expert
+        ddp_parts = [
+            p.engine for p in self._second_parts() if not p.own_engine
+        ]  # accelerate's, without ZeRO-3
         for epoch in range(args.num_inner_epochs):
             for rows in _chunks(len(batch.pairs), args.train_batch_size):
                 for k in range(args.train_timesteps):
                     # accelerate syncs (and DeepSpeed steps) every accumulation_steps backwards: at
                     # the last trained slot of every --gradient_accumulation_steps-th micro-batch;
                     # the loss is divided by their number
-                    with acc.accumulate(self.engine):
+                    with acc.accumulate(self.engine, *ddp_parts):
                         loss, stats = self._loss(batch, epoch, k, rows)
                         bad = bad | ~torch.isfinite(loss.detach())  # no host sync
-                        acc.backward(self.cp.group_loss(loss) if self.cp is not None else loss)
-                        applied = step_part(self.part, acc, acc.sync_gradients)
+                        self._backward(part, loss)
+                        applied = step_part(part, acc, acc.sync_gradients)
                     if acc.sync_gradients:
                         flags = (
                             [] if applied else acc.gather(bad.float().reshape(1)).tolist()
@@ -1410,29 +1532,43 @@ class GRPOTrainer:
                         ranks = [rank for rank, flag in enumerate(flags) if flag]
                         if self.nonfinite.record(applied, self._optimizer_steps(), ranks):
                             self.optimizer_steps += 1
-                            self._update_ema()
+                            self._update_ema(part)
                         bad = torch.zeros((), dtype=torch.bool, device=acc.device)
                     losses.append(loss.detach().float())
                     if stats:  # none for a micro-batch without a kept sample
                         n_kept = (batch.weight[rows] > 0).sum().double()
                         sums += torch.stack([*(stats[name].double() * n_kept for name in names), n_kept])
-        if self.old_policy is not None:
-            self.old_policy.update(nft_old_decay(self._optimizer_steps(), args.nft_decay_type))
+        for average in (self.old_policy, self.second_old_policy):
+            if average is not None:
+                average.update(nft_old_decay(self._optimizer_steps(), args.nft_decay_type))
         sums = acc.reduce(sums, reduction="sum")
         batch.stats.update(
             {k: (v / sums[-1]).item() if sums[-1] > 0 else math.nan for k, v in zip(names, sums)}
         )
         return torch.stack(losses).mean().item()
 
-    def _update_ema(self) -> None:
-        """After an optimizer step: the EMA (``--use_ema``) as the references' ``EMAModuleWrapper``,
-        decay ``min((1 + s) / (10 + s), --ema_decay)`` at every ``--ema_update_every``-th step
-        ``s``. Local: no collective."""
-        if self.ema is None:
+    def _backward(self, part: TrainedModel, loss: torch.Tensor) -> None:
+        """The backward of ``part``'s loss (times K under context parallelism): accelerate's for
+        the first part (its engine) and for accelerate's others, the part's own engine's (its
+        accumulation boundary where accelerate's is) for Wan 2.2 A14B's low-noise expert under
+        ZeRO-3. Collective: every rank, every micro-batch."""
+        if self.cp is not None:  # ZeRO-3 averages over every rank: a group's shares make one sample
+            loss = self.cp.group_loss(loss)
+        if part.own_engine:
+            part.engine.set_gradient_accumulation_boundary(self.accelerator.sync_gradients)
+            part.engine.backward(loss)
+        else:
+            self.accelerator.backward(loss)
+
+    def _update_ema(self, part: TrainedModel) -> None:
+        """After an optimizer step of ``part``: its EMA (``--use_ema``) as the references'
+        ``EMAModuleWrapper``, decay ``min((1 + s) / (10 + s), --ema_decay)`` at every
+        ``--ema_update_every``-th step ``s``. Local: no collective."""
+        if part.ema is None:
             return
         step = self._optimizer_steps()
         if reference_ema_updates(step, self.args.ema_update_every):
-            self.ema.update(reference_ema_decay(step, self.args.ema_decay))
+            part.ema.update(reference_ema_decay(step, self.args.ema_decay))
 
     # ------------------------------------------------------------------ the loop
 
@@ -1477,9 +1613,10 @@ class GRPOTrainer:
                  **{f"stats/{k}": v[-1] for k, v in self.stats.items()}}, step=self.global_step)  # fmt: skip
         each = " ".join(f"{k} {v:.6f}" for k, v in means.items())
         took = " ".join(f"{k} {v:.2f}s" for k, v in seconds.items())
+        trained = f"; trained {self.round_part(self.global_step - 1).name}" if self.second is not None else ""
         steps.step(
             f"step {self.global_step} reward {mean:.6f} loss {loss:.6f} ({each}) time: {took}; "
-            f"optimizer steps {self._optimizer_steps()}",
+            f"optimizer steps {self._optimizer_steps()}{trained}",
             reward=f"{mean:.4f}",
             loss=f"{loss:.4f}",
         )
@@ -1494,6 +1631,7 @@ class GRPOTrainer:
             {"epoch": 0, "batches_in_epoch": 0, "rewards": self.rewards, "rewards_by_spec": self.rewards_by_spec,
              "seconds": self.seconds, "stats": self.stats, "evaluations": self.evaluations},
             ema=self.ema, total_limit=args.checkpoints_total_limit, averages=self._averages(),
+            parts=self._second_parts(),
         )  # fmt: skip
 
     def _stop_when_signalled(self) -> None:
@@ -1546,11 +1684,13 @@ class GRPOTrainer:
             ]
         )
         images = []
-        with self.ema.averaged_weights() if self.ema is not None else contextlib.nullcontext():
+        with self._averaged_weights():
             for rows in _chunks(len(indices), args.sample_batch_size):
                 x = noise[rows].to(acc.device)
                 for i in range(args.eval_num_inference_steps):
-                    v = self._velocity(self.engine, x, sigmas[i].expand(x.shape[0]), text, rows)
+                    v = self._velocity(
+                        self._sampling_model(sigmas[i]), x, sigmas[i].expand(x.shape[0]), text, rows
+                    )
                     x = x + (sigmas[i + 1] - sigmas[i]) * v  # the scheduler's Euler step, in fp32
                 images.append(self._decode(x))
         images = torch.cat(images)
@@ -1589,7 +1729,7 @@ class GRPOTrainer:
         """Optimizer steps taken so far: DeepSpeed's own count under DeepSpeed (restored on
         resume), else this process's. Not a collective."""
         if self.accelerator.state.deepspeed_plugin is not None:
-            return int(self.engine.global_steps)
+            return sum(int(p.engine.global_steps) for p in (self.part, *self._second_parts()))
         return self.optimizer_steps
 
     def save(self) -> None:
@@ -1597,9 +1737,10 @@ class GRPOTrainer:
         and a reward curve per reward, then the summary of what the run wrote. Collective."""
         args = self.args
         out = Path(args.output_dir)
+        others = {p.name: p.engine for p in self._second_parts()}  # Wan 2.2 A14B's low-noise expert
         if args.rank is not None:
-            with self.ema.averaged_weights() if self.ema is not None else contextlib.nullcontext():
-                path = save_lora_zero3(self.engine, self.family, out)
+            with self._averaged_weights():
+                path = save_lora_zero3(self.engine, self.family, out, others=others)
             weights = ("LoRA weights", path)
         else:
             family = self.family  # the card draws as a round samples: its steps and size
@@ -1608,7 +1749,8 @@ class GRPOTrainer:
             card = model_card(args.pretrained_model_name_or_path, f"online RL ({args.objective}): {', '.join(args.reward)}",
                               args.scalars(), args.prompts, family.pipeline_class, family.task, call)  # fmt: skip
             save_final_pipeline(self.source, out, self.engine, ema=self.ema, readme=card,
-                                denoiser_name=self.family.denoiser)  # fmt: skip
+                                denoiser_name=self.family.denoiser,
+                                trained={p.name: (p.engine, p.ema) for p in self._second_parts()})  # fmt: skip
             weights = ("pipeline", out, f"{self.family.pipeline_class}.from_pretrained")
         if self.accelerator.is_main_process:
             curves = self._write_rewards(out)
