@@ -144,6 +144,19 @@ def test_the_round_is_counted_field_by_field(tiny_pipeline):
 
 
 @pytest.mark.unit
+def test_a_context_parallel_group_decodes_its_share_of_the_clips(tiny_wan22_5b):
+    """Wan 2.2 TI2V-5B clips of 5 frames at 32 px, 3 prompts x 3 on 2 ranks: at K=1 a rank holds
+    5 samples and their 5 clips; at K=2 the group's 9 samples (each rank samples them all) and
+    its share of the clips, 5 (``GRPOTrainer._decode_share``)."""
+    rl = RLOptions(group_size=3, prompts_per_round=3, num_inference_steps=4)
+    clip = 4 * 3 * 5 * 32 * 32
+    for size, samples, clips in ((1, 5, 5), (2, 9, 5)):
+        options = PlanOptions(num_processes=2, resolution=32, num_frames=5, context_parallel_size=size)
+        r = make_rl_plan(tiny_wan22_5b, options, rl)["rl"]["round"]
+        assert r["samples_per_rank"] == samples and r["images"] == clips * clip, (size, r)
+
+
+@pytest.mark.unit
 def test_nft_old_policy_and_the_reference_full_and_lora(tiny_pipeline):
     """DiffusionNFT's old policy: an fp32 average of this rank's partition and the bf16 partition
     it swaps out, 6 bytes per trained element (the adapters' under LoRA); none for GRPO or

@@ -6,8 +6,11 @@ reward, resumed; full fine-tuning + DiffusionNFT with a sharded reference, resum
 processes), a tiny Flux.1 (LoRA + grpo with dynamic shifting and the guidance input; full
 fine-tuning + nft), a tiny Z-Image (LoRA + grpo with CFG), a tiny Qwen-Image (LoRA + grpo with
 true CFG), a tiny Flux.2 [dev] (full fine-tuning + nft with the guidance input) and a tiny
-Flux.2 [klein] (LoRA + grpo with CFG). Each round's log line carries DeepSpeed's optimizer-step
-count, checked against one step per micro-batch."""
+Flux.2 [klein] (LoRA + grpo with CFG). Video: Wan 2.1 with its clips split over 2 ranks
+(context parallelism) against one process, with a sharded judge of whole clips; Wan 2.2 TI2V-5B
+(LoRA + nft); Wan 2.2 A14B with both experts (nft with KL and EMA resumed across them, grpo).
+Each round's log line carries DeepSpeed's optimizer-step count, checked against one step per
+micro-batch."""
 
 from __future__ import annotations
 
@@ -1043,21 +1046,31 @@ def _wan_flags(folder: str, judge: str, out) -> list[str]:
 
 
 @pytest.mark.e2e
-def test_wan_grpo_on_clips_split_over_two_ranks_equals_one_process_learns_and_resumes(
-    tiny_wan, tiny_video_judge, tmp_path
+def test_video_rl_wan21_split_over_two_ranks_equals_one_process_learns_and_resumes_and_wan22_5b_lora_nft(
+    tiny_wan, tiny_wan22_5b, tiny_video_judge, tmp_path
 ):
     """Wan 2.1 full fine-tuning with Flow-GRPO on 5-frame clips, each clip's sequence split over
     both ranks (``--context_parallel_size 2``: one group of 2 ranks draws all 16 clips, and each
     rank decodes and scores every other one), scored by an image reward through their frames
-    and by a sharded UnifiedReward judge of whole clips:
-    every round's rewards equal a 1-process run's (measured 3e-7 apart), the reward rises
-    (measured: -0.107 to -0.098 over 3 rounds), a resume from round 2 in a fresh folder gives
-    rounds 3 and 4 again exactly, the sample grid holds each clip's frames in a row, and the
-    saved pipeline loads with ``WanPipeline.from_pretrained`` and makes a clip."""
-    split, one = tmp_path / "split", tmp_path / "one"
+    and by a sharded UnifiedReward judge of whole clips: every round's rewards equal a 1-process
+    run's with gradient checkpointing (measured 3e-7 apart), the reward rises (measured: -0.107 to -0.098 over 3 rounds), a
+    resume from round 2 in a fresh folder gives rounds 3 and 4 again exactly, the sample grid
+    holds each clip's frames in a row, and the saved pipeline loads with
+    ``WanPipeline.from_pretrained`` and makes a clip. Beside them (the launches side by side):
+    Wan 2.2 TI2V-5B (a timestep per latent token) with LoRA and DiffusionNFT on 2 ranks, 9-frame
+    clips scored through 3 of their frames: two rounds, one optimizer step each, and LoRA weights
+    that load into the pipeline."""
+    split, one, five = tmp_path / "split", tmp_path / "one", tmp_path / "5b"
     argv = [*LAUNCH, *_wan_flags(tiny_wan, tiny_video_judge, split), "--context_parallel_size", "2"]
-    single = [*accelerate_launch("scripts/train_grpo.py", 1), *_wan_flags(tiny_wan, tiny_video_judge, one)]
-    (_, log), (_, log_one) = run_launchers_side_by_side([{"argv": argv}, {"argv": single}], timeout=400)
+    single = [*accelerate_launch("scripts/train_grpo.py", 1), *_wan_flags(tiny_wan, tiny_video_judge, one),
+              "--gradient_checkpointing"]  # fmt: skip
+    five_argv = [*accelerate_launch("scripts/train_grpo.py"), "--pretrained_model_name_or_path", tiny_wan22_5b,
+                 *SMALL, "--objective", "nft", "--rank", "4", "--reward", REDNESS, "--num_frames", "9",
+                 "--reward_frames", "3", "--train_batch_size", "5", "--sample_grid_steps", "2",
+                 "--output_dir", str(five)]  # fmt: skip
+    (_, log), (_, log_one), (_, log_five) = run_launchers_side_by_side(
+        [{"argv": argv}, {"argv": single}, {"argv": five_argv}], timeout=400
+    )
     rounds, rounds_one = _rounds(log), _rounds(log_one)
     assert sorted(rounds) == [1, 2, 3, 4], log[-3000:]
     assert _optimizer_steps(log) == {1: 1, 2: 2, 3: 3, 4: 4}, log[-3000:]
@@ -1085,32 +1098,15 @@ def test_wan_grpo_on_clips_split_over_two_ranks_equals_one_process_learns_and_re
                 generator=torch.Generator().manual_seed(0)).frames  # fmt: skip
     assert clip.shape == (1, 5, 3, 32, 32)
 
-
-@pytest.mark.e2e
-def test_wan22_5b_lora_diffusionnft_on_two_ranks(tiny_wan22_5b, tmp_path):
-    """Wan 2.2 TI2V-5B (a timestep per latent token) with LoRA and DiffusionNFT on 2 ranks, 9-frame
-    clips scored through 3 of their frames: two rounds, one optimizer step each, and LoRA
-    weights that load into the pipeline."""
-    out = tmp_path / "5b"
-    argv = [*LAUNCH, "--pretrained_model_name_or_path", tiny_wan22_5b, *SMALL, "--objective", "nft",
-            "--rank", "4", "--reward", REDNESS, "--num_frames", "9", "--reward_frames", "3",
-            "--train_batch_size", "5", "--sample_grid_steps", "2", "--output_dir", str(out)]  # fmt: skip
-    _, log = run_launcher(argv, timeout=300)
-    assert sorted(_rounds(log)) == [1, 2], log[-3000:]
-    stats = json.loads((out / "rewards.json").read_text())["stats"]
+    assert sorted(_rounds(log_five)) == [1, 2], log_five[-3000:]
+    stats = json.loads((five / "rewards.json").read_text())["stats"]
     assert all(v is not None for v in stats["old_deviate"]), stats
-
-    from PIL import Image
-
-    assert Image.open(out / "samples" / "round-2.png").size == (
+    assert Image.open(five / "samples" / "round-2.png").size == (
         9 * 32,
         5 * 32,
     )  # rank 0's 5 clips of 9 frames
-    import torch
-    from diffusers import WanPipeline
-
     pipe = WanPipeline.from_pretrained(tiny_wan22_5b)
-    pipe.load_lora_weights(out)
+    pipe.load_lora_weights(five)
     assert any("lora" in n for n, _ in pipe.transformer.named_parameters())
     clip = pipe("a red circle", num_inference_steps=2, height=32, width=32, num_frames=5, output_type="pt",
                 generator=torch.Generator().manual_seed(0)).frames  # fmt: skip

@@ -301,8 +301,8 @@ def round_bytes(components: dict, family, options: PlanOptions, rl: RLOptions) -
     ``bytes_per_rank``. ``P`` samples, ``T`` steps, ``L`` latent elements, ``E`` inner epochs,
     ``K`` trained steps; fp32 unless said: ``latents`` ``P(T+1)L``, ``log_probs`` ``PT``,
     ``means`` ``PTL`` (``--ratio_norm``), ``conditioning`` one prompt's per sample (training
-    dtype), ``uncond`` the same under CFG, ``images`` ``P x 3 x frames x H x W`` (until
-    scored), ``nft_points`` ``EK(2PL + P)`` (nft), ``other`` the advantages, weights, the real
+    dtype), ``uncond`` the same under CFG, ``images`` ``ceil(P / K) x 3 x frames x H x W`` (a
+    rank's share under context parallelism of K, until scored), ``nft_points`` ``EK(2PL + P)`` (nft), ``other`` the advantages, weights, the real
     flags (bool) and the trained steps (``EPK`` int64)."""
     p, t = samples_per_rank(rl, options), rl.num_inference_steps
     e, k = rl.num_inner_epochs, rl.train_timesteps
@@ -318,7 +318,8 @@ def round_bytes(components: dict, family, options: PlanOptions, rl: RLOptions) -
         "means": 4 * p * t * latent if rl.ratio_norm else 0,
         "conditioning": p * cond,
         "uncond": p * cond if rl.guidance_scale > 1 else 0,
-        "images": 4 * p * 3 * frames * height * width,
+        # under context parallelism a rank decodes and scores its share of its group's samples
+        "images": 4 * math.ceil(p / options.context_parallel_size) * 3 * frames * height * width,
         "nft_points": 4 * e * k * (2 * p * latent + p) if rl.objective == "nft" else 0,
         "other": p * (4 + 4 + 1) + 8 * e * p * k,
     }

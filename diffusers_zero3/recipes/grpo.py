@@ -333,6 +333,10 @@ class GRPOSettings(CommonSettings):
     context_parallel_size: int = redefault(TextToImageSettings, "context_parallel_size", 1)
     context_parallel_mode: str = redefault(TextToImageSettings, "context_parallel_mode", "ulysses")
     attention_backend: str | None = redefault(TextToImageSettings, "attention_backend", None)
+    gradient_checkpointing: bool = flag(
+        False,
+        "Recompute the trained denoisers' blocks in the backward: less activation memory, more compute.",
+    )
     # --- LoRA
     rank: int | None = flag(None, "Train LoRA adapters of this rank (None: full fine-tuning).")
     lora_alpha: float | None = flag(None, "LoRA alpha (default: the rank).")
@@ -848,6 +852,8 @@ class GRPOTrainer:
                     raise ArgumentError(str(e)) from e
             if self.cp is not None:  # after LoRA's layers, so that the plan's modules are the wrapped ones
                 self._split_sequence(denoiser)
+            if args.gradient_checkpointing:
+                denoiser.enable_gradient_checkpointing()
         denoiser = denoisers[0]
         self.frozen = place_frozen_models(acc, family, self.source, placements)
         self.vae = self.frozen.models["vae"]
