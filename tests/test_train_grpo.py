@@ -1188,3 +1188,29 @@ def test_wan22_a14b_trains_the_expert_of_each_round_and_resumes_exactly(tiny_wan
     clip = trained("a red circle", num_inference_steps=2, height=32, width=32, num_frames=5, output_type="pt",
                    generator=torch.Generator().manual_seed(0)).frames  # fmt: skip
     assert clip.shape == (1, 5, 3, 32, 32)
+
+
+@pytest.mark.unit
+def test_make_train_grpo_model_wan_flags_parse_and_another_model_is_one_error_line(tmp_path):
+    """``make train-grpo MODEL=wan``'s flags (scripts/train_grpo_wan_default.sh) are settings of
+    scripts/train_grpo.py: a Wan clip reward through the frames beside the sharded judge of whole
+    clips; ``MODEL=flux`` stops at one error line, before anything runs."""
+    import os
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    from diffusers_zero3.recipes.grpo import GRPOSettings
+
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "scripts" / "train_grpo_wan_default.sh").read_text()
+    call = text.split("scripts/train_grpo.py", 1)[1].split('"$@"', 1)[0].replace("\\\n", " ")
+    flags = [f.replace("$OUT", str(tmp_path)) for f in shlex.split(call)]
+    settings = GRPOSettings.parse(flags)
+    assert settings.reward == [f"{REDNESS}=-1", "unifiedreward_video=0.001"] and settings.num_frames == 5
+    assert settings.reward_model == [f"unifiedreward_video={tmp_path}/tiny-video-judge"]
+    run = subprocess.run(["bash", "scripts/train_grpo_default.sh"], cwd=root, capture_output=True, text=True,
+                         env={**os.environ, "MODEL": "flux"}, timeout=60)  # fmt: skip
+    assert run.returncode == 2 and run.stderr.strip().splitlines() == [
+        "error: MODEL=flux: make train-grpo trains the tiny SD3 (the default) or MODEL=wan"
+    ]

@@ -468,3 +468,20 @@ def test_sharded_video_judge_equals_its_replica_on_two_ranks_with_uneven_clips(j
     )
     print("".join(line for o in outs for line in o.splitlines(keepends=True) if "max |sharded" in line))
     assert all("OK sharded video judge" in o for o in outs)
+
+
+@pytest.mark.unit
+def test_the_demo_judge_loads_as_the_published_one_and_grades_clips(tmp_path):
+    """``diffusers_zero3.demo.judges.save_tiny_video_judge`` (``make train-grpo MODEL=wan``'s judge)
+    loads through ``--reward unifiedreward_video`` as the published folder would, and answers
+    ``Final Score: N`` for each clip: a grade in 0.1-0.9, one per clip."""
+    from diffusers_zero3.demo.judges import save_tiny_video_judge
+    from diffusers_zero3.rewards import load_rewards, parse_reward_specs
+
+    folder = save_tiny_video_judge(tmp_path / "judge")
+    specs = parse_reward_specs(
+        ["unifiedreward_video"], [f"unifiedreward_video={folder}"], ["unifiedreward_video=replicate"]
+    )
+    _, scores = load_rewards(specs)(_as_videos(_clips(2)), PROMPTS[:2])
+    grades = scores["unifiedreward_video"]
+    assert grades.shape == (2,) and all(round(10 * g) in range(1, 10) for g in grades.tolist()), grades
