@@ -349,7 +349,34 @@ def parse_final_score(answer: str) -> int:
     return int(found[0]) if found else 0
 
 
-class UnifiedReward(VLMJudge):
+class GradedAnswers:
+    """A judge whose score is the grade it writes: the first integer after the last ``Final
+    Score:`` of each generated answer (``parse_final_score``) over ``scale``. A subclass sets
+    ``scale`` and builds each call's inputs; ``generate_answers`` runs the model on them."""
+
+    scale: float
+
+    def generate_answers(self, inputs: dict[str, torch.Tensor], length: int) -> list[str]:
+        """The answers generated after the ``length`` tokens of the chat in ``inputs`` (special
+        tokens skipped), one per row. Collective when the model is partitioned (every rank
+        generates until all are done)."""
+        generated = self.model.generate(
+            **inputs,
+            max_new_tokens=self.max_new_tokens,
+            pad_token_id=self.pad_id,
+            synced_gpus=_partitioned_across_ranks(self.model),
+        )
+        return self.tokenizer.batch_decode(
+            generated[:, length:], skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """Scores ``[B]`` in ``[0, 1]`` (float32) of packed rows (``preprocess``)."""
+        grades = [parse_final_score(a) for a in self.answers(rows)]
+        return torch.tensor(grades, dtype=torch.float32, device=rows.device) / self.scale
+
+
+class UnifiedReward(GradedAnswers, VLMJudge):
     """A UnifiedReward judge's pointwise grade divided by 5: the answer generated to its
     authors' question (see the module docstring), read by ``parse_final_score``.
 
@@ -367,6 +394,7 @@ class UnifiedReward(VLMJudge):
     """
 
     name = "unifiedreward"
+    scale = UNIFIEDREWARD_SCALE
     model_types = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
     model_kinds = "a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model"
 
@@ -391,24 +419,14 @@ class UnifiedReward(VLMJudge):
         gh, gw, length = (int(v) for v in ints[0, :3])
         ids, mask = ints[:, 3 : 3 + length], ints[:, 3 + length : 3 + 2 * length]
         grid = torch.tensor([[1, gh, gw]] * b, dtype=torch.long, device=rows.device)
-        generated = self.model.generate(
+        inputs = dict(
             input_ids=ids,
             attention_mask=mask,
             pixel_values=floats.reshape(b * gh * gw, -1),
             image_grid_thw=grid,
             mm_token_type_ids=(ids == self.image_token_id).long(),
-            max_new_tokens=self.max_new_tokens,
-            pad_token_id=self.pad_id,
-            synced_gpus=_partitioned_across_ranks(self.model),
         )
-        return self.tokenizer.batch_decode(
-            generated[:, length:], skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
-
-    def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        """Scores ``[B]`` in ``[0, 1]`` (float32) of packed rows (``preprocess``)."""
-        grades = [parse_final_score(a) for a in self.answers(rows)]
-        return torch.tensor(grades, dtype=torch.float32, device=rows.device) / UNIFIEDREWARD_SCALE
+        return self.generate_answers(inputs, length)
 
 
 # ------------------------------------------------------------------ UnifiedReward on clips
@@ -438,7 +456,7 @@ QWEN_VL_VIDEO_CHAT = QWEN_VL_CHAT.replace(QWEN_VL_IMAGE_TOKEN, QWEN_VL_VIDEO_TOK
 _VIDEO_HEADER = 5  # grid_t, grid_h, grid_w, chat length, the clip's frame count
 
 
-class UnifiedRewardVideo(VLMJudge):
+class UnifiedRewardVideo(GradedAnswers, VLMJudge):
     """A UnifiedReward judge's pointwise grade of a whole clip divided by 10: the answer generated
     to its authors' video question (see the module docstring), read by ``parse_final_score``.
 
@@ -461,6 +479,7 @@ class UnifiedRewardVideo(VLMJudge):
     """
 
     name = "unifiedreward_video"
+    scale = UNIFIEDREWARD_VIDEO_SCALE
     takes_videos = True
     model_types = ("qwen2_vl", "qwen2_5_vl")
     model_kinds = "a Qwen2-VL or Qwen2.5-VL model (Qwen3-VL's video chat is not built)"
@@ -562,21 +581,7 @@ class UnifiedRewardVideo(VLMJudge):
 
         Collective when the model is partitioned (every rank generates until all are done)."""
         inputs = self.video_inputs(rows)
-        length = inputs["input_ids"].shape[1]
-        generated = self.model.generate(
-            **inputs,
-            max_new_tokens=self.max_new_tokens,
-            pad_token_id=self.pad_id,
-            synced_gpus=_partitioned_across_ranks(self.model),
-        )
-        return self.tokenizer.batch_decode(
-            generated[:, length:], skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
-
-    def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        """Scores ``[B]`` in ``[0, 1]`` (float32) of packed rows (``preprocess``)."""
-        grades = [parse_final_score(a) for a in self.answers(rows)]
-        return torch.tensor(grades, dtype=torch.float32, device=rows.device) / UNIFIEDREWARD_VIDEO_SCALE
+        return self.generate_answers(inputs, inputs["input_ids"].shape[1])
 
 
 def _partitioned_across_ranks(model: nn.Module) -> bool:
