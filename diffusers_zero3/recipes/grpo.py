@@ -805,6 +805,11 @@ class GRPOTrainer:
         check_output_dir(args.output_dir, self.source)
         pipeline_components(self.source)
         self.family = family = detect_family(self.source)
+        if family.edits:
+            raise ArgumentError(
+                f"{args.pretrained_model_name_or_path} is a {family.pipeline_class}, which edits a source image;"
+                " train_grpo.py samples from prompts alone (edit RL on source images is not built)"
+            )
         if family.name not in GRPO_FAMILIES:
             raise ArgumentError(
                 f"{args.pretrained_model_name_or_path} is a {family.pipeline_class}; train_grpo.py trains "
