@@ -214,6 +214,22 @@ CASES = [
         validate=False,  # no validation images: the log has the reward of each round
     ),
     Case("nft-bf16-lora4", "grpo", "sd3", f"--objective nft --rank 4 --reward {REDNESS}", validate=False),
+    # video RL: Wan 2.1's 5-frame clips split over 2 ranks (skipped on a host of one GPU), and
+    # Wan 2.2 A14B's two experts (each its own engine; a round trains one on its 2 of the 4 steps)
+    Case(
+        "grpo-wan-bf16-clips-cp2",
+        "grpo",
+        "wan",
+        f"--objective grpo --reward {REDNESS} --num_frames 5 --context_parallel_size 2",
+        validate=False,
+    ),
+    Case(
+        "nft-wan22-bf16-both-experts",
+        "grpo",
+        "wan22",
+        f"--objective nft --reward {REDNESS} --num_frames 5 --timestep_fraction 0.5",
+        validate=False,
+    ),
     # context parallelism: 2 ranks split each clip's tokens (skipped on a host of one GPU). Ring
     # passes key/value chunks around and needs a backend that returns the log-sum-exp (cuDNN
     # here); Ulysses exchanges heads with an all-to-all on the default backend (native: diffusers

@@ -137,7 +137,8 @@ def test_every_objective_and_placement_has_a_case(smoke, tmp_path):
 
 
 def test_context_parallel_cases_skip_on_one_gpu_and_take_two_processes_on_two(smoke, tmp_path, monkeypatch):
-    """Wan with K=2, ring and Ulysses, bf16: on a host of one GPU each case is skipped, saying
+    """Wan with K=2, ring and Ulysses (the text-to-image trainer's, and GRPO's on clips), bf16: on
+    a host of one GPU each case is skipped, saying
     why, and launches nothing; on two (``NUM_PROCESSES=1`` too) it launches 2 processes, on 8 four
     groups of 2, and its table row says 2 processes over NCCL. Its flags pass the package's own
     check (``check_context_parallel``) on the tiny Wan's transformer with the case's backend in
@@ -154,7 +155,7 @@ def test_context_parallel_cases_skip_on_one_gpu_and_take_two_processes_on_two(sm
 
     cases = [c for c in smoke.CASES if smoke.context_parallel_size(c) > 1]
     args = {c.name: _parsers()[c.script](_first_argv(smoke, c, tmp_path)) for c in cases}
-    assert sorted(a.context_parallel_mode for a in args.values()) == ["ring", "ulysses"]
+    assert sorted(a.context_parallel_mode for a in args.values()) == ["ring", "ulysses", "ulysses"]  # grpo's too
     for case in cases:
         assert smoke.context_parallel_size(case) == args[case.name].context_parallel_size == 2
         assert str(load_config_from_file(str(REPO_ROOT / case.config)).mixed_precision) == "bf16", case.name
