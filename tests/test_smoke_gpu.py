@@ -155,7 +155,11 @@ def test_context_parallel_cases_skip_on_one_gpu_and_take_two_processes_on_two(sm
 
     cases = [c for c in smoke.CASES if smoke.context_parallel_size(c) > 1]
     args = {c.name: _parsers()[c.script](_first_argv(smoke, c, tmp_path)) for c in cases}
-    assert sorted(a.context_parallel_mode for a in args.values()) == ["ring", "ulysses", "ulysses"]  # grpo's too
+    assert sorted(a.context_parallel_mode for a in args.values()) == [
+        "ring",
+        "ulysses",
+        "ulysses",
+    ]  # grpo's too
     for case in cases:
         assert smoke.context_parallel_size(case) == args[case.name].context_parallel_size == 2
         assert str(load_config_from_file(str(REPO_ROOT / case.config)).mixed_precision) == "bf16", case.name
