@@ -22,6 +22,9 @@ pytestmark = pytest.mark.multirank
 
 WATCH_S = 2.0  # the tests' heartbeat timeout
 LONG_PG_TIMEOUT = "600"  # far beyond every harness timeout here
+# the earliest a live rank may leave after its neighbour froze: the neighbour's last beat can
+# precede the freeze by one poll interval (``start_rank_watch``: timeout / 6)
+EARLIEST_S = WATCH_S - WATCH_S / 6
 
 
 def _ranks(fn, timeout: float, env=None, **kwargs) -> RanksFailed | list[str]:
@@ -94,7 +97,76 @@ def test_a_frozen_rank_ends_the_others_within_the_heartbeat_timeout(frozen, tmp_
     assert out.count("error: ") == 1, out
     expected = "rank 1 is gone: no heartbeat" if frozen == 1 else "rank 0 is gone: no heartbeat"
     assert expected in out or (frozen == 0 and "has not answered" in out), out
-    assert WATCH_S <= waited < WATCH_S + 6, waited
+    assert EARLIEST_S <= waited < WATCH_S + 6, waited
+
+
+def test_a_store_that_does_not_answer_a_new_client_is_named_within_the_timeout(monkeypatch):
+    """A frozen store host's kernel still accepts connections; ``TCPStore``'s constructor then
+    waits for the handshake forever (seen in CI: both ranks killed by the harness, no output).
+    The watch's client gives up after the timeout; the positive control, a store that answers."""
+    import socket
+
+    import torch.distributed as dist
+
+    from diffusers_zero3.runtime.rank_watch import StoreUnreachable, _store_client
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts (the kernel's backlog), never answers: a frozen process
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(silent.getsockname()[1]))
+    started = time.monotonic()
+    with pytest.raises(StoreUnreachable, match="has not answered"):
+        _store_client(1.0)
+    assert time.monotonic() - started < 4.0
+    silent.close()
+
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_PORT", str(host.port))
+    store, where = _store_client(1.0)
+    store.set("k", "v")
+    assert store.get("k") == b"v" and where == f"127.0.0.1:{host.port}"
+
+
+def _frozen_store_host_before_the_watch(stamp: str, ready: str, watch_s: float) -> None:
+    """Rank 0 (the harness's store host) freezes once rank 1 is in the group; rank 1 starts its
+    watch only when rank 0 is stopped (``/proc``'s state ``T``), so the client meets a frozen host."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from diffusers_zero3.runtime.rank_watch import start_rank_watch
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=float(LONG_PG_TIMEOUT)))
+    if dist.get_rank() == 0:
+        while not Path(ready).exists():
+            time.sleep(0.01)  # CPU: waits for rank 1's file; the file is the synchronisation
+        Path(stamp + ".pid.tmp").write_text(str(os.getpid()))
+        os.replace(stamp + ".pid.tmp", stamp + ".pid")  # whole when rank 1 sees it
+        _freeze(stamp)
+    Path(ready).touch()
+    while not Path(stamp + ".pid").exists():
+        time.sleep(0.01)  # CPU: waits for rank 0's file; the file is the synchronisation
+    stat = Path(f"/proc/{Path(stamp + '.pid').read_text()}/stat")
+    while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
+        time.sleep(0.01)  # CPU: waits until rank 0 is stopped, as /proc says
+    start_rank_watch(watch_s)
+    dist.barrier()
+
+
+def test_a_store_host_frozen_before_a_rank_starts_its_watch_ends_that_rank():
+    """The race CI met: the store host froze before the other rank's watch had connected."""
+    import tempfile
+
+    from diffusers_zero3.runtime.rank_watch import DEAD_RANK_EXIT
+
+    with tempfile.TemporaryDirectory() as tmp:
+        failed = _ranks(_frozen_store_host_before_the_watch, timeout=60, stamp=f"{tmp}/frozen_at",
+                        ready=f"{tmp}/ready", watch_s=WATCH_S)  # fmt: skip
+    assert isinstance(failed, RanksFailed) and not failed.timed_out, failed
+    assert failed.codes[1] == DEAD_RANK_EXIT, failed
+    assert failed.outputs[1].count("error: ") == 1, failed.outputs[1]
+    assert "error: the rendezvous store at" in failed.outputs[1] and "has not answered" in failed.outputs[1]
 
 
 def test_without_the_watch_a_frozen_rank_hangs_the_others(tmp_path):
@@ -183,6 +255,6 @@ def test_grpo_a_rank_frozen_mid_round_ends_the_job_with_its_checkpoints_intact(t
     assert "error: rank 1 is gone: no heartbeat" in failed.outputs[0], failed.outputs[0]
     waited = _left_in(failed, stamp) - 1.0
     print(f"GRPO: rank 0 left {waited:.1f} s after rank 1 froze")
-    assert WATCH_S <= waited < WATCH_S + 6, waited
+    assert EARLIEST_S <= waited < WATCH_S + 6, waited
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
     assert manifest_problems(out / "checkpoint-1") == []  # whole: every file as the manifest says

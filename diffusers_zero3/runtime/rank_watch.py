@@ -39,6 +39,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import NoReturn
 
 DEAD_RANK_EXIT = 69  # sysexits' EX_UNAVAILABLE: another rank (or the store) is gone
 FAILED_PEER_GRACE_S = 5.0  # after a peer announced its own failure, before leaving too
@@ -111,14 +112,7 @@ class RankWatch:
     def _leave(self, reason: str) -> None:
         if self._stop.is_set():
             return
-        print(
-            f"error: {reason}; rank {self.rank} leaves (exit status {DEAD_RANK_EXIT}). Nothing half-written is "
-            "published: resume from the latest checkpoint (--resume_from_checkpoint latest).",
-            file=sys.stderr,
-            flush=True,
-        )
-        sys.stdout.flush()
-        os._exit(DEAD_RANK_EXIT)
+        _leave_now(self.rank, reason)
 
     # -- the rank's own exit
 
@@ -158,15 +152,54 @@ class RankWatch:
             self.stop()
 
 
+def _leave_now(rank: int, reason: str) -> NoReturn:
+    """Print the one ``error:`` line and end this process with ``DEAD_RANK_EXIT``."""
+    print(
+        f"error: {reason}; rank {rank} leaves (exit status {DEAD_RANK_EXIT}). Nothing half-written is "
+        "published: resume from the latest checkpoint (--resume_from_checkpoint latest).",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.stdout.flush()
+    os._exit(DEAD_RANK_EXIT)
+
+
+class StoreUnreachable(RuntimeError):
+    """The job's rendezvous store did not answer a new client within the timeout."""
+
+
 def _store_client(timeout_s: float):
     """A ``TCPStore`` client of the job's rendezvous store (``MASTER_ADDR``:``MASTER_PORT``, as
-    ``torchrun``, ``accelerate launch`` and the ``deepspeed`` launcher set them), or ``None``."""
+    ``torchrun``, ``accelerate launch`` and the ``deepspeed`` launcher set them), or ``None``.
+    Raises ``StoreUnreachable`` when the store has not answered within ``timeout_s`` (+1 s): a
+    frozen host's kernel still accepts the connection, and ``TCPStore``'s constructor then waits
+    for the handshake forever (torch 2.13), so it runs in a daemon thread that is abandoned."""
     import torch.distributed as dist
 
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not host or not port:
         return None, ""
-    client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=max(timeout_s, 1.0)))
+    where = f"{host}:{port}"
+    made: list = []
+
+    def connect() -> None:
+        try:
+            made.append(
+                dist.TCPStore(
+                    host, int(port), is_master=False, timeout=timedelta(seconds=max(timeout_s, 1.0))
+                )
+            )
+        except Exception as e:  # refused, or the constructor's own timeout
+            made.append(e)
+
+    thread = threading.Thread(target=connect, name="rank-watch-connect", daemon=True)
+    thread.start()
+    thread.join(max(timeout_s, 1.0) + 1.0)
+    if not made or isinstance(made[0], Exception):
+        why = f" ({type(made[0]).__name__}: {made[0]})" if made else ""
+        raise StoreUnreachable(
+            f"the rendezvous store at {where} has not answered for {max(timeout_s, 1.0) + 1.0:.0f} s{why}"
+        )
     # every rank starts its watches in the same order; a restarted elastic job reuses the store
     prefix = "/".join(
         (
@@ -176,7 +209,7 @@ def _store_client(timeout_s: float):
             str(next(_started)),
         )
     )
-    return dist.PrefixStore(prefix, client), f"{host}:{port}"
+    return dist.PrefixStore(prefix, made[0]), where
 
 
 def start_rank_watch(timeout_s: float | None, finish_limit_s: float = 1800.0) -> RankWatch | None:
@@ -202,7 +235,10 @@ def start_rank_watch(timeout_s: float | None, finish_limit_s: float = 1800.0) ->
     stop_rank_watch()
     if not timeout_s or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
-    store, where = _store_client(timeout_s)
+    try:
+        store, where = _store_client(timeout_s)
+    except StoreUnreachable as e:  # its host is frozen or gone: the job cannot go on
+        _leave_now(dist.get_rank(), str(e))
     if store is None:
         return None
     watch = RankWatch(
@@ -250,6 +286,7 @@ def leave_rank_watch(failed: bool) -> None:
 __all__ = [
     "DEAD_RANK_EXIT",
     "RankWatch",
+    "StoreUnreachable",
     "finish_rank_watch",
     "leave_rank_watch",
     "start_rank_watch",
