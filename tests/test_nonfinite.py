@@ -49,7 +49,7 @@ def _poisoned_run(pipe: str, data: str, out: str, mixed_precision: str, poisoned
     trainer.setup()
     part = trainer.denoiser_part
     states: list[dict] = []
-    loss = trainer._loss
+    loss = trainer.loss
 
     def poisoned_loss(batch):
         if len(states) == trainer.global_step:  # the step's first micro-batch
@@ -59,7 +59,7 @@ def _poisoned_run(pipe: str, data: str, out: str, mixed_precision: str, poisoned
             value = value * float("nan")
         return value
 
-    trainer._loss = poisoned_loss
+    trainer.loss = poisoned_loss
     try:
         trainer.train()
     except NonFiniteError as e:

@@ -327,7 +327,7 @@ def _wan_both_experts_idle_expert_stays(pipe: str, data: str, out: str, mixed_pr
 
     # The state of both experts at each step's first micro-batch, and at the end.
     snapshots: list[tuple[int, str, dict]] = []
-    loss = trainer._loss
+    loss = trainer.loss
 
     def loss_after_snapshot(batch):
         if not snapshots or snapshots[-1][0] != trainer.global_step:
@@ -335,7 +335,7 @@ def _wan_both_experts_idle_expert_stays(pipe: str, data: str, out: str, mixed_pr
             snapshots.append((trainer.global_step, trainer.schedule.of_step(trainer.global_step), states))
         return loss(batch)
 
-    trainer._loss = loss_after_snapshot
+    trainer.loss = loss_after_snapshot
     trainer.train()
     snapshots.append((trainer.global_step, "", {name: _part_state(part) for name, part in parts.items()}))
 

@@ -50,14 +50,14 @@ def _run(pipe: str, data: str, out: str, signal_at: int | None, resume: bool, st
         argv += ["--resume_from_checkpoint", "latest"]
     trainer = TextToImageTrainer(TextToImageSettings.parse(argv))
     trainer.setup()
-    loss = trainer._loss
+    loss = trainer.loss
 
     def signalled_loss(batch):
         if get_rank() == 1 and trainer.global_step == signal_at:
             os.kill(os.getpid(), signal.SIGTERM)  # noted by the handler; the step goes on
         return loss(batch)
 
-    trainer._loss = signalled_loss
+    trainer.loss = signalled_loss
     try:
         trainer.train()
     except Preempted as e:

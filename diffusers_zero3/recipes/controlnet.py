@@ -21,9 +21,10 @@ import torch
 from ..args import ENGINE_PLACEMENT_CHOICES, flag, placement_flag, redefault
 from ..data.images import DataError, transform_image
 from ..errors import ArgumentError
+from ..placement.frozen import load_frozen_component
 from ..runtime.distributed import is_main_process, log_rank_zero
 from ..training.data import TrainingData
-from ..training.report import log_outputs, log_validation_images
+from ..training.report import log_run_outputs, log_validation_images
 from .text_to_image import TextToImageTrainer
 from .text_to_image_settings import TextToImageSettings
 
@@ -207,7 +208,10 @@ class ControlNetTrainer(TextToImageTrainer):
     cacheable_data = True  # the latents and text are fixed per row; conditioning images are read live
     image_caption_rows = False  # its own data: no aspect-ratio buckets or loss masks
 
-    def _load_trained_model(self) -> None:
+    def load_trained_models(self) -> dict[str, torch.nn.Module]:
+        """The ControlNet the loop trains (``--controlnet_model_name_or_path``'s, or a new one
+        with the UNet's weights), partitioned under ZeRO-3, and the frozen UNet its residuals
+        steer (``self.unet``, at ``--unet_placement``). Every rank."""
         from diffusers import ControlNetModel
 
         from ..runtime.zero3 import is_zero3_enabled, zero3_init_disabled
@@ -246,8 +250,14 @@ class ControlNetTrainer(TextToImageTrainer):
         model.requires_grad_(True)
         if args.gradient_checkpointing:
             model.enable_gradient_checkpointing()
-        self.denoiser = model  # the trained model of the loop: the ControlNet
-        self.trained_folder = "controlnet"
+        folder = self.component_sources.get("unet")
+        parent, sub = (folder.parent, folder.name) if folder is not None else (self.source, "unet")
+        self.unet = load_frozen_component(
+            self.accelerator, parent, sub, self.args.unet_placement, self.family.denoiser_cls(), self.args.variant,
+            label="unet",
+        )  # fmt: skip
+        log_rank_zero(self.unet.describe())
+        return {"controlnet": model}  # the trained model of the loop: the ControlNet
 
     def _fixed_crop(self) -> tuple[int, int] | None:
         """``(top, left)`` of ``--crops_coords_top_left_h/_w`` (one given: the other 0, diffusers'
@@ -266,8 +276,10 @@ class ControlNetTrainer(TextToImageTrainer):
         )
         return (16, 32, 96, 256)[: len(vae_config["block_out_channels"])]
 
-    def _load_data(self) -> TrainingData:
-        data = super()._load_data()
+    def load_data(self) -> TrainingData:
+        """The image-caption rows, each with its ``--conditioning_image_column`` image. Every
+        rank."""
+        data = super().load_data()
         column = self.args.conditioning_image_column
         if column not in data.dataset.column_names:
             raise DataError(
@@ -276,18 +288,6 @@ class ControlNetTrainer(TextToImageTrainer):
             )
         data.rows = ControlNetPairs(data.rows, data.dataset, column, self.args.resolution)
         return data
-
-    def _place_frozen(self) -> None:
-        from ..placement.frozen import load_frozen_component
-
-        super()._place_frozen()
-        folder = self.component_sources.get("unet")
-        parent, sub = (folder.parent, folder.name) if folder is not None else (self.source, "unet")
-        self.unet = load_frozen_component(
-            self.accelerator, parent, sub, self.args.unet_placement, self.family.denoiser_cls(), self.args.variant,
-            label="unet",
-        )  # fmt: skip
-        log_rank_zero(self.unet.describe())
 
     def _controlled_predict(self, controlnet, cond: dict, image: torch.Tensor):
         """The denoiser's prediction with the ControlNet's residuals: the ControlNet sees the
@@ -309,7 +309,9 @@ class ControlNetTrainer(TextToImageTrainer):
 
         return predict
 
-    def _loss(self, batch: dict) -> torch.Tensor:
+    def loss(self, batch: dict) -> torch.Tensor:
+        """The family's objective on the frozen UNet's prediction steered by the ControlNet's
+        residuals (``--crops_coords_top_left_h/_w``: SDXL's crop ids fixed)."""
         from ..families.objectives import sample_generators
 
         generators = sample_generators(self.args.seed or 0, self.epoch, batch["index"])
@@ -402,4 +404,4 @@ class ControlNetTrainer(TextToImageTrainer):
         note = (
             f"ControlNetModel.from_pretrained; {self.family.controlnet_pipeline_class} with the base pipeline"
         )
-        log_outputs([("ControlNet", final, note), *self._run_outputs()])
+        log_run_outputs(("ControlNet", final, note), args, self.family.video)

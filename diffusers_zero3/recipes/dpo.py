@@ -233,16 +233,19 @@ class DPOTrainer(TextToImageTrainer):
             )
         super().setup()
 
-    def _load_models(self) -> None:
+    def load_trained_models(self) -> dict[str, torch.nn.Module]:
+        """The denoiser, as text-to-image trains it, and its frozen reference (``self.reference``
+        at ``--reference_placement``; under LoRA none: the base with the adapters disabled).
+        Every rank."""
         if self.family.flow_matching:
             raise ArgumentError(
                 f"train_dpo.py trains SD 1.x/2.x and SDXL pipelines, not {self.family.pipeline_class}"
             )
-        super()._load_models()
+        trained = super().load_trained_models()
         if self.args.rank is not None:
             self.reference = None  # the base with the adapters disabled
             log_rank_zero("reference: the base denoiser with the LoRA adapters disabled")
-            return
+            return trained
         self.reference = load_frozen_component(
             self.accelerator,
             self.source,
@@ -255,8 +258,11 @@ class DPOTrainer(TextToImageTrainer):
         log_rank_zero("reference " + self.reference.describe())
         self.reference_fingerprint = model_fingerprint(self.reference.module)  # collective
         log_rank_zero(f"reference fingerprint before training: {self.reference_fingerprint}")
+        return trained
 
-    def _load_data(self) -> TrainingData:
+    def load_data(self) -> TrainingData:
+        """The preference pairs of ``--dataset_name`` (ties dropped), both images of a pair
+        transformed alike. Every rank."""
         args = self.args
         if args.train_data_dir is not None:
             raise ArgumentError(
@@ -297,7 +303,9 @@ class DPOTrainer(TextToImageTrainer):
         finally:
             module.enable_adapters()
 
-    def _loss(self, batch: dict) -> torch.Tensor:
+    def loss(self, batch: dict) -> torch.Tensor:
+        """Diffusion-DPO's loss of a micro-batch of pairs: both images noised alike, the policy's
+        and the reference's errors compared (``dpo_loss``; its metrics logged)."""
         args = self.args
         # one generator per pair (seed, epoch, row): the same draws whichever rank trains it
         generators = sample_generators(args.seed or 0, self.epoch, batch["index"])

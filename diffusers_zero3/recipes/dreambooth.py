@@ -25,6 +25,7 @@ from ..errors import ArgumentError
 from ..runtime.distributed import barrier, get_rank, get_world_size, log_rank_zero
 from ..runtime.lockstep import lockstep_map
 from ..training.data import TrainingData
+from ..training.parts import TrainedModel
 from .text_to_image import TextToImageTrainer
 from .text_to_image_settings import TextToImageSettings
 
@@ -289,14 +290,18 @@ class DreamBoothTrainer(TextToImageTrainer):
             )
         return TRAINABLE_TEXT_ENCODERS[self.family.name]
 
-    def _load_models(self) -> None:
+    def load_trained_models(self) -> dict[str, torch.nn.Module]:
+        """The denoiser, as text-to-image trains it, and the text encoders
+        ``--train_text_encoder`` trains (``self.trained_encoders``, their placement ``trained``:
+        the frozen side leaves them out; ``extra_trained_parts`` gives them their optimizers).
+        ``--pre_compute_text_embeddings`` caches the frozen encoders' outputs. Every rank."""
         if self.args.output_kohya_format and self.family.denoiser != "unet":
             raise ArgumentError(
                 f"--output_kohya_format converts UNet LoRAs (SD, SDXL), not a {self.family.pipeline_class}'s"
             )
         if self.args.pre_compute_text_embeddings:
             self._cache_text_encoders()
-        super()._load_models()
+        trained = super().load_trained_models()
         self.trained_encoders = {}
         for name in self._trained_text_encoders():
             placement = self.placements.get(name)
@@ -305,6 +310,8 @@ class DreamBoothTrainer(TextToImageTrainer):
                     f"--{name}_placement {placement}: {name} is trained (--train_text_encoder)"
                 )
             self.trained_encoders[name] = self._load_trained_text_encoder(name)
+            self.placements[name] = "trained"
+        return trained
 
     def _cache_text_encoders(self) -> None:
         """``--pre_compute_text_embeddings``: every text encoder's placement becomes ``cache``
@@ -359,7 +366,10 @@ class DreamBoothTrainer(TextToImageTrainer):
         log_rank_zero(f"{name}: trained ({count:,} parameters)")
         return model
 
-    def _load_data(self) -> TrainingData:
+    def load_data(self) -> TrainingData:
+        """The instance images with ``--instance_prompt`` and, with prior preservation, the class
+        images with ``--class_prompt`` (the missing ones generated first), paired per sample.
+        Every rank."""
         args = self.args
         num_class = args.num_class_images if args.with_prior_preservation else 0
         if num_class:
@@ -387,7 +397,7 @@ class DreamBoothTrainer(TextToImageTrainer):
                 random_flip=args.random_flip,
                 seed=args.seed or 0,
                 live_pixels=self.placements.get("vae") != "cache",
-                tokenize=self._tokenize,
+                tokenize=self.pixels.tokenize,
             ),
         )
         pairs = DreamBoothPairs(images, n_instance, n_class, repeats=args.repeats)
@@ -458,16 +468,14 @@ class DreamBoothTrainer(TextToImageTrainer):
 
         return is_zero3_enabled()
 
-    def _place_frozen(self) -> None:
-        for name in self.trained_encoders:
-            self.placements[name] = "trained"
-        super()._place_frozen()
-
-    def _prepare_extra_parts(self) -> None:
+    def extra_trained_parts(self) -> list[TrainedModel]:
+        """Each trained text encoder with its own optimizer at ``--text_encoder_lr`` (and its own
+        engine under ZeRO-3). Every rank."""
         from ..training.parts import build_optimizer, prepare_extra_part
         from ..training.schedule import lr_schedule
 
         args, acc = self.args, self.accelerator
+        parts = super().extra_trained_parts()
         for name, model in self.trained_encoders.items():
             optimizer = build_optimizer(
                 model, args, args.text_encoder_lr, args.adam_weight_decay_text_encoder
@@ -478,7 +486,7 @@ class DreamBoothTrainer(TextToImageTrainer):
             first = self.denoiser if hasattr(self.denoiser, "save_checkpoint") else None
             per_update = 1 if first is not None else acc.num_processes
             scheduler = lr_schedule(args, optimizer, per_update)
-            self.extra_parts.append(
+            parts.append(
                 prepare_extra_part(
                     acc,
                     name,
@@ -492,8 +500,12 @@ class DreamBoothTrainer(TextToImageTrainer):
             log_rank_zero(
                 f"{name}: its own {'ZeRO-3 engine' if first is not None else 'model'} and optimizer"
             )
+        return parts
 
-    def _loss(self, batch: dict) -> torch.Tensor:
+    def loss(self, batch: dict) -> torch.Tensor:
+        """The family's loss with the trained text encoders' outputs as the conditioning, per
+        sample; with prior preservation the instance half's mean plus ``--prior_loss_weight``
+        times the class half's (both logged)."""
         from ..families.objectives import sample_generators
         from ..training.parts import cut_outputs
 

@@ -17,9 +17,10 @@ The trainer composes parts it owns, each in its own module:
   ``Family.objective_loss``) and the step's records
   (``training.steps.StepTally``).
 
-A subclass supplies its own data (``_load_data`` returns a ``TrainingData``), its loss
-(``_loss``), its other trained models (``_prepare_extra_parts``) and its outputs
-(``validate``, ``save``).
+A recipe built on it (DreamBooth, ControlNet, DPO) supplies parts through public methods,
+each with the text-to-image part as its default: the models the loop trains
+(``load_trained_models``), the data (``load_data``), the other trained parts
+(``extra_trained_parts``), the objective (``loss``) and the outputs (``validate``, ``save``).
 
 Every method runs on every rank (collectives inside: loading, frozen forwards, checkpoints,
 validation, the final save).
@@ -69,7 +70,7 @@ from ..training.faults import NonFiniteUpdates, StopSignals, parse_signals
 from ..training.job import finish_trackers
 from ..training.lora import LORA_WEIGHT_NAME, lora_loader_hint, save_lora_zero3
 from ..training.parts import TrainedModel, adamw, prepare_first_part, set_micro_batch_size
-from ..training.report import StepOutput, log_outputs, log_training_end, run_outputs, write_validation
+from ..training.report import StepOutput, log_run_outputs, log_training_end, write_validation
 from ..training.schedule import (
     epoch_batches,
     epochs_for,
@@ -87,16 +88,16 @@ logger = logging.getLogger("diffusers_zero3.recipes.text_to_image")
 class TextToImageTrainer:
     """setup() -> train() -> save(); each step is a short method. All ranks call each.
 
-    ``args`` is a ``TextToImageSettings`` (or a subclass's). A subclass may replace
-    ``_load_data`` (returning its ``TrainingData``), ``_loss`` (which may leave per-micro-batch
-    ``batch_metrics``, logged per step beside the loss, averaged over ranks),
-    ``_prepare_extra_parts`` (its other trained models) and extend ``_load_models``.
+    ``args`` is a ``TextToImageSettings`` (or a subclass's). The parts a recipe supplies:
+    ``load_trained_models`` (its checks and other models may come first), ``load_data``,
+    ``extra_trained_parts``, ``loss`` (which may leave per-micro-batch ``batch_metrics``,
+    logged per step beside the loss, averaged over ranks), ``validate`` and ``save``.
     """
 
     # Frozen outputs depend on the data alone (crops and flips are cached too): the planner
     # may cache them (--*_placement auto). A trainer whose inputs change sets this False.
     cacheable_data = True
-    # Whether this trainer reads ImageCaptionDataset rows (_load_data), to which aspect-ratio
+    # Whether this trainer reads ImageCaptionDataset rows (load_data), to which aspect-ratio
     # buckets and loss masks apply; a subclass with data of its own sets this False.
     image_caption_rows = True
 
@@ -108,21 +109,22 @@ class TextToImageTrainer:
     component_sources: dict[str, Path]
     accelerator: object
     placements: dict[str, str]
-    # -- the objective and the denoisers: _load_models
+    # -- the objective and the trained models: setup, load_trained_models
     noise_scheduler: object
     objective_settings: ObjectiveSettings  # the loss's flags: timestep density, weights, SNR, DREAM
     tokenizers: dict
+    pixels: RowsToPixels  # how a row becomes pixels and token ids: the datasets' and the cache's
     schedule: DenoiserSchedule  # which trained denoiser each step trains
     trained_folder: str | None  # the first trained model's folder (its part's name)
     denoiser: object  # the first trained model: its engine after _prepare_training
     second_denoiser: torch.nn.Module | None  # Wan 2.2's low-noise expert / Ideogram 4's twin, when both train
-    # -- the data and the frozen side: _load_data, _place_frozen
+    # -- the data and the frozen side: load_data, _place_frozen
     data: TrainingData
     frozen: FrozenInputs
     # -- the optimisation: _prepare_training
     parts: TrainedParts  # every trained model, the schedule, their steps
     denoiser_part: TrainedModel  # parts.first
-    extra_parts: list[TrainedModel]  # parts.others: other trained models (DreamBooth's encoders)
+    extra_parts: list[TrainedModel]  # parts.others: extra_trained_parts (DreamBooth's encoders)
     optimizer: object
     lr_scheduler: object
     ema: ShardedEMA | None
@@ -157,9 +159,21 @@ class TextToImageTrainer:
         self.source, self.family, self.accelerator = job.source, job.family, job.accelerator
         self.component_sources, self.placements = job.component_sources, job.placements
         self.memory.mark("accelerator built")
-        self._load_models()
+        args, src = self.args, self.source
+        self.noise_scheduler = self.family.load_noise_scheduler(src)
+        self.objective_settings = objective_settings(args, self.family, self.noise_scheduler)
+        self.tokenizers = self.family.load_tokenizers(src, self.component_sources)
+        tokenize = functools.partial(_tokenize, self.family, self.tokenizers, args.max_sequence_length)
+        live_pixels = self.placements.get("vae") != "cache"
+        self.pixels = RowsToPixels.from_settings(args, tokenize, live_pixels=live_pixels)
+        self.schedule = self.family.denoiser_schedule(
+            job.trained_folders, src, self.noise_scheduler, self.objective_settings, args.seed or 0
+        )
+        trained = self.load_trained_models()
+        (self.trained_folder, self.denoiser), *second = trained.items()
+        self.second_denoiser = second[0][1] if second else None
         self.memory.mark("models loaded")
-        self.data = self._load_data()
+        self.data = self.load_data()
         shapes = self.data.buckets or [(self.args.resolution, self.args.resolution)]
         check_context_parallel_shapes(job, dict(self.denoiser.config), shapes)
         self._place_frozen()
@@ -167,48 +181,26 @@ class TextToImageTrainer:
         self._prepare_training()
         self.memory.mark("prepared")
 
-    def _tokenize(self, captions: list[str]) -> dict:
-        """The family's token ids of ``captions`` at ``--max_sequence_length``."""
-        return self.family.tokenize(self.tokenizers, captions, self.args.max_sequence_length)
+    # ------------------------------------------------------------------ the parts a recipe supplies
 
-    def _load_models(self) -> None:
-        args, src = self.args, self.source
-        self.noise_scheduler = self.family.load_noise_scheduler(src)
-        self.objective_settings = objective_settings(args, self.family, self.noise_scheduler)
-        self.tokenizers = self.family.load_tokenizers(src, self.component_sources)
-        self.schedule = self.family.denoiser_schedule(
-            self.job.trained_folders, src, self.noise_scheduler, self.objective_settings, args.seed or 0
-        )
-        self._load_trained_model()
-
-    def _load_trained_model(self) -> None:
-        """The trained denoiser(s): ``self.denoiser`` (the first, with LoRA adapters under
-        ``--rank``) and ``self.second_denoiser`` when two train, partitioned under ZeRO-3."""
+    def load_trained_models(self) -> dict[str, torch.nn.Module]:
+        """The models the loop trains, by folder name, the first the loop's first (it gets the
+        first engine; at most two): the denoiser(s) this job trains (with LoRA adapters under
+        ``--rank``), partitioned under ZeRO-3. A recipe's checks and its other models (trained
+        ones, a reference) come here too: after the tokenizers and the noise scheduler, before
+        the data and the frozen models' placement. Every rank."""
+        folders = self.job.trained_folders
         models = load_trained_denoisers(
-            self.accelerator,
-            self.family,
-            self.source,
-            self.job.trained_folders,
-            self.component_sources,
-            self.args,
+            self.accelerator, self.family, self.source, folders, self.component_sources, self.args
         )
-        self.trained_folder = self.job.trained_folders[0]
-        self.denoiser, self.second_denoiser = models[0], (models[1] if len(models) > 1 else None)
         described = self.schedule.describe()
         if described:
             log_rank_zero(described)
+        return dict(zip(folders, models))
 
-    @functools.cached_property
-    def pixels(self) -> RowsToPixels:
-        """How a row becomes pixels and token ids (``data.pixels.RowsToPixels``), from the
-        settings, built once: the datasets read with it, and the cache with its columns and
-        buckets (``_place_frozen``). Needs the tokenizers and the VAE's placement."""
-        live_pixels = self.placements.get("vae") != "cache"
-        return RowsToPixels.from_settings(self.args, self._tokenize, live_pixels=live_pixels)
-
-    def _load_data(self) -> TrainingData:
+    def load_data(self) -> TrainingData:
         """The rows to train on: an image family's (or its editing pairs), a stream, or a video
-        family's clips. Collective (buckets read each rank's share of image headers)."""
+        family's clips. Every rank (buckets read each rank's share of image headers)."""
         args, family, pixels = self.args, self.family, self.pixels
         if family.video:
             audio = audio_of_clips(family, self.source, self.component_sources)
@@ -276,7 +268,7 @@ class TextToImageTrainer:
             args.num_train_epochs = args.max_train_steps
         if acc.is_main_process and args.report_to != "none":
             acc.init_trackers(args.tracker_project_name, args.scalars())
-        self._prepare_extra_parts()
+        self.extra_parts = self.extra_trained_parts()
         self.parts = TrainedParts(part, self.extra_parts, self.schedule, self.job.cp)
         resumed = resume_training(
             acc, args.output_dir, args.resume_from_checkpoint, ema=self.ema,
@@ -291,19 +283,22 @@ class TextToImageTrainer:
         elif args.resume_from_checkpoint:
             log_rank_zero("no checkpoint to resume from yet: starting a new run")
 
-    def _prepare_extra_parts(self) -> None:
-        """Build the job's other trained models (``self.extra_parts``), after the denoiser's
-        engine and before a resume (every rank): the second trained denoiser when two train."""
-        if self.second_denoiser is not None:
-            name, args = self.job.trained_folders[1], self.args
-            part = prepare_second_denoiser(
+    def extra_trained_parts(self) -> list[TrainedModel]:
+        """The job's other trained models, each with its optimizer (and engine under ZeRO-3),
+        built after the first model's engine and before a resume: the second trained denoiser
+        when two train. Every rank."""
+        if self.second_denoiser is None:
+            return []
+        name, args = self.job.trained_folders[1], self.args
+        return [
+            prepare_second_denoiser(
                 self.accelerator, name, self.second_denoiser, args, self.learning_rate, self.denoiser
             )
-            self.extra_parts.append(part)
+        ]
 
     # ------------------------------------------------------------------ training
 
-    def _loss(self, batch: dict) -> torch.Tensor:
+    def loss(self, batch: dict) -> torch.Tensor:
         """The family's loss of one micro-batch with the denoiser this step trains, under its
         objective (the schedule's ``objective_kwargs``: Wan 2.2's expert on its side of the
         boundary) and loss arguments (``loss_kwargs``: Ideogram 4's transformer of the turn)."""
@@ -392,7 +387,7 @@ class TextToImageTrainer:
         """One micro-batch: loss, gathered records, backward, optimizer steps (every rank)."""
         acc, parts, first = self.accelerator, self.parts, not self.memory.has("first forward")
         with acc.accumulate(self.denoiser, *(p.engine for p in self.extra_parts if not p.own_engine)):
-            loss = self._loss(batch)
+            loss = self.loss(batch)
             if first:
                 self.memory.mark("first forward")
             tally.add(acc, loss, len(batch["index"]), self.stop_signals.flag(), self.batch_metrics)
@@ -478,7 +473,7 @@ class TextToImageTrainer:
                 others = {p.name: p.engine for p in self.extra_parts}
                 path = save_lora_zero3(self.denoiser, family, args.output_dir, others=others)
             finish_trackers(self.accelerator)
-            log_outputs([("LoRA weights", path, lora_loader_hint(family)), *self._run_outputs()])
+            log_run_outputs(("LoRA weights", path, lora_loader_hint(family)), args, family.video)
             return
         save_final_pipeline(
             self.source, args.output_dir, self.denoiser, ema=self.ema, readme=pipeline_card(args, family),
@@ -487,11 +482,10 @@ class TextToImageTrainer:
             trained={part.name: (part.engine, part.ema) for part in self.extra_parts},
         )  # fmt: skip
         finish_trackers(self.accelerator)
-        log_outputs(
-            [("pipeline", args.output_dir, f"{family.pipeline_class}.from_pretrained"), *self._run_outputs()]
-        )
+        weights = ("pipeline", args.output_dir, f"{family.pipeline_class}.from_pretrained")
+        log_run_outputs(weights, args, family.video)
 
-    def _run_outputs(self) -> list[tuple[str, str | Path | None]]:
-        """The summary's lines beside the trained weights (``report.run_outputs``)."""
-        args = self.args
-        return run_outputs(args.output_dir, args.logging_dir, args.report_to, self.family.video)
+
+def _tokenize(family, tokenizers: dict, max_sequence_length: int | None, captions: list[str]) -> dict:
+    """The family's token ids of ``captions`` at ``--max_sequence_length``."""
+    return family.tokenize(tokenizers, captions, max_sequence_length)
