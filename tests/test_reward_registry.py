@@ -691,6 +691,21 @@ def test_pickscore_is_differentiable_in_the_images(clip_folder):
 
 
 @pytest.mark.unit
+def test_a_reward_given_fewer_prompts_than_images_names_both_counts(clip_folder):
+    from diffusers_zero3.rewards.builtin import PickScore
+
+    model = PickScore.from_pretrained(clip_folder)
+    images = _as_tensor(_uint8_images(2, 40, 36, seed=5))
+    with pytest.raises(
+        ValueError, match="'pickscore' needs one prompt per image: got 2 images and 1 prompts"
+    ):
+        model.preprocess(images, PROMPTS[:1])
+    with pytest.raises(ValueError, match="got 2 images and no prompts"):
+        model.preprocess(images, None)
+    assert model.preprocess(images, PROMPTS[:2]).shape[0] == 2  # the control: one prompt each
+
+
+@pytest.mark.unit
 def test_a_vlm_of_another_kind_or_a_multi_token_answer_is_refused(vlm_folder):
     from diffusers_zero3.rewards.builtin import VLMJudge
 

@@ -74,6 +74,7 @@ from .images import (
     ClipImageConfig,
     QwenVLImageConfig,
     check_images,
+    check_prompts,
     clip_pixel_values,
     pack_rows,
     qwen_vl_patches,
@@ -94,13 +95,6 @@ def _processor_dict(path: str | os.PathLike) -> dict[str, Any]:
 def _empty_rows(images: torch.Tensor) -> torch.Tensor:
     """The rows of a call with no samples (no forward is made for them)."""
     return torch.zeros(0, 1, device=images.device)
-
-
-def _check_prompts(name: str, images: torch.Tensor, prompts: Sequence[str] | None) -> list[str]:
-    if prompts is None or len(prompts) != len(images):
-        got = "no prompts" if prompts is None else f"{len(prompts)} prompts"
-        raise ValueError(f"reward '{name}' needs one prompt per image: got {len(images)} images and {got}")
-    return list(prompts)
 
 
 # ------------------------------------------------------------------ CLIP: PickScore, CLIPScore
@@ -162,7 +156,7 @@ class ClipTextImageReward(nn.Module):
         """Packed rows ``[B, D]`` of ``images`` (float ``[B, 3, H, W]`` in ``[0, 1]``, on the
         accelerator's device) and ``prompts``, on the images' device."""
         check_images(images, self.name)
-        prompts = _check_prompts(self.name, images, prompts)
+        prompts = check_prompts(self.name, images, prompts)
         if not len(images):
             return _empty_rows(images)
         text = self.tokenizer(
@@ -472,7 +466,7 @@ class VLMJudge(nn.Module):
         """Packed rows ``[B, D]`` of ``images`` (float ``[B, 3, H, W]`` in ``[0, 1]``, on the
         accelerator's device) and ``prompts``, on the images' device."""
         check_images(images, self.name)
-        prompts = _check_prompts(self.name, images, prompts)
+        prompts = check_prompts(self.name, images, prompts)
         if not len(images):
             return _empty_rows(images)
         return self.pack_chats(images, prompts)

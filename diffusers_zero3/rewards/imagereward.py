@@ -36,6 +36,7 @@ from .images import (
     CLIP_MEAN,
     CLIP_STD,
     check_images,
+    check_prompts,
     normalize,
     pack_rows,
     resize_bicubic,
@@ -360,11 +361,7 @@ class ImageRewardModel(nn.Module):
         """Packed rows ``[B, D]`` of ``images`` (float ``[B, 3, H, W]`` in ``[0, 1]``, on the
         accelerator's device) and ``prompts``, on the images' device."""
         check_images(images, self.name)
-        if prompts is None or len(prompts) != len(images):
-            got = "no prompts" if prompts is None else f"{len(prompts)} prompts"
-            raise ValueError(
-                f"reward '{self.name}' needs one prompt per image: got {len(images)} images and {got}"
-            )
+        check_prompts(self.name, images, prompts)
         if not len(images):
             return torch.zeros(0, 1, device=images.device)
         text = self.tokenizer(

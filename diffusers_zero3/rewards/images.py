@@ -56,6 +56,23 @@ def check_images(images: torch.Tensor, name: str) -> None:
         raise ValueError(f"reward '{name}' takes float images in [0, 1], got dtype {images.dtype}")
 
 
+def check_prompts(
+    name: str, samples: torch.Tensor, prompts: Sequence[str] | None, noun: str = "image"
+) -> list[str]:
+    """``prompts`` as a list, or ``ValueError`` unless there is one prompt per sample.
+
+    Args:
+        name: the reward's name, for the message.
+        samples: the batch a reward is called with (images or clips).
+        prompts: the prompts it was given.
+        noun: what one sample is, for the message (``image``, ``clip``).
+    """
+    if prompts is None or len(prompts) != len(samples):
+        got = "no prompts" if prompts is None else f"{len(prompts)} prompts"
+        raise ValueError(f"reward '{name}' needs one prompt per {noun}: got {len(samples)} {noun}s and {got}")
+    return list(prompts)
+
+
 def resize_bicubic(images: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """``images`` resized to ``height x width`` as Pillow's bicubic does (see the module
     docstring); the images themselves when they already have that size.

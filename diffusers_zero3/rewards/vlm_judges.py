@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from .builtin import QWEN_VL_CHAT, QWEN_VL_IMAGE_TOKEN, VLMJudge, _processor_dict, load_vlm
-from .images import QwenVLImageConfig, pack_rows, unpack_rows
+from .images import QwenVLImageConfig, check_prompts, pack_rows, unpack_rows
 from .videos import QwenVLVideoConfig, check_videos, qwen_vl_video_patches
 
 # ------------------------------------------------------------------ HPSv3
@@ -529,11 +529,7 @@ class UnifiedRewardVideo(GradedAnswers, VLMJudge):
         """Packed rows ``[B, D]`` of ``videos`` (float ``[B, F, 3, H, W]`` in ``[0, 1]``, ``F >= 2``,
         on the accelerator's device) and ``prompts``, on the videos' device."""
         check_videos(videos, self.name)
-        if prompts is None or len(prompts) != len(videos):
-            got = "no prompts" if prompts is None else f"{len(prompts)} prompts"
-            raise ValueError(
-                f"reward '{self.name}' needs one prompt per clip: got {len(videos)} clips and {got}"
-            )
+        check_prompts(self.name, videos, prompts, "clip")
         if not len(videos):
             return torch.zeros(0, 1, device=videos.device)  # no forward is made for them
         video = qwen_vl_video_patches(videos, self.image_config, self.video_config)
