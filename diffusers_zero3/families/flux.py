@@ -9,7 +9,7 @@ import torch
 
 from .base import Family, TextEncoderSpec
 from .common import GuidedValidation, run_args
-from .published import CLIP_L, T5_XXL, VAE_16
+from .published import CLIP_L, T5_XXL, VAE_16, published_config
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
@@ -89,18 +89,7 @@ class Flux(GuidedValidation, Family):
         return unpack_latents(packed, h, w)
 
     def published(self):
-        transformer = dict(
-            patch_size=1,
-            in_channels=64,
-            num_layers=19,
-            num_single_layers=38,
-            attention_head_dim=128,
-            num_attention_heads=24,
-            joint_attention_dim=4096,
-            pooled_projection_dim=768,
-            guidance_embeds=True,
-            axes_dims_rope=[16, 56, 56],
-        )
+        transformer = published_config("flux/transformer")
         components = self.published_parts(transformer, CLIP_L, T5_XXL, vae=VAE_16)
         return self.published_as(components, ("black-forest-labs/FLUX.1-dev", "FLUX.1 [dev]"))
 

@@ -35,7 +35,7 @@ import torch
 
 from .base import Family, PublishedConfig, read_vae_tensors
 from .common import GuidedValidation, llm_text_encoder, qwen3_chat_prompt, run_args
-from .published import QWEN3_4B, QWEN3_8B
+from .published import QWEN3_4B, QWEN3_8B, published_config
 
 # diffusers' pipelines/flux2/system_messages.py SYSTEM_MESSAGE (the dev pipeline's default)
 SYSTEM_MESSAGE = (
@@ -444,92 +444,14 @@ FLUX2_KLEIN = Flux2Klein(
 # -------------------------------------------------------------------------------- published configs
 
 # diffusers scripts/convert_flux2_to_diffusers.py (get_flux2_transformer_config): the shape keys.
-_TRANSFORMER = dict(
-    patch_size=1,
-    in_channels=128,
-    attention_head_dim=128,
-    timestep_guidance_channels=256,
-    mlp_ratio=3.0,
-    axes_dims_rope=(32, 32, 32, 32),
-)
-PUBLISHED_TRANSFORMER_DEV = dict(
-    _TRANSFORMER,
-    num_layers=8,
-    num_single_layers=48,
-    num_attention_heads=48,
-    joint_attention_dim=15360,
-    guidance_embeds=True,
-)
-PUBLISHED_TRANSFORMER_KLEIN_4B = dict(
-    _TRANSFORMER,
-    num_layers=5,
-    num_single_layers=20,
-    num_attention_heads=24,
-    joint_attention_dim=7680,
-    guidance_embeds=False,
-)
-PUBLISHED_TRANSFORMER_KLEIN_9B = dict(
-    _TRANSFORMER,
-    num_layers=8,
-    num_single_layers=24,
-    num_attention_heads=32,
-    joint_attention_dim=12288,
-    guidance_embeds=False,
-)
-PUBLISHED_VAE = dict(  # AutoencoderKLFlux2's defaults, which the converter builds
-    block_out_channels=(128, 256, 512, 512),
-    latent_channels=32,
-    layers_per_block=2,
-    norm_num_groups=32,
-    use_quant_conv=True,
-    use_post_quant_conv=True,
-    patch_size=(2, 2),
-)
-MISTRAL_SMALL_3_24B = dict(  # Mistral-Small-3.2-24B-Instruct-2506 (3.1's shapes)
-    image_token_index=10,
-    multimodal_projector_bias=False,
-    projector_hidden_act="gelu",
-    spatial_merge_size=2,
-    vision_feature_layer=-1,
-    # an untied lm_head, as the checkpoint holds (Mistral3Config's top-level default would tie it)
-    tie_word_embeddings=False,
-    text_config=dict(
-        model_type="mistral",
-        vocab_size=131072,
-        hidden_size=5120,
-        intermediate_size=32768,
-        num_hidden_layers=40,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-05,
-        rope_theta=1000000000.0,
-        sliding_window=None,
-        tie_word_embeddings=False,
-    ),
-    vision_config=dict(
-        model_type="pixtral",
-        hidden_size=1024,
-        intermediate_size=4096,
-        num_hidden_layers=24,
-        num_attention_heads=16,
-        head_dim=64,
-        image_size=1540,
-        patch_size=14,
-        num_channels=3,
-        rope_theta=10000.0,
-    ),
-)
+PUBLISHED_TRANSFORMER_DEV = published_config("flux2/transformer_dev")  # FLUX.2 [dev]
+PUBLISHED_TRANSFORMER_KLEIN_4B = published_config("flux2/transformer_klein_4b")  # FLUX.2 [klein] 4B
+PUBLISHED_TRANSFORMER_KLEIN_9B = published_config("flux2/transformer_klein_9b")  # FLUX.2 [klein] 9B
+PUBLISHED_VAE = published_config("flux2/vae")  # AutoencoderKLFlux2's defaults, which the converter builds
+# Mistral-Small-3.2-24B-Instruct-2506 (3.1's shapes): an untied lm_head, as the checkpoint holds
+# (Mistral3Config's top-level default would tie it)
+MISTRAL_SMALL_3_24B = published_config("flux2/mistral_small_3_24b")
 
 # FLUX.1-dev's scheduler, which convert_flux2_to_diffusers.py gives FLUX.2 (dynamic shifting:
 # training's sigmas stay linear).
-FLUX2_SCHEDULER = dict(
-    num_train_timesteps=1000,
-    shift=3.0,
-    use_dynamic_shifting=True,
-    base_shift=0.5,
-    max_shift=1.15,
-    base_image_seq_len=256,
-    max_image_seq_len=4096,
-)
+FLUX2_SCHEDULER = published_config("flux2/scheduler")

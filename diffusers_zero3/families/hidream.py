@@ -24,7 +24,7 @@ import torch
 
 from .base import Family, TextEncoderSpec
 from .common import GuidedValidation, run_args
-from .published import CLIP_BIGG, CLIP_L, T5_XXL, VAE_16
+from .published import CLIP_BIGG, CLIP_L, T5_XXL, VAE_16, published_config
 
 CLIP_MAX_TOKENS = 218  # HiDreamImagePipeline._get_clip_prompt_embeds: min(max_sequence_length, 218)
 CLIP_ENCODERS = ("text_encoder", "text_encoder_2")
@@ -193,39 +193,9 @@ HIDREAM = HiDream(
 )
 
 # HiDream-ai/HiDream-I1-Full (Dev and Fast share the shapes): the keys that set parameter shapes.
-PUBLISHED_TRANSFORMER = dict(
-    patch_size=2,
-    in_channels=16,
-    out_channels=16,
-    num_layers=16,
-    num_single_layers=32,
-    attention_head_dim=128,
-    num_attention_heads=20,
-    caption_channels=[4096, 4096],  # T5-XXL's d_model, Llama-3.1-8B's hidden size
-    text_emb_dim=2048,  # CLIP-L's projection + CLIP-G's
-    num_routed_experts=4,
-    num_activated_experts=2,
-    axes_dims_rope=[64, 32, 32],
-    max_resolution=[128, 128],
-    llama_layers=list(range(32)) + [31] * 16,  # one Llama layer per block (16 double + 32 single)
-)
+# caption_channels: T5-XXL's d_model, Llama-3.1-8B's hidden size; text_emb_dim: CLIP-L's projection
+# + CLIP-G's; llama_layers: one Llama layer per block (16 double + 32 single).
+PUBLISHED_TRANSFORMER = published_config("hidream/transformer")
 PUBLISHED_CLIP_L = dict(CLIP_L, max_position_embeddings=248)  # HiDream's longer CLIPs (128-token prompts)
 PUBLISHED_CLIP_G = dict(CLIP_BIGG, max_position_embeddings=248)
-PUBLISHED_LLAMA = dict(  # meta-llama/Llama-3.1-8B-Instruct
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    max_position_embeddings=131072,
-    rope_theta=500000.0,
-    rope_scaling={
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
-    tie_word_embeddings=False,
-)
+PUBLISHED_LLAMA = published_config("hidream/llama_3_1_8b")  # meta-llama/Llama-3.1-8B-Instruct

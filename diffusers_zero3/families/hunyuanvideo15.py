@@ -33,7 +33,7 @@ import torch
 from ..runtime.library_internals import hunyuanvideo15_causal_mask
 from .base import Family, ScaleShift, TextEncoderSpec, VideoLatents
 from .common import llm_text_encoder, run_args
-from .published import T5_V11_ENCODER
+from .published import T5_V11_ENCODER, published_config
 from .qwenimage import PUBLISHED_TEXT_ENCODER as QWEN25_VL_7B
 
 # HunyuanVideo15Pipeline.__init__ (the system message as the pipeline's source writes it, its
@@ -295,35 +295,7 @@ HUNYUANVIDEO15 = HunyuanVideo15(
 
 # Published configs (diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py: the classes'
 # defaults; Qwen/Qwen2.5-VL-7B-Instruct's text model; google/byt5-small): keys that set shapes.
-PUBLISHED_TRANSFORMER = dict(
-    in_channels=65,
-    out_channels=32,
-    num_attention_heads=16,
-    attention_head_dim=128,
-    num_layers=54,
-    num_refiner_layers=2,
-    mlp_ratio=4.0,
-    patch_size=1,
-    patch_size_t=1,
-    qk_norm="rms_norm",
-    text_embed_dim=3584,
-    text_embed_2_dim=1472,
-    image_embed_dim=1152,
-    rope_theta=256.0,
-    rope_axes_dim=(16, 56, 56),
-    target_size=640,
-    use_meanflow=False,
-)
+PUBLISHED_TRANSFORMER = published_config("hunyuanvideo15/transformer")
 PUBLISHED_TEXT_ENCODER = dict(QWEN25_VL_7B["text_config"])
 PUBLISHED_BYT5 = dict(T5_V11_ENCODER, vocab_size=384, d_model=1472, d_ff=3584, num_layers=12, num_heads=6)
-PUBLISHED_VAE = dict(
-    in_channels=3,
-    out_channels=3,
-    latent_channels=32,
-    block_out_channels=(128, 256, 512, 1024, 1024),
-    layers_per_block=2,
-    spatial_compression_ratio=16,
-    temporal_compression_ratio=4,
-    downsample_match_channel=True,
-    upsample_match_channel=True,
-)
+PUBLISHED_VAE = published_config("hunyuanvideo15/vae")

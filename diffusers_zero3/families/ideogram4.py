@@ -35,7 +35,7 @@ from .common import llm_text_encoder, run_args
 from .flux2 import PUBLISHED_VAE as FLUX2_VAE
 from .flux2 import BatchNormLatents, pack_latents, unpack_latents
 from .objectives import Objective, _per_sample, rectified_flow_loss, sample_noise
-from .published import QWEN3_VL_8B
+from .published import QWEN3_VL_8B, published_config
 
 # pipeline_ideogram4.QWEN3_VL_ACTIVATION_LAYERS: decoder layers whose raw outputs are stacked
 ACTIVATION_LAYERS = (0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 33, 35)
@@ -438,15 +438,5 @@ IDEOGRAM4 = Ideogram4(
 
 # ideogram-ai/ideogram-v4's transformer: Ideogram4Transformer2DModel's defaults (34 blocks at width
 # 4608; text features 13 x 4096).
-PUBLISHED_TRANSFORMER = dict(
-    in_channels=128,
-    num_layers=34,
-    attention_head_dim=256,
-    num_attention_heads=18,
-    intermediate_size=12288,
-    adaln_dim=512,
-    llm_features_dim=53248,
-    rope_theta=5_000_000,
-    mrope_section=(24, 20, 20),
-)
+PUBLISHED_TRANSFORMER = published_config("ideogram4/transformer")
 PUBLISHED_TEXT_ENCODER = QWEN3_VL_8B  # as a head-less Qwen3VLModel

@@ -29,7 +29,7 @@ import torch
 
 from .base import ChannelMeanStd, Family
 from .common import SequenceLengthValidation, llm_text_encoder, run_args
-from .published import QWEN3_VL_4B
+from .published import QWEN3_VL_4B, published_config
 from .qwenimage import PROMPT_TEMPLATE
 from .qwenimage import PUBLISHED_VAE as QWEN_IMAGE_VAE
 
@@ -274,29 +274,7 @@ KREA2 = Krea2(
 
 # krea/Krea-2-Raw's and krea/Krea-2-Turbo's transformer (the same shapes): the keys that set them,
 # Krea2Transformer2DModel's defaults (diffusers' docs; 28 blocks at width 6144).
-PUBLISHED_TRANSFORMER = dict(
-    in_channels=64,
-    num_layers=28,
-    attention_head_dim=128,
-    num_attention_heads=48,
-    num_key_value_heads=12,
-    intermediate_size=16384,
-    timestep_embed_dim=256,
-    text_hidden_dim=2560,
-    num_text_layers=12,
-    text_num_attention_heads=20,
-    text_num_key_value_heads=20,
-    text_intermediate_size=6912,
-    num_layerwise_text_blocks=2,
-    num_refiner_text_blocks=2,
-    axes_dims_rope=(32, 48, 48),
-)
+PUBLISHED_TRANSFORMER = published_config("krea2/transformer")
 # Krea2Pipeline's scheduler (its docstring): resolution-aware exponential shift at inference;
 # training's sigmas stay linear (dynamic shifting), as the script loads it.
-KREA2_SCHEDULER = dict(
-    use_dynamic_shifting=True,
-    base_shift=0.5,
-    max_shift=1.15,
-    base_image_seq_len=256,
-    max_image_seq_len=6400,
-)
+KREA2_SCHEDULER = published_config("krea2/scheduler")

@@ -39,6 +39,7 @@ import torch
 from ..runtime.library_internals import ltx2_pack_audio_latents, ltx2_pack_latents, ltx2_unpack_latents
 from .base import Family, PublishedConfig, VideoLatents, read_vae_tensors
 from .common import llm_text_encoder, run_args
+from .published import published_config
 
 # LTX2Pipeline.__call__'s defaults
 FRAME_RATE = 24.0  # frame_rate (the published clips' playback rate)
@@ -451,14 +452,4 @@ LTX2 = LTX2Family(
 
 # google/gemma-3-12b-it (text: 48 layers of 3840, 16 heads of 256 with 8 KV heads; SigLIP
 # so400m vision tower at 896 px): keys that set shapes
-PUBLISHED_GEMMA3_12B = dict(
-    text_config=dict(
-        vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=256,
-    ),
-    vision_config=dict(
-        hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
-        image_size=896, patch_size=14,
-    ),
-    mm_tokens_per_image=256,
-)  # fmt: skip
+PUBLISHED_GEMMA3_12B = published_config("ltx2/gemma3_12b")

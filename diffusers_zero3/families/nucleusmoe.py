@@ -30,7 +30,7 @@ import torch
 
 from .common import llm_text_encoder, run_args
 from .flux2 import load_flux2_tokenizer
-from .published import QWEN3_VL_8B
+from .published import QWEN3_VL_8B, published_config
 from .qwenimage import PUBLISHED_VAE as QWEN_IMAGE_VAE
 from .qwenimage import QWEN_IMAGE_SCHEDULER, QwenImage, pack_latents, unpack_latents
 
@@ -183,25 +183,7 @@ NUCLEUSMOE = NucleusMoE(
 )
 
 # NucleusAI/Nucleus-Image's transformer/config.json: the keys that set parameter shapes
-PUBLISHED_TRANSFORMER = dict(
-    patch_size=2,
-    in_channels=64,
-    out_channels=16,
-    num_layers=32,
-    attention_head_dim=128,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-    joint_attention_dim=4096,
-    axes_dims_rope=(16, 56, 56),
-    mlp_ratio=4.0,
-    moe_enabled=True,
-    dense_moe_strategy="leave_first_three_blocks_dense",
-    num_experts=64,
-    moe_intermediate_dim=1344,
-    capacity_factors=[0.0] * 3 + [4.0] * 2 + [2.0] * 27,
-    use_sigmoid=False,
-    route_scale=2.5,
-)
+PUBLISHED_TRANSFORMER = published_config("nucleusmoe/transformer")
 PUBLISHED_TEXT_ENCODER = QWEN3_VL_8B
 # The scheduler of the tiny pipeline: Qwen-Image's published one (the pipeline computes mu from
 # its bounds; training's sigmas stay linear under dynamic shifting)

@@ -1,16 +1,42 @@
 """Published configs of components that several families share (CLIP-L, OpenCLIP bigG,
-T5-XXL, the SD VAEs, Qwen3-4B and -8B, Qwen3-VL-4B and -8B), for the planner's
-carried pipelines: only the keys that set parameter shapes (the others keep their library
-defaults, which equal the published ones for shapes).
+T5-XXL, the SD VAEs, Qwen3-4B and -8B, Qwen3-VL-4B and -8B) and of the reward models the planner
+sizes, for the planner's carried pipelines: only the keys that set parameter shapes (the others
+keep their library defaults, which equal the published ones for shapes).
+
+The configs are data, one JSON file per published ``config.json`` under ``published/`` beside
+this module (a family's own under ``published/<family>/``), read by ``published_config``; the
+modules keep them as dicts under their names (``CLIP_L`` here, ``flux2.PUBLISHED_TRANSFORMER_DEV``),
+with their provenance in a comment beside the line that reads the file. Sequences are lists,
+as ``from_pretrained`` gives them.
 
 ``shrink(config, **sizes)`` derives a config from another with the same keys (a smaller model
-of the same structure: Qwen3-VL-4B from -8B here, every tiny pipeline's models in
-``diffusers_zero3.demo``). A family's ``published_parts`` and ``published_as`` (``base.Family``)
-turn these configs into its ``PublishedConfig``s."""
+of the same structure: every tiny pipeline's models in ``diffusers_zero3.demo``). A family's
+``published_parts`` and ``published_as`` (``base.Family``) turn these configs into its
+``PublishedConfig``s."""
 
 from __future__ import annotations
 
 import copy
+import json
+from importlib import resources
+
+
+def published_config(name: str) -> dict:
+    """The published config ``name``: ``published/<name>.json`` beside this module, read anew
+    each call (a fresh dict: the caller may change it). ``name`` is the file's path under
+    ``published/`` without ``.json``, ``/``-separated.
+
+    Example: ``published_config("flux2/transformer_dev")["num_single_layers"]`` is 48, and
+    ``published_config("clip_vit_l14")["text_config"]`` is ``CLIP_L``'s keys.
+
+    Raises:
+        FileNotFoundError: no such file (a misspelt name).
+    """
+    path = resources.files(__package__).joinpath("published")
+    *folders, stem = name.split("/")
+    for folder in folders:
+        path = path.joinpath(folder)
+    return json.loads(path.joinpath(f"{stem}.json").read_text(encoding="utf-8"))
 
 
 def shrink(config: dict, **sizes) -> dict:
@@ -29,205 +55,37 @@ def shrink(config: dict, **sizes) -> dict:
     return shrunk
 
 
-CLIP_L = dict(
-    vocab_size=49408,
-    hidden_size=768,
-    intermediate_size=3072,
-    num_hidden_layers=12,
-    num_attention_heads=12,
-    max_position_embeddings=77,
-    projection_dim=768,
-    hidden_act="quick_gelu",
-)
-CLIP_BIGG = dict(
-    CLIP_L,
-    hidden_size=1280,
-    intermediate_size=5120,
-    num_hidden_layers=32,
-    num_attention_heads=20,
-    projection_dim=1280,
-    hidden_act="gelu",
-)
-T5_XXL = dict(
-    vocab_size=32128,
-    d_model=4096,
-    d_kv=64,
-    d_ff=10240,
-    num_layers=24,
-    num_heads=64,
-    feed_forward_proj="gated-gelu",
-    is_encoder_decoder=False,
-)
+# openai/clip-vit-large-patch14 (428 M; the planner's clip_score and aesthetic rewards): its text
+# tower, CLIP-L, is SD's text encoder (SDXL's and SD3's first, Flux.1's pooled one)
+CLIP_VIT_L14 = published_config("clip_vit_l14")
+CLIP_L = CLIP_VIT_L14["text_config"]
+CLIP_BIGG = published_config("clip_bigg")  # OpenCLIP ViT-bigG-14's text tower (SDXL's and SD3's second)
+T5_XXL = published_config("t5_xxl")  # google/t5-v1_1-xxl's encoder (SD3's, Flux.1's, HiDream's)
 # T5 v1.1's encoder keys that umT5 (Wan's text encoder) and ByT5 (HunyuanVideo 1.5's glyph encoder)
 # share: 64-wide heads, gated-GELU feed-forward, untied embeddings
-T5_V11_ENCODER = dict(
-    d_kv=64,
-    relative_attention_num_buckets=32,
-    relative_attention_max_distance=128,
-    feed_forward_proj="gated-gelu",
-    is_encoder_decoder=False,
-    tie_word_embeddings=False,
-)
-VAE_SD = dict(
-    in_channels=3,
-    out_channels=3,
-    down_block_types=["DownEncoderBlock2D"] * 4,
-    up_block_types=["UpDecoderBlock2D"] * 4,
-    block_out_channels=[128, 256, 512, 512],
-    layers_per_block=2,
-    latent_channels=4,
-    norm_num_groups=32,
-)
-VAE_16 = dict(VAE_SD, latent_channels=16, use_quant_conv=False, use_post_quant_conv=False)
-_QWEN3 = dict(  # the Qwen3 LLMs' shared keys (36 layers of 32 query heads of 128 for 4B and 8B)
-    vocab_size=151936,
-    num_hidden_layers=36,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=40960,
-    rms_norm_eps=1e-06,
-    rope_theta=1000000,
-    attention_bias=False,
-)
-# Qwen/Qwen3-4B (Z-Image's and FLUX.2 [klein] 4B's text encoder): tied embeddings
-QWEN3_4B = dict(_QWEN3, hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True)
-QWEN3_8B = dict(_QWEN3, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False)  # klein 9B's
-QWEN3_VL_8B = dict(  # Qwen/Qwen3-VL-8B-Instruct (Ideogram 4 and NucleusMoE-Image's text encoder)
-    text_config=dict(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=262144,
-        rope_scaling={"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
-        rope_theta=5000000,
-        tie_word_embeddings=False,
-    ),
-    vision_config=dict(
-        depth=27,
-        hidden_size=1152,
-        intermediate_size=4304,
-        num_heads=16,
-        out_hidden_size=4096,
-        patch_size=16,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        num_position_embeddings=2304,
-        deepstack_visual_indexes=[8, 16, 24],
-        hidden_act="gelu_pytorch_tanh",
-        in_channels=3,
-    ),
-    tie_word_embeddings=False,
-)
-QWEN3_VL_4B = shrink(  # Qwen/Qwen3-VL-4B-Instruct (Krea 2's text encoder): tied embeddings
-    QWEN3_VL_8B,
-    text_config=dict(hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True),
-    vision_config=dict(
-        depth=24,
-        hidden_size=1024,
-        intermediate_size=4096,
-        out_hidden_size=2560,
-        deepstack_visual_indexes=[5, 11, 17],
-    ),
-    tie_word_embeddings=True,
-)
+T5_V11_ENCODER = published_config("t5_v11_encoder")
+VAE_SD = published_config("vae_sd")  # SD 1.x/2.x's and SDXL's AutoencoderKL
+VAE_16 = published_config("vae_16")  # SD3's and Flux.1's: 16 latent channels, no quant convs
+# The Qwen3 LLMs: 36 layers of 32 query heads of 128 for 4B and 8B
+QWEN3_4B = published_config("qwen3_4b")  # Qwen/Qwen3-4B (Z-Image's, FLUX.2 [klein] 4B's): tied embeddings
+QWEN3_8B = published_config("qwen3_8b")  # Qwen/Qwen3-8B (FLUX.2 [klein] 9B's)
+# Qwen/Qwen3-VL-8B-Instruct (Ideogram 4 and NucleusMoE-Image's text encoder)
+QWEN3_VL_8B = published_config("qwen3_vl_8b")
+QWEN3_VL_4B = published_config("qwen3_vl_4b")  # Qwen/Qwen3-VL-4B-Instruct (Krea 2's): tied embeddings
 
 # The reward models the planner sizes by name (``placement.rl_plan``: ``--reward pickscore``,
 # ``--reward vlm:qwen2-vl-7b``): their published configs, the keys that set parameter shapes.
 # laion/CLIP-ViT-H-14-laion2B-s32B-b79K's config.json, which yuvalkirstain/PickScore_v1 shares and
 # open_clip's ViT-H-14 (HPSv2's) gives (``rewards.hps.vit_h14_config``): 986 M parameters.
-CLIP_VIT_H14 = dict(
-    text_config=dict(
-        hidden_size=1024,
-        intermediate_size=4096,
-        num_attention_heads=16,
-        num_hidden_layers=24,
-        max_position_embeddings=77,
-        vocab_size=49408,
-        hidden_act="gelu",
-        layer_norm_eps=1e-5,
-        projection_dim=1024,
-        bos_token_id=49406,
-        eos_token_id=49407,
-        pad_token_id=49407,
-    ),
-    vision_config=dict(
-        hidden_size=1280,
-        intermediate_size=5120,
-        num_attention_heads=16,
-        num_hidden_layers=32,
-        image_size=224,
-        patch_size=14,
-        hidden_act="gelu",
-        layer_norm_eps=1e-5,
-        projection_dim=1024,
-    ),
-    projection_dim=1024,
-)
-CLIP_VIT_L14 = dict(  # openai/clip-vit-large-patch14 (CLIP-L's text tower is SD's text encoder): 428 M
-    text_config=CLIP_L,
-    vision_config=dict(
-        hidden_size=1024,
-        intermediate_size=4096,
-        num_attention_heads=16,
-        num_hidden_layers=24,
-        image_size=224,
-        patch_size=14,
-        hidden_act="quick_gelu",
-        projection_dim=768,
-    ),
-    projection_dim=768,
-)
+CLIP_VIT_H14 = published_config("clip_vit_h14")
 # THUDM/ImageReward: BLIP's ViT-L/16 at 224 px (``BLIP_Pretrain(vit="large")``) and the text
 # encoder of its med_config.json (BERT-base with a cross-attention to the image tokens in every
 # layer, 30524 tokens: bert-base-uncased's and BLIP's [DEC] and [ENC])
-BLIP_VIT_L16 = dict(
-    hidden_size=1024,
-    intermediate_size=4096,
-    num_hidden_layers=24,
-    num_attention_heads=16,
-    image_size=224,
-    patch_size=16,
-    hidden_act="gelu",
-    layer_norm_eps=1e-6,
-)
-IMAGEREWARD_TEXT = dict(  # as rewards.imagereward.text_config builds it from med_config.json
-    vocab_size=30524,
-    hidden_size=768,
-    encoder_hidden_size=1024,  # the ViT's width (BLIP_Pretrain sets encoder_width to it)
-    intermediate_size=3072,
-    num_hidden_layers=12,
-    num_attention_heads=12,
-    max_position_embeddings=512,
-    is_decoder=True,  # builds the cross-attention layers
-)
+BLIP_VIT_L16 = published_config("blip_vit_l16")
+# as rewards.imagereward.text_config builds it from med_config.json: encoder_hidden_size is the
+# ViT's width (BLIP_Pretrain sets encoder_width to it), is_decoder builds the cross-attention layers
+IMAGEREWARD_TEXT = published_config("imagereward_text")
 REWARD_HEAD = (768, 1024, 128, 64, 16, 1)  # the MLP of ImageReward and of LAION's aesthetic predictor
-QWEN2_VL_7B = dict(  # Qwen/Qwen2-VL-7B-Instruct (HPSv3's base): 8.29 B
-    text_config=dict(
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
-    ),
-    vision_config=dict(
-        depth=32,
-        embed_dim=1280,
-        mlp_ratio=4,
-        num_heads=16,
-        hidden_size=3584,  # the merger's output: the language model's width
-        patch_size=14,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        in_channels=3,
-        hidden_act="quick_gelu",
-    ),
-    tie_word_embeddings=False,
-)
+# Qwen/Qwen2-VL-7B-Instruct (HPSv3's base): 8.29 B; the vision config's hidden_size is the merger's
+# output, the language model's width
+QWEN2_VL_7B = published_config("qwen2_vl_7b")

@@ -10,7 +10,7 @@ import torch
 
 from .base import ChannelMeanStd, Family
 from .common import SequenceLengthValidation, llm_text_encoder, run_args
-from .published import QWEN2_VL_7B
+from .published import published_config
 from .wan import PUBLISHED_VAE_21
 
 PROMPT_TEMPLATE = (
@@ -135,55 +135,10 @@ QWENIMAGE = QwenImage(
 )
 
 # Qwen/Qwen-Image's configs: the keys that set parameter shapes.
-PUBLISHED_TRANSFORMER = dict(
-    patch_size=2,
-    in_channels=64,
-    out_channels=16,
-    num_layers=60,
-    attention_head_dim=128,
-    num_attention_heads=24,
-    joint_attention_dim=3584,
-    guidance_embeds=False,
-    axes_dims_rope=(16, 56, 56),
-)
+PUBLISHED_TRANSFORMER = published_config("qwenimage/transformer")
 PUBLISHED_VAE = PUBLISHED_VAE_21  # AutoencoderKLQwenImage: Wan 2.1's VAE, its shapes
-PUBLISHED_TEXT_ENCODER = dict(  # Qwen2.5-VL-7B-Instruct: Qwen2-VL-7B's text model, longer mRoPE
-    text_config=dict(
-        QWEN2_VL_7B["text_config"],
-        max_position_embeddings=128000,
-        rope_scaling={"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"},
-    ),
-    vision_config=dict(
-        depth=32,
-        hidden_size=1280,
-        intermediate_size=3420,
-        num_heads=16,
-        out_hidden_size=3584,
-        patch_size=14,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        window_size=112,
-        fullatt_block_indexes=[7, 15, 23, 31],
-        in_channels=3,
-        hidden_act="silu",
-    ),
-    tie_word_embeddings=False,
-)
+# Qwen2.5-VL-7B-Instruct: Qwen2-VL-7B's text model (``published.QWEN2_VL_7B``), longer mRoPE
+PUBLISHED_TEXT_ENCODER = published_config("qwenimage/qwen2_5_vl_7b")
 
 # The published Qwen/Qwen-Image scheduler (dynamic shifting: training's sigmas stay linear).
-QWEN_IMAGE_SCHEDULER = dict(
-    base_image_seq_len=256,
-    base_shift=0.5,
-    invert_sigmas=False,
-    max_image_seq_len=8192,
-    max_shift=0.9,
-    num_train_timesteps=1000,
-    shift=1.0,
-    shift_terminal=0.02,
-    stochastic_sampling=False,
-    time_shift_type="exponential",
-    use_beta_sigmas=False,
-    use_dynamic_shifting=True,
-    use_exponential_sigmas=False,
-    use_karras_sigmas=False,
-)
+QWEN_IMAGE_SCHEDULER = published_config("qwenimage/scheduler")

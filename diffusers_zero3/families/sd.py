@@ -9,7 +9,7 @@ import torch
 
 from .base import Family, TextEncoderSpec
 from .common import run_args
-from .published import CLIP_L, VAE_SD
+from .published import CLIP_L, VAE_SD, published_config
 
 
 class StableDiffusion(Family):
@@ -41,17 +41,7 @@ class StableDiffusion(Family):
         return {}
 
     def published(self):
-        unet = dict(
-            sample_size=64,
-            in_channels=4,
-            out_channels=4,
-            layers_per_block=2,
-            block_out_channels=[320, 640, 1280, 1280],
-            down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
-            up_block_types=["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
-            cross_attention_dim=768,
-            attention_head_dim=8,
-        )
+        unet = published_config("sd/unet")
         components = self.published_parts(unet, CLIP_L, vae=VAE_SD)
         return self.published_as(components, ("runwayml/stable-diffusion-v1-5", "SD 1.5"))
 

@@ -9,7 +9,7 @@ import torch
 
 from .base import Family, TextEncoderSpec
 from .common import SequenceLengthValidation, run_args
-from .published import CLIP_BIGG, CLIP_L, T5_XXL, VAE_16
+from .published import CLIP_BIGG, CLIP_L, T5_XXL, VAE_16, published_config
 
 
 def clip_hidden_and_pooled(encoder, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,19 +47,7 @@ class StableDiffusion3(SequenceLengthValidation, Family):
         )[0]
 
     def published(self):
-        transformer = dict(
-            sample_size=128,
-            patch_size=2,
-            in_channels=16,
-            num_layers=24,
-            attention_head_dim=64,
-            num_attention_heads=24,
-            joint_attention_dim=4096,
-            caption_projection_dim=1536,
-            pooled_projection_dim=2048,
-            out_channels=16,
-            pos_embed_max_size=192,
-        )
+        transformer = published_config("sd3/transformer")
         components = self.published_parts(transformer, CLIP_L, CLIP_BIGG, T5_XXL, vae=VAE_16)
         return self.published_as(
             components, ("stabilityai/stable-diffusion-3-medium-diffusers", "SD3 medium")

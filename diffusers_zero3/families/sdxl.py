@@ -11,7 +11,7 @@ import torch
 
 from .base import TextEncoderSpec
 from .common import run_args
-from .published import CLIP_BIGG, CLIP_L, VAE_SD
+from .published import CLIP_BIGG, CLIP_L, VAE_SD, published_config
 from .sd import StableDiffusion
 
 
@@ -65,22 +65,7 @@ class StableDiffusionXL(StableDiffusion):
         return {"added_cond_kwargs": {"text_embeds": cond["text_embeds"], "time_ids": cond["time_ids"]}}
 
     def published(self):
-        unet = dict(
-            sample_size=128,
-            in_channels=4,
-            out_channels=4,
-            layers_per_block=2,
-            block_out_channels=[320, 640, 1280],
-            down_block_types=["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
-            up_block_types=["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
-            cross_attention_dim=2048,
-            attention_head_dim=[5, 10, 20],
-            transformer_layers_per_block=[1, 2, 10],
-            use_linear_projection=True,
-            addition_embed_type="text_time",
-            addition_time_embed_dim=256,
-            projection_class_embeddings_input_dim=2816,
-        )
+        unet = published_config("sdxl/unet")
         components = self.published_parts(unet, CLIP_L, CLIP_BIGG, vae=VAE_SD)
         return self.published_as(components, ("stabilityai/stable-diffusion-xl-base-1.0", "SDXL base 1.0"))
 

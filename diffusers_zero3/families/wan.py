@@ -27,7 +27,7 @@ from .objectives import (
     table_indices,
     table_points,
 )
-from .published import T5_V11_ENCODER
+from .published import T5_V11_ENCODER, published_config
 
 HIGH, LOW = "transformer", "transformer_2"  # Wan 2.2's high-noise and low-noise experts
 TRAIN_EXPERTS = {"high": (HIGH,), "low": (LOW,), "both": (HIGH, LOW)}  # --train_experts
@@ -35,9 +35,7 @@ MAX_REDRAWS = 10_000  # rejection sampling of an expert's timesteps gives up aft
 
 # diffusers' scripts/convert_wan_to_diffusers.py writes this scheduler into every T2V folder
 # (flow_shift 5.0 for TI2V-5B); the training scheduler takes its shift.
-WAN_SCHEDULER = dict(
-    prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0
-)
+WAN_SCHEDULER = published_config("wan/scheduler")
 
 
 # -------------------------------------------------------------------------------- folders
@@ -559,45 +557,12 @@ WAN22_5B = Wan(name="wan22_5b", title="Wan 2.2 TI2V-5B", expand_timesteps=True, 
 
 # Published configs (scripts/convert_wan_to_diffusers.py in diffusers; google/umt5-xxl): the keys
 # that set parameter shapes.
-_TRANSFORMER = dict(
-    patch_size=[1, 2, 2],
-    attention_head_dim=128,
-    in_channels=16,
-    out_channels=16,
-    text_dim=4096,
-    freq_dim=256,
-    cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads",
-    eps=1e-6,
-    image_dim=None,
-    added_kv_proj_dim=None,
-)
-PUBLISHED_TRANSFORMER_1_3B = dict(_TRANSFORMER, num_attention_heads=12, ffn_dim=8960, num_layers=30)
-PUBLISHED_TRANSFORMER_14B = dict(_TRANSFORMER, num_attention_heads=40, ffn_dim=13824, num_layers=40)
-PUBLISHED_TRANSFORMER_5B = dict(
-    _TRANSFORMER, num_attention_heads=24, ffn_dim=14336, num_layers=30, in_channels=48, out_channels=48
-)
+PUBLISHED_TRANSFORMER_1_3B = published_config("wan/transformer_1_3b")  # Wan2.1-T2V-1.3B
+# Wan2.1-T2V-14B, and each of Wan2.2-T2V-A14B's two experts
+PUBLISHED_TRANSFORMER_14B = published_config("wan/transformer_14b")
+PUBLISHED_TRANSFORMER_5B = published_config("wan/transformer_5b")  # Wan2.2-TI2V-5B
 PUBLISHED_UMT5_XXL = dict(
     T5_V11_ENCODER, vocab_size=256384, d_model=4096, d_ff=10240, num_layers=24, num_heads=64
 )
-PUBLISHED_VAE_21 = dict(
-    base_dim=96,
-    z_dim=16,
-    dim_mult=[1, 2, 4, 4],
-    num_res_blocks=2,
-    attn_scales=[],
-    temperal_downsample=[False, True, True],
-    dropout=0.0,
-)
-PUBLISHED_VAE_22 = dict(
-    PUBLISHED_VAE_21,
-    base_dim=160,
-    decoder_base_dim=256,
-    z_dim=48,
-    is_residual=True,
-    in_channels=12,
-    out_channels=12,
-    patch_size=2,
-    scale_factor_temporal=4,
-    scale_factor_spatial=16,
-)
+PUBLISHED_VAE_21 = published_config("wan/vae_21")  # Wan 2.1's VAE
+PUBLISHED_VAE_22 = published_config("wan/vae_22")  # Wan 2.2's (TI2V-5B's): 16x spatial, 48 channels

@@ -16,7 +16,7 @@ import torch
 
 from .base import Family
 from .common import SequenceLengthValidation, llm_text_encoder, qwen3_chat_prompt, run_args
-from .published import QWEN3_4B, VAE_16
+from .published import QWEN3_4B, VAE_16, published_config
 
 
 class ZImage(SequenceLengthValidation, Family):
@@ -103,22 +103,6 @@ ZIMAGE = ZImage(
 )
 
 # Tongyi-MAI/Z-Image-Turbo's configs (Z-Image base has the same shapes): the keys that set them.
-PUBLISHED_TRANSFORMER = dict(
-    all_patch_size=[2],
-    all_f_patch_size=[1],
-    in_channels=16,
-    dim=3840,
-    n_layers=30,
-    n_refiner_layers=2,
-    n_heads=30,
-    n_kv_heads=30,
-    norm_eps=1e-05,
-    qk_norm=True,
-    cap_feat_dim=2560,
-    rope_theta=256.0,
-    t_scale=1000.0,
-    axes_dims=[32, 48, 48],
-    axes_lens=[1536, 512, 512],
-)
+PUBLISHED_TRANSFORMER = published_config("zimage/transformer")
 # Tongyi-MAI/Z-Image-Turbo's scheduler (the base model's shift is 6.0).
-ZIMAGE_TURBO_SCHEDULER = dict(num_train_timesteps=1000, use_dynamic_shifting=False, shift=3.0)
+ZIMAGE_TURBO_SCHEDULER = published_config("zimage/scheduler_turbo")
