@@ -139,15 +139,19 @@ def test_the_summary_names_only_what_exists(tmp_path, caplog):
 
 @pytest.mark.parametrize("video", [False, True])
 def test_the_trainers_summary_says_videos_for_a_video_family(tmp_path, video):
-    from diffusers_zero3.training.report import run_outputs
+    from types import SimpleNamespace
+
+    from diffusers_zero3.training.report import log_run_outputs
 
     (tmp_path / "validation").mkdir()
     (tmp_path / "logs").mkdir()
-    lines = summary_lines(run_outputs(str(tmp_path), "logs", "none", video))
+    args = SimpleNamespace(output_dir=str(tmp_path), logging_dir="logs", report_to="none")
+    lines = log_run_outputs(("pipeline", str(tmp_path), "WanPipeline.from_pretrained"), args, video)
     samples = "validation videos" if video else "validation images"
-    assert lines == [f"{samples}: {(tmp_path / 'validation').resolve()}"], (
-        lines
-    )  # no train.log yet, no TensorBoard
+    assert lines == [
+        f"pipeline: {tmp_path.resolve()} (WanPipeline.from_pretrained)",
+        f"{samples}: {(tmp_path / 'validation').resolve()}",
+    ], lines  # no train.log yet, no TensorBoard
 
 
 def test_reward_curves_are_named_for_their_reward():

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .builtin import VLMJudge, _check_prompts
-from .images import QwenVLImageConfig, check_images
+from .builtin import VLMJudge
+from .images import QwenVLImageConfig, check_images, check_prompts
 
 # Qwen2-VL's and Qwen2.5-VL's chat template rendered for one user turn [image, image, text] with
 # the generation prompt, as their processors' apply_chat_template gives it.
@@ -99,7 +99,7 @@ class PairwiseVLMJudge(VLMJudge):
             raise ValueError(f"reward '{self.name}' takes pairs of images [B, 2, 3, H, W], got {shape}")
         flat = pairs.flatten(0, 1)
         check_images(flat, self.name)
-        prompts = _check_prompts(self.name, pairs, prompts)
+        prompts = check_prompts(self.name, pairs, prompts, "pair")
         if not len(pairs):
             return torch.zeros(0, 1, device=pairs.device)
         return self.pack_chats(flat, prompts)  # two images a chat
