@@ -86,7 +86,7 @@ def test_no_module_imports_itself_back_at_import_time():
 # Functions of the library with more than MAX_PARAMETERS named parameters (self and cls not
 # counted, nor *args and **kwargs); issue 52 asks for none. A ratchet: lower it as they go.
 MAX_PARAMETERS = 8
-MOST_LONG_SIGNATURES = 1
+MOST_LONG_SIGNATURES = 0
 
 
 def long_signatures(package=PACKAGE, limit: int = MAX_PARAMETERS) -> list[str]:

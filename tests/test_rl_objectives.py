@@ -192,22 +192,19 @@ def test_sde_step_samples_and_differentiates_like_flow_grpo():
 @pytest.mark.unit
 def test_sde_step_first_step_uses_the_second_sigma():
     """flow_grpo ``sd3_sde_with_logprob.py``: ``torch.where(sigma == 1, sigma_max, sigma)`` with
-    ``sigma_max = self.sigmas[1]``. Our default (``sigma_next``) is that value at the first step;
-    the control: without a substitute (``sigma_max=1``) ``std_dev_t`` is infinite there."""
+    ``sigma_max = self.sigmas[1]``. Ours puts ``sigma_next`` there, that value at the first step;
+    the control: the reference without a substitute (``sigma_max=1``) has an infinite
+    ``std_dev_t`` there, so a step that did not substitute could not match it."""
     sigmas = _schedule()
+    assert sigmas[0] == 1  # the step under test is the one that divides by 1 - sigma
     v, x = _randn(1, 4, 4, 4, seed=8), _randn(1, 4, 4, 4, seed=9)
-    default = sde_step_with_logprob(v, sigmas[0], sigmas[1], x, noise_level=0.7, prev_sample=x)
-    explicit = sde_step_with_logprob(
-        v, sigmas[0], sigmas[1], x, noise_level=0.7, prev_sample=x, sigma_max=sigmas[1]
-    )
-    for a, b in zip(default, explicit):
-        assert torch.equal(a, b)
-    ref_std = _flow_grpo_sde_reference(v, x, sigmas[:1], sigmas[1:2], sigmas[1], 0.7, x)[2]
-    assert_close(default[3], ref_std.float())
-    unguarded = sde_step_with_logprob(
-        v, sigmas[0], sigmas[1], x, noise_level=0.7, prev_sample=x, sigma_max=1.0
-    )
-    assert torch.isinf(unguarded[3]).all()
+    ours = sde_step_with_logprob(v, sigmas[0], sigmas[1], x, noise_level=0.7, prev_sample=x)
+    reference = _flow_grpo_sde_reference(v, x, sigmas[:1], sigmas[1:2], sigmas[1], 0.7, x)
+    assert torch.isfinite(ours[3]).all()
+    assert_close(ours[3], reference[2].float())
+    assert_close(ours[1], reference[1].float(), rtol=1e-5, atol=1e-5)
+    unguarded = _flow_grpo_sde_reference(v, x, sigmas[:1], sigmas[1:2], 1.0, 0.7, x)
+    assert torch.isinf(unguarded[2]).all()
 
 
 @pytest.mark.unit

@@ -25,7 +25,9 @@ samplers are the Euler step.
 
 The reference's scheduler sigmas start at exactly 1 (``sigma / (1 - sigma)`` would divide by
 zero), so where ``sigma == 1`` it puts ``sigmas[1]`` in the denominator: the *second* sigma of
-the schedule, which it calls ``sigma_max``. The last step (``sigma_next == 0``) needs nothing
+the schedule, which it calls ``sigma_max``. The step here puts ``sigma_next`` there, which is
+that value wherever sigma is 1 at a schedule's first step (every ``FlowMatchEulerDiscreteScheduler``
+schedule, and the Wan schedule a GRPO round samples at). The last step (``sigma_next == 0``) needs nothing
 special: ``dt = -sigma``.
 """
 
@@ -100,7 +102,6 @@ def sde_step_with_logprob(
     noise_level: float,
     noise: torch.Tensor | torch.Generator | list[torch.Generator] | None = None,
     prev_sample: torch.Tensor | None = None,
-    sigma_max: float | torch.Tensor | None = None,
     sampler: str = "sde",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One SDE step from ``sigma`` to ``sigma_next`` and the log-probability of its result, as
@@ -135,10 +136,6 @@ def sde_step_with_logprob(
         sampler: ``"sde"`` (Flow-GRPO's) or ``"cps"`` (coefficients-preserving; see the module
             docstring). With ``"cps"`` the returned ``std_dev_t`` is the step's own standard
             deviation and ``log_prob`` is the reference's ``-mean((prev - mean)**2)``.
-        sigma_max: What stands in for ``sigma`` in ``1 - sigma`` where ``sigma == 1``. The
-            reference uses its schedule's second sigma (``scheduler.sigmas[1]``). The default,
-            ``sigma_next``, is that value wherever sigma is 1 at the schedule's first step, as in
-            every ``FlowMatchEulerDiscreteScheduler`` schedule.
 
     Returns:
         ``(prev_sample, log_prob, prev_sample_mean, std_dev_t)``: the next latents, ``[B]``
@@ -157,7 +154,6 @@ def sde_step_with_logprob(
     sample = sample.to(dtype)
     sigma = per_sample(sigma, sample, dtype)
     sigma_next = per_sample(sigma_next, sample, dtype)
-    substitute = sigma_next if sigma_max is None else per_sample(sigma_max, sample, dtype)
 
     if sampler == "cps":
         std_dev_t = sigma_next * math.sin(noise_level * math.pi / 2)
@@ -167,7 +163,7 @@ def sde_step_with_logprob(
         step_std = std_dev_t  # the step's own standard deviation
     elif sampler == "sde":
         dt = sigma_next - sigma  # negative: sigma decreases towards the data
-        std_dev_t = torch.sqrt(sigma / (1 - torch.where(sigma == 1, substitute, sigma))) * noise_level
+        std_dev_t = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_next, sigma))) * noise_level
         drift_gain = std_dev_t**2 / (2 * sigma)
         prev_sample_mean = sample * (1 + drift_gain * dt) + model_output * (1 + drift_gain * (1 - sigma)) * dt
         step_std = std_dev_t * torch.sqrt(-dt)  # the step's own standard deviation
