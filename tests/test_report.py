@@ -141,7 +141,7 @@ def test_the_summary_names_only_what_exists(tmp_path, caplog):
 def test_the_trainers_summary_says_videos_for_a_video_family(tmp_path, video):
     from types import SimpleNamespace
 
-    from diffusers_zero3.training.report import log_run_outputs
+    from diffusers_zero3.training.report import log_run_outputs, run_logs
 
     (tmp_path / "validation").mkdir()
     (tmp_path / "logs").mkdir()
@@ -152,6 +152,12 @@ def test_the_trainers_summary_says_videos_for_a_video_family(tmp_path, video):
         f"pipeline: {tmp_path.resolve()} (WanPipeline.from_pretrained)",
         f"{samples}: {(tmp_path / 'validation').resolve()}",
     ], lines  # no train.log yet, no TensorBoard
+    (tmp_path / "logs" / "train.log").write_text("step 1 loss 0.5\n")
+    args.report_to = "tensorboard"
+    assert summary_lines(run_logs(args)) == [
+        f"step log: {(tmp_path / 'logs' / 'train.log').resolve()}",
+        f"TensorBoard logs: {(tmp_path / 'logs').resolve()}",
+    ]
 
 
 def test_reward_curves_are_named_for_their_reward():

@@ -140,7 +140,7 @@ from ..training.parts import (
     set_micro_batch_size,
     step_part,
 )
-from ..training.report import StepOutput, log_outputs, step_log_path
+from ..training.report import StepOutput, log_outputs, run_logs
 from ..training.schedule import first_last_means
 from .text_to_image_settings import TextToImageSettings
 
@@ -1773,8 +1773,7 @@ class GRPOTrainer:
                 ("evaluation curve", out / "eval.png" if self.evaluations["round"] else None),
                 *((f"{name} curve", file) for name, file in curves.items()),
                 ("sample grids", out / "samples", "round-N.png, each sample's prompt and reward in round-N.json"),
-                ("step log", step_log_path(out, args.logging_dir)),
-                ("TensorBoard logs", out / args.logging_dir if args.report_to in ("tensorboard", "all") else None),
+                *run_logs(args),
             ])  # fmt: skip
         finish_trackers(self.accelerator)
 

@@ -58,7 +58,7 @@ from ..training.job import (
     load_trainable_denoiser,
 )
 from ..training.parts import adamw, prepare_first_part, set_micro_batch_size, step_part
-from ..training.report import StepOutput, log_outputs, step_log_path
+from ..training.report import StepOutput, log_outputs, run_logs, step_log_path
 from ..training.schedule import first_last_means
 
 
@@ -370,7 +370,6 @@ class RewardTrainer:
                 ("pipeline", out, "StableDiffusionPipeline.from_pretrained"),
                 ("rewards", out / "rewards.json", "the mean per step, per rank and per reward"),
                 ("reward curve", out / "rewards.png"),
-                ("step log", step_log_path(out, args.logging_dir)),
-                ("TensorBoard logs", out / args.logging_dir if args.report_to in ("tensorboard", "all") else None),
+                *run_logs(args),
             ])  # fmt: skip
         finish_trackers(self.accelerator)

@@ -277,21 +277,21 @@ def write_validation(
     return path
 
 
+def run_logs(args: Any) -> list[Output]:
+    """The summary's lines for a run's logs under ``args.output_dir`` (a trainer's settings:
+    ``output_dir``, ``logging_dir``, ``report_to``): the step lines (``train.log``) and, when
+    reported to, TensorBoard's logs."""
+    logs = os.path.join(args.output_dir, args.logging_dir)
+    return [
+        ("step log", step_log_path(args.output_dir, args.logging_dir)),
+        ("TensorBoard logs", logs if args.report_to in ("tensorboard", "all") else None),
+    ]
+
+
 def log_run_outputs(weights: Output, args: Any, video: bool) -> list[str]:
     """Log the end-of-run summary: ``weights`` (what was trained, where, how to load it), then
-    the run's other outputs under ``args.output_dir`` (a trainer's settings: ``output_dir``,
-    ``logging_dir``, ``report_to``): the validation samples (videos for a ``video`` family), the
-    step lines (``train.log``) and TensorBoard's logs; ``log_outputs`` leaves out what does not
-    exist. Not a collective."""
-    logs = os.path.join(args.output_dir, args.logging_dir)
-    return log_outputs(
-        [
-            weights,
-            (
-                "validation videos" if video else "validation images",
-                os.path.join(args.output_dir, "validation"),
-            ),
-            ("step log", step_log_path(args.output_dir, args.logging_dir)),
-            ("TensorBoard logs", logs if args.report_to in ("tensorboard", "all") else None),
-        ]
-    )
+    the validation samples under ``args.output_dir`` (videos for a ``video`` family) and the
+    run's logs (``run_logs``); ``log_outputs`` leaves out what does not exist. Not a
+    collective."""
+    samples = "validation videos" if video else "validation images"
+    return log_outputs([weights, (samples, os.path.join(args.output_dir, "validation")), *run_logs(args)])
