@@ -310,6 +310,13 @@ def place_frozen_models(
     )
 
 
+def component_folder(source: str | os.PathLike, component_sources: dict, name: str) -> Path:
+    """The folder that holds component ``name``: the one ``--component NAME=PATH`` gave
+    (``component_sources``, from ``resolve_component_sources``), else ``source/name``. Its
+    ``parent`` and ``name`` are a ``from_pretrained``'s folder and ``subfolder``."""
+    return Path(component_sources.get(name, Path(source) / name))
+
+
 def resolve_component_sources(
     family: Family,
     source: str | os.PathLike,

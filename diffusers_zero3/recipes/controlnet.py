@@ -22,6 +22,7 @@ from ..args import ENGINE_PLACEMENT_CHOICES, flag, placement_flag, redefault
 from ..data.images import DataError, transform_image
 from ..errors import ArgumentError
 from ..placement.frozen import load_frozen_component
+from ..placement.frozen_inputs import component_folder
 from ..runtime.distributed import is_main_process, log_rank_zero
 from ..training.data import TrainingData
 from ..training.report import log_run_outputs, log_validation_images
@@ -236,7 +237,7 @@ class ControlNetTrainer(TextToImageTrainer):
                 with zero3_init_disabled():
                     model = ControlNetModel.from_pretrained(folder)
         else:
-            unet_folder = self.component_sources.get("unet", Path(self.source) / "unet")
+            unet_folder = component_folder(self.source, self.component_sources, "unet")
             model = new_controlnet_from_unet(
                 self.accelerator, unet_folder, self._conditioning_channels(), seed=args.seed or 0
             )
@@ -250,10 +251,9 @@ class ControlNetTrainer(TextToImageTrainer):
         model.requires_grad_(True)
         if args.gradient_checkpointing:
             model.enable_gradient_checkpointing()
-        folder = self.component_sources.get("unet")
-        parent, sub = (folder.parent, folder.name) if folder is not None else (self.source, "unet")
+        folder = component_folder(self.source, self.component_sources, "unet")
         self.unet = load_frozen_component(
-            self.accelerator, parent, sub, self.args.unet_placement, self.family.denoiser_cls(), self.args.variant,
+            self.accelerator, folder.parent, folder.name, self.args.unet_placement, self.family.denoiser_cls(), self.args.variant,
             label="unet",
         )  # fmt: skip
         log_rank_zero(self.unet.describe())
@@ -271,10 +271,7 @@ class ControlNetTrainer(TextToImageTrainer):
     def _conditioning_channels(self) -> tuple[int, ...]:
         """The conditioning embedding's channels: one stage per factor 2 of the VAE's
         downsampling, as diffusers' (16, 32, 96, 256) for SD's 8x."""
-        vae_config = self.family.component_class("vae").load_config(
-            self.component_sources.get("vae", Path(self.source) / "vae")
-        )
-        return (16, 32, 96, 256)[: len(vae_config["block_out_channels"])]
+        return (16, 32, 96, 256)[: len(self.job.vae_config()["block_out_channels"])]
 
     def load_data(self) -> TrainingData:
         """The image-caption rows, each with its ``--conditioning_image_column`` image. Every

@@ -22,6 +22,7 @@ import torch
 from ..args import check_positive, flag, redefault
 from ..data.images import DataError, collate
 from ..errors import ArgumentError
+from ..placement.frozen_inputs import component_folder
 from ..runtime.distributed import barrier, get_rank, get_world_size, log_rank_zero
 from ..runtime.lockstep import lockstep_map
 from ..training.data import TrainingData
@@ -342,8 +343,8 @@ class DreamBoothTrainer(TextToImageTrainer):
         from ..training.lora import add_lora_adapters
 
         cls = self.family.component_class(name)
-        folder = self.component_sources.get(name)
-        parent, sub = (folder.parent, folder.name) if folder is not None else (self.source, name)
+        folder = component_folder(self.source, self.component_sources, name)
+        parent, sub = folder.parent, folder.name
         if is_zero3_enabled():
             model = load_pretrained_zero3(
                 cls, parent, sub, accelerator=self.accelerator, variant=self.args.variant
@@ -423,14 +424,9 @@ class DreamBoothTrainer(TextToImageTrainer):
         # A frozen copy of the denoiser (the trained one gets its engine later), sharded under
         # ZeRO-3 like every other model of the pipeline, freed after.
         placement = "shard" if self._zero3 else "replicate"
-        folder_of = self.component_sources.get(self.family.denoiser)
-        parent, sub = (
-            (folder_of.parent, folder_of.name)
-            if folder_of is not None
-            else (self.source, self.family.denoiser)
-        )
+        denoiser_folder = component_folder(self.source, self.component_sources, self.family.denoiser)
         denoiser = load_frozen_component(
-            self.accelerator, parent, sub, placement, self.family.denoiser_cls(), args.variant,
+            self.accelerator, denoiser_folder.parent, denoiser_folder.name, placement, self.family.denoiser_cls(), args.variant,
             label=self.family.denoiser,
         )  # fmt: skip
         frozen = place_frozen_models(

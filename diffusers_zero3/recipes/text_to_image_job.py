@@ -19,7 +19,7 @@ from ..data.loading import LoaderSettings, cpus_per_local_process, loader_settin
 from ..data.pairs import gives_edit_pairs
 from ..families import detect_family
 from ..families.base import Family
-from ..placement.frozen_inputs import resolve_component_sources
+from ..placement.frozen_inputs import component_folder, resolve_component_sources
 from ..placement.plan import (
     PlanOptions,
     check_pair_placements,
@@ -69,7 +69,7 @@ class TextToImageJob:
 
 def vae_config(family: Family, source: str, component_sources: dict[str, Path]) -> dict:
     """The VAE's config of a pipeline folder, or of the folder ``--component vae=PATH`` gives."""
-    return family.component_class("vae").load_config(component_sources.get("vae", Path(source) / "vae"))
+    return family.component_class("vae").load_config(component_folder(source, component_sources, "vae"))
 
 
 def resolve_job(args: TextToImageSettings, trainer: type) -> TextToImageJob:
@@ -99,7 +99,7 @@ def resolve_job(args: TextToImageSettings, trainer: type) -> TextToImageJob:
     sources = resolve_component_sources(
         family, source, component_overrides(args), args.revision, args.cache_dir
     )
-    check_resolution(args.resolution, family, sources.get("vae", Path(source) / "vae"))
+    check_resolution(args.resolution, family, component_folder(source, sources, "vae"))
     if family.video:
         check_video_flags(args, family, vae_config(family, source, sources), trained_folders)
     check_data_flags(args, family, trainer.image_caption_rows, trainer.__name__)

@@ -24,7 +24,6 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +55,7 @@ from ..data.streaming import (
     streamed_loader,
 )
 from ..errors import ArgumentError, DataError
+from ..placement.frozen_inputs import component_folder
 from ..runtime.distributed import log_rank_zero
 from ..state.pretrained import CheckpointError
 from .schedule import batches_to_skip, epochs_to_run, resume_position
@@ -359,7 +359,7 @@ def audio_of_clips(family, source: str | os.PathLike, component_sources: dict) -
     VAE's rate, channels and mel bins), else nothing."""
     if not family.sound:
         return {}
-    folder = component_sources.get("audio_vae", Path(source) / "audio_vae")
+    folder = component_folder(source, component_sources, "audio_vae")
     config = family.component_class("audio_vae").load_config(folder)
     log_rank_zero(f"audio: each clip's sound at {config['sample_rate']} Hz, {config['mel_bins']} mel bins")
     return {"audio": family.audio_spec(config)}

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
 from ..errors import ArgumentError
+from ..placement.frozen_inputs import component_folder
 from ..runtime.context_parallel import ContextParallel, enable_context_parallel, set_attention_backend
 from ..runtime.distributed import log_rank_zero
 from ..runtime.ds_config import fill_auto_bucket_sizes, weight_dtype
@@ -32,7 +32,7 @@ def load_trained_denoisers(accelerator, family, source, folders, component_sourc
     adapters), gradient checkpointing and xformers as the flags say."""
     models = [
         load_trainable_denoiser(
-            accelerator, source, family, args.variant, component_sources.get(name, Path(source) / name)
+            accelerator, source, family, args.variant, component_folder(source, component_sources, name)
         )
         for name in folders
     ]
@@ -111,9 +111,9 @@ def pipeline_denoisers(
     reloaded = []
     for name in names:
         if name not in have:
-            folder = component_sources.get(name, Path(source) / name)
+            folder = component_folder(source, component_sources, name)
             frozen = load_frozen_component(
-                accelerator, Path(folder).parent, Path(folder).name, "cache", family.denoiser_cls(),
+                accelerator, folder.parent, folder.name, "cache", family.denoiser_cls(),
                 args.variant, dtype=dtype, label=name,
             )  # fmt: skip
             have[name] = frozen.module
